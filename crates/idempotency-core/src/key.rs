@@ -1,0 +1,509 @@
+//! Idempotency keys and scopes.
+//!
+//! A [`Key`] names one logical operation ("charge order 12345"); a [`Scope`] names whose key it
+//! is (a tenant, an authenticated principal, a consumer). Every record is addressed by the pair,
+//! so one tenant can never replay another tenant's response by guessing its key.
+//!
+//! # Choosing a key
+//!
+//! Three strategies produce good keys:
+//!
+//! * **Producer-supplied id** — the client generates a fresh id once per logical operation and
+//!   reuses it on every retry: [`Key::generate`] makes a UUIDv7 (time-ordered, so indexes stay
+//!   compact).
+//! * **Content hash** — when the payload *is* the identity of the operation (a webhook body, an
+//!   imported row): [`Key::content_hash`] hashes the RFC 8785 canonical form of a JSON document,
+//!   so key order and whitespace do not matter.
+//! * **Business composite** — when the operation is identified by business ids:
+//!   [`Key::composite`] joins parts with `:` and escapes separators, so `("a:b", "c")` and
+//!   `("a", "b:c")` give different keys.
+//!
+//! Never use a broker's delivery tag, a redelivery counter or any id the transport assigns per
+//! *delivery*: a redelivered message gets a new one, so the duplicate would look new and run
+//! again — exactly the case the key exists to catch.
+
+use std::fmt;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// The longest key or scope accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Why a key or a scope was rejected.
+///
+/// Positions are byte offsets into the rejected input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is empty.
+    #[error("idempotency key is empty")]
+    Empty,
+    /// The input is longer than [`MAX_KEY_LEN`] bytes.
+    #[error("idempotency key is {len} bytes long; at most {max} bytes are allowed", max = MAX_KEY_LEN)]
+    TooLong {
+        /// Length of the rejected input in bytes.
+        len: usize,
+    },
+    /// The input contains a control character (0x00–0x1F or 0x7F).
+    #[error("idempotency key contains a control character (0x{byte:02X}) at byte {position}")]
+    ControlCharacter {
+        /// Byte offset of the offending character.
+        position: usize,
+        /// The offending byte.
+        byte: u8,
+    },
+    /// The input contains a space; keys are visible ASCII only.
+    #[error("idempotency key contains a space at byte {position}; only visible ASCII (0x21-0x7E) is allowed")]
+    Whitespace {
+        /// Byte offset of the space.
+        position: usize,
+    },
+    /// The input contains a byte outside ASCII (for example UTF-8 text).
+    #[error(
+        "idempotency key contains a non-ASCII byte (0x{byte:02X}) at byte {position}; only visible ASCII (0x21-0x7E) is allowed"
+    )]
+    NonAscii {
+        /// Byte offset of the first non-ASCII byte.
+        position: usize,
+        /// The offending byte.
+        byte: u8,
+    },
+    /// [`Key::content_hash`] was given something that is not a JSON document.
+    #[error("content to hash is not valid JSON: {0}")]
+    InvalidJson(String),
+}
+
+/// Checks the characters shared by keys and scopes: visible ASCII only.
+fn check_visible_ascii(bytes: &[u8]) -> Result<(), KeyError> {
+    if bytes.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong { len: bytes.len() });
+    }
+    for (position, &byte) in bytes.iter().enumerate() {
+        match byte {
+            0x21..=0x7E => {}
+            b' ' => return Err(KeyError::Whitespace { position }),
+            0x00..=0x1F | 0x7F => return Err(KeyError::ControlCharacter { position, byte }),
+            _ => return Err(KeyError::NonAscii { position, byte }),
+        }
+    }
+    Ok(())
+}
+
+/// A validated idempotency key: 1 to 255 bytes of visible ASCII (0x21–0x7E).
+///
+/// Cloning is cheap (the text is shared).
+///
+/// ```
+/// use idempotency_core::{Key, KeyError};
+///
+/// let key = Key::new("order-12345-payment")?;
+/// assert_eq!(key.as_str(), "order-12345-payment");
+///
+/// assert_eq!(Key::new(""), Err(KeyError::Empty));
+/// assert!(matches!(Key::new("caf\u{e9}"), Err(KeyError::NonAscii { position: 3, .. })));
+/// # Ok::<(), KeyError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(Arc<str>);
+
+impl Key {
+    /// Validates `key` and wraps it.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::Empty`], [`KeyError::TooLong`], or the first character that is not visible
+    /// ASCII.
+    pub fn new(key: impl AsRef<str>) -> Result<Self, KeyError> {
+        let key = key.as_ref();
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        check_visible_ascii(key.as_bytes())?;
+        Ok(Self(Arc::from(key)))
+    }
+
+    /// Validates raw bytes (as they arrive in an HTTP or message header) and wraps them.
+    ///
+    /// # Errors
+    ///
+    /// As [`Key::new`]; bytes that are not UTF-8 are reported as [`KeyError::NonAscii`].
+    pub fn from_bytes(key: &[u8]) -> Result<Self, KeyError> {
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        check_visible_ascii(key)?;
+        // Visible ASCII is valid UTF-8.
+        let text = std::str::from_utf8(key).map_err(|e| KeyError::NonAscii {
+            position: e.valid_up_to(),
+            byte: key[e.valid_up_to()],
+        })?;
+        Ok(Self(Arc::from(text)))
+    }
+
+    /// A fresh producer-side key: a UUIDv7 in its hyphenated form.
+    ///
+    /// Generate it once per logical operation and reuse it on every retry of that operation.
+    #[must_use]
+    pub fn generate() -> Self {
+        Self(Arc::from(uuid::Uuid::now_v7().hyphenated().to_string()))
+    }
+
+    /// A key derived from a JSON document's content: `sha256:` followed by the hex SHA-256 of
+    /// its RFC 8785 canonical form, so that member order and whitespace do not change the key.
+    ///
+    /// ```
+    /// use idempotency_core::Key;
+    ///
+    /// let a = Key::content_hash(br#"{"amount": 100, "currency": "EUR"}"#)?;
+    /// let b = Key::content_hash(br#"{"currency":"EUR","amount":100}"#)?;
+    /// assert_eq!(a, b);
+    /// # Ok::<(), idempotency_core::KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::InvalidJson`] when `json` is not a JSON document.
+    pub fn content_hash(json: &[u8]) -> Result<Self, KeyError> {
+        let canonical =
+            crate::fingerprint::canonical_json(json).map_err(|e| KeyError::InvalidJson(e.to_string()))?;
+        let digest = Sha256::digest(&canonical);
+        let mut text = String::with_capacity(7 + 64);
+        text.push_str("sha256:");
+        push_hex(&mut text, &digest);
+        Ok(Self(Arc::from(text)))
+    }
+
+    /// A business composite key: the parts joined with `:`.
+    ///
+    /// Each part is percent-escaped (`%`, `:` and every byte that is not visible ASCII), so the
+    /// encoding is unambiguous: `("a:b", "c")` and `("a", "b:c")` give different keys.
+    ///
+    /// ```
+    /// use idempotency_core::Key;
+    ///
+    /// let key = Key::composite(["order", "12345", "payment", "v3"])?;
+    /// assert_eq!(key.as_str(), "order:12345:payment:v3");
+    /// assert_ne!(Key::composite(["a:b", "c"])?, Key::composite(["a", "b:c"])?);
+    /// assert_eq!(Key::composite(["caf\u{e9} 1"])?.as_str(), "caf%C3%A9%201");
+    /// # Ok::<(), idempotency_core::KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::Empty`] when there are no parts or all are empty, [`KeyError::TooLong`] when
+    /// the escaped result exceeds 255 bytes.
+    pub fn composite<I, P>(parts: I) -> Result<Self, KeyError>
+    where
+        I: IntoIterator<Item = P>,
+        P: AsRef<str>,
+    {
+        let mut text = String::new();
+        for (index, part) in parts.into_iter().enumerate() {
+            if index > 0 {
+                text.push(':');
+            }
+            for &byte in part.as_ref().as_bytes() {
+                match byte {
+                    b'%' | b':' => push_percent(&mut text, byte),
+                    0x21..=0x7E => text.push(char::from(byte)),
+                    _ => push_percent(&mut text, byte),
+                }
+            }
+        }
+        if text.bytes().all(|b| b == b':') {
+            return Err(KeyError::Empty);
+        }
+        Self::new(text)
+    }
+
+    /// The key as text.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// A form of the key that is safe and short enough for logs: keys longer than 16 bytes are
+    /// truncated, with their length appended.
+    #[must_use]
+    pub fn redacted(&self) -> Redacted<'_> {
+        Redacted(&self.0)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Key").field(&&*self.0).finish()
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for Key {
+    type Err = KeyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+impl AsRef<str> for Key {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A key or scope shortened for log lines; see [`Key::redacted`].
+#[derive(Debug, Clone, Copy)]
+pub struct Redacted<'a>(&'a str);
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 16;
+        if self.0.len() <= SHOWN {
+            f.write_str(self.0)
+        } else {
+            // Keys are ASCII, so any byte index is a char boundary.
+            write!(f, "{}…({} bytes)", &self.0[..SHOWN], self.0.len())
+        }
+    }
+}
+
+/// The namespace a key lives in: a tenant, an authenticated principal, a consumer name, a
+/// route group.
+///
+/// A scope is 0 to 255 bytes of visible ASCII; the empty scope ([`Scope::global`]) is the
+/// namespace of callers that have no principal. When the natural scope is a secret (a bearer
+/// token, an API key), use [`Scope::digest`] so the secret is never stored.
+///
+/// ```
+/// use idempotency_core::Scope;
+///
+/// let tenant = Scope::new("tenant-42")?;
+/// let principal = Scope::digest(b"Bearer s3cr3t");
+/// assert_eq!(principal.as_str().len(), 64);
+/// assert!(Scope::new("two words").is_err());
+/// # Ok::<(), idempotency_core::KeyError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(Arc<str>);
+
+impl Scope {
+    /// Validates `scope` and wraps it.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::TooLong`] or the first character that is not visible ASCII.
+    pub fn new(scope: impl AsRef<str>) -> Result<Self, KeyError> {
+        let scope = scope.as_ref();
+        check_visible_ascii(scope.as_bytes())?;
+        Ok(Self(Arc::from(scope)))
+    }
+
+    /// The empty scope, shared by callers without a principal.
+    #[must_use]
+    pub fn global() -> Self {
+        Self(Arc::from(""))
+    }
+
+    /// A scope made from a secret or from arbitrary bytes: the lowercase hex SHA-256 of `value`.
+    ///
+    /// Two different values give two different scopes, and the value itself is never stored.
+    #[must_use]
+    pub fn digest(value: &[u8]) -> Self {
+        let digest = Sha256::digest(value);
+        let mut text = String::with_capacity(64);
+        push_hex(&mut text, &digest);
+        Self(Arc::from(text))
+    }
+
+    /// The scope as text (empty for [`Scope::global`]).
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// A form of the scope that is short enough for logs.
+    #[must_use]
+    pub fn redacted(&self) -> Redacted<'_> {
+        Redacted(&self.0)
+    }
+}
+
+impl Default for Scope {
+    fn default() -> Self {
+        Self::global()
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Scope").field(&&*self.0).finish()
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for Scope {
+    type Err = KeyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for &byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0x0F)]));
+    }
+}
+
+fn push_percent(out: &mut String, byte: u8) {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    out.push('%');
+    out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+    out.push(char::from(DIGITS[usize::from(byte & 0x0F)]));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_visible_ascii_from_one_to_255_bytes() {
+        assert!(Key::new("a").is_ok());
+        assert!(Key::new("~!\"#$%&'()*+,-./0123456789:;<=>?@[\\]^_`{|}").is_ok());
+        assert!(Key::new("x".repeat(255)).is_ok());
+    }
+
+    #[test]
+    fn rejects_empty_key() {
+        assert_eq!(Key::new(""), Err(KeyError::Empty));
+        assert_eq!(Key::from_bytes(b""), Err(KeyError::Empty));
+    }
+
+    #[test]
+    fn rejects_256_byte_key() {
+        assert_eq!(Key::new("x".repeat(256)), Err(KeyError::TooLong { len: 256 }));
+        let err = Key::new("x".repeat(256)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "idempotency key is 256 bytes long; at most 255 bytes are allowed"
+        );
+    }
+
+    #[test]
+    fn rejects_control_characters() {
+        for (input, position, byte) in [
+            ("a\tb", 1, 0x09),
+            ("\0", 0, 0x00),
+            ("ab\x7f", 2, 0x7F),
+            ("a\nb", 1, 0x0A),
+        ] {
+            assert_eq!(
+                Key::new(input),
+                Err(KeyError::ControlCharacter { position, byte }),
+                "{input:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn rejects_spaces() {
+        assert_eq!(Key::new("a b"), Err(KeyError::Whitespace { position: 1 }));
+    }
+
+    #[test]
+    fn rejects_non_ascii() {
+        assert_eq!(
+            Key::new("café"),
+            Err(KeyError::NonAscii {
+                position: 3,
+                byte: 0xC3
+            })
+        );
+        assert_eq!(
+            Key::from_bytes(&[b'a', 0xFF]),
+            Err(KeyError::NonAscii {
+                position: 1,
+                byte: 0xFF
+            })
+        );
+        assert!(Key::new("café").unwrap_err().to_string().contains("non-ASCII"));
+    }
+
+    #[test]
+    fn generated_keys_are_uuid_v7_and_unique() {
+        let a = Key::generate();
+        let b = Key::generate();
+        assert_ne!(a, b);
+        assert_eq!(a.as_str().len(), 36);
+        assert_eq!(a.as_str().as_bytes()[14], b'7', "version nibble: {a}");
+    }
+
+    #[test]
+    fn content_hash_ignores_member_order_and_whitespace() {
+        let a = Key::content_hash(br#"{"b": [1, 2.0, "x"], "a": {"y": 1, "x": 2}}"#).unwrap();
+        let b = Key::content_hash(br#"{"a":{"x":2,"y":1},"b":[1,2,"x"]}"#).unwrap();
+        assert_eq!(a, b);
+        assert!(a.as_str().starts_with("sha256:"));
+        assert_eq!(a.as_str().len(), 7 + 64);
+        let c = Key::content_hash(br#"{"a":{"x":2,"y":1},"b":[1,2,"y"]}"#).unwrap();
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn content_hash_rejects_invalid_json() {
+        assert!(matches!(
+            Key::content_hash(b"{not json"),
+            Err(KeyError::InvalidJson(_))
+        ));
+    }
+
+    #[test]
+    fn composite_keys_escape_separators() {
+        assert_eq!(Key::composite(["a:b", "c"]).unwrap().as_str(), "a%3Ab:c");
+        assert_eq!(Key::composite(["a", "b:c"]).unwrap().as_str(), "a:b%3Ac");
+        assert_eq!(Key::composite(["100%", "x"]).unwrap().as_str(), "100%25:x");
+        assert_eq!(Key::composite(["a", ""]).unwrap().as_str(), "a:");
+        assert_eq!(Key::composite(Vec::<&str>::new()), Err(KeyError::Empty));
+        assert_eq!(Key::composite(["", ""]), Err(KeyError::Empty));
+        assert!(matches!(
+            Key::composite(["x".repeat(300)]),
+            Err(KeyError::TooLong { len: 300 })
+        ));
+    }
+
+    #[test]
+    fn scopes_allow_empty_and_reject_invisible_bytes() {
+        assert_eq!(Scope::new("").unwrap(), Scope::global());
+        assert!(Scope::new("tenant-1").is_ok());
+        assert_eq!(Scope::new("a b"), Err(KeyError::Whitespace { position: 1 }));
+        assert!(matches!(
+            Scope::new("x".repeat(256)),
+            Err(KeyError::TooLong { .. })
+        ));
+        assert_ne!(Scope::digest(b"alice"), Scope::digest(b"bob"));
+        assert!(Scope::new(Scope::digest(b"alice").as_str()).is_ok());
+    }
+
+    #[test]
+    fn redacted_form_truncates_long_keys() {
+        let key = Key::new("x".repeat(40)).unwrap();
+        assert_eq!(
+            key.redacted().to_string(),
+            format!("{}…(40 bytes)", "x".repeat(16))
+        );
+        assert_eq!(Key::new("short").unwrap().redacted().to_string(), "short");
+    }
+}

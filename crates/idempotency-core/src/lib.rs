@@ -1,0 +1,41 @@
+//! The storage-neutral core of the idempotency toolkit: keys, fingerprints, the record state
+//! machine with leases and fencing tokens, the [`Store`] contract, the in-memory reference store
+//! and the [`Guard`] that runs an operation under the protocol.
+//!
+//! This crate does no I/O of its own. Stores live in their own crates (`idempotency-sqlite`, …),
+//! edges (the HTTP layer, message consumers) drive the [`Guard`].
+//!
+//! # The protocol in one picture
+//!
+//! ```text
+//!            begin(scope, key, fingerprint, token, lease)
+//!   none ───────────────────────────────────────────────▶ InFlight { token, lease_until }
+//!                                                             │ extend (heartbeat)  │ lease expired +
+//!                         complete(token, outcome) ◀──────────┤                     │ begin by another
+//!   Completed { outcome } ◀────────────────────────────────────┘                     ▼
+//!        │  begin → Replay                           release(token) → none   takeover: new token,
+//!        ▼  (until retention expires)                                        attempt + 1, recovered
+//! ```
+//!
+//! See [`machine`] for the full transition table, and [`guard`] for how an operation is run.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod fingerprint;
+pub mod guard;
+pub mod key;
+pub mod machine;
+mod memory;
+mod record;
+mod store;
+mod time;
+
+pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
+pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
+pub use key::{Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
+pub use memory::MemoryStore;
+pub use record::{
+    BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,
+    ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
+};
+pub use store::{ErrorKind, Store, StoreAdmin, StoreError};
+pub use time::{Clock, ManualClock, SystemClock, Timestamp, duration_millis};

@@ -1,0 +1,559 @@
+//! The record model: what a store keeps per `(scope, key)` and what its operations return.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{Fingerprint, Key, Scope, Timestamp};
+
+/// Default lease: how long an attempt may run without a heartbeat before another caller may take
+/// the key over.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
+/// Default retention for HTTP responses: how long a completed key replays.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Default retention for message consumers, whose redeliveries and DLQ replays come later.
+pub const DEFAULT_CONSUMER_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// A fencing token: a random 128-bit value that identifies one attempt.
+///
+/// Only the holder of the current token may `complete`, `release` or `extend` a record, so a
+/// worker whose lease expired and was taken over can neither overwrite the newer attempt's result
+/// nor delete its record. An attempt counter alone cannot fence: a released record that is
+/// created again starts counting at 1 again.
+///
+/// Callers generate the token ([`Token::random`]) and pass it to `begin`, which makes a retried
+/// `begin` whose reply was lost safe: the store recognises its own token and answers `Acquired`
+/// again instead of `InFlight`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token(u128);
+
+impl Token {
+    /// A fresh token from a cryptographically secure generator.
+    #[must_use]
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// The token with the given bits (for stores that read tokens back).
+    #[must_use]
+    pub const fn from_u128(bits: u128) -> Self {
+        Self(bits)
+    }
+
+    /// The token's bits.
+    #[must_use]
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// The token as 16 big-endian bytes.
+    #[must_use]
+    pub const fn to_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// The token from 16 big-endian bytes.
+    #[must_use]
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(u128::from_be_bytes(bytes))
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Half the token is enough to tell attempts apart in logs.
+        write!(f, "Token({:016x}…)", (self.0 >> 64) as u64)
+    }
+}
+
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// The stored result of a completed operation: opaque bytes that the edge (HTTP layer,
+/// consumer) encodes and decodes. Cloning is cheap.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Outcome(Bytes);
+
+impl Outcome {
+    /// Wraps the encoded outcome.
+    #[must_use]
+    pub fn new(bytes: impl Into<Bytes>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// An empty outcome, for operations whose only result is "it happened".
+    #[must_use]
+    pub fn empty() -> Self {
+        Self(Bytes::new())
+    }
+
+    /// The encoded outcome.
+    #[must_use]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The encoded outcome as shared bytes.
+    #[must_use]
+    pub fn into_bytes(self) -> Bytes {
+        self.0
+    }
+
+    /// Length of the encoded outcome in bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the encoded outcome is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Outcome({} bytes)", self.0.len())
+    }
+}
+
+impl From<Bytes> for Outcome {
+    fn from(bytes: Bytes) -> Self {
+        Self(bytes)
+    }
+}
+
+impl From<Vec<u8>> for Outcome {
+    fn from(bytes: Vec<u8>) -> Self {
+        Self(bytes.into())
+    }
+}
+
+impl From<&'static [u8]> for Outcome {
+    fn from(bytes: &'static [u8]) -> Self {
+        Self(Bytes::from_static(bytes))
+    }
+}
+
+/// What `begin` needs: the address, the fingerprint, the caller's token and the timings.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{BeginRequest, Fingerprint, Key, Scope};
+///
+/// let request = BeginRequest::new(Scope::global(), Key::new("k-1")?, Fingerprint::of_bytes(b"{}"))
+///     .lease(Duration::from_secs(30))
+///     .retention(Duration::from_secs(3600));
+/// assert_eq!(request.lease, Duration::from_secs(30));
+/// # Ok::<(), idempotency_core::KeyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BeginRequest {
+    /// Whose key this is.
+    pub scope: Scope,
+    /// The idempotency key.
+    pub key: Key,
+    /// What defines "the same request".
+    pub fingerprint: Fingerprint,
+    /// The fencing token this attempt will hold if it acquires the record.
+    pub token: Token,
+    /// How long the attempt may run without a heartbeat.
+    pub lease: Duration,
+    /// How long the record is kept (an in-flight record at least this long, so operators can see
+    /// abandoned attempts; a completed record is kept for the retention given to `complete`).
+    pub retention: Duration,
+}
+
+impl BeginRequest {
+    /// A request with a fresh random token, [`DEFAULT_LEASE`] and [`DEFAULT_RETENTION`].
+    #[must_use]
+    pub fn new(scope: Scope, key: Key, fingerprint: Fingerprint) -> Self {
+        Self {
+            scope,
+            key,
+            fingerprint,
+            token: Token::random(),
+            lease: DEFAULT_LEASE,
+            retention: DEFAULT_RETENTION,
+        }
+    }
+
+    /// Sets the lease.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets the retention.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Sets the token (to retry a `begin` whose reply was lost, reuse its token).
+    #[must_use]
+    pub fn token(mut self, token: Token) -> Self {
+        self.token = token;
+        self
+    }
+}
+
+/// The answer to `begin`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller holds the record and must run the operation, then `complete` or `release`.
+    Acquired {
+        /// The fencing token to pass to `complete`, `release` and `extend`.
+        token: Token,
+        /// 1 for the first attempt; each lease takeover adds one.
+        attempt: u32,
+        /// `true` when a previous attempt's lease expired without completing: it may have
+        /// partially run, so the operation should check for its traces (or be naturally
+        /// idempotent downstream).
+        recovered: bool,
+        /// When the lease runs out unless extended.
+        lease_until: Timestamp,
+    },
+    /// Another attempt holds a live lease.
+    InFlight {
+        /// The attempt number of the holder.
+        attempt: u32,
+        /// When the holder's lease runs out (the earliest a takeover can happen).
+        retry_after: Duration,
+    },
+    /// The operation already completed: here is its outcome.
+    Replay(Completed),
+    /// The key was first used with a different fingerprint: neither run nor replay.
+    Mismatch,
+}
+
+/// A completed operation, as replayed to duplicates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// The stored outcome.
+    pub outcome: Outcome,
+    /// The attempt that completed it.
+    pub attempt: u32,
+    /// When it completed (store time).
+    pub completed_at: Timestamp,
+    /// When the record expires; duplicates after that run again.
+    pub expires_at: Timestamp,
+}
+
+/// The answer of an operation that requires the fencing token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Fenced<T> {
+    /// The token is current and the operation took effect.
+    Accepted(T),
+    /// The token is not current (taken over, released, expired, or never held): nothing changed.
+    LeaseLost,
+}
+
+impl<T> Fenced<T> {
+    /// Whether the token was rejected.
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Self::LeaseLost)
+    }
+
+    /// The accepted value, if any.
+    pub fn accepted(self) -> Option<T> {
+        match self {
+            Self::Accepted(value) => Some(value),
+            Self::LeaseLost => None,
+        }
+    }
+}
+
+/// A record as the store holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Whose key this is.
+    pub scope: Scope,
+    /// The idempotency key.
+    pub key: Key,
+    /// The fingerprint of the request that created the record.
+    pub fingerprint: Fingerprint,
+    /// The current attempt number.
+    pub attempt: u32,
+    /// When the record was created (store time).
+    pub created_at: Timestamp,
+    /// When the record expires and is treated as absent.
+    pub expires_at: Timestamp,
+    /// In flight or completed.
+    pub state: RecordState,
+}
+
+/// The state of a [`Record`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordState {
+    /// An attempt holds the record.
+    InFlight {
+        /// The holder's fencing token.
+        token: Token,
+        /// When the current attempt acquired the record.
+        acquired_at: Timestamp,
+        /// When the holder's lease runs out unless extended.
+        lease_until: Timestamp,
+    },
+    /// The operation completed.
+    Completed {
+        /// The token of the attempt that completed it (a retried `complete` with this token is
+        /// accepted again and changes nothing).
+        token: Token,
+        /// The stored outcome.
+        outcome: Outcome,
+        /// When it completed.
+        completed_at: Timestamp,
+    },
+}
+
+impl Record {
+    /// Whether the record has expired at `now` (expired records are treated as absent).
+    #[must_use]
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        now >= self.expires_at
+    }
+
+    /// A summary without the outcome body, for listings.
+    #[must_use]
+    pub fn summary(&self) -> RecordSummary {
+        RecordSummary {
+            scope: self.scope.clone(),
+            key: self.key.clone(),
+            fingerprint: self.fingerprint,
+            attempt: self.attempt,
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+            state: match &self.state {
+                RecordState::InFlight {
+                    acquired_at,
+                    lease_until,
+                    ..
+                } => SummaryState::InFlight {
+                    acquired_at: *acquired_at,
+                    lease_until: *lease_until,
+                },
+                RecordState::Completed {
+                    outcome,
+                    completed_at,
+                    ..
+                } => SummaryState::Completed {
+                    completed_at: *completed_at,
+                    outcome_len: outcome.len(),
+                },
+            },
+        }
+    }
+
+    /// When the record's current state began: the acquisition of the current attempt, or the
+    /// completion.
+    #[must_use]
+    pub fn state_since(&self) -> Timestamp {
+        match &self.state {
+            RecordState::InFlight { acquired_at, .. } => *acquired_at,
+            RecordState::Completed { completed_at, .. } => *completed_at,
+        }
+    }
+}
+
+/// A record without its outcome body or token, as listed for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordSummary {
+    /// Whose key this is.
+    pub scope: Scope,
+    /// The idempotency key.
+    pub key: Key,
+    /// The fingerprint of the request that created the record.
+    pub fingerprint: Fingerprint,
+    /// The current attempt number.
+    pub attempt: u32,
+    /// When the record was created.
+    pub created_at: Timestamp,
+    /// When the record expires.
+    pub expires_at: Timestamp,
+    /// In flight or completed.
+    pub state: SummaryState,
+}
+
+/// The state part of a [`RecordSummary`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SummaryState {
+    /// An attempt holds the record.
+    InFlight {
+        /// When the current attempt acquired the record.
+        acquired_at: Timestamp,
+        /// When its lease runs out.
+        lease_until: Timestamp,
+    },
+    /// The operation completed.
+    Completed {
+        /// When it completed.
+        completed_at: Timestamp,
+        /// Size of the stored outcome in bytes.
+        outcome_len: usize,
+    },
+}
+
+/// Which records a listing returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateFilter {
+    /// Only in-flight records.
+    InFlight,
+    /// Only completed records.
+    Completed,
+}
+
+/// Which records `list` returns, in `(scope, key)` order. Expired records are never listed.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{ListFilter, StateFilter};
+///
+/// // The stale-lease report: attempts that have been running for more than five minutes.
+/// let filter = ListFilter::default()
+///     .state(StateFilter::InFlight)
+///     .older_than(Duration::from_secs(300))
+///     .limit(50);
+/// # let _ = filter;
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListFilter {
+    /// Only this scope.
+    pub scope: Option<Scope>,
+    /// Only this state.
+    pub state: Option<StateFilter>,
+    /// Only records whose current state began at least this long ago (in-flight: acquired;
+    /// completed: completed).
+    pub older_than: Option<Duration>,
+    /// Resume after this `(scope, key)` (the last one of the previous page).
+    pub after: Option<(Scope, Key)>,
+    /// At most this many records (default 100).
+    pub limit: usize,
+}
+
+impl Default for ListFilter {
+    fn default() -> Self {
+        Self {
+            scope: None,
+            state: None,
+            older_than: None,
+            after: None,
+            limit: 100,
+        }
+    }
+}
+
+impl ListFilter {
+    /// Only records of `scope`.
+    #[must_use]
+    pub fn scope(mut self, scope: Scope) -> Self {
+        self.scope = Some(scope);
+        self
+    }
+
+    /// Only records in `state`.
+    #[must_use]
+    pub fn state(mut self, state: StateFilter) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Only records whose state began at least `age` ago.
+    #[must_use]
+    pub fn older_than(mut self, age: Duration) -> Self {
+        self.older_than = Some(age);
+        self
+    }
+
+    /// Resume after `(scope, key)`.
+    #[must_use]
+    pub fn after(mut self, scope: Scope, key: Key) -> Self {
+        self.after = Some((scope, key));
+        self
+    }
+
+    /// At most `limit` records.
+    #[must_use]
+    pub fn limit(mut self, limit: usize) -> Self {
+        self.limit = limit;
+        self
+    }
+
+    /// Whether `record` passes this filter at `now` (the order and limit are the caller's).
+    #[must_use]
+    pub fn matches(&self, record: &Record, now: Timestamp) -> bool {
+        if record.is_expired(now) {
+            return false;
+        }
+        if self.scope.as_ref().is_some_and(|scope| &record.scope != scope) {
+            return false;
+        }
+        match (self.state, &record.state) {
+            (Some(StateFilter::InFlight), RecordState::Completed { .. })
+            | (Some(StateFilter::Completed), RecordState::InFlight { .. }) => return false,
+            _ => {}
+        }
+        if self
+            .older_than
+            .is_some_and(|age| now.since(record.state_since()) < age)
+        {
+            return false;
+        }
+        match &self.after {
+            Some((scope, key)) => (&record.scope, &record.key) > (scope, key),
+            None => true,
+        }
+    }
+}
+
+/// Counts by state, for operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Live in-flight records (including those whose lease has expired).
+    pub in_flight: u64,
+    /// In-flight records whose lease has expired and that nobody has taken over yet: each is an
+    /// attempt that crashed or hung.
+    pub stale_leases: u64,
+    /// Live completed records.
+    pub completed: u64,
+    /// Expired records not yet purged (they behave as absent).
+    pub expired: u64,
+    /// Age of the oldest live in-flight attempt (now − its acquisition).
+    pub oldest_in_flight: Option<Duration>,
+}
+
+impl Stats {
+    /// Adds `record` to the counts at `now`.
+    pub fn count(&mut self, record: &Record, now: Timestamp) {
+        if record.is_expired(now) {
+            self.expired += 1;
+            return;
+        }
+        match &record.state {
+            RecordState::InFlight {
+                acquired_at,
+                lease_until,
+                ..
+            } => {
+                self.in_flight += 1;
+                if now >= *lease_until {
+                    self.stale_leases += 1;
+                }
+                let age = now.since(*acquired_at);
+                self.oldest_in_flight = Some(self.oldest_in_flight.map_or(age, |oldest| oldest.max(age)));
+            }
+            RecordState::Completed { .. } => self.completed += 1,
+        }
+    }
+}

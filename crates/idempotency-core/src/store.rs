@@ -1,0 +1,254 @@
+//! The `Store` contract and its error type.
+//!
+//! The contract is split in two small capability traits: [`Store`], the protocol every edge (HTTP
+//! layer, consumer, gateway) drives, and [`StoreAdmin`], the inspection and cleanup operations the
+//! operations CLI needs. Every store passes the conformance suite in `idempotency-testkit`.
+
+use std::borrow::Cow;
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{
+    BeginRequest, Claim, Fenced, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats, Timestamp,
+    Token,
+};
+
+/// The class of a [`StoreError`], for deciding what to do about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The store URL or options are invalid; retrying cannot help.
+    InvalidConfig,
+    /// The store cannot be reached or the connection broke; retry later.
+    Unavailable,
+    /// The store did not answer in time, or is busy; retry later.
+    Timeout,
+    /// The store's data is damaged or is not a store of ours.
+    Corrupt,
+    /// The store refuses writes (read-only file, read-only replica, permissions).
+    ReadOnly,
+    /// The store's schema is missing or from an incompatible version.
+    Schema,
+    /// The store answered something this client does not understand (for example a value of the
+    /// wrong type at a record's location).
+    Protocol,
+    /// Anything else the backend reported.
+    Backend,
+}
+
+impl ErrorKind {
+    /// A short lowercase name, stable for logs and metrics labels.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidConfig => "invalid_config",
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+            Self::Corrupt => "corrupt",
+            Self::ReadOnly => "read_only",
+            Self::Schema => "schema",
+            Self::Protocol => "protocol",
+            Self::Backend => "backend",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A failure of the store itself (as opposed to a protocol answer such as `LeaseLost`).
+///
+/// When a store operation fails, its effect is unknown to the caller: edges fail closed (HTTP
+/// `503`, consumers nack) and never treat an error as "not a duplicate".
+///
+/// ```
+/// use idempotency_core::{ErrorKind, StoreError};
+///
+/// let err = StoreError::new(ErrorKind::Unavailable, "connection refused");
+/// assert!(err.is_retryable());
+/// assert_eq!(err.to_string(), "store unavailable: connection refused");
+/// ```
+pub struct StoreError {
+    kind: ErrorKind,
+    message: Cow<'static, str>,
+    source: Option<Arc<dyn StdError + Send + Sync + 'static>>,
+}
+
+impl StoreError {
+    /// An error of `kind` with a message for humans.
+    pub fn new(kind: ErrorKind, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    #[must_use]
+    pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(source));
+        self
+    }
+
+    /// The class of the error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, without the kind prefix.
+    #[must_use]
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether retrying the same operation later may succeed (the store was unreachable, busy or
+    /// slow).
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.kind, ErrorKind::Unavailable | ErrorKind::Timeout)
+    }
+}
+
+impl Clone for StoreError {
+    fn clone(&self) -> Self {
+        Self {
+            kind: self.kind,
+            message: self.message.clone(),
+            source: self.source.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreError")
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            ErrorKind::InvalidConfig => "invalid store configuration",
+            ErrorKind::Unavailable => "store unavailable",
+            ErrorKind::Timeout => "store timed out",
+            ErrorKind::Corrupt => "store data is corrupt",
+            ErrorKind::ReadOnly => "store is read-only",
+            ErrorKind::Schema => "store schema error",
+            ErrorKind::Protocol => "unexpected data in store",
+            ErrorKind::Backend => "store error",
+        };
+        write!(f, "{what}: {}", self.message)
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn StdError + 'static))
+    }
+}
+
+/// The record protocol (SPEC §4). All transitions are atomic in the store and timed by the
+/// store's clock.
+///
+/// See [`crate::machine`] for the full transition table.
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug {
+    /// Claims `(scope, key)` for an attempt holding `request.token`, or reports why not.
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError>;
+
+    /// Stores `outcome` and keeps the record for `retention`, if `token` still holds the record.
+    /// The accepted value is the record's expiry.
+    async fn complete(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        outcome: Outcome,
+        retention: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError>;
+
+    /// Deletes the record if `token` holds it, so a retry may run again.
+    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError>;
+
+    /// Moves the lease to now + `lease` if `token` holds the record (the heartbeat). The accepted
+    /// value is the new end of the lease.
+    async fn extend(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError>;
+
+    /// The live record at `(scope, key)`, if any (expired records are absent).
+    async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError>;
+}
+
+/// Inspection and cleanup, for operators.
+#[async_trait]
+pub trait StoreAdmin: Store {
+    /// Counts by state, for one scope or all.
+    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError>;
+
+    /// Live records matching `filter`, in `(scope, key)` order, without outcome bodies.
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError>;
+
+    /// Deletes up to `limit` expired records and returns how many were deleted. Call it in a loop
+    /// until it returns less than `limit` to purge everything.
+    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError>;
+}
+
+macro_rules! forward_store {
+    ($($ptr:ty),*) => {$(
+        #[async_trait]
+        impl<S: Store + ?Sized> Store for $ptr {
+            async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+                (**self).begin(request).await
+            }
+            async fn complete(&self, scope: &Scope, key: &Key, token: Token, outcome: Outcome, retention: Duration)
+                -> Result<Fenced<Timestamp>, StoreError> {
+                (**self).complete(scope, key, token, outcome, retention).await
+            }
+            async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+                (**self).release(scope, key, token).await
+            }
+            async fn extend(&self, scope: &Scope, key: &Key, token: Token, lease: Duration)
+                -> Result<Fenced<Timestamp>, StoreError> {
+                (**self).extend(scope, key, token, lease).await
+            }
+            async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+                (**self).get(scope, key).await
+            }
+        }
+
+        #[async_trait]
+        impl<S: StoreAdmin + ?Sized> StoreAdmin for $ptr {
+            async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+                (**self).stats(scope).await
+            }
+            async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+                (**self).list(filter).await
+            }
+            async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
+                (**self).purge_expired(limit).await
+            }
+        }
+    )*};
+}
+
+forward_store!(Arc<S>, Box<S>);

@@ -1,0 +1,960 @@
+//! The conformance cases. Each is an `async fn(&impl Harness)` that panics on a violation of the
+//! contract; [`crate::conformance_suite!`] turns every one of them into a test.
+//!
+//! The cases are written against [`idempotency_core::machine`]'s table (SPEC §4) and pass on the
+//! in-memory reference store by construction; every other store must pass them unchanged.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idempotency_core::{
+    BeginRequest, Claim, Fenced, Fingerprint, Key, ListFilter, Outcome, RecordState, Scope, StateFilter,
+    Store, StoreAdmin, SummaryState, Token,
+};
+use tokio::sync::Barrier;
+
+use crate::{Harness, TimeControl};
+
+/// A lease that never expires during a case.
+const LONG: Duration = Duration::from_secs(60);
+/// A retention that never expires during a case.
+const KEEP: Duration = Duration::from_secs(3600);
+
+/// How many times the 64-way race runs per store.
+pub const RACE_ROUNDS: usize = 100;
+/// How many callers race on one key.
+pub const RACERS: usize = 64;
+
+struct Ctx<S> {
+    store: S,
+    time: TimeControl,
+    scope: Scope,
+}
+
+impl<S: StoreAdmin + Clone + 'static> Ctx<S> {
+    async fn new<H: Harness<Store = S>>(harness: &H) -> Self {
+        Self {
+            store: harness.store().await,
+            time: harness.time(),
+            // A scope of its own, so a case never sees another case's records even when a
+            // harness hands out one shared store.
+            scope: Scope::new(format!("conformance-{}", Key::generate())).expect("valid scope"),
+        }
+    }
+
+    fn unit(&self) -> Duration {
+        self.time.unit()
+    }
+
+    fn request(&self, key: &Key, fingerprint: u8) -> BeginRequest {
+        BeginRequest::new(self.scope.clone(), key.clone(), fp(fingerprint))
+            .lease(LONG)
+            .retention(KEEP)
+    }
+
+    async fn begin(&self, request: &BeginRequest) -> Claim {
+        self.store.begin(request).await.expect("begin")
+    }
+
+    async fn acquire(&self, request: &BeginRequest) -> Token {
+        match self.begin(request).await {
+            Claim::Acquired { token, .. } => token,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: &'static [u8],
+    ) -> Fenced<idempotency_core::Timestamp> {
+        self.store
+            .complete(&self.scope, key, token, Outcome::from(outcome), KEEP)
+            .await
+            .expect("complete")
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Fenced<()> {
+        self.store
+            .release(&self.scope, key, token)
+            .await
+            .expect("release")
+    }
+
+    async fn extend(&self, key: &Key, token: Token, lease: Duration) -> Fenced<idempotency_core::Timestamp> {
+        self.store
+            .extend(&self.scope, key, token, lease)
+            .await
+            .expect("extend")
+    }
+
+    async fn purge_all(&self) -> u64 {
+        let mut total = 0;
+        loop {
+            let purged = self.store.purge_expired(1000).await.expect("purge_expired");
+            total += purged;
+            if purged < 1000 {
+                return total;
+            }
+        }
+    }
+}
+
+fn fp(n: u8) -> Fingerprint {
+    Fingerprint::of_bytes(&[n])
+}
+
+fn key() -> Key {
+    Key::generate()
+}
+
+/// `begin` on an unknown key acquires attempt 1 with the caller's token.
+pub async fn begin_on_new_key_acquires_attempt_one<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let request = ctx.request(&key, 1);
+    match ctx.begin(&request).await {
+        Claim::Acquired {
+            token,
+            attempt,
+            recovered,
+            ..
+        } => {
+            assert_eq!(token, request.token, "the store must adopt the caller's token");
+            assert_eq!(attempt, 1);
+            assert!(!recovered);
+        }
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+    let record = ctx
+        .store
+        .get(&ctx.scope, &key)
+        .await
+        .expect("get")
+        .expect("record exists");
+    assert_eq!(record.attempt, 1);
+    assert_eq!(record.fingerprint, fp(1));
+    assert!(matches!(record.state, RecordState::InFlight { token, .. } if token == request.token));
+}
+
+/// After `complete`, `begin` replays the stored outcome, attempt and expiry.
+pub async fn begin_after_complete_replays_outcome<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    let Fenced::Accepted(expires_at) = ctx.complete(&key, token, b"the outcome").await else {
+        panic!("complete by the holder must be accepted");
+    };
+    for _ in 0..3 {
+        match ctx.begin(&ctx.request(&key, 1)).await {
+            Claim::Replay(done) => {
+                assert_eq!(done.outcome.as_bytes(), b"the outcome");
+                assert_eq!(done.attempt, 1);
+                assert_eq!(done.expires_at, expires_at);
+                assert!(done.completed_at <= done.expires_at);
+            }
+            other => panic!("expected Replay, got {other:?}"),
+        }
+    }
+}
+
+/// A different fingerprint is a mismatch, on an in-flight and on a completed record, and changes
+/// nothing.
+pub async fn begin_with_other_fingerprint_is_mismatch<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let first = ctx.request(&key, 1);
+    let token = ctx.acquire(&first).await;
+    assert_eq!(ctx.begin(&ctx.request(&key, 2)).await, Claim::Mismatch);
+    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert_eq!(record.fingerprint, fp(1), "a mismatch must not change the record");
+    assert!(matches!(record.state, RecordState::InFlight { token: held, .. } if held == token));
+
+    assert!(!ctx.complete(&key, token, b"done").await.is_lease_lost());
+    assert_eq!(ctx.begin(&ctx.request(&key, 2)).await, Claim::Mismatch);
+    assert!(matches!(ctx.begin(&first).await, Claim::Replay(_)));
+}
+
+/// The mismatch check comes before the in-flight check: a different payload under a live lease
+/// is a mismatch, not "in flight".
+pub async fn mismatch_is_checked_before_in_flight<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let _ = ctx.acquire(&ctx.request(&key, 1)).await;
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::InFlight { .. }
+    ));
+    assert_eq!(ctx.begin(&ctx.request(&key, 9)).await, Claim::Mismatch);
+    // Even the holder's own token does not override the fingerprint.
+    let own = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    let RecordState::InFlight { token, .. } = own.state else {
+        panic!("in flight")
+    };
+    assert_eq!(
+        ctx.begin(&ctx.request(&key, 9).token(token)).await,
+        Claim::Mismatch
+    );
+}
+
+/// A live lease answers `InFlight` with the holder's attempt and a positive `retry_after` no
+/// longer than the lease.
+pub async fn begin_while_lease_live_is_in_flight<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let _ = ctx.acquire(&ctx.request(&key, 1)).await;
+    match ctx.begin(&ctx.request(&key, 1)).await {
+        Claim::InFlight { attempt, retry_after } => {
+            assert_eq!(attempt, 1);
+            assert!(retry_after > Duration::ZERO, "retry_after must be positive");
+            assert!(
+                retry_after <= LONG,
+                "retry_after {retry_after:?} exceeds the lease"
+            );
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+}
+
+/// A retried `begin` with the caller's own token (its first reply was lost) acquires again
+/// instead of reporting its own attempt as in flight, and changes nothing.
+pub async fn begin_retried_with_own_token_acquires_again<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let request = ctx.request(&key, 1);
+    let first = ctx.begin(&request).await;
+    let again = ctx.begin(&request).await;
+    assert!(
+        matches!(
+            again,
+            Claim::Acquired {
+                attempt: 1,
+                recovered: false,
+                ..
+            }
+        ),
+        "{again:?}"
+    );
+    if ctx.time.is_exact() {
+        assert_eq!(first, again);
+    }
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::InFlight { attempt: 1, .. }
+    ));
+}
+
+/// After the lease expires, the next `begin` takes over: the caller's token, attempt 2,
+/// `recovered: true`.
+pub async fn takeover_after_lease_expiry_is_recovered<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let short = ctx.request(&key, 1).lease(ctx.unit() * 2);
+    let _ = ctx.acquire(&short).await;
+    ctx.time.pass(ctx.unit() * 3).await;
+    let takeover = ctx.request(&key, 1);
+    match ctx.begin(&takeover).await {
+        Claim::Acquired {
+            token,
+            attempt,
+            recovered,
+            ..
+        } => {
+            assert_eq!(token, takeover.token);
+            assert_eq!(attempt, 2);
+            assert!(recovered);
+        }
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert_eq!(record.attempt, 2);
+    // A third caller now sees the new holder's live lease.
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::InFlight { attempt: 2, .. }
+    ));
+}
+
+/// The fencing rule: once a lease is taken over, the stale token gets `LeaseLost` from
+/// `complete`, `release` and `extend`, and the newer attempt's record is untouched — before and
+/// after it completes.
+pub async fn stale_token_gets_lease_lost<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let stale = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit() * 2)).await;
+    ctx.time.pass(ctx.unit() * 3).await;
+    let newer = ctx.acquire(&ctx.request(&key, 1)).await;
+
+    assert_eq!(
+        ctx.extend(&key, stale, LONG).await,
+        Fenced::LeaseLost,
+        "stale extend"
+    );
+    assert_eq!(
+        ctx.complete(&key, stale, b"stale").await,
+        Fenced::LeaseLost,
+        "stale complete"
+    );
+    assert_eq!(ctx.release(&key, stale).await, Fenced::LeaseLost, "stale release");
+    let record = ctx
+        .store
+        .get(&ctx.scope, &key)
+        .await
+        .unwrap()
+        .expect("newer record kept");
+    assert!(matches!(record.state, RecordState::InFlight { token, .. } if token == newer));
+    assert_eq!(record.attempt, 2);
+
+    assert!(!ctx.complete(&key, newer, b"newer").await.is_lease_lost());
+    assert_eq!(ctx.complete(&key, stale, b"stale").await, Fenced::LeaseLost);
+    assert_eq!(ctx.release(&key, stale).await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&key, stale, LONG).await, Fenced::LeaseLost);
+    match ctx.begin(&ctx.request(&key, 1)).await {
+        Claim::Replay(done) => {
+            assert_eq!(
+                done.outcome.as_bytes(),
+                b"newer",
+                "the stale worker overwrote the result"
+            );
+            assert_eq!(done.attempt, 2);
+        }
+        other => panic!("expected Replay, got {other:?}"),
+    }
+}
+
+/// A holder whose lease expired may still complete as long as nobody took over.
+pub async fn complete_after_lease_expiry_without_takeover<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit())).await;
+    ctx.time.pass(ctx.unit() * 2).await;
+    assert!(!ctx.complete(&key, token, b"late but fine").await.is_lease_lost());
+    assert!(matches!(ctx.begin(&ctx.request(&key, 1)).await, Claim::Replay(_)));
+}
+
+/// A retried `complete` with the completing token is accepted again and keeps the first outcome;
+/// another token is refused.
+pub async fn complete_retried_with_same_token_is_accepted<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    let first = ctx.complete(&key, token, b"first").await;
+    let again = ctx.complete(&key, token, b"second").await;
+    assert!(!again.is_lease_lost(), "a retried complete must be accepted");
+    if ctx.time.is_exact() {
+        assert_eq!(first, again, "a retried complete must not move the expiry");
+    }
+    assert_eq!(
+        ctx.complete(&key, Token::random(), b"third").await,
+        Fenced::LeaseLost
+    );
+    let Claim::Replay(done) = ctx.begin(&ctx.request(&key, 1)).await else {
+        panic!("replay")
+    };
+    assert_eq!(done.outcome.as_bytes(), b"first");
+}
+
+/// Operations with a token that never held the record, or on no record at all, are refused.
+pub async fn unknown_token_gets_lease_lost<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let absent = key();
+    assert_eq!(
+        ctx.complete(&absent, Token::random(), b"x").await,
+        Fenced::LeaseLost
+    );
+    assert_eq!(ctx.release(&absent, Token::random()).await, Fenced::LeaseLost);
+    assert_eq!(
+        ctx.extend(&absent, Token::random(), LONG).await,
+        Fenced::LeaseLost
+    );
+    assert_eq!(
+        ctx.store.get(&ctx.scope, &absent).await.unwrap(),
+        None,
+        "nothing may be created"
+    );
+
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    let stranger = Token::random();
+    assert_eq!(ctx.complete(&key, stranger, b"x").await, Fenced::LeaseLost);
+    assert_eq!(ctx.release(&key, stranger).await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&key, stranger, LONG).await, Fenced::LeaseLost);
+    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::InFlight { token: held, .. } if held == token));
+}
+
+/// `release` deletes the record: the next `begin` starts over at attempt 1, not recovered.
+pub async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    assert_eq!(ctx.release(&key, token).await, Fenced::Accepted(()));
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
+    assert!(
+        matches!(
+            ctx.begin(&ctx.request(&key, 2)).await,
+            Claim::Acquired {
+                attempt: 1,
+                recovered: false,
+                ..
+            }
+        ),
+        "after a release even another payload may use the key"
+    );
+}
+
+/// A record released and created again starts at attempt 1 again, and the first attempt's token
+/// must still be refused: this is why the fencing token is random and not the attempt number.
+pub async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let old = ctx.acquire(&ctx.request(&key, 1)).await;
+    assert_eq!(ctx.release(&key, old).await, Fenced::Accepted(()));
+    let new = ctx.request(&key, 1);
+    assert!(matches!(
+        ctx.begin(&new).await,
+        Claim::Acquired { attempt: 1, .. }
+    ));
+    assert_eq!(ctx.complete(&key, old, b"old").await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&key, old, LONG).await, Fenced::LeaseLost);
+    assert_eq!(ctx.release(&key, old).await, Fenced::LeaseLost);
+    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::InFlight { token, .. } if token == new.token));
+    assert!(!ctx.complete(&key, new.token, b"new").await.is_lease_lost());
+}
+
+/// `extend` moves the lease to now + lease: a caller arriving after the original lease would
+/// have expired still sees the attempt in flight.
+pub async fn extend_keeps_the_lease_alive<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let unit = ctx.unit();
+    let token = ctx.acquire(&ctx.request(&key, 1).lease(unit * 3)).await;
+    ctx.time.pass(unit * 2).await;
+    let Fenced::Accepted(lease_until) = ctx.extend(&key, token, unit * 3).await else {
+        panic!("the holder's extend must be accepted");
+    };
+    ctx.time.pass(unit * 2).await;
+    // Four units after acquiring: the original three-unit lease is over, the extended one is not.
+    assert!(
+        matches!(
+            ctx.begin(&ctx.request(&key, 1)).await,
+            Claim::InFlight { attempt: 1, .. }
+        ),
+        "an extended lease was taken over"
+    );
+    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    let RecordState::InFlight {
+        lease_until: stored, ..
+    } = record.state
+    else {
+        panic!("in flight")
+    };
+    assert_eq!(stored, lease_until);
+    assert!(record.expires_at >= lease_until);
+    // Without further heartbeats the extended lease runs out too.
+    ctx.time.pass(unit * 2).await;
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::Acquired {
+            attempt: 2,
+            recovered: true,
+            ..
+        }
+    ));
+}
+
+/// A completed record expires after its retention: then the key is new again (attempt 1, not
+/// recovered) and `get` no longer returns it.
+pub async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    let retention = ctx.unit() * 2;
+    let done = ctx
+        .store
+        .complete(&ctx.scope, &key, token, Outcome::from(&b"x"[..]), retention)
+        .await
+        .unwrap();
+    assert!(!done.is_lease_lost());
+    assert!(matches!(ctx.begin(&ctx.request(&key, 1)).await, Claim::Replay(_)));
+    ctx.time.pass(ctx.unit() * 3).await;
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
+    assert_eq!(ctx.complete(&key, token, b"y").await, Fenced::LeaseLost);
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 2)).await,
+        Claim::Acquired {
+            attempt: 1,
+            recovered: false,
+            ..
+        }
+    ));
+}
+
+/// An abandoned in-flight record is kept for its retention (so operators see it), then expires
+/// like any other.
+pub async fn abandoned_in_flight_record_expires_after_retention<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let unit = ctx.unit();
+    let _ = ctx
+        .acquire(&ctx.request(&key, 1).lease(unit).retention(unit * 3))
+        .await;
+    ctx.time.pass(unit * 2).await;
+    let stats = ctx.store.stats(Some(&ctx.scope)).await.unwrap();
+    assert_eq!((stats.in_flight, stats.stale_leases), (1, 1), "{stats:?}");
+    ctx.time.pass(unit * 2).await;
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::Acquired {
+            attempt: 1,
+            recovered: false,
+            ..
+        }
+    ));
+}
+
+/// `get` shows the record in each state.
+pub async fn get_reports_each_state<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
+    let request = ctx.request(&key, 7);
+    let token = ctx.acquire(&request).await;
+    let in_flight = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert_eq!((&in_flight.scope, &in_flight.key), (&ctx.scope, &key));
+    let RecordState::InFlight {
+        token: held,
+        acquired_at,
+        lease_until,
+    } = in_flight.state
+    else {
+        panic!("in flight")
+    };
+    assert_eq!(held, token);
+    assert!(in_flight.created_at <= acquired_at && acquired_at < lease_until);
+    assert!(lease_until <= in_flight.expires_at);
+
+    let _ = ctx.complete(&key, token, b"result").await;
+    let completed = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
+    assert_eq!(completed.created_at, in_flight.created_at);
+    assert_eq!(completed.fingerprint, fp(7));
+    let RecordState::Completed {
+        outcome,
+        completed_at,
+        ..
+    } = completed.state
+    else {
+        panic!("completed")
+    };
+    assert_eq!(outcome.as_bytes(), b"result");
+    assert!(acquired_at <= completed_at && completed_at < completed.expires_at);
+}
+
+/// Outcomes are stored byte for byte: empty, every byte value, and a 1 MiB body.
+pub async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let every_byte: Vec<u8> = (0..=255u8).cycle().take(4096).collect();
+    let large: Vec<u8> = (0..(1 << 20))
+        .map(|i: u32| i.wrapping_mul(2_654_435_761).to_be_bytes()[1])
+        .collect();
+    for body in [Vec::new(), every_byte, large] {
+        let key = key();
+        let token = ctx.acquire(&ctx.request(&key, 1)).await;
+        let outcome = Outcome::new(Bytes::from(body.clone()));
+        let done = ctx
+            .store
+            .complete(&ctx.scope, &key, token, outcome, KEEP)
+            .await
+            .unwrap();
+        assert!(!done.is_lease_lost());
+        let Claim::Replay(replayed) = ctx.begin(&ctx.request(&key, 1)).await else {
+            panic!("replay")
+        };
+        assert_eq!(replayed.outcome.len(), body.len());
+        assert!(
+            replayed.outcome.as_bytes() == body.as_slice(),
+            "outcome bytes changed"
+        );
+    }
+}
+
+/// The same key in two scopes is two records: neither sees the other's state or outcome.
+pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let other = Scope::new(format!("{}-other", ctx.scope)).unwrap();
+    let key = key();
+    let token = ctx.acquire(&ctx.request(&key, 1)).await;
+    let theirs = BeginRequest::new(other.clone(), key.clone(), fp(2))
+        .lease(LONG)
+        .retention(KEEP);
+    assert!(
+        matches!(
+            ctx.store.begin(&theirs).await.unwrap(),
+            Claim::Acquired { attempt: 1, .. }
+        ),
+        "a key in another scope must be independent (not in flight, not a mismatch)"
+    );
+    let _ = ctx.complete(&key, token, b"mine").await;
+    assert!(matches!(
+        ctx.store
+            .begin(&theirs.clone().token(Token::random()))
+            .await
+            .unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert_eq!(
+        ctx.store
+            .complete(&other, &key, token, Outcome::from(&b"x"[..]), KEEP)
+            .await
+            .unwrap(),
+        Fenced::LeaseLost,
+        "a token from one scope must not act on another"
+    );
+    let _ = ctx
+        .store
+        .complete(&other, &key, theirs.token, Outcome::from(&b"theirs"[..]), KEEP)
+        .await
+        .unwrap();
+    let Claim::Replay(mine) = ctx.begin(&ctx.request(&key, 1)).await else {
+        panic!("replay")
+    };
+    assert_eq!(mine.outcome.as_bytes(), b"mine");
+    let Claim::Replay(their) = ctx.store.begin(&theirs.token(Token::random())).await.unwrap() else {
+        panic!("replay")
+    };
+    assert_eq!(their.outcome.as_bytes(), b"theirs");
+}
+
+/// `purge_expired` deletes expired records, at most `limit` per call, and nothing live.
+pub async fn purge_expired_deletes_only_expired<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    ctx.purge_all().await;
+    let unit = ctx.unit();
+    let mut live = Vec::new();
+    for n in 0..5 {
+        let key = key();
+        let token = ctx.acquire(&ctx.request(&key, 1)).await;
+        let retention = if n < 3 { unit } else { KEEP };
+        let _ = ctx
+            .store
+            .complete(&ctx.scope, &key, token, Outcome::empty(), retention)
+            .await
+            .unwrap();
+        if n >= 3 {
+            live.push(key);
+        }
+    }
+    let abandoned = key();
+    let _ = ctx
+        .acquire(&ctx.request(&abandoned, 1).lease(unit).retention(unit))
+        .await;
+    let kept_in_flight = key();
+    let _ = ctx.acquire(&ctx.request(&kept_in_flight, 1)).await;
+    ctx.time.pass(unit * 2).await;
+
+    let stats = ctx.store.stats(Some(&ctx.scope)).await.unwrap();
+    assert_eq!(
+        (stats.expired, stats.completed, stats.in_flight),
+        (4, 2, 1),
+        "{stats:?}"
+    );
+    assert_eq!(
+        ctx.store.purge_expired(3).await.unwrap(),
+        3,
+        "purge must honour its limit"
+    );
+    assert_eq!(ctx.store.purge_expired(100).await.unwrap(), 1);
+    assert_eq!(ctx.store.purge_expired(100).await.unwrap(), 0);
+    let stats = ctx.store.stats(Some(&ctx.scope)).await.unwrap();
+    assert_eq!(
+        (stats.expired, stats.completed, stats.in_flight),
+        (0, 2, 1),
+        "{stats:?}"
+    );
+    for key in &live {
+        assert!(matches!(ctx.begin(&ctx.request(key, 1)).await, Claim::Replay(_)));
+    }
+    assert!(matches!(
+        ctx.begin(&ctx.request(&kept_in_flight, 1)).await,
+        Claim::InFlight { .. }
+    ));
+}
+
+/// `stats` counts by state and reports the age of the oldest in-flight attempt and the stale
+/// leases.
+pub async fn stats_report_oldest_in_flight_age<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let unit = ctx.unit();
+    assert_eq!(
+        ctx.store.stats(Some(&ctx.scope)).await.unwrap(),
+        Default::default()
+    );
+    let old = key();
+    let _ = ctx.acquire(&ctx.request(&old, 1).lease(unit)).await;
+    ctx.time.pass(unit * 2).await;
+    let young = key();
+    let _ = ctx.acquire(&ctx.request(&young, 1)).await;
+    let done = key();
+    let token = ctx.acquire(&ctx.request(&done, 1)).await;
+    let _ = ctx.complete(&done, token, b"").await;
+
+    let stats = ctx.store.stats(Some(&ctx.scope)).await.unwrap();
+    assert_eq!(stats.in_flight, 2);
+    assert_eq!(stats.stale_leases, 1, "the old attempt's lease has expired");
+    assert_eq!(stats.completed, 1);
+    assert_eq!(stats.expired, 0);
+    let oldest = stats.oldest_in_flight.expect("two attempts in flight");
+    assert!(
+        oldest >= unit * 2,
+        "oldest in-flight age {oldest:?} is less than the time passed"
+    );
+    if ctx.time.is_exact() {
+        assert_eq!(oldest, unit * 2);
+    }
+    let everything = ctx.store.stats(None).await.unwrap();
+    assert!(everything.in_flight >= 2 && everything.completed >= 1);
+    assert!(everything.oldest_in_flight.unwrap() >= oldest);
+}
+
+/// `list` filters by scope, state and age, orders by `(scope, key)`, and pages with `after`.
+pub async fn list_filters_orders_and_pages<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let unit = ctx.unit();
+    let keys: Vec<Key> = (0..6).map(|i| Key::new(format!("k{i}")).unwrap()).collect();
+    // k0, k1 in flight for a while; k2..k5 completed later.
+    for key in &keys[..2] {
+        let _ = ctx.acquire(&ctx.request(key, 1)).await;
+    }
+    ctx.time.pass(unit * 2).await;
+    for key in &keys[2..] {
+        let token = ctx.acquire(&ctx.request(key, 1)).await;
+        let _ = ctx.complete(key, token, b"0123456789").await;
+    }
+    let other = Scope::new(format!("{}-other", ctx.scope)).unwrap();
+    let _ = ctx
+        .store
+        .begin(&BeginRequest::new(other.clone(), keys[0].clone(), fp(1)).lease(LONG))
+        .await
+        .unwrap();
+
+    let mine = ListFilter::default().scope(ctx.scope.clone());
+    let all = ctx.store.list(&mine).await.unwrap();
+    let listed: Vec<&str> = all.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(listed, ["k0", "k1", "k2", "k3", "k4", "k5"]);
+    assert!(all.iter().all(|r| r.scope == ctx.scope));
+    assert!(matches!(
+        all[3].state,
+        SummaryState::Completed { outcome_len: 10, .. }
+    ));
+
+    let in_flight = ctx
+        .store
+        .list(&mine.clone().state(StateFilter::InFlight))
+        .await
+        .unwrap();
+    assert_eq!(
+        in_flight.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+        ["k0", "k1"]
+    );
+    assert!(matches!(in_flight[0].state, SummaryState::InFlight { .. }));
+    let completed = ctx
+        .store
+        .list(&mine.clone().state(StateFilter::Completed))
+        .await
+        .unwrap();
+    assert_eq!(completed.len(), 4);
+
+    let stale = ctx.store.list(&mine.clone().older_than(unit * 2)).await.unwrap();
+    assert_eq!(
+        stale.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+        ["k0", "k1"]
+    );
+
+    let page1 = ctx.store.list(&mine.clone().limit(4)).await.unwrap();
+    assert_eq!(page1.len(), 4);
+    let last = page1.last().unwrap();
+    let page2 = ctx
+        .store
+        .list(&mine.clone().limit(4).after(last.scope.clone(), last.key.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        page2.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+        ["k4", "k5"]
+    );
+
+    let theirs = ctx.store.list(&ListFilter::default().scope(other)).await.unwrap();
+    assert_eq!(theirs.len(), 1);
+}
+
+async fn race_once<S: Store + Clone + 'static>(store: &S, request: &BeginRequest) -> Vec<Claim> {
+    let barrier = Arc::new(Barrier::new(RACERS));
+    let mut racers = Vec::with_capacity(RACERS);
+    for _ in 0..RACERS {
+        let store = store.clone();
+        let barrier = Arc::clone(&barrier);
+        let request = request.clone().token(Token::random());
+        racers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.begin(&request).await.expect("begin during the race")
+        }));
+    }
+    let mut claims = Vec::with_capacity(RACERS);
+    for racer in racers {
+        claims.push(racer.await.expect("racer task"));
+    }
+    claims
+}
+
+/// 64 concurrent `begin`s on one new key: exactly one `Acquired`, 63 `InFlight`; then 64
+/// concurrent duplicates after completion all replay. Repeated [`RACE_ROUNDS`] times.
+pub async fn race_64_begins_exactly_one_acquires<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    for round in 0..RACE_ROUNDS {
+        let key = key();
+        let claims = race_once(&ctx.store, &ctx.request(&key, 1)).await;
+        let winners: Vec<Token> = claims
+            .iter()
+            .filter_map(|claim| match claim {
+                Claim::Acquired {
+                    token, attempt: 1, ..
+                } => Some(*token),
+                _ => None,
+            })
+            .collect();
+        let in_flight = claims
+            .iter()
+            .filter(|c| matches!(c, Claim::InFlight { attempt: 1, .. }))
+            .count();
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: {} callers acquired one key: {claims:?}",
+            winners.len()
+        );
+        assert_eq!(in_flight, RACERS - 1, "round {round}: {claims:?}");
+
+        assert!(!ctx.complete(&key, winners[0], b"once").await.is_lease_lost());
+        let replays = race_once(&ctx.store, &ctx.request(&key, 1)).await;
+        assert!(
+            replays
+                .iter()
+                .all(|c| matches!(c, Claim::Replay(done) if done.outcome.as_bytes() == b"once")),
+            "round {round}: {replays:?}"
+        );
+    }
+}
+
+/// 64 concurrent `begin`s on an expired lease: exactly one takes over.
+pub async fn race_64_begins_on_expired_lease_exactly_one_takes_over<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let rounds = if ctx.time.is_exact() { RACE_ROUNDS } else { 10 };
+    let mut keys = Vec::new();
+    for _ in 0..rounds {
+        let key = key();
+        let _ = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit())).await;
+        keys.push(key);
+    }
+    ctx.time.pass(ctx.unit() * 2).await;
+    for (round, key) in keys.iter().enumerate() {
+        let claims = race_once(&ctx.store, &ctx.request(key, 1)).await;
+        let takeovers = claims
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c,
+                    Claim::Acquired {
+                        attempt: 2,
+                        recovered: true,
+                        ..
+                    }
+                )
+            })
+            .count();
+        let in_flight = claims
+            .iter()
+            .filter(|c| matches!(c, Claim::InFlight { attempt: 2, .. }))
+            .count();
+        assert_eq!(
+            (takeovers, in_flight),
+            (1, RACERS - 1),
+            "round {round}: {claims:?}"
+        );
+    }
+}
+
+/// A stale worker's `complete` racing a takeover: whichever the store orders first wins, and the
+/// two answers agree — never both accepted, never a lost result.
+pub async fn race_stale_complete_against_takeover<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let rounds = if ctx.time.is_exact() { 50 } else { 10 };
+    let mut held = Vec::new();
+    for _ in 0..rounds {
+        let key = key();
+        let token = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit())).await;
+        held.push((key, token));
+    }
+    ctx.time.pass(ctx.unit() * 2).await;
+    for (key, stale) in held {
+        let completing = {
+            let (store, scope, key) = (ctx.store.clone(), ctx.scope.clone(), key.clone());
+            tokio::spawn(async move {
+                store
+                    .complete(&scope, &key, stale, Outcome::from(&b"stale"[..]), KEEP)
+                    .await
+                    .unwrap()
+            })
+        };
+        let taking_over = {
+            let (store, request) = (ctx.store.clone(), ctx.request(&key, 1));
+            tokio::spawn(async move { store.begin(&request).await.unwrap() })
+        };
+        let completed = completing.await.unwrap();
+        let claim = taking_over.await.unwrap();
+        match (completed, claim) {
+            (Fenced::Accepted(_), Claim::Replay(done)) => assert_eq!(done.outcome.as_bytes(), b"stale"),
+            (
+                Fenced::LeaseLost,
+                Claim::Acquired {
+                    attempt: 2,
+                    recovered: true,
+                    ..
+                },
+            ) => {}
+            other => panic!("inconsistent race outcome: {other:?}"),
+        }
+    }
+}
+
+/// Calls every case once; used to check a store quickly outside the test harness.
+pub async fn run_all<H: Harness>(harness: &H) {
+    begin_on_new_key_acquires_attempt_one(harness).await;
+    begin_after_complete_replays_outcome(harness).await;
+    begin_with_other_fingerprint_is_mismatch(harness).await;
+    mismatch_is_checked_before_in_flight(harness).await;
+    begin_while_lease_live_is_in_flight(harness).await;
+    begin_retried_with_own_token_acquires_again(harness).await;
+    takeover_after_lease_expiry_is_recovered(harness).await;
+    stale_token_gets_lease_lost(harness).await;
+    complete_after_lease_expiry_without_takeover(harness).await;
+    complete_retried_with_same_token_is_accepted(harness).await;
+    unknown_token_gets_lease_lost(harness).await;
+    release_lets_a_retry_run_again(harness).await;
+    recreated_record_refuses_old_token(harness).await;
+    extend_keeps_the_lease_alive(harness).await;
+    completed_record_expires_after_retention(harness).await;
+    abandoned_in_flight_record_expires_after_retention(harness).await;
+    get_reports_each_state(harness).await;
+    outcomes_round_trip_byte_for_byte(harness).await;
+    scopes_isolate_keys(harness).await;
+    purge_expired_deletes_only_expired(harness).await;
+    stats_report_oldest_in_flight_age(harness).await;
+    list_filters_orders_and_pages(harness).await;
+    race_64_begins_exactly_one_acquires(harness).await;
+    race_64_begins_on_expired_lease_exactly_one_takes_over(harness).await;
+    race_stale_complete_against_takeover(harness).await;
+}

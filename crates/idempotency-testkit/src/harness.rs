@@ -1,0 +1,99 @@
+//! What a store provides to the suite: fresh stores and a way to let time pass.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_core::{Clock, ManualClock, StoreAdmin};
+
+/// How the suite makes store time pass.
+#[derive(Debug, Clone)]
+pub enum TimeControl {
+    /// The store reads this clock (embedded stores): time passes instantly and exactly, so the
+    /// suite compares every timestamp with the model.
+    Manual(ManualClock),
+    /// The store reads a real clock (a server's `now()` or `TIME`): time passes by sleeping, with
+    /// leases of a few hundred milliseconds, and timestamps are compared only for order.
+    Real {
+        /// The suite's unit of time: leases are a few units long and the suite sleeps a few
+        /// units at a time. 200 ms works on loopback; raise it for slow CI machines.
+        unit: Duration,
+    },
+}
+
+impl TimeControl {
+    /// Real time with the default unit of 200 ms.
+    #[must_use]
+    pub fn real() -> Self {
+        Self::Real {
+            unit: Duration::from_millis(200),
+        }
+    }
+
+    /// The unit of time of the suite: leases are a few units long.
+    #[must_use]
+    pub fn unit(&self) -> Duration {
+        match self {
+            Self::Manual(_) => Duration::from_secs(10),
+            Self::Real { unit } => *unit,
+        }
+    }
+
+    /// Lets `duration` of store time pass.
+    pub async fn pass(&self, duration: Duration) {
+        match self {
+            Self::Manual(clock) => clock.advance(duration),
+            Self::Real { .. } => tokio::time::sleep(duration).await,
+        }
+    }
+
+    /// Whether timestamps are exact (and so can be compared with the model's).
+    #[must_use]
+    pub fn is_exact(&self) -> bool {
+        matches!(self, Self::Manual(_))
+    }
+
+    /// The manual clock's current time, if the time is manual.
+    #[must_use]
+    pub fn manual_now(&self) -> Option<idempotency_core::Timestamp> {
+        match self {
+            Self::Manual(clock) => Some(clock.now()),
+            Self::Real { .. } => None,
+        }
+    }
+}
+
+/// A store under test.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotency_core::{ManualClock, MemoryStore};
+/// use idempotency_testkit::{Harness, TimeControl};
+///
+/// #[derive(Debug)]
+/// struct MemoryHarness(ManualClock);
+///
+/// #[async_trait::async_trait]
+/// impl Harness for MemoryHarness {
+///     type Store = MemoryStore;
+///     async fn store(&self) -> MemoryStore {
+///         MemoryStore::with_clock(Arc::new(self.0.clone()))
+///     }
+///     fn time(&self) -> TimeControl {
+///         TimeControl::Manual(self.0.clone())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Harness: Send + Sync + fmt::Debug {
+    /// The store type.
+    type Store: StoreAdmin + Clone + 'static;
+
+    /// A fresh, empty store that no other test uses (a new file, table or key prefix). Panics
+    /// when the backing server is unreachable: a suite that cannot reach its server must fail,
+    /// not skip.
+    async fn store(&self) -> Self::Store;
+
+    /// How store time passes for the stores this harness makes.
+    fn time(&self) -> TimeControl;
+}

@@ -1,0 +1,81 @@
+//! The one conformance suite every idempotency [`Store`](idempotency_core::Store) passes.
+//!
+//! A store crate implements [`Harness`] (how to make a fresh store, how time passes) and adds one
+//! line to an integration test:
+//!
+//! ```ignore
+//! idempotency_testkit::conformance_suite!(MyHarness::new());
+//! ```
+//!
+//! which expands to one `#[tokio::test]` per case in [`cases`] — every row of the SPEC §4
+//! table, 64-way races on one key repeated [`cases::RACE_ROUNDS`] times, lease expiry and
+//! takeover, fencing with stale tokens, retention, `purge_expired`, `stats` and `list` — plus
+//! [`model::check_against_model`], the property test of random operation interleavings against
+//! the in-memory reference model ([`model::DEFAULT_CASES`] cases).
+//!
+//! The test crate needs `tokio` (features `macros`, `rt-multi-thread`) as a dev-dependency.
+//!
+//! Stores whose clock the harness controls ([`TimeControl::Manual`]) run the time-dependent cases
+//! instantly and are compared with the model to the millisecond; stores on a server clock
+//! ([`TimeControl::Real`]) run them with leases of a few hundred milliseconds.
+
+mod harness;
+
+pub mod cases;
+pub mod model;
+
+pub use harness::{Harness, TimeControl};
+
+/// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once
+/// per test). See the [crate docs](crate).
+#[macro_export]
+macro_rules! conformance_suite {
+    ($harness:expr) => {
+        $crate::__conformance_cases! {
+            $harness;
+            begin_on_new_key_acquires_attempt_one,
+            begin_after_complete_replays_outcome,
+            begin_with_other_fingerprint_is_mismatch,
+            mismatch_is_checked_before_in_flight,
+            begin_while_lease_live_is_in_flight,
+            begin_retried_with_own_token_acquires_again,
+            takeover_after_lease_expiry_is_recovered,
+            stale_token_gets_lease_lost,
+            complete_after_lease_expiry_without_takeover,
+            complete_retried_with_same_token_is_accepted,
+            unknown_token_gets_lease_lost,
+            release_lets_a_retry_run_again,
+            recreated_record_refuses_old_token,
+            extend_keeps_the_lease_alive,
+            completed_record_expires_after_retention,
+            abandoned_in_flight_record_expires_after_retention,
+            get_reports_each_state,
+            outcomes_round_trip_byte_for_byte,
+            scopes_isolate_keys,
+            purge_expired_deletes_only_expired,
+            stats_report_oldest_in_flight_age,
+            list_filters_orders_and_pages,
+            race_64_begins_exactly_one_acquires,
+            race_64_begins_on_expired_lease_exactly_one_takes_over,
+            race_stale_complete_against_takeover,
+        }
+
+        #[test]
+        fn conformance_matches_reference_model() {
+            $crate::model::check_against_model(&$harness, $crate::model::DEFAULT_CASES);
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::cases::$case(&$harness).await;
+            }
+        )*
+    };
+}

@@ -1,0 +1,58 @@
+//! The reference model passes its own suite (which keeps the suite honest: every case must hold
+//! for the model before it can be asked of another store).
+
+use std::sync::Arc;
+
+use idempotency_core::{ManualClock, MemoryStore};
+use idempotency_testkit::{Harness, TimeControl};
+
+#[derive(Debug)]
+struct MemoryHarness {
+    clock: ManualClock,
+}
+
+impl MemoryHarness {
+    fn new() -> Self {
+        Self {
+            clock: ManualClock::new(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Harness for MemoryHarness {
+    type Store = MemoryStore;
+
+    async fn store(&self) -> MemoryStore {
+        MemoryStore::with_clock(Arc::new(self.clock.clone()))
+    }
+
+    fn time(&self) -> TimeControl {
+        TimeControl::Manual(self.clock.clone())
+    }
+}
+
+idempotency_testkit::conformance_suite!(MemoryHarness::new());
+
+/// The memory store on the real system clock, as single-process programs use it.
+mod system_clock {
+    use super::*;
+
+    #[derive(Debug)]
+    struct RealClockHarness;
+
+    #[async_trait::async_trait]
+    impl Harness for RealClockHarness {
+        type Store = MemoryStore;
+
+        async fn store(&self) -> MemoryStore {
+            MemoryStore::new()
+        }
+
+        fn time(&self) -> TimeControl {
+            TimeControl::real()
+        }
+    }
+
+    idempotency_testkit::conformance_suite!(RealClockHarness);
+}
