@@ -254,7 +254,7 @@ impl<S: Store> Guard<S> {
     }
 
     /// How many times `complete` or `release` is tried when the store fails transiently
-    /// (default 4, with 50 ms doubling backoff).
+    /// (default 4, with 50 ms doubling backoff). `begin` is tried twice.
     #[must_use]
     pub fn settle_attempts(mut self, attempts: u32) -> Self {
         self.settle_attempts = attempts.max(1);
@@ -330,7 +330,9 @@ impl<S: Store> Guard<S> {
             retention: self.retention,
         };
         let span = tracing::Span::current();
-        let claim = self.timed("begin", self.store.begin(&request)).await?;
+        // A retried `begin` reuses the token, so a first try that took effect but whose reply
+        // was lost is recognised as ours instead of blocking the key for a whole lease.
+        let claim = self.retrying("begin", 2, || self.store.begin(&request)).await?;
         let (token, attempt, recovered) = match claim {
             Claim::Acquired {
                 token,
@@ -453,7 +455,7 @@ impl<S: Store> Guard<S> {
 
     async fn complete(&self, request: &BeginRequest, token: Token, outcome: Outcome) -> Recorded {
         let result = self
-            .settle("complete", || {
+            .retrying("complete", self.settle_attempts, || {
                 self.store.complete(
                     &request.scope,
                     &request.key,
@@ -482,7 +484,7 @@ impl<S: Store> Guard<S> {
 
     async fn release(&self, request: &BeginRequest, token: Token) -> Recorded {
         match self
-            .settle("release", || {
+            .retrying("release", self.settle_attempts, || {
                 self.store.release(&request.scope, &request.key, token)
             })
             .await
@@ -500,22 +502,23 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    /// Calls a settling operation, retrying transient errors with doubling backoff. Both
-    /// `complete` and `release` are safe to retry: a retried `complete` with the same token is
-    /// accepted again, and a retried `release` finds nothing to delete.
-    async fn settle<R, Fut>(
+    /// Calls a store operation up to `attempts` times while it fails transiently, with doubling
+    /// backoff from 50 ms. Every operation retried here is safe to repeat: `begin` and `complete`
+    /// with the same token are accepted again, and a repeated `release` finds nothing to delete.
+    async fn retrying<R, Fut>(
         &self,
         op: &'static str,
+        attempts: u32,
         mut call: impl FnMut() -> Fut,
-    ) -> Result<Fenced<R>, StoreError>
+    ) -> Result<R, StoreError>
     where
-        Fut: Future<Output = Result<Fenced<R>, StoreError>>,
+        Fut: Future<Output = Result<R, StoreError>>,
     {
         let mut backoff = Duration::from_millis(50);
         let mut tries = 1;
         loop {
             match self.timed(op, call()).await {
-                Err(error) if error.is_retryable() && tries < self.settle_attempts => {
+                Err(error) if error.is_retryable() && tries < attempts => {
                     tracing::warn!(%error, tries, "{op} failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff *= 2;

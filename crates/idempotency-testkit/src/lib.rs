@@ -21,9 +21,12 @@
 
 mod harness;
 
+pub mod faults;
+
 pub mod cases;
 pub mod model;
 
+pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 
 /// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once

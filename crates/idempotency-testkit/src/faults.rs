@@ -1,0 +1,199 @@
+//! A store wrapper that injects failures, for testing what edges do when the store misbehaves.
+//!
+//! [`FaultyStore`] forwards to a real store and can, per operation:
+//!
+//! * be **down** — every call fails with [`ErrorKind::Unavailable`] and reaches nothing;
+//! * **fail the next n calls** before they reach the store;
+//! * **lose the next n replies** — the call reaches the store and takes effect, then the caller
+//!   gets an error, as when a connection drops after the server committed.
+//!
+//! It also counts the calls per operation.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_core::{
+    BeginRequest, Claim, ErrorKind, Fenced, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats,
+    Store, StoreAdmin, StoreError, Timestamp, Token,
+};
+
+/// A store operation, for aiming faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `begin`
+    Begin,
+    /// `complete`
+    Complete,
+    /// `release`
+    Release,
+    /// `extend`
+    Extend,
+    /// `get`
+    Get,
+    /// `stats`, `list` and `purge_expired`
+    Admin,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    down: AtomicBool,
+    plan: Mutex<HashMap<Op, Plan>>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Plan {
+    fail_next: u32,
+    lose_next: u32,
+    calls: u64,
+}
+
+enum Fault {
+    None,
+    Fail,
+    LoseReply,
+}
+
+/// A store wrapper that injects failures; see the [module docs](self). Clones share the faults.
+#[derive(Debug, Clone)]
+pub struct FaultyStore<S> {
+    inner: S,
+    faults: Arc<Faults>,
+}
+
+impl<S> FaultyStore<S> {
+    /// Wraps `inner`, initially healthy.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Takes the store down (every call fails without reaching it) or brings it back.
+    pub fn set_down(&self, down: bool) {
+        self.faults.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` calls of `op` fail before reaching the store.
+    pub fn fail_next(&self, op: Op, n: u32) {
+        self.with_plan(op, |plan| plan.fail_next += n);
+    }
+
+    /// Makes the next `n` calls of `op` take effect in the store and then fail, as if the reply
+    /// was lost.
+    pub fn lose_next_replies(&self, op: Op, n: u32) {
+        self.with_plan(op, |plan| plan.lose_next += n);
+    }
+
+    /// How many times `op` was called (failed calls included).
+    pub fn calls(&self, op: Op) -> u64 {
+        self.with_plan(op, |plan| plan.calls)
+    }
+
+    fn with_plan<R>(&self, op: Op, f: impl FnOnce(&mut Plan) -> R) -> R {
+        let mut plans = self.faults.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        f(plans.entry(op).or_default())
+    }
+
+    fn next_fault(&self, op: Op) -> Fault {
+        let down = self.faults.down.load(Ordering::SeqCst);
+        self.with_plan(op, |plan| {
+            plan.calls += 1;
+            if down {
+                Fault::Fail
+            } else if plan.fail_next > 0 {
+                plan.fail_next -= 1;
+                Fault::Fail
+            } else if plan.lose_next > 0 {
+                plan.lose_next -= 1;
+                Fault::LoseReply
+            } else {
+                Fault::None
+            }
+        })
+    }
+
+    async fn call<R>(
+        &self,
+        op: Op,
+        call: impl Future<Output = Result<R, StoreError>>,
+    ) -> Result<R, StoreError> {
+        match self.next_fault(op) {
+            Fault::None => call.await,
+            Fault::Fail => Err(injected(op, "refused")),
+            Fault::LoseReply => {
+                let _ = call.await;
+                Err(injected(op, "reply lost"))
+            }
+        }
+    }
+}
+
+fn injected(op: Op, what: &str) -> StoreError {
+    StoreError::new(ErrorKind::Unavailable, format!("injected fault: {op:?} {what}"))
+}
+
+#[async_trait]
+impl<S: Store> Store for FaultyStore<S> {
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        self.call(Op::Begin, self.inner.begin(request)).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        outcome: Outcome,
+        retention: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        self.call(
+            Op::Complete,
+            self.inner.complete(scope, key, token, outcome, retention),
+        )
+        .await
+    }
+
+    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        self.call(Op::Release, self.inner.release(scope, key, token))
+            .await
+    }
+
+    async fn extend(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        self.call(Op::Extend, self.inner.extend(scope, key, token, lease))
+            .await
+    }
+
+    async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+        self.call(Op::Get, self.inner.get(scope, key)).await
+    }
+}
+
+#[async_trait]
+impl<S: StoreAdmin> StoreAdmin for FaultyStore<S> {
+    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+        self.call(Op::Admin, self.inner.stats(scope)).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+        self.call(Op::Admin, self.inner.list(filter)).await
+    }
+
+    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
+        self.call(Op::Admin, self.inner.purge_expired(limit)).await
+    }
+}
