@@ -1,0 +1,259 @@
+//! Store options and the `sqlite:` URL.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::{Clock, ErrorKind, StoreError, SystemClock};
+
+/// Where the database lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A database file (created if missing; its directory must exist).
+    File(PathBuf),
+    /// A private in-memory database, gone when the store is dropped.
+    Memory,
+}
+
+/// SQLite's `synchronous` setting: how hard each commit is pushed to disk.
+///
+/// Both survive a crash of the *process* (a committed transaction is in the WAL file, which the
+/// kernel holds). They differ on power loss or an operating-system crash: with `Normal`, the last
+/// commits before the loss may be rolled back, and a duplicate arriving after the reboot would run
+/// again. `Full` (the default) syncs the WAL on every commit and closes that window, at the cost
+/// of one `fsync` per write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// `PRAGMA synchronous = FULL`: every commit is durable on return (the default).
+    #[default]
+    Full,
+    /// `PRAGMA synchronous = NORMAL`: commits survive a process crash; the last few may be lost
+    /// on power loss.
+    Normal,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Self::Full => "FULL",
+            Self::Normal => "NORMAL",
+        }
+    }
+}
+
+/// How to open a [`crate::SqliteStore`].
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_sqlite::{Location, SqliteOptions, Synchronous};
+///
+/// let options = SqliteOptions::from_url("sqlite://idem.db?synchronous=normal&busy_timeout_ms=2000")?;
+/// assert_eq!(options.location, Location::File("idem.db".into()));
+/// assert_eq!(options.synchronous, Synchronous::Normal);
+/// assert_eq!(options.busy_timeout, Duration::from_secs(2));
+///
+/// assert!(SqliteOptions::from_url("postgres://localhost/db").is_err());
+/// # Ok::<(), idempotency_core::StoreError>(())
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct SqliteOptions {
+    /// Where the database lives.
+    pub location: Location,
+    /// How hard commits are pushed to disk.
+    pub synchronous: Synchronous,
+    /// How long a write waits for another process's write lock before failing with a retryable
+    /// [`ErrorKind::Timeout`] (default 5 s).
+    pub busy_timeout: Duration,
+    /// The store's clock (default: the system clock). Every instance sharing a file must read
+    /// the same clock; on one host the system clock is that clock.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for SqliteOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteOptions")
+            .field("location", &self.location)
+            .field("synchronous", &self.synchronous)
+            .field("busy_timeout", &self.busy_timeout)
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl SqliteOptions {
+    /// Options for a database file at `path`.
+    #[must_use]
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        Self::at(Location::File(path.into()))
+    }
+
+    /// Options for a private in-memory database.
+    #[must_use]
+    pub fn memory() -> Self {
+        Self::at(Location::Memory)
+    }
+
+    fn at(location: Location) -> Self {
+        Self {
+            location,
+            synchronous: Synchronous::default(),
+            busy_timeout: Duration::from_secs(5),
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Parses a store URL:
+    ///
+    /// * `sqlite://PATH` or `sqlite:PATH` — a file; `sqlite:///var/lib/idem.db` is absolute,
+    ///   `sqlite://idem.db` is relative to the working directory;
+    /// * `sqlite::memory:` or `sqlite://:memory:` — a private in-memory database.
+    ///
+    /// Query parameters: `synchronous=full|normal`, `busy_timeout_ms=N`.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] naming what is wrong: another scheme, an empty path, an
+    /// unknown parameter or a bad value.
+    pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        let rest = url
+            .strip_prefix("sqlite:")
+            .ok_or_else(|| invalid(format!("`{}` is not a sqlite: URL", redact(url))))?;
+        let rest = rest.strip_prefix("//").unwrap_or(rest);
+        let (path, query) = match rest.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (rest, None),
+        };
+        let mut options = match path {
+            "" => return Err(invalid(format!("`{url}` names no database file"))),
+            ":memory:" => Self::memory(),
+            path => Self::file(path),
+        };
+        for pair in query
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .filter(|p| !p.is_empty())
+        {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "synchronous" => {
+                    options.synchronous = match value.to_ascii_lowercase().as_str() {
+                        "full" => Synchronous::Full,
+                        "normal" => Synchronous::Normal,
+                        _ => {
+                            return Err(invalid(format!(
+                                "synchronous={value:?} in `{url}`: expected `full` or `normal`"
+                            )));
+                        }
+                    }
+                }
+                "busy_timeout_ms" => {
+                    let millis: u64 = value.parse().map_err(|_| {
+                        invalid(format!(
+                            "busy_timeout_ms={value:?} in `{url}`: expected a number of milliseconds"
+                        ))
+                    })?;
+                    options.busy_timeout = Duration::from_millis(millis);
+                }
+                other => {
+                    return Err(invalid(format!(
+                        "unknown parameter `{other}` in `{url}` (known: synchronous, busy_timeout_ms)"
+                    )));
+                }
+            }
+        }
+        Ok(options)
+    }
+
+    /// Sets the `synchronous` level.
+    #[must_use]
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// Sets the busy timeout.
+    #[must_use]
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Sets the clock (tests use a `ManualClock`).
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+}
+
+fn invalid(message: String) -> StoreError {
+    StoreError::new(ErrorKind::InvalidConfig, message)
+}
+
+/// URLs of other schemes may carry passwords; show only the scheme.
+fn redact(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, _)) => format!("{scheme}://…"),
+        None => url.chars().take(16).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_file_and_memory_urls() {
+        let cases = [
+            ("sqlite://idem.db", Location::File("idem.db".into())),
+            ("sqlite:idem.db", Location::File("idem.db".into())),
+            (
+                "sqlite:///var/lib/idem.db",
+                Location::File("/var/lib/idem.db".into()),
+            ),
+            ("sqlite::memory:", Location::Memory),
+            ("sqlite://:memory:", Location::Memory),
+        ];
+        for (url, location) in cases {
+            let options = SqliteOptions::from_url(url).unwrap();
+            assert_eq!(options.location, location, "{url}");
+            assert_eq!(options.synchronous, Synchronous::Full, "{url}");
+        }
+    }
+
+    #[test]
+    fn parses_parameters() {
+        let options =
+            SqliteOptions::from_url("sqlite://x.db?synchronous=NORMAL&busy_timeout_ms=250").unwrap();
+        assert_eq!(options.synchronous, Synchronous::Normal);
+        assert_eq!(options.busy_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn rejects_malformed_urls_with_clear_messages() {
+        let cases = [
+            ("postgres://user:secret@db/app", "is not a sqlite: URL"),
+            ("idem.db", "is not a sqlite: URL"),
+            ("sqlite://", "names no database file"),
+            ("sqlite:", "names no database file"),
+            ("sqlite://x.db?synchronous=off", "expected `full` or `normal`"),
+            (
+                "sqlite://x.db?busy_timeout_ms=soon",
+                "expected a number of milliseconds",
+            ),
+            ("sqlite://x.db?journal=delete", "unknown parameter `journal`"),
+        ];
+        for (url, expected) in cases {
+            let error = SqliteOptions::from_url(url).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(error.to_string().contains(expected), "{url}: {error}");
+        }
+        let error = SqliteOptions::from_url("postgres://user:secret@db/app").unwrap_err();
+        assert!(
+            !error.to_string().contains("secret"),
+            "credentials leaked: {error}"
+        );
+    }
+}
