@@ -3,8 +3,27 @@
 //! A store crate implements [`Harness`] (how to make a fresh store, how time passes) and adds one
 //! line to an integration test:
 //!
-//! ```ignore
-//! idempotency_testkit::conformance_suite!(MyHarness::new());
+//! ```
+//! use std::sync::Arc;
+//! use idempotency_core::{ManualClock, MemoryStore};
+//! use idempotency_testkit::{Harness, TimeControl};
+//!
+//! #[derive(Debug)]
+//! struct MemoryHarness(ManualClock);
+//!
+//! #[async_trait::async_trait]
+//! impl Harness for MemoryHarness {
+//!     type Store = MemoryStore;
+//!     async fn store(&self) -> MemoryStore {
+//!         MemoryStore::with_clock(Arc::new(self.0.clone()))
+//!     }
+//!     fn time(&self) -> TimeControl {
+//!         TimeControl::Manual(self.0.clone())
+//!     }
+//! }
+//!
+//! idempotency_testkit::conformance_suite!(MemoryHarness(ManualClock::new()));
+//! # fn main() {}
 //! ```
 //!
 //! which expands to one `#[tokio::test]` per case in [`cases`] — every row of the SPEC §4
