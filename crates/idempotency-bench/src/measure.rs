@@ -1,0 +1,67 @@
+//! Rounds, medians and the report table.
+
+use std::time::{Duration, Instant};
+
+/// Operations per second of one measurement.
+pub(crate) fn rate(operations: u64, elapsed: Duration) -> f64 {
+    operations as f64 / elapsed.as_secs_f64()
+}
+
+/// The median of `values` (which must not be empty).
+pub(crate) fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    if values.len().is_multiple_of(2) {
+        (values[middle - 1] + values[middle]) / 2.0
+    } else {
+        values[middle]
+    }
+}
+
+/// Runs `measure` on each variant in turn, `rounds` times, and returns the median rate of each.
+/// Alternating the variants spreads drift (turbo, page cache, other load) over all of them.
+pub(crate) fn alternate<E>(
+    rounds: usize,
+    variants: usize,
+    mut measure: impl FnMut(usize) -> Result<f64, E>,
+) -> Result<Vec<f64>, E> {
+    let mut samples = vec![Vec::with_capacity(rounds); variants];
+    for _ in 0..rounds {
+        for (variant, samples) in samples.iter_mut().enumerate() {
+            samples.push(measure(variant)?);
+        }
+    }
+    Ok(samples.iter_mut().map(|s| median(s)).collect())
+}
+
+/// Counts how many times `step` runs before `window` elapses; checks the clock every 64 steps.
+pub(crate) fn count_for(window: Duration, mut step: impl FnMut()) -> (u64, Duration) {
+    let started = Instant::now();
+    let mut done = 0u64;
+    loop {
+        for _ in 0..64 {
+            step();
+        }
+        done += 64;
+        let elapsed = started.elapsed();
+        if elapsed >= window {
+            return (done, elapsed);
+        }
+    }
+}
+
+/// Formats a rate with thousands separators.
+pub(crate) fn per_second(rate: f64) -> String {
+    // Rates are positive and far below 2^53: the cast is exact after rounding.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let whole = rate.round() as u64;
+    let digits = whole.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}

@@ -1,0 +1,150 @@
+//! SQLite store: begin→complete cycles per second against the same SQL statements issued
+//! directly, on the same connection (the store's own worker thread), in the same run.
+//!
+//! A store cycle is `begin` then `complete`: two round trips to the worker thread, each an
+//! `IMMEDIATE` transaction of `SELECT` + upsert. The raw cycle sends the same two transactions
+//! with the same statements ([`idempotency_sqlite::sql`]) and precomputed values; the ratio is
+//! what the store's decoding, state machine and bookkeeping cost on top of SQLite.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_sqlite::rusqlite::{OptionalExtension, TransactionBehavior, params};
+use idempotency_sqlite::{SqliteOptions, SqliteStore, Synchronous, sql};
+
+use crate::measure::{alternate, per_second, rate};
+
+const KEYS_PER_CALLER: usize = 1024;
+
+pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    println!("\n## SQLite store vs the same SQL on the same connection: begin→complete cycles/s\n");
+    println!("| synchronous | callers | store | raw SQL | store / raw |");
+    println!("|---|---:|---:|---:|---:|");
+    for synchronous in [Synchronous::Normal, Synchronous::Full] {
+        for callers in [1usize, 16] {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let store = runtime
+                .block_on(SqliteStore::open_with(
+                    SqliteOptions::file(dir.path().join("bench.db")).synchronous(synchronous),
+                ))
+                .map_err(|e| e.to_string())?;
+            let rates = alternate(rounds, 2, |variant| {
+                runtime.block_on(measure(&store, callers, variant == 0, window))
+            })?;
+            let (store_rate, raw_rate) = (rates[0], rates[1]);
+            println!(
+                "| {synchronous:?} | {callers} | {} | {} | {:.2} |",
+                per_second(store_rate),
+                per_second(raw_rate),
+                store_rate / raw_rate
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn measure(
+    store: &SqliteStore,
+    callers: usize,
+    through_store: bool,
+    window: Duration,
+) -> Result<f64, String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let cycles = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..callers)
+        .map(|caller| {
+            let (store, stop, cycles) = (store.clone(), Arc::clone(&stop), Arc::clone(&cycles));
+            tokio::spawn(async move {
+                let scope = Scope::new(format!("bench-{caller}")).expect("scope");
+                let keys: Vec<Key> = (0..KEYS_PER_CALLER)
+                    .map(|i| Key::new(format!("key-{i}")).expect("key"))
+                    .collect();
+                let mut next = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let key = &keys[next % KEYS_PER_CALLER];
+                    next += 1;
+                    if through_store {
+                        store_cycle(&store, &scope, key).await?;
+                    } else {
+                        raw_cycle(&store, &scope, key).await?;
+                    }
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), String>(())
+            })
+        })
+        .collect();
+    tokio::time::sleep(window).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.map_err(|e| e.to_string())??;
+    }
+    Ok(rate(cycles.load(Ordering::Relaxed), started.elapsed()))
+}
+
+async fn store_cycle(store: &SqliteStore, scope: &Scope, key: &Key) -> Result<(), String> {
+    // Zero retention: the next cycle on this key finds the record expired and acquires it anew.
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload"))
+        .retention(Duration::ZERO);
+    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
+        return Err("a cycle did not acquire".into());
+    };
+    let done = store
+        .complete(scope, key, token, Outcome::empty(), Duration::ZERO)
+        .await
+        .map_err(|e| e.to_string())?;
+    if done.is_lease_lost() {
+        return Err("complete lost its lease".into());
+    }
+    Ok(())
+}
+
+/// The same two transactions as a store cycle, with the values computed up front.
+async fn raw_cycle(store: &SqliteStore, scope: &Scope, key: &Key) -> Result<(), String> {
+    let fingerprint = Fingerprint::of_bytes(b"payload").as_bytes().to_vec();
+    let token = Token::random().to_bytes().to_vec();
+    for completed in [false, true] {
+        let (scope, key, fingerprint, token) = (
+            scope.to_string(),
+            key.to_string(),
+            fingerprint.clone(),
+            token.clone(),
+        );
+        store
+            .with_connection(move |connection| {
+                let now = idempotency_core::Clock::now(&idempotency_core::SystemClock).unix_millis();
+                let tx = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                tx.prepare_cached(sql::SELECT_RECORD)?
+                    .query_row(params![scope, key], |_| Ok(()))
+                    .optional()?;
+                let empty: &[u8] = &[];
+                tx.prepare_cached(sql::UPSERT_RECORD)?.execute(params![
+                    scope,
+                    key,
+                    fingerprint,
+                    1,
+                    now,
+                    now,
+                    token,
+                    completed,
+                    (!completed).then_some(now),
+                    (!completed).then_some(now + 60_000),
+                    completed.then_some(now),
+                    completed.then_some(empty),
+                ])?;
+                tx.commit()
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
