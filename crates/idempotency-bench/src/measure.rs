@@ -18,20 +18,46 @@ pub(crate) fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// Runs `measure` on each variant in turn, `rounds` times, and returns the median rate of each.
-/// Alternating the variants spreads drift (turbo, page cache, other load) over all of them.
+/// The rates measured for one variant over all rounds.
+#[derive(Debug, Clone)]
+pub(crate) struct Samples {
+    /// The median rate.
+    pub(crate) median: f64,
+    /// The lowest rate.
+    pub(crate) min: f64,
+    /// The highest rate.
+    pub(crate) max: f64,
+}
+
+impl Samples {
+    /// `min–max` as text, to show how noisy the median is.
+    pub(crate) fn spread(&self) -> String {
+        format!("{}–{}", per_second(self.min), per_second(self.max))
+    }
+}
+
+/// Runs `measure` on each variant in turn, `rounds` times, and returns each variant's samples.
+/// Alternating the variants spreads drift (turbo, page cache, checkpoints, other load) over all
+/// of them.
 pub(crate) fn alternate<E>(
     rounds: usize,
     variants: usize,
     mut measure: impl FnMut(usize) -> Result<f64, E>,
-) -> Result<Vec<f64>, E> {
+) -> Result<Vec<Samples>, E> {
     let mut samples = vec![Vec::with_capacity(rounds); variants];
     for _ in 0..rounds {
         for (variant, samples) in samples.iter_mut().enumerate() {
             samples.push(measure(variant)?);
         }
     }
-    Ok(samples.iter_mut().map(|s| median(s)).collect())
+    Ok(samples
+        .iter_mut()
+        .map(|s| Samples {
+            median: median(s),
+            min: s.iter().copied().fold(f64::INFINITY, f64::min),
+            max: s.iter().copied().fold(0.0, f64::max),
+        })
+        .collect())
 }
 
 /// Counts how many times `step` runs before `window` elapses; checks the clock every 64 steps.

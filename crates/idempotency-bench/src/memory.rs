@@ -13,17 +13,18 @@ use crate::measure::{alternate, count_for, per_second, rate};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     println!("\n## MemoryStore: begin→complete cycles/s\n");
-    println!("| threads | cycles/s | per thread |");
-    println!("|---:|---:|---:|");
+    println!("| threads | cycles/s | per thread | min–max |");
+    println!("|---:|---:|---:|---:|");
     let thread_counts = [1usize, 2];
     let rates = alternate(rounds, thread_counts.len(), |variant| {
         Ok::<_, String>(measure(thread_counts[variant], window))
     })?;
     for (threads, rate) in thread_counts.iter().zip(rates) {
         println!(
-            "| {threads} | {} | {} |",
-            per_second(rate),
-            per_second(rate / *threads as f64)
+            "| {threads} | {} | {} | {} |",
+            per_second(rate.median),
+            per_second(rate.median / *threads as f64),
+            rate.spread()
         );
     }
     Ok(())

@@ -25,8 +25,8 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     println!("\n## SQLite store vs the same SQL on the same connection: begin→complete cycles/s\n");
-    println!("| synchronous | callers | store | raw SQL | store / raw |");
-    println!("|---|---:|---:|---:|---:|");
+    println!("| synchronous | callers | store | raw SQL | store / raw | store min–max | raw min–max |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for synchronous in [Synchronous::Normal, Synchronous::Full] {
         for callers in [1usize, 16] {
             let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
@@ -38,12 +38,14 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
             let rates = alternate(rounds, 2, |variant| {
                 runtime.block_on(measure(&store, callers, variant == 0, window))
             })?;
-            let (store_rate, raw_rate) = (rates[0], rates[1]);
+            let (store_rate, raw_rate) = (&rates[0], &rates[1]);
             println!(
-                "| {synchronous:?} | {callers} | {} | {} | {:.2} |",
-                per_second(store_rate),
-                per_second(raw_rate),
-                store_rate / raw_rate
+                "| {synchronous:?} | {callers} | {} | {} | {:.2} | {} | {} |",
+                per_second(store_rate.median),
+                per_second(raw_rate.median),
+                store_rate.median / raw_rate.median,
+                store_rate.spread(),
+                raw_rate.spread()
             );
         }
     }
