@@ -22,7 +22,9 @@
 //!
 //! # Observability
 //!
-//! Each run is a `tracing` span `idempotency.run` (scope and key shortened), and the guard emits
+//! Each run is a `tracing` span `idempotency.run` (scope and key shortened; fields `attempt` and
+//! `result`), each store call inside it a `debug` span `idempotency.store` (field `op`), and the
+//! guard emits
 //! these `metrics` (all labelled `guard`, the guard's [name](Guard::name)):
 //!
 //! | metric | kind | meaning |
@@ -535,7 +537,9 @@ impl<S: Store> Guard<S> {
         call: impl Future<Output = Result<R, StoreError>>,
     ) -> Result<R, StoreError> {
         let started = Instant::now();
-        let result = call.await;
+        let result = call
+            .instrument(tracing::debug_span!("idempotency.store", op))
+            .await;
         metrics::histogram!("idempotency_store_duration_seconds", "guard" => self.name, "op" => op)
             .record(started.elapsed().as_secs_f64());
         if let Err(error) = &result {

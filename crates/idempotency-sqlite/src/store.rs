@@ -107,7 +107,16 @@ impl SqliteStore {
                     }
                 };
                 while let Ok(job) = queue.recv() {
-                    job(&mut connection);
+                    // A panicking job (a bug, or a `with_connection` closure) must not take the
+                    // store down for every later caller: its caller sees its reply channel
+                    // closed, and the connection is returned to autocommit for the next job.
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut connection)));
+                    if ran.is_err() {
+                        tracing::error!("a SQLite store operation panicked; rolling back and carrying on");
+                        if !connection.is_autocommit() {
+                            let _ = connection.execute_batch("ROLLBACK");
+                        }
+                    }
                 }
             })
             .map_err(|e| {
@@ -334,7 +343,10 @@ impl StoreAdmin for SqliteStore {
 }
 
 fn stopped() -> StoreError {
-    StoreError::new(ErrorKind::Unavailable, "the SQLite store's thread has stopped")
+    StoreError::new(
+        ErrorKind::Unavailable,
+        "the SQLite store did not answer (its worker thread stopped, or the operation panicked)",
+    )
 }
 
 fn count(n: i64) -> u64 {

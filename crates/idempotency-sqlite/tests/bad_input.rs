@@ -198,3 +198,26 @@ async fn a_busy_write_lock_is_a_retryable_timeout() {
         "the store recovers"
     );
 }
+
+#[tokio::test]
+async fn a_panicking_job_does_not_stop_the_store() {
+    let store = SqliteStore::in_memory().await.unwrap();
+    let error = store
+        .with_connection(|c| -> () {
+            c.execute_batch("BEGIN IMMEDIATE").unwrap();
+            panic!("a bug in a maintenance closure");
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    // The transaction the closure left open was rolled back, and the worker still serves.
+    let request = BeginRequest::new(
+        Scope::global(),
+        Key::new("k").unwrap(),
+        Fingerprint::of_bytes(b"x"),
+    );
+    assert!(matches!(
+        store.begin(&request).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+}
