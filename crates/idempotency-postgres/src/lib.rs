@@ -1,0 +1,40 @@
+//! The PostgreSQL idempotency store.
+//!
+//! * **One round trip per operation.** `begin`, `complete`, `release` and `extend` are each a
+//!   single statement (an upsert or a conditional update in a CTE), decided by the server under
+//!   the row lock: there is no read-then-write window between client and server.
+//! * **Server time.** Leases and retention use the server's `now()`, so application instances
+//!   with skewed clocks agree.
+//! * **Operators' view.** Times are `timestamptz`, keys and scopes readable `text`; indexes on
+//!   the expiry (for `purge_expired`, in bounded `SKIP LOCKED` batches) and on in-flight
+//!   acquisition time (for `stats` and the stale-lease report).
+//! * **Safe names.** The table and schema are configurable and validated
+//!   ([`Identifier`]): they are the only text formatted into SQL, everything else is bound.
+//! * **Typed failures.** A refused connection, a terminated backend, a server restart or an
+//!   exhausted pool is a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) or
+//!   [`ErrorKind::Timeout`](idempotency_core::ErrorKind), never a wrong answer; the pool
+//!   reconnects by itself when the server is back.
+//!
+//! ```no_run
+//! use idempotency_core::{Guard, StoreAdmin};
+//! use idempotency_postgres::{PostgresOptions, PostgresStore};
+//! # async fn example() -> Result<(), idempotency_core::StoreError> {
+//! let store = PostgresStore::connect_with(
+//!     PostgresOptions::from_url("postgres://app@db.internal/payments")?.table("payment_keys")?,
+//! )
+//! .await?;
+//! println!("{:?}", store.stats(None).await?);
+//! let guard = Guard::new(store);
+//! # let _ = guard;
+//! # Ok(())
+//! # }
+//! ```
+
+mod error;
+mod options;
+mod sql;
+mod store;
+
+pub use options::{Identifier, PostgresOptions};
+pub use sql::SCHEMA_VERSION;
+pub use store::PostgresStore;

@@ -1,0 +1,281 @@
+//! Connection options, and the table and schema names the store's SQL is built with.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use idempotency_core::{ErrorKind, StoreError};
+use sqlx::postgres::PgConnectOptions;
+
+/// A SQL identifier the store may interpolate into its statements: 1 to 63 characters of
+/// lowercase ASCII letters, digits and `_`, not starting with a digit.
+///
+/// The table and schema names are the only text the store puts into SQL by formatting (every
+/// value is a bind parameter), so they are held to a grammar that needs no quoting and cannot
+/// carry anything but a name.
+///
+/// ```
+/// use idempotency_postgres::Identifier;
+///
+/// assert!(Identifier::new("idempotency_records").is_ok());
+/// assert!(Identifier::new("records; DROP TABLE users").is_err());
+/// assert!(Identifier::new("Records").is_err()); // would need quoting
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Identifier(String);
+
+impl Identifier {
+    /// Validates `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] naming the rule that `name` breaks.
+    pub fn new(name: &str) -> Result<Self, StoreError> {
+        let invalid = |why: &str| {
+            StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "unsafe SQL identifier {name:?}: {why} (allowed: a-z, 0-9 and _, not starting with a digit, at most 63 characters)"
+                ),
+            )
+        };
+        if name.is_empty() {
+            return Err(invalid("it is empty"));
+        }
+        if name.len() > 63 {
+            return Err(invalid("it is longer than 63 bytes"));
+        }
+        if name.as_bytes()[0].is_ascii_digit() {
+            return Err(invalid("it starts with a digit"));
+        }
+        if let Some(c) = name.chars().find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_')) {
+            return Err(invalid(&format!("it contains {c:?}")));
+        }
+        Ok(Self(name.to_owned()))
+    }
+
+    /// The name.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Identifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Display for Identifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How to connect a [`crate::PostgresStore`].
+///
+/// ```
+/// use idempotency_postgres::PostgresOptions;
+///
+/// let options = PostgresOptions::from_url("postgres://postgres@127.0.0.1/test")?
+///     .table("payment_keys")?
+///     .schema("billing")?
+///     .max_connections(32);
+/// assert_eq!(options.qualified_table(), "billing.payment_keys");
+/// # Ok::<(), idempotency_core::StoreError>(())
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct PostgresOptions {
+    /// The parsed connection options (host, port, database, credentials, TLS…).
+    pub connect: PgConnectOptions,
+    /// The records table (default `idempotency_records`).
+    pub table: Identifier,
+    /// The schema of the table (default `public`).
+    pub schema: Identifier,
+    /// The most connections the pool opens (default 16).
+    pub max_connections: u32,
+    /// How long an operation waits for a free connection before failing with a retryable
+    /// [`ErrorKind::Timeout`] (default 5 s).
+    pub acquire_timeout: Duration,
+    /// Whether `connect` creates or upgrades the schema (default `true`; turn it off when the
+    /// application's role may not run DDL, and run [`crate::PostgresStore::migrate`] from a
+    /// deployment step instead).
+    pub migrate: bool,
+}
+
+impl fmt::Debug for PostgresOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // PgConnectOptions' Debug would print the password.
+        f.debug_struct("PostgresOptions")
+            .field("host", &self.connect.get_host())
+            .field("port", &self.connect.get_port())
+            .field("database", &self.connect.get_database())
+            .field("table", &self.table)
+            .field("schema", &self.schema)
+            .field("max_connections", &self.max_connections)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("migrate", &self.migrate)
+            .finish()
+    }
+}
+
+impl PostgresOptions {
+    /// Parses a `postgres://` or `postgresql://` URL (libpq syntax, as sqlx accepts it).
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] for another scheme or a malformed URL. The message never
+    /// contains the password.
+    pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+        if !matches!(scheme, Some("postgres" | "postgresql")) {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("`{}` is not a postgres:// URL", redact(url)),
+            ));
+        }
+        let connect = PgConnectOptions::from_str(url).map_err(|error| {
+            StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("malformed PostgreSQL URL `{}`: {error}", redact(url)),
+            )
+        })?;
+        Ok(Self::with(connect))
+    }
+
+    /// Options around connection options built in code.
+    #[must_use]
+    pub fn with(connect: PgConnectOptions) -> Self {
+        Self {
+            connect,
+            table: Identifier("idempotency_records".into()),
+            schema: Identifier("public".into()),
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            migrate: true,
+        }
+    }
+
+    /// Sets the records table.
+    ///
+    /// # Errors
+    ///
+    /// As [`Identifier::new`].
+    pub fn table(mut self, table: &str) -> Result<Self, StoreError> {
+        self.table = Identifier::new(table)?;
+        Ok(self)
+    }
+
+    /// Sets the schema of the records table.
+    ///
+    /// # Errors
+    ///
+    /// As [`Identifier::new`].
+    pub fn schema(mut self, schema: &str) -> Result<Self, StoreError> {
+        self.schema = Identifier::new(schema)?;
+        Ok(self)
+    }
+
+    /// Sets the pool size.
+    #[must_use]
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// Sets how long an operation waits for a pooled connection.
+    #[must_use]
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Sets whether `connect` creates or upgrades the schema.
+    #[must_use]
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// `schema.table`, as used in the store's SQL.
+    #[must_use]
+    pub fn qualified_table(&self) -> String {
+        format!("{}.{}", self.schema, self.table)
+    }
+}
+
+/// A URL with any password replaced by `***`.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.chars().take(24).collect();
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            let hidden = if userinfo.contains(':') { ":***" } else { "" };
+            format!("{scheme}://{user}{hidden}@{host}{tail}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_follow_the_safe_grammar() {
+        for good in ["a", "idempotency_records", "t_123", "_x", &"x".repeat(63)] {
+            assert!(Identifier::new(good).is_ok(), "{good}");
+        }
+        let cases = [
+            ("", "it is empty"),
+            ("1table", "starts with a digit"),
+            ("Records", "contains 'R'"),
+            ("records;drop", "contains ';'"),
+            ("a b", "contains ' '"),
+            ("x\"y", "contains '\"'"),
+            ("café", "contains 'é'"),
+        ];
+        for (bad, why) in cases {
+            let error = Identifier::new(bad).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig);
+            assert!(error.to_string().contains(why), "{bad}: {error}");
+        }
+        assert!(
+            Identifier::new(&"x".repeat(64))
+                .unwrap_err()
+                .to_string()
+                .contains("longer than 63")
+        );
+    }
+
+    #[test]
+    fn urls_are_parsed_and_never_echo_passwords() {
+        let options = PostgresOptions::from_url("postgres://app:s3cret@127.0.0.1:5433/orders").unwrap();
+        assert_eq!(options.connect.get_port(), 5433);
+        assert_eq!(options.connect.get_database(), Some("orders"));
+        assert_eq!(options.qualified_table(), "public.idempotency_records");
+        assert!(!format!("{options:?}").contains("s3cret"));
+
+        for url in [
+            "mysql://app:s3cret@db/x",
+            "127.0.0.1:5432",
+            "postgres://app:s3cret@host:notaport/db",
+        ] {
+            let error = PostgresOptions::from_url(url).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(!error.to_string().contains("s3cret"), "{url}: {error}");
+        }
+    }
+
+    #[test]
+    fn redaction_keeps_everything_but_the_password() {
+        assert_eq!(redact("postgres://u:p@h:1/d?x=y"), "postgres://u:***@h:1/d?x=y");
+        assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
+        assert_eq!(redact("postgres://h/d"), "postgres://h/d");
+    }
+}

@@ -1,0 +1,208 @@
+//! The schema and the statements, built once per store from its validated table name.
+//!
+//! Every operation is one statement, so one round trip: the decision is made by the server under
+//! the row lock, with the server's `now()`. Times are `timestamptz` in the table (readable by
+//! operators) and Unix milliseconds (rounded down) on the wire.
+
+use std::sync::Arc;
+
+use crate::options::Identifier;
+
+/// The schema version this crate writes; recorded as the table's comment.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The table comment that marks a records table of [`SCHEMA_VERSION`].
+pub(crate) fn version_comment(version: u32) -> String {
+    format!("idempotency records v{version}")
+}
+
+/// Milliseconds since the Unix epoch of a `timestamptz` expression, rounded down.
+fn ms(expression: &str) -> String {
+    format!("floor(extract(epoch FROM {expression}) * 1000)::int8")
+}
+
+/// The columns of a record, as every statement that returns one selects them (prefix `r.`):
+/// scope, key, fingerprint, attempt, created, expires, token, completed, acquired, lease,
+/// completed_at, outcome.
+fn record_columns() -> String {
+    format!(
+        "r.scope, r.key, r.fingerprint, r.attempt, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
+        ms("r.created_at"),
+        ms("r.expires_at"),
+        ms("r.acquired_at"),
+        ms("r.lease_until"),
+        ms("r.completed_at"),
+    )
+}
+
+/// All the statements of one store.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) table: String,
+    pub(crate) schema: String,
+    pub(crate) create: Arc<str>,
+    pub(crate) begin: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) extend: Arc<str>,
+    pub(crate) get: Arc<str>,
+    pub(crate) stats: Arc<str>,
+    pub(crate) list: Arc<str>,
+    pub(crate) purge: Arc<str>,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &Identifier, table: &Identifier) -> Self {
+        let t = format!("{schema}.{table}");
+        let columns = record_columns();
+        let lease = "$5::int8 * interval '1 millisecond'";
+        let retention = "$6::int8 * interval '1 millisecond'";
+        Self {
+            create: format!(
+                "CREATE SCHEMA IF NOT EXISTS {schema};
+                 CREATE TABLE IF NOT EXISTS {t} (
+                     scope        text COLLATE \"C\" NOT NULL,
+                     key          text COLLATE \"C\" NOT NULL,
+                     fingerprint  bytea       NOT NULL,
+                     attempt      int4        NOT NULL,
+                     created_at   timestamptz NOT NULL,
+                     expires_at   timestamptz NOT NULL,
+                     token        bytea       NOT NULL,
+                     completed    bool        NOT NULL,
+                     acquired_at  timestamptz,
+                     lease_until  timestamptz,
+                     completed_at timestamptz,
+                     outcome      bytea,
+                     PRIMARY KEY (scope, key)
+                 );
+                 CREATE INDEX IF NOT EXISTS {table}_expiry ON {t} (expires_at);
+                 CREATE INDEX IF NOT EXISTS {table}_in_flight ON {t} (acquired_at) WHERE NOT completed;
+                 COMMENT ON TABLE {t} IS '{comment}';",
+                comment = version_comment(SCHEMA_VERSION),
+            )
+            .into(),
+            // $1 scope, $2 key, $3 fingerprint, $4 token, $5 lease ms, $6 retention ms.
+            //
+            // The upsert claims the record when it is absent, expired, or an in-flight attempt
+            // with the same fingerprint whose lease has run out (a takeover). Otherwise it
+            // changes nothing and the second branch returns the record as it is, with the
+            // server's time, for the client to tell a replay, an in-flight conflict, a mismatch
+            // or its own earlier claim apart. If a concurrent transaction committed the record
+            // after this statement's snapshot, neither branch returns a row; the client then
+            // runs the statement again.
+            begin: format!(
+                "WITH claimed AS (
+                     INSERT INTO {t} AS r (scope, key, fingerprint, attempt, created_at, expires_at, token,
+                                           completed, acquired_at, lease_until, completed_at, outcome)
+                     VALUES ($1, $2, $3, 1, now(), now() + GREATEST({lease}, {retention}), $4,
+                             false, now(), now() + {lease}, NULL, NULL)
+                     ON CONFLICT (scope, key) DO UPDATE SET
+                         fingerprint = EXCLUDED.fingerprint,
+                         attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
+                         created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+                         expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at
+                                           ELSE GREATEST(r.expires_at, EXCLUDED.expires_at) END,
+                         token = EXCLUDED.token,
+                         completed = false,
+                         acquired_at = now(),
+                         lease_until = EXCLUDED.lease_until,
+                         completed_at = NULL,
+                         outcome = NULL
+                     WHERE r.expires_at <= now()
+                        OR (NOT r.completed AND r.fingerprint = EXCLUDED.fingerprint
+                            AND r.token <> EXCLUDED.token AND r.lease_until <= now())
+                     RETURNING r.*
+                 )
+                 SELECT true AS claimed, {columns}, {now} FROM claimed r
+                 UNION ALL
+                 SELECT false AS claimed, {columns}, {now} FROM {t} r
+                 WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
+                now = ms("now()"),
+            )
+            .into(),
+            // $1 scope, $2 key, $3 token, $4 outcome, $5 retention ms. The second branch accepts
+            // a retried complete by the token that completed the record.
+            complete: format!(
+                "WITH done AS (
+                     UPDATE {t} SET completed = true, completed_at = now(),
+                         expires_at = now() + $5::int8 * interval '1 millisecond',
+                         outcome = $4, acquired_at = NULL, lease_until = NULL
+                     WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()
+                     RETURNING expires_at
+                 )
+                 SELECT {done} FROM done
+                 UNION ALL
+                 SELECT {kept} FROM {t}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND completed AND expires_at > now()
+                   AND NOT EXISTS (SELECT 1 FROM done)",
+                done = ms("done.expires_at"),
+                kept = ms("expires_at"),
+            )
+            .into(),
+            // $1 scope, $2 key, $3 token.
+            release: format!(
+                "DELETE FROM {t}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()"
+            )
+            .into(),
+            // $1 scope, $2 key, $3 token, $4 lease ms.
+            extend: format!(
+                "UPDATE {t} SET lease_until = now() + $4::int8 * interval '1 millisecond',
+                     expires_at = GREATEST(expires_at, now() + $4::int8 * interval '1 millisecond')
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()
+                 RETURNING {lease}",
+                lease = ms("lease_until"),
+            )
+            .into(),
+            // $1 scope, $2 key.
+            get: format!(
+                "SELECT {columns} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()"
+            )
+            .into(),
+            // $1 scope or NULL.
+            stats: format!(
+                "SELECT
+                     count(*) FILTER (WHERE expires_at <= now()),
+                     count(*) FILTER (WHERE expires_at > now() AND NOT completed),
+                     count(*) FILTER (WHERE expires_at > now() AND NOT completed AND lease_until <= now()),
+                     count(*) FILTER (WHERE expires_at > now() AND completed),
+                     {oldest},
+                     {now}
+                 FROM {t} WHERE $1::text IS NULL OR scope = $1",
+                oldest = ms("min(acquired_at) FILTER (WHERE expires_at > now() AND NOT completed)"),
+                now = ms("now()"),
+            )
+            .into(),
+            // $1 scope or NULL, $2 completed or NULL, $3 older-than ms or NULL, $4/$5 the
+            // (scope, key) to resume after or NULL, $6 limit.
+            list: format!(
+                "SELECT r.scope, r.key, r.fingerprint, r.attempt, {created}, {expires}, r.completed,
+                        {acquired}, {lease}, {completed}, octet_length(r.outcome)
+                 FROM {t} r
+                 WHERE r.expires_at > now()
+                   AND ($1::text IS NULL OR r.scope = $1)
+                   AND ($2::bool IS NULL OR r.completed = $2)
+                   AND ($3::int8 IS NULL OR
+                        CASE WHEN r.completed THEN r.completed_at ELSE r.acquired_at END
+                            <= now() - $3::int8 * interval '1 millisecond')
+                   AND ($4::text IS NULL OR (r.scope, r.key) > ($4::text COLLATE \"C\", $5::text COLLATE \"C\"))
+                 ORDER BY r.scope, r.key
+                 LIMIT $6",
+                created = ms("r.created_at"),
+                expires = ms("r.expires_at"),
+                acquired = ms("r.acquired_at"),
+                lease = ms("r.lease_until"),
+                completed = ms("r.completed_at"),
+            )
+            .into(),
+            // $1 limit. SKIP LOCKED: concurrent purgers (several gateways) split the work.
+            purge: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))"
+            )
+            .into(),
+            table: table.to_string(),
+            schema: schema.to_string(),
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! The pooled store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_core::machine::{self, Effect};
+use idempotency_core::{
+    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record, RecordState,
+    RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, SummaryState, Timestamp, Token,
+    duration_millis,
+};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::error::map_error;
+use crate::options::PostgresOptions;
+use crate::sql::{self, Statements};
+
+/// How often `begin` runs its statement again when a concurrent commit hid the record from the
+/// statement's snapshot (each retry sees a newer snapshot, so one is almost always enough).
+const BEGIN_TRIES: u32 = 8;
+
+/// The PostgreSQL store. Clones share the pool.
+///
+/// Every operation is one statement (one round trip) decided by the server under the row lock,
+/// with the server's `now()`; see [`crate::sql`]-built statements in the crate docs.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Statements>,
+}
+
+impl PostgresStore {
+    /// Connects to the database a `postgres://` URL names, with the default table
+    /// (`public.idempotency_records`), and creates the schema if needed.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL, a missing database or rejected
+    /// credentials; [`ErrorKind::Unavailable`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(PostgresOptions::from_url(url)?).await
+    }
+
+    /// Connects with `options`.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStore::connect`].
+    pub async fn connect_with(options: PostgresOptions) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(options.connect.clone())
+            .await
+            .map_err(|e| map_error("connect to PostgreSQL", e))?;
+        let store = Self::from_pool(pool, &options);
+        if options.migrate {
+            store.migrate().await?;
+        }
+        Ok(store)
+    }
+
+    /// A store on a pool the application already has (no connection is made, no schema is
+    /// created: call [`PostgresStore::migrate`] if needed).
+    #[must_use]
+    pub fn from_pool(pool: PgPool, options: &PostgresOptions) -> Self {
+        Self {
+            pool,
+            sql: Arc::new(Statements::new(&options.schema, &options.table)),
+        }
+    }
+
+    /// The pool, for the application's own queries (same-transaction mode begins its
+    /// transactions here).
+    #[must_use]
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// `schema.table` of the records table.
+    #[must_use]
+    pub fn table(&self) -> String {
+        format!("{}.{}", self.sql.schema, self.sql.table)
+    }
+
+    /// Creates the schema, the records table and its indexes if they are missing, under an
+    /// advisory lock so that many instances starting at once do not race. Safe to run at every
+    /// start (`idem migrate` runs it).
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::Schema`] when the table exists from a newer version; the server's error
+    /// (for example a role without `CREATE`) otherwise.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(|e| map_error("begin the migration", e))?;
+        // One lock for every migration, not one per table: `CREATE SCHEMA IF NOT EXISTS` and
+        // `CREATE TABLE IF NOT EXISTS` race on the catalog's unique indexes when two sessions
+        // run them at once, even for different tables of one schema.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idempotency-migrate'))")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| map_error("lock the migration", e))?;
+        let comment: Option<String> =
+            sqlx::query_scalar("SELECT obj_description(to_regclass($1), 'pg_class')")
+                .bind(self.table())
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(|e| map_error("read the schema version", e))?;
+        if let Some(comment) = comment.as_deref() {
+            let current = sql::version_comment(sql::SCHEMA_VERSION);
+            if comment != current {
+                return Err(StoreError::new(
+                    ErrorKind::Schema,
+                    format!(
+                        "{} is marked {comment:?}; this version writes {current:?} (a newer version created it, or it is another application's table)",
+                        self.table()
+                    ),
+                ));
+            }
+        }
+        sqlx::raw_sql(AssertSqlSafe(Arc::clone(&self.sql.create)))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| map_error("create the records table", e))?;
+        tx.commit()
+            .await
+            .map_err(|e| map_error("commit the migration", e))?;
+        Ok(())
+    }
+
+    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| map_error("get a connection from the pool", e))
+    }
+}
+
+/// `begin` on one connection (a pooled one, or the caller's transaction).
+pub(crate) async fn begin_on(
+    connection: &mut PgConnection,
+    sql: &Statements,
+    request: &BeginRequest,
+) -> Result<Claim, StoreError> {
+    for _ in 0..BEGIN_TRIES {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&sql.begin)))
+            .bind(request.scope.as_str())
+            .bind(request.key.as_str())
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(&request.token.to_bytes()[..])
+            .bind(duration_millis(request.lease))
+            .bind(duration_millis(request.retention))
+            .fetch_optional(&mut *connection)
+            .await
+            .map_err(|e| map_error("begin", e))?;
+        // No row: a concurrent transaction committed the record after this statement's
+        // snapshot was taken; the next run sees it.
+        let Some(row) = row else { continue };
+        let claimed: bool = row.try_get(0).map_err(|e| map_error("decode begin", e))?;
+        let record = decode_record(&row, 1)?;
+        if claimed {
+            let RecordState::InFlight {
+                token, lease_until, ..
+            } = record.state
+            else {
+                return Err(StoreError::new(
+                    ErrorKind::Protocol,
+                    "a claimed record is not in flight",
+                ));
+            };
+            return Ok(Claim::Acquired {
+                token,
+                attempt: record.attempt,
+                recovered: record.attempt > 1,
+                lease_until,
+            });
+        }
+        let now = Timestamp::from_unix_millis(row.try_get(13).map_err(|e| map_error("decode begin", e))?);
+        // The server did not claim the record; the model says why (replay, in flight, mismatch,
+        // or this caller's own earlier claim). If the model would have written, the record
+        // changed between the upsert and the read, or sits on a millisecond boundary: run the
+        // statement again rather than guess.
+        let (claim, effect) = machine::begin(now, Some(&record), request);
+        if effect == Effect::None {
+            return Ok(claim);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Err(StoreError::new(
+        ErrorKind::Timeout,
+        format!("begin did not settle after {BEGIN_TRIES} tries under concurrent changes; retry"),
+    ))
+}
+
+/// `complete` on one connection.
+pub(crate) async fn complete_on(
+    connection: &mut PgConnection,
+    sql: &Statements,
+    (scope, key, token): (&Scope, &Key, Token),
+    outcome: &Outcome,
+    retention: Duration,
+) -> Result<Fenced<Timestamp>, StoreError> {
+    let expires: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.complete)))
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .bind(&token.to_bytes()[..])
+        .bind(outcome.as_bytes())
+        .bind(duration_millis(retention))
+        .fetch_optional(&mut *connection)
+        .await
+        .map_err(|e| map_error("complete", e))?;
+    Ok(expires.map_or(Fenced::LeaseLost, |ms| {
+        Fenced::Accepted(Timestamp::from_unix_millis(ms))
+    }))
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        let mut connection = self.acquire().await?;
+        begin_on(&mut connection, &self.sql, request).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        outcome: Outcome,
+        retention: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        let mut connection = self.acquire().await?;
+        complete_on(
+            &mut connection,
+            &self.sql,
+            (scope, key, token),
+            &outcome,
+            retention,
+        )
+        .await
+    }
+
+    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&token.to_bytes()[..])
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_error("release", e))?;
+        Ok(if done.rows_affected() == 1 {
+            Fenced::Accepted(())
+        } else {
+            Fenced::LeaseLost
+        })
+    }
+
+    async fn extend(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        let lease_until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&token.to_bytes()[..])
+            .bind(duration_millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| map_error("extend", e))?;
+        Ok(lease_until.map_or(Fenced::LeaseLost, |ms| {
+            Fenced::Accepted(Timestamp::from_unix_millis(ms))
+        }))
+    }
+
+    async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.get)))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| map_error("get", e))?;
+        row.map(|row| decode_record(&row, 0)).transpose()
+    }
+}
+
+#[async_trait]
+impl StoreAdmin for PostgresStore {
+    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))
+            .bind(scope.map(Scope::as_str))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| map_error("stats", e))?;
+        let read = |e| map_error("decode stats", e);
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n: i64 = row.try_get(i).map_err(read)?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        let oldest: Option<i64> = row.try_get(4).map_err(read)?;
+        let now = Timestamp::from_unix_millis(row.try_get(5).map_err(read)?);
+        Ok(Stats {
+            expired: count(0)?,
+            in_flight: count(1)?,
+            stale_leases: count(2)?,
+            completed: count(3)?,
+            oldest_in_flight: oldest.map(|ms| now.since(Timestamp::from_unix_millis(ms))),
+        })
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+        let (after_scope, after_key) = match &filter.after {
+            Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
+            None => (None, None),
+        };
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
+            .bind(filter.scope.as_ref().map(Scope::as_str))
+            .bind(filter.state.map(|state| state == StateFilter::Completed))
+            .bind(filter.older_than.map(duration_millis))
+            .bind(after_scope)
+            .bind(after_key)
+            .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| map_error("list", e))?;
+        rows.iter().map(decode_summary).collect()
+    }
+
+    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_error("purge expired records", e))?;
+        Ok(done.rows_affected())
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::new(ErrorKind::Corrupt, format!("records table row has {what}"))
+}
+
+fn decode_common(
+    row: &PgRow,
+    at: usize,
+) -> Result<(Scope, Key, Fingerprint, u32, Timestamp, Timestamp), StoreError> {
+    let read = |e| map_error("decode a record", e);
+    let scope: String = row.try_get(at).map_err(read)?;
+    let key: String = row.try_get(at + 1).map_err(read)?;
+    let fingerprint: Vec<u8> = row.try_get(at + 2).map_err(read)?;
+    let attempt: i32 = row.try_get(at + 3).map_err(read)?;
+    let created: i64 = row.try_get(at + 4).map_err(read)?;
+    let expires: i64 = row.try_get(at + 5).map_err(read)?;
+    Ok((
+        Scope::new(scope).map_err(|e| corrupt(&format!("an invalid scope ({e})")))?,
+        Key::new(key).map_err(|e| corrupt(&format!("an invalid key ({e})")))?,
+        Fingerprint::from_digest(
+            fingerprint
+                .try_into()
+                .map_err(|_| corrupt("a fingerprint that is not 32 bytes"))?,
+        ),
+        u32::try_from(attempt).map_err(|_| corrupt("a negative attempt"))?,
+        Timestamp::from_unix_millis(created),
+        Timestamp::from_unix_millis(expires),
+    ))
+}
+
+/// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
+fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
+    let read = |e| map_error("decode a record", e);
+    let (scope, key, fingerprint, attempt, created_at, expires_at) = decode_common(row, at)?;
+    let token: Vec<u8> = row.try_get(at + 6).map_err(read)?;
+    let token = Token::from_bytes(
+        token
+            .try_into()
+            .map_err(|_| corrupt("a token that is not 16 bytes"))?,
+    );
+    let completed: bool = row.try_get(at + 7).map_err(read)?;
+    let millis = |i: usize| -> Result<Option<Timestamp>, StoreError> {
+        let ms: Option<i64> = row.try_get(at + i).map_err(read)?;
+        Ok(ms.map(Timestamp::from_unix_millis))
+    };
+    let state = if completed {
+        let outcome: Option<Vec<u8>> = row.try_get(at + 11).map_err(read)?;
+        RecordState::Completed {
+            token,
+            outcome: Outcome::new(outcome.ok_or_else(|| corrupt("completed and no outcome"))?),
+            completed_at: millis(10)?.ok_or_else(|| corrupt("completed and no completed_at"))?,
+        }
+    } else {
+        RecordState::InFlight {
+            token,
+            acquired_at: millis(8)?.ok_or_else(|| corrupt("in flight and no acquired_at"))?,
+            lease_until: millis(9)?.ok_or_else(|| corrupt("in flight and no lease_until"))?,
+        }
+    };
+    Ok(Record {
+        scope,
+        key,
+        fingerprint,
+        attempt,
+        created_at,
+        expires_at,
+        state,
+    })
+}
+
+fn decode_summary(row: &PgRow) -> Result<RecordSummary, StoreError> {
+    let read = |e| map_error("decode a record", e);
+    let (scope, key, fingerprint, attempt, created_at, expires_at) = decode_common(row, 0)?;
+    let completed: bool = row.try_get(6).map_err(read)?;
+    let millis = |i: usize| -> Result<Option<Timestamp>, StoreError> {
+        let ms: Option<i64> = row.try_get(i).map_err(read)?;
+        Ok(ms.map(Timestamp::from_unix_millis))
+    };
+    let state = if completed {
+        let len: Option<i32> = row.try_get(10).map_err(read)?;
+        SummaryState::Completed {
+            completed_at: millis(9)?.ok_or_else(|| corrupt("completed and no completed_at"))?,
+            outcome_len: usize::try_from(len.unwrap_or(0)).unwrap_or(0),
+        }
+    } else {
+        SummaryState::InFlight {
+            acquired_at: millis(7)?.ok_or_else(|| corrupt("in flight and no acquired_at"))?,
+            lease_until: millis(8)?.ok_or_else(|| corrupt("in flight and no lease_until"))?,
+        }
+    };
+    Ok(RecordSummary {
+        scope,
+        key,
+        fingerprint,
+        attempt,
+        created_at,
+        expires_at,
+        state,
+    })
+}

@@ -1,0 +1,57 @@
+//! Shared test setup: the server URL and throwaway tables.
+
+#![allow(dead_code, unreachable_pub)] // each test crate uses a part
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use idempotency_postgres::{PostgresOptions, PostgresStore};
+
+/// The server the tests use: `DATABASE_URL`, or the loopback default that `scripts/services`
+/// starts.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// The schema every test table lives in.
+pub const SCHEMA: &str = "idempotency_tests";
+
+/// A store on a table of its own. Tables are named after their creation time; tables of runs
+/// more than an hour old are dropped here, so a crashed run leaves nothing behind for long.
+/// Panics when the server is unreachable: a test that cannot reach its server fails.
+pub async fn fresh_store() -> PostgresStore {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+    let table = format!("t_{now}_{:016x}", rand_u64());
+    let options = PostgresOptions::from_url(&database_url())
+        .unwrap()
+        .schema(SCHEMA)
+        .unwrap()
+        .table(&table)
+        .unwrap()
+        .max_connections(16);
+    let store = PostgresStore::connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
+    drop_old_tables(store.pool(), now).await;
+    store
+}
+
+async fn drop_old_tables(pool: &sqlx::PgPool, now: u64) {
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
+            .bind(SCHEMA)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    for table in tables {
+        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
+        if created.is_some_and(|t| t + 3600 < now) {
+            let drop = format!("DROP TABLE IF EXISTS {SCHEMA}.{table}");
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(pool).await;
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::Instant::now())
+}
