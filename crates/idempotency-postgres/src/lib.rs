@@ -10,6 +10,9 @@
 //!   acquisition time (for `stats` and the stale-lease report).
 //! * **Safe names.** The table and schema are configurable and validated
 //!   ([`Identifier`]): they are the only text formatted into SQL, everything else is bound.
+//! * **Same-transaction mode** ([`transaction`]): the record is claimed and completed inside the
+//!   business transaction, so a crash can never leave a side effect without its record or a
+//!   record without its side effect.
 //! * **Typed failures.** A refused connection, a terminated backend, a server restart or an
 //!   exhausted pool is a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) or
 //!   [`ErrorKind::Timeout`](idempotency_core::ErrorKind), never a wrong answer; the pool
@@ -34,7 +37,9 @@ mod error;
 mod options;
 mod sql;
 mod store;
+pub mod transaction;
 
 pub use options::{Identifier, PostgresOptions};
 pub use sql::SCHEMA_VERSION;
 pub use store::PostgresStore;
+pub use transaction::{TxAttempt, TxError, TxExecution, TxFuture};

@@ -134,6 +134,10 @@ impl PostgresStore {
         Ok(())
     }
 
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.sql
+    }
+
     async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
         self.pool
             .acquire()
