@@ -11,7 +11,9 @@
 //!    [`Attempt`] handed to the operation says so; the operation is not cancelled halfway.
 //! 3. Ask the [`OutcomePolicy`] whether the value is final: `complete` with the encoded outcome,
 //!    or `release` so that a retry runs again. A panic releases the record and then resumes
-//!    unwinding. Transient store errors while settling are retried with backoff.
+//!    unwinding. Transient store errors while settling are retried with backoff for as long as
+//!    the attempt still holds its lease: the operation has run, and giving up early would let a
+//!    retry run it again once the lease expires.
 //!
 //! # Cancellation
 //!
@@ -40,8 +42,8 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
@@ -211,7 +213,6 @@ pub struct Guard<S> {
     lease: Duration,
     retention: Duration,
     heartbeat: Option<Duration>,
-    settle_attempts: u32,
 }
 
 impl<S: Store> Guard<S> {
@@ -223,7 +224,6 @@ impl<S: Store> Guard<S> {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             heartbeat: None,
-            settle_attempts: 4,
         }
     }
 
@@ -252,14 +252,6 @@ impl<S: Store> Guard<S> {
     #[must_use]
     pub fn heartbeat_every(mut self, every: Duration) -> Self {
         self.heartbeat = Some(every);
-        self
-    }
-
-    /// How many times `complete` or `release` is tried when the store fails transiently
-    /// (default 4, with 50 ms doubling backoff). `begin` is tried twice.
-    #[must_use]
-    pub fn settle_attempts(mut self, attempts: u32) -> Self {
-        self.settle_attempts = attempts.max(1);
         self
     }
 
@@ -334,7 +326,10 @@ impl<S: Store> Guard<S> {
         let span = tracing::Span::current();
         // A retried `begin` reuses the token, so a first try that took effect but whose reply
         // was lost is recognised as ours instead of blocking the key for a whole lease.
-        let claim = self.retrying("begin", 2, || self.store.begin(&request)).await?;
+        let asked = tokio::time::Instant::now();
+        let claim = self
+            .retrying("begin", Until::Tries(2), || self.store.begin(&request))
+            .await?;
         let (token, attempt, recovered) = match claim {
             Claim::Acquired {
                 token,
@@ -373,6 +368,9 @@ impl<S: Store> Guard<S> {
             );
         }
 
+        // Until when this attempt surely holds the lease, by the local clock: the time the last
+        // accepted `begin` or `extend` was *sent*, plus the lease.
+        let held_until = Mutex::new(asked + self.lease);
         let lease_lost = Arc::new(AtomicBool::new(false));
         let context = Attempt {
             scope: request.scope.clone(),
@@ -382,7 +380,7 @@ impl<S: Store> Guard<S> {
             lease_lost: Arc::clone(&lease_lost),
         };
         let work = AssertUnwindSafe(operation(context)).catch_unwind();
-        let heartbeat = self.heartbeat(&request, token, &lease_lost);
+        let heartbeat = self.heartbeat(&request, token, &lease_lost, &held_until);
         let finished = tokio::select! {
             finished = work => finished,
             never = heartbeat => match never {},
@@ -393,13 +391,14 @@ impl<S: Store> Guard<S> {
             Err(panic) => {
                 span.record("result", "panicked");
                 tracing::error!("operation panicked; releasing the key so a retry can run");
-                let _ = self.release(&request, token).await;
+                let _ = self.release(&request, token, held(&held_until)).await;
                 std::panic::resume_unwind(panic);
             }
         };
+        let deadline = held(&held_until);
         let recorded = match policy.decide(&value) {
-            Decision::Complete(outcome) => self.complete(&request, token, outcome).await,
-            Decision::Release => self.release(&request, token).await,
+            Decision::Complete(outcome) => self.complete(&request, token, outcome, deadline).await,
+            Decision::Release => self.release(&request, token, deadline).await,
         };
         span.record(
             "result",
@@ -424,6 +423,7 @@ impl<S: Store> Guard<S> {
         request: &BeginRequest,
         token: Token,
         lease_lost: &AtomicBool,
+        held_until: &Mutex<tokio::time::Instant>,
     ) -> std::convert::Infallible {
         let every = self
             .heartbeat
@@ -434,6 +434,7 @@ impl<S: Store> Guard<S> {
             if lease_lost.load(Ordering::Relaxed) {
                 continue;
             }
+            let sent = tokio::time::Instant::now();
             match self
                 .timed(
                     "extend",
@@ -441,7 +442,9 @@ impl<S: Store> Guard<S> {
                 )
                 .await
             {
-                Ok(Fenced::Accepted(_)) => {}
+                Ok(Fenced::Accepted(_)) => {
+                    *held_until.lock().unwrap_or_else(PoisonError::into_inner) = sent + self.lease;
+                }
                 Ok(Fenced::LeaseLost) => {
                     lease_lost.store(true, Ordering::Relaxed);
                     metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "extend")
@@ -455,9 +458,15 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    async fn complete(&self, request: &BeginRequest, token: Token, outcome: Outcome) -> Recorded {
+    async fn complete(
+        &self,
+        request: &BeginRequest,
+        token: Token,
+        outcome: Outcome,
+        deadline: tokio::time::Instant,
+    ) -> Recorded {
         let result = self
-            .retrying("complete", self.settle_attempts, || {
+            .retrying("complete", Until::Deadline(deadline), || {
                 self.store.complete(
                     &request.scope,
                     &request.key,
@@ -484,9 +493,14 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    async fn release(&self, request: &BeginRequest, token: Token) -> Recorded {
+    async fn release(
+        &self,
+        request: &BeginRequest,
+        token: Token,
+        deadline: tokio::time::Instant,
+    ) -> Recorded {
         match self
-            .retrying("release", self.settle_attempts, || {
+            .retrying("release", Until::Deadline(deadline), || {
                 self.store.release(&request.scope, &request.key, token)
             })
             .await
@@ -504,13 +518,14 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    /// Calls a store operation up to `attempts` times while it fails transiently, with doubling
-    /// backoff from 50 ms. Every operation retried here is safe to repeat: `begin` and `complete`
-    /// with the same token are accepted again, and a repeated `release` finds nothing to delete.
+    /// Calls a store operation again while it fails transiently, with doubling backoff from
+    /// 50 ms (at most 1 s), until `until` says stop. Every operation retried here is safe to
+    /// repeat: `begin` and `complete` with the same token are accepted again, and a repeated
+    /// `release` finds nothing to delete.
     async fn retrying<R, Fut>(
         &self,
         op: &'static str,
-        attempts: u32,
+        until: Until,
         mut call: impl FnMut() -> Fut,
     ) -> Result<R, StoreError>
     where
@@ -520,10 +535,10 @@ impl<S: Store> Guard<S> {
         let mut tries = 1;
         loop {
             match self.timed(op, call()).await {
-                Err(error) if error.is_retryable() && tries < attempts => {
+                Err(error) if error.is_retryable() && until.allows(tries, backoff) => {
                     tracing::warn!(%error, tries, "{op} failed; retrying");
                     tokio::time::sleep(backoff).await;
-                    backoff *= 2;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
                     tries += 1;
                 }
                 other => return other,
@@ -553,4 +568,30 @@ impl<S: Store> Guard<S> {
         }
         result
     }
+}
+
+/// How long [`Guard::retrying`] keeps trying.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// At most this many tries in all.
+    Tries(u32),
+    /// Until the next try would start after this instant: the end of the lease this attempt
+    /// surely holds. Settling an outcome is worth retrying for that long, because the operation
+    /// has already run: giving up early leaves the key in flight, and after the lease a retry
+    /// would run the operation a second time. Past the lease, another attempt may have taken
+    /// over and the answer would be `LeaseLost` anyway.
+    Deadline(tokio::time::Instant),
+}
+
+impl Until {
+    fn allows(self, tries: u32, backoff: Duration) -> bool {
+        match self {
+            Self::Tries(most) => tries < most,
+            Self::Deadline(deadline) => tokio::time::Instant::now() + backoff < deadline,
+        }
+    }
+}
+
+fn held(held_until: &Mutex<tokio::time::Instant>) -> tokio::time::Instant {
+    *held_until.lock().unwrap_or_else(PoisonError::into_inner)
 }

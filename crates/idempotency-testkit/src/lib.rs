@@ -41,12 +41,14 @@
 mod harness;
 
 pub mod faults;
+pub mod proxy;
 
 pub mod cases;
 pub mod model;
 
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
+pub use proxy::TcpProxy;
 
 /// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once
 /// per test). See the [crate docs](crate).

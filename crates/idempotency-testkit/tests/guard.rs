@@ -403,10 +403,53 @@ async fn transient_complete_failures_are_retried() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_persistent_complete_failure_is_reported_and_the_key_stays_in_flight() {
+async fn a_store_down_while_settling_is_waited_out_within_the_lease() {
     let store = store();
     let guard = guard(&store);
-    store.fail_next(Op::Complete, 100);
+    let outage = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            // The store goes down while the operation runs and comes back 20 s later, well
+            // inside the 60 s lease.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            store.set_down(true);
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            store.set_down(false);
+        })
+    };
+    let run = guard
+        .run(Scope::global(), key(), fp("a"), store_it, |_| async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            "ok".to_string()
+        })
+        .await
+        .unwrap();
+    outage.await.unwrap();
+    assert!(
+        matches!(
+            run,
+            Execution::Executed {
+                recorded: Recorded::Completed { .. },
+                ..
+            }
+        ),
+        "the outcome must be recorded once the store is back: {run:?}"
+    );
+    let again = guard
+        .run(Scope::global(), key(), fp("a"), store_it, |_| async {
+            unreachable!("ran twice")
+        })
+        .await
+        .unwrap();
+    assert!(matches!(again, Execution::Replayed(_)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_persistent_complete_failure_is_retried_until_the_lease_ends_then_reported() {
+    let store = store();
+    let guard = guard(&store);
+    store.fail_next(Op::Complete, u32::MAX);
+    let started = tokio::time::Instant::now();
     let run = guard
         .run(Scope::global(), key(), fp("a"), store_it, |_| async {
             "ok".to_string()
@@ -421,7 +464,17 @@ async fn a_persistent_complete_failure_is_reported_and_the_key_stays_in_flight()
         panic!("{run:?}")
     };
     assert_eq!(error.kind(), ErrorKind::Unavailable);
-    assert_eq!(store.calls(Op::Complete), 4);
+    // Paused time: the guard kept trying for (almost) the whole 60 s lease, no longer.
+    let waited = started.elapsed();
+    assert!(
+        waited > Duration::from_secs(55) && waited < Duration::from_secs(60),
+        "settled for {waited:?}"
+    );
+    assert!(
+        store.calls(Op::Complete) > 10,
+        "{} tries",
+        store.calls(Op::Complete)
+    );
     let record = store.get(&Scope::global(), &key()).await.unwrap().unwrap();
     assert!(
         matches!(record.state, RecordState::InFlight { .. }),
