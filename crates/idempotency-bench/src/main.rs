@@ -6,12 +6,13 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 mod measure;
 mod memory;
+mod postgres;
 mod sqlite;
 
 use std::process::ExitCode;
@@ -25,7 +26,7 @@ struct Settings {
     rounds: usize,
 }
 
-const TARGETS: [&str; 2] = ["memory", "sqlite"];
+const TARGETS: [&str; 3] = ["memory", "sqlite", "postgres"];
 
 fn parse_args() -> Result<Settings, String> {
     let mut settings = Settings {
@@ -71,7 +72,7 @@ fn main() -> ExitCode {
             if !message.is_empty() {
                 eprintln!("idem-bench: {message}");
             }
-            eprintln!("usage: idem-bench [memory|sqlite|all]... [--seconds S] [--rounds R]");
+            eprintln!("usage: idem-bench [memory|sqlite|postgres|all]... [--seconds S] [--rounds R]");
             return if message.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -90,6 +91,7 @@ fn main() -> ExitCode {
         let result = match target.as_str() {
             "memory" => memory::run(window, settings.rounds),
             "sqlite" => sqlite::run(window, settings.rounds),
+            "postgres" => postgres::run(window, settings.rounds),
             _ => unreachable!("targets are validated"),
         };
         if let Err(error) = result {

@@ -30,6 +30,15 @@ pub(crate) struct Samples {
 }
 
 impl Samples {
+    /// The summary of one variant's rates (one per round; at least one).
+    pub(crate) fn of(mut rates: Vec<f64>) -> Self {
+        Self {
+            min: rates.iter().copied().fold(f64::INFINITY, f64::min),
+            max: rates.iter().copied().fold(0.0, f64::max),
+            median: median(&mut rates),
+        }
+    }
+
     /// `min–max` as text, to show how noisy the median is.
     pub(crate) fn spread(&self) -> String {
         format!("{}–{}", per_second(self.min), per_second(self.max))
@@ -44,20 +53,13 @@ pub(crate) fn alternate<E>(
     variants: usize,
     mut measure: impl FnMut(usize) -> Result<f64, E>,
 ) -> Result<Vec<Samples>, E> {
-    let mut samples = vec![Vec::with_capacity(rounds); variants];
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); variants];
     for _ in 0..rounds {
         for (variant, samples) in samples.iter_mut().enumerate() {
             samples.push(measure(variant)?);
         }
     }
-    Ok(samples
-        .iter_mut()
-        .map(|s| Samples {
-            median: median(s),
-            min: s.iter().copied().fold(f64::INFINITY, f64::min),
-            max: s.iter().copied().fold(0.0, f64::max),
-        })
-        .collect())
+    Ok(samples.into_iter().map(Samples::of).collect())
 }
 
 /// Counts how many times `step` runs before `window` elapses; checks the clock every 64 steps.

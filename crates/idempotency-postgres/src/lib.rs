@@ -41,5 +41,5 @@ pub mod transaction;
 
 pub use options::{Identifier, PostgresOptions};
 pub use sql::SCHEMA_VERSION;
-pub use store::PostgresStore;
+pub use store::{Operation, PostgresStore};
 pub use transaction::{TxAttempt, TxError, TxExecution, TxFuture};

@@ -17,6 +17,30 @@ use crate::error::map_error;
 use crate::options::PostgresOptions;
 use crate::sql::{self, Statements};
 
+/// An operation whose SQL [`PostgresStore::sql`] shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Operation {
+    /// Creating the schema, table and indexes.
+    Migrate,
+    /// `begin`: `$1` scope, `$2` key, `$3` fingerprint, `$4` token, `$5` lease ms, `$6` retention ms.
+    Begin,
+    /// `complete`: `$1` scope, `$2` key, `$3` token, `$4` outcome, `$5` retention ms.
+    Complete,
+    /// `release`: `$1` scope, `$2` key, `$3` token.
+    Release,
+    /// `extend`: `$1` scope, `$2` key, `$3` token, `$4` lease ms.
+    Extend,
+    /// `get`: `$1` scope, `$2` key.
+    Get,
+    /// `stats`: `$1` scope or NULL.
+    Stats,
+    /// `list`: `$1` scope, `$2` completed, `$3` older-than ms, `$4`/`$5` resume after, `$6` limit.
+    List,
+    /// `purge_expired`: `$1` limit.
+    PurgeExpired,
+}
+
 /// How often `begin` runs its statement again when a concurrent commit hid the record from the
 /// statement's snapshot (each retry sees a newer snapshot, so one is almost always enough).
 const BEGIN_TRIES: u32 = 8;
@@ -136,6 +160,24 @@ impl PostgresStore {
 
     pub(crate) fn statements(&self) -> &Statements {
         &self.sql
+    }
+
+    /// The SQL this store runs for `operation`, for `EXPLAIN`, a DBA's review, or issuing the same
+    /// statement directly (the benchmark's baseline does). Parameters are documented in the
+    /// crate's `sql` module source; every value is a bind parameter.
+    #[must_use]
+    pub fn sql(&self, operation: Operation) -> &str {
+        match operation {
+            Operation::Migrate => &self.sql.create,
+            Operation::Begin => &self.sql.begin,
+            Operation::Complete => &self.sql.complete,
+            Operation::Release => &self.sql.release,
+            Operation::Extend => &self.sql.extend,
+            Operation::Get => &self.sql.get,
+            Operation::Stats => &self.sql.stats,
+            Operation::List => &self.sql.list,
+            Operation::PurgeExpired => &self.sql.purge,
+        }
     }
 
     async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {

@@ -12,6 +12,7 @@
 //! | feature | what |
 //! |---|---|
 //! | `sqlite` | [`sqlite::SqliteStore`], the embedded durable store (`sqlite://` URLs) |
+//! | `postgres` | [`postgres::PostgresStore`] (`postgres://` URLs), with same-transaction mode |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -42,6 +43,10 @@ pub use idempotency_core::*;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use idempotency_sqlite as sqlite;
 
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use idempotency_postgres as postgres;
+
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use idempotency_testkit as testkit;
@@ -52,7 +57,9 @@ pub type DynStore = Arc<dyn StoreAdmin>;
 /// Opens the store a URL names:
 ///
 /// * `memory://` — a [`MemoryStore`] (nothing survives the process);
-/// * `sqlite://PATH`, `sqlite::memory:` — the SQLite store (feature `sqlite`).
+/// * `sqlite://PATH`, `sqlite::memory:` — the SQLite store (feature `sqlite`);
+/// * `postgres://…`, `postgresql://…` — the PostgreSQL store on its default table, created if
+///   missing (feature `postgres`).
 ///
 /// # Errors
 ///
@@ -74,22 +81,28 @@ pub async fn open(url: &str) -> Result<DynStore, StoreError> {
         "sqlite" => Ok(Arc::new(sqlite::SqliteStore::open(url).await?)),
         #[cfg(not(feature = "sqlite"))]
         "sqlite" => Err(not_compiled_in("sqlite")),
-        "postgres" | "postgresql" | "redis" | "rediss" | "mysql" | "mariadb" => Err(StoreError::new(
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Arc::new(postgres::PostgresStore::connect(url).await?)),
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => Err(not_compiled_in("postgres")),
+        "redis" | "rediss" | "mysql" | "mariadb" => Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("there is no `{scheme}` store in this version yet (available: memory://, sqlite://)"),
+            format!(
+                "there is no `{scheme}` store in this version yet (available: memory://, sqlite://, postgres://)"
+            ),
         )),
         "" => Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("`{url}` is not a store URL (expected memory:// or sqlite://PATH)"),
+            format!("`{url}` is not a store URL (expected memory://, sqlite://PATH or postgres://…)"),
         )),
         other => Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("unknown store URL scheme `{other}` (expected memory:// or sqlite://PATH)"),
+            format!("unknown store URL scheme `{other}` (expected memory://, sqlite://PATH or postgres://…)"),
         )),
     }
 }
 
-#[cfg(not(feature = "sqlite"))]
+#[cfg(not(all(feature = "sqlite", feature = "postgres")))]
 fn not_compiled_in(feature: &str) -> StoreError {
     StoreError::new(
         ErrorKind::InvalidConfig,
@@ -116,7 +129,7 @@ mod tests {
             ("idem.db", "is not a store URL"),
             ("memory://extra", "takes no path"),
             ("ftp://host/x", "unknown store URL scheme `ftp`"),
-            ("postgres://localhost/test", "no `postgres` store in this version"),
+            ("redis://localhost:6379", "no `redis` store in this version"),
         ];
         for (url, expected) in cases {
             let error = open(url).await.map(|_| ()).unwrap_err();
@@ -143,6 +156,30 @@ mod tests {
         assert!(dir.path().join("idem.db").exists());
         let error = open("sqlite://x.db?bogus=1").await.map(|_| ()).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidConfig);
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn opens_the_postgres_store_by_url() {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let store = open(&url)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is needed for this test: {e}"));
+        let key = Key::generate();
+        let request = BeginRequest::new(
+            Scope::new("facade-test").unwrap(),
+            key,
+            Fingerprint::of_bytes(b""),
+        );
+        assert!(matches!(
+            store.begin(&request).await.unwrap(),
+            Claim::Acquired { .. }
+        ));
+        let _ = store
+            .release(&request.scope, &request.key, request.token)
+            .await
+            .unwrap();
     }
 
     #[cfg(not(feature = "sqlite"))]

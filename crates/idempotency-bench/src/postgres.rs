@@ -1,0 +1,285 @@
+//! PostgreSQL store: begin→complete cycles per second at 1, 16 and 64 callers against the same
+//! SQL issued directly on the same pool, and a same-transaction cycle against the bare business
+//! transaction, in one run.
+//!
+//! The server is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`). The bench
+//! works in a table of its own (`idempotency_bench.records_<pid>`), dropped at the end.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_postgres::{Operation, PostgresOptions, PostgresStore, TxExecution};
+use sqlx::{AssertSqlSafe, PgPool};
+
+use crate::measure::{Samples, per_second, rate};
+
+const KEYS_PER_CALLER: usize = 1024;
+const SCHEMA: &str = "idempotency_bench";
+
+pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(run_async(window, rounds))
+}
+
+async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
+    let url =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let table = format!("records_{}", std::process::id());
+    let options = PostgresOptions::from_url(&url)
+        .and_then(|o| o.schema(SCHEMA))
+        .and_then(|o| o.table(&table))
+        .map_err(|e| e.to_string())?
+        .max_connections(64);
+    let store = PostgresStore::connect_with(options)
+        .await
+        .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
+    let business = format!("{SCHEMA}.charges_{}", std::process::id());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id bigserial PRIMARY KEY, key text NOT NULL, cents int NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await
+    .map_err(|e| e.to_string())?;
+
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, setting FROM pg_settings WHERE name IN
+         ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
+         ORDER BY name",
+    )
+    .fetch_all(store.pool())
+    .await
+    .map_err(|e| e.to_string())?;
+    println!("\n## PostgreSQL store vs the same SQL on the same pool: begin→complete cycles/s\n");
+    println!(
+        "Server settings: {}; pool of 64 connections.\n",
+        settings
+            .iter()
+            .map(|(n, v)| format!("{n}={v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("| callers | store | raw SQL | store / raw | store min–max | raw min–max |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for callers in [1usize, 16, 64] {
+        let rates = alternate_async(rounds, 2, |variant| {
+            measure(&store, callers, Cycle::of(variant), window)
+        })
+        .await?;
+        let (ours, raw) = (&rates[0], &rates[1]);
+        println!(
+            "| {callers} | {} | {} | {:.2} | {} | {} |",
+            per_second(ours.median),
+            per_second(raw.median),
+            ours.median / raw.median,
+            ours.spread(),
+            raw.spread()
+        );
+    }
+
+    println!("\n## Same-transaction cycle vs the bare business transaction (transactions/s)\n");
+    println!("| callers | with the record | business only | ratio | with min–max | business min–max |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let business: Arc<str> = business.into();
+    for callers in [1usize, 16] {
+        let rates = alternate_async(rounds, 2, |variant| {
+            let cycle = if variant == 0 {
+                Cycle::SameTransaction(Arc::clone(&business))
+            } else {
+                Cycle::BusinessOnly(Arc::clone(&business))
+            };
+            measure(&store, callers, cycle, window)
+        })
+        .await?;
+        let (ours, bare) = (&rates[0], &rates[1]);
+        println!(
+            "| {callers} | {} | {} | {:.2} | {} | {} |",
+            per_second(ours.median),
+            per_second(bare.median),
+            ours.median / bare.median,
+            ours.spread(),
+            bare.spread()
+        );
+    }
+
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE {business}; DROP TABLE {}",
+        store.table()
+    )))
+    .execute(store.pool())
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// [`crate::measure::alternate`] for asynchronous measurements.
+async fn alternate_async<F, Fut>(
+    rounds: usize,
+    variants: usize,
+    mut measure: F,
+) -> Result<Vec<Samples>, String>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = Result<f64, String>>,
+{
+    let mut results = vec![Vec::new(); variants];
+    for _ in 0..rounds {
+        for (variant, samples) in results.iter_mut().enumerate() {
+            samples.push(measure(variant).await?);
+        }
+    }
+    Ok(results.into_iter().map(Samples::of).collect())
+}
+
+#[derive(Clone)]
+enum Cycle {
+    Store,
+    RawSql,
+    SameTransaction(Arc<str>),
+    BusinessOnly(Arc<str>),
+}
+
+impl Cycle {
+    fn of(variant: usize) -> Self {
+        if variant == 0 { Self::Store } else { Self::RawSql }
+    }
+}
+
+async fn measure(
+    store: &PostgresStore,
+    callers: usize,
+    cycle: Cycle,
+    window: Duration,
+) -> Result<f64, String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let cycles = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..callers)
+        .map(|caller| {
+            let (store, stop, cycles, cycle) = (
+                store.clone(),
+                Arc::clone(&stop),
+                Arc::clone(&cycles),
+                cycle.clone(),
+            );
+            tokio::spawn(async move {
+                let scope = Scope::new(format!("bench-{caller}")).expect("scope");
+                let keys: Vec<Key> = (0..KEYS_PER_CALLER)
+                    .map(|i| Key::new(format!("key-{i}")).expect("key"))
+                    .collect();
+                let mut next = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let key = &keys[next % KEYS_PER_CALLER];
+                    next += 1;
+                    match &cycle {
+                        Cycle::Store => store_cycle(&store, &scope, key).await?,
+                        Cycle::RawSql => raw_cycle(&store, &scope, key).await?,
+                        Cycle::SameTransaction(table) => {
+                            same_transaction_cycle(&store, table, &scope, key).await?;
+                        }
+                        Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, key).await?,
+                    }
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), String>(())
+            })
+        })
+        .collect();
+    tokio::time::sleep(window).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.map_err(|e| e.to_string())??;
+    }
+    Ok(rate(cycles.load(Ordering::Relaxed), started.elapsed()))
+}
+
+fn request(scope: &Scope, key: &Key) -> BeginRequest {
+    // Zero retention: the next cycle on this key finds the record expired and claims it anew.
+    BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO)
+}
+
+async fn store_cycle(store: &PostgresStore, scope: &Scope, key: &Key) -> Result<(), String> {
+    let request = request(scope, key);
+    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
+        return Err("a cycle did not acquire".into());
+    };
+    let done = store
+        .complete(scope, key, token, Outcome::empty(), Duration::ZERO)
+        .await
+        .map_err(|e| e.to_string())?;
+    if done.is_lease_lost() {
+        return Err("complete lost its lease".into());
+    }
+    Ok(())
+}
+
+/// The store's two statements, bound with the same values, on the same pool.
+async fn raw_cycle(store: &PostgresStore, scope: &Scope, key: &Key) -> Result<(), String> {
+    let token = Token::random().to_bytes();
+    let fingerprint = Fingerprint::of_bytes(b"payload");
+    sqlx::query(AssertSqlSafe(store.sql(Operation::Begin).to_owned()))
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .bind(&fingerprint.as_bytes()[..])
+        .bind(&token[..])
+        .bind(60_000_i64)
+        .bind(0_i64)
+        .fetch_optional(store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+    sqlx::query(AssertSqlSafe(store.sql(Operation::Complete).to_owned()))
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .bind(&token[..])
+        .bind(&[0u8; 0][..])
+        .bind(0_i64)
+        .fetch_optional(store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn same_transaction_cycle(
+    store: &PostgresStore,
+    table: &Arc<str>,
+    scope: &Scope,
+    key: &Key,
+) -> Result<(), String> {
+    let table = Arc::clone(table);
+    let run = store
+        .run_in_transaction(request(scope, key), move |tx, attempt| {
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
+                )))
+                .bind(attempt.key.as_str())
+                .execute(&mut **tx)
+                .await?;
+                Ok::<_, sqlx::Error>(((), Outcome::empty()))
+            })
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    match run {
+        TxExecution::Executed { .. } => Ok(()),
+        other => Err(format!("a same-transaction cycle did not execute: {other:?}")),
+    }
+}
+
+/// The business transaction alone: BEGIN, the same insert, COMMIT.
+async fn business_cycle(pool: &PgPool, table: &str, key: &Key) -> Result<(), String> {
+    let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
+    )))
+    .bind(key.as_str())
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| e.to_string())?;
+    tx.commit().await.map_err(|e| e.to_string())
+}
