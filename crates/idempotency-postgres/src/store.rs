@@ -48,7 +48,7 @@ const BEGIN_TRIES: u32 = 8;
 /// The PostgreSQL store. Clones share the pool.
 ///
 /// Every operation is one statement (one round trip) decided by the server under the row lock,
-/// with the server's `now()`; see [`crate::sql`]-built statements in the crate docs.
+/// with the server's `now()`; [`PostgresStore::sql`] shows each statement.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,

@@ -7,7 +7,7 @@
 //! record is claimed inside the business transaction, the business rows are written, and the
 //! completion commits with them — all or nothing.
 //!
-//! * The claim is the same single-statement upsert as [`PostgresStore::begin`]; inside the
+//! * The claim is the same single-statement upsert as [`Store::begin`](idempotency_core::Store::begin); inside the
 //!   transaction it takes the row lock. A concurrent duplicate's claim **waits on that lock**
 //!   and, once this transaction commits, sees the completed record and gets the replay; if this
 //!   transaction rolls back, the duplicate claims the key and runs.
