@@ -96,4 +96,11 @@ pub trait Harness: Send + Sync + fmt::Debug {
 
     /// How store time passes for the stores this harness makes.
     fn time(&self) -> TimeControl;
+
+    /// Whether the store deletes expired records by itself (Redis key expiry), so that none is
+    /// ever counted as expired and `purge_expired` has nothing to do. The purge case then checks
+    /// that the expired records are gone instead of purging them.
+    fn expires_by_itself(&self) -> bool {
+        false
+    }
 }

@@ -1,0 +1,605 @@
+//! The store: a multiplexed connection (single node) or a cluster connection, and the scripts.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_core::{
+    BeginRequest, Claim, Completed, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record,
+    RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
+    duration_millis,
+};
+use redis::Value;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use sha2::{Digest, Sha256};
+
+use crate::error::map_error;
+use crate::scripts;
+
+/// How many keys `stats` and `list` read per batch while scanning.
+const SCAN_BATCH: usize = 500;
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+struct Scripts {
+    begin: redis::Script,
+    complete: redis::Script,
+    release: redis::Script,
+    extend: redis::Script,
+    get: redis::Script,
+}
+
+/// The Redis store. Clones share the connection.
+///
+/// See the [crate docs](crate) for the data layout, the guarantees and the durability trade-off.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: Connection,
+    /// For scanning a cluster: one node address to ask for the topology.
+    nodes: Arc<Vec<redis::ConnectionInfo>>,
+    prefix: Arc<str>,
+    scripts: Arc<Scripts>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field(
+                "mode",
+                &match self.connection {
+                    Connection::Single(_) => "single",
+                    Connection::Cluster(_) => "cluster",
+                },
+            )
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to one Redis server (`redis://[user:password@]host:port[/db]`, or `rediss://`).
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL or rejected credentials,
+    /// [`ErrorKind::Unavailable`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let info = parse_url(url)?;
+        let client = redis::Client::open(info.clone()).map_err(|e| map_error("open the Redis client", e))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_number_of_retries(1);
+        let manager = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| map_error("connect to Redis", e))?;
+        Ok(Self::with(Connection::Single(manager), vec![info]))
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes.
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStore::connect`].
+    pub async fn connect_cluster<S: AsRef<str>>(urls: &[S]) -> Result<Self, StoreError> {
+        let infos = urls
+            .iter()
+            .map(|u| parse_url(u.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if infos.is_empty() {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                "a Redis Cluster needs at least one node URL",
+            ));
+        }
+        let client = redis::cluster::ClusterClientBuilder::new(infos.clone())
+            .connection_timeout(Duration::from_secs(2))
+            .response_timeout(Duration::from_secs(5))
+            .retries(2)
+            .build()
+            .map_err(|e| map_error("configure the Redis Cluster client", e))?;
+        let connection = client
+            .get_async_connection()
+            .await
+            .map_err(|e| map_error("connect to the Redis Cluster", e))?;
+        Ok(Self::with(Connection::Cluster(connection), infos))
+    }
+
+    fn with(connection: Connection, nodes: Vec<redis::ConnectionInfo>) -> Self {
+        Self {
+            connection,
+            nodes: Arc::new(nodes),
+            prefix: Arc::from("idem:"),
+            scripts: Arc::new(Scripts {
+                begin: redis::Script::new(&scripts::begin()),
+                complete: redis::Script::new(&scripts::complete()),
+                release: redis::Script::new(&scripts::release()),
+                extend: redis::Script::new(&scripts::extend()),
+                get: redis::Script::new(&scripts::get()),
+            }),
+        }
+    }
+
+    /// Sets the prefix of every record key (default `idem:`), to share a server between
+    /// applications or environments.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] for a prefix with characters other than visible ASCII, or with
+    /// `{` or `}`: a hash tag would put every record in one cluster slot.
+    pub fn prefix(mut self, prefix: &str) -> Result<Self, StoreError> {
+        if let Some(c) = prefix
+            .chars()
+            .find(|c| !c.is_ascii_graphic() || matches!(c, '{' | '}' | '*' | '?' | '['))
+        {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "Redis key prefix {prefix:?} contains {c:?} (visible ASCII only, no braces or glob characters)"
+                ),
+            ));
+        }
+        self.prefix = Arc::from(prefix);
+        Ok(self)
+    }
+
+    /// The Redis key of a record: the prefix, 16 hex digits of SHA-256 over the scope, `:`, and
+    /// 32 hex digits of SHA-256 over the length-prefixed scope and key. The scope part lets
+    /// `stats` and `list` for one scope scan only that scope's keys. The raw scope and key are
+    /// kept in the hash for operators.
+    #[must_use]
+    pub fn record_key(&self, scope: &Scope, key: &Key) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update((scope.as_str().len() as u64).to_be_bytes());
+        hasher.update(scope.as_str());
+        hasher.update(key.as_str());
+        let digest = hasher.finalize();
+        let mut out = self.scope_prefix(scope);
+        out.reserve(32);
+        push_hex(&mut out, &digest[..16]);
+        out
+    }
+
+    /// The prefix of every record key of `scope`.
+    fn scope_prefix(&self, scope: &Scope) -> String {
+        let mut out = String::with_capacity(self.prefix.len() + 17 + 32);
+        out.push_str(&self.prefix);
+        push_hex(&mut out, &Sha256::digest(scope.as_str())[..8]);
+        out.push(':');
+        out
+    }
+
+    async fn run(&self, script: &redis::Script, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+        let mut invocation = script.key(key);
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let result = match self.connection.clone() {
+            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await,
+            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
+        };
+        result.map_err(|e| map_error("run a script", e))
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
+        let result = match self.connection.clone() {
+            Connection::Single(mut connection) => command.query_async(&mut connection).await,
+            Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
+        };
+        result.map_err(|e| map_error("query Redis", e))
+    }
+
+    /// Every record key (of one scope, or of all), scanning each master.
+    async fn scan_keys(&self, scope: Option<&Scope>) -> Result<Vec<String>, StoreError> {
+        let pattern = match scope {
+            Some(scope) => format!("{}*", self.scope_prefix(scope)),
+            None => format!("{}*", self.prefix),
+        };
+        let mut keys = HashSet::new();
+        match self.connection.clone() {
+            Connection::Single(mut connection) => scan_node(&mut connection, &pattern, &mut keys).await?,
+            Connection::Cluster(mut connection) => {
+                let nodes: String = redis::cmd("CLUSTER")
+                    .arg("NODES")
+                    .query_async(&mut connection)
+                    .await
+                    .map_err(|e| map_error("read the cluster topology", e))?;
+                let template = self.nodes[0].clone();
+                for address in masters(&nodes) {
+                    let (host, port) = address
+                        .rsplit_once(':')
+                        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+                        .ok_or_else(|| {
+                            StoreError::new(ErrorKind::Protocol, format!("bad node address {address:?}"))
+                        })?;
+                    let info = template.clone().set_addr(redis::ConnectionAddr::Tcp(host, port));
+                    let client = redis::Client::open(info).map_err(|e| map_error("open a node client", e))?;
+                    let mut node = client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(|e| map_error("connect to a cluster node", e))?;
+                    scan_node(&mut node, &pattern, &mut keys).await?;
+                }
+            }
+        }
+        let mut keys: Vec<String> = keys.into_iter().collect();
+        keys.sort_unstable();
+        Ok(keys)
+    }
+
+    /// Every live record (of one scope, or of all), with the server's time; reads in batches of
+    /// concurrent `get`s.
+    async fn all_records(&self, scope: Option<&Scope>) -> Result<(Timestamp, Vec<Record>), StoreError> {
+        let keys = self.scan_keys(scope).await?;
+        let mut records = Vec::with_capacity(keys.len());
+        let mut now = self.server_time().await?;
+        for batch in keys.chunks(SCAN_BATCH) {
+            let reads = batch.iter().map(|key| self.run(&self.scripts.get, key, &[]));
+            for value in futures_util::future::join_all(reads).await {
+                if let Some((at, record)) = decode_get(value?)? {
+                    now = now.max(at);
+                    records.push(record);
+                }
+            }
+        }
+        Ok((now, records))
+    }
+
+    async fn server_time(&self) -> Result<Timestamp, StoreError> {
+        let (seconds, micros): (i64, i64) = self.query(&redis::cmd("TIME")).await?;
+        Ok(Timestamp::from_unix_millis(seconds * 1000 + micros / 1000))
+    }
+}
+
+async fn scan_node<C: ConnectionLike>(
+    connection: &mut C,
+    pattern: &str,
+    keys: &mut HashSet<String>,
+) -> Result<(), StoreError> {
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(connection)
+            .await
+            .map_err(|e| map_error("scan record keys", e))?;
+        keys.extend(batch);
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+/// The `host:port` of every master in `CLUSTER NODES` output.
+fn masters(nodes: &str) -> Vec<String> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let _id = fields.next()?;
+            let address = fields.next()?;
+            let flags = fields.next()?;
+            (flags.split(',').any(|f| f == "master") && !flags.contains("fail"))
+                .then(|| address.split('@').next().unwrap_or(address).to_owned())
+        })
+        .collect()
+}
+
+fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {
+    use redis::IntoConnectionInfo;
+    let scheme = url.split_once("://").map(|(s, _)| s);
+    if !matches!(scheme, Some("redis" | "rediss")) {
+        return Err(StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!("`{}` is not a redis:// URL", redact(url)),
+        ));
+    }
+    url.into_connection_info().map_err(|e| {
+        StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!("malformed Redis URL `{}`: {e}", redact(url)),
+        )
+    })
+}
+
+/// A URL with any password replaced by `***`.
+fn redact(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((userinfo, host)) => {
+                let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+                format!("{scheme}://{user}:***@{host}")
+            }
+            None => url.to_owned(),
+        },
+        None => url.chars().take(24).collect(),
+    }
+}
+
+fn protocol(what: &str) -> StoreError {
+    StoreError::new(
+        ErrorKind::Protocol,
+        format!("unexpected reply from a script: {what}"),
+    )
+}
+
+fn int(value: &Value) -> Result<i64, StoreError> {
+    match value {
+        Value::Int(n) => Ok(*n),
+        Value::BulkString(bytes) => std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| protocol("a number that does not parse")),
+        other => Err(protocol(&format!("expected a number, got {other:?}"))),
+    }
+}
+
+fn bytes(value: &Value) -> Result<Option<&[u8]>, StoreError> {
+    match value {
+        Value::Nil => Ok(None),
+        Value::BulkString(bytes) => Ok(Some(bytes)),
+        Value::SimpleString(s) => Ok(Some(s.as_bytes())),
+        other => Err(protocol(&format!("expected a string, got {other:?}"))),
+    }
+}
+
+fn text(value: &Value) -> Result<&str, StoreError> {
+    bytes(value)?
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .ok_or_else(|| protocol("a missing or non-UTF-8 field"))
+}
+
+fn array(value: Value) -> Result<Vec<Value>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(protocol(&format!("expected an array, got {other:?}"))),
+    }
+}
+
+fn ms(value: &Value) -> Result<Timestamp, StoreError> {
+    int(value).map(Timestamp::from_unix_millis)
+}
+
+fn hex_token(value: &Value) -> Result<Token, StoreError> {
+    let hex = text(value)?;
+    u128::from_str_radix(hex, 16)
+        .map(Token::from_u128)
+        .map_err(|_| protocol("a token that is not 32 hex digits"))
+}
+
+fn hex_fingerprint(value: &Value) -> Result<Fingerprint, StoreError> {
+    let hex = text(value)?;
+    let mut digest = [0u8; 32];
+    if hex.len() != 64 {
+        return Err(protocol("a fingerprint that is not 64 hex digits"));
+    }
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|_| protocol("a fingerprint with a non-hex digit"))?;
+    }
+    Ok(Fingerprint::from_digest(digest))
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for &byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0x0F)]));
+    }
+}
+
+fn token_hex(token: Token) -> String {
+    format!("{:032x}", token.as_u128())
+}
+
+/// Decodes the `get` script's reply: `None` for an absent or expired record.
+fn decode_get(value: Value) -> Result<Option<(Timestamp, Record)>, StoreError> {
+    let fields = array(value)?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    if fields.len() != 13 {
+        return Err(protocol("a record with the wrong number of fields"));
+    }
+    let now = ms(&fields[0])?;
+    let scope = Scope::new(text(&fields[1])?).map_err(|e| protocol(&format!("an invalid scope ({e})")))?;
+    let key = Key::new(text(&fields[2])?).map_err(|e| protocol(&format!("an invalid key ({e})")))?;
+    let token = hex_token(&fields[7])?;
+    let state = match text(&fields[8])? {
+        "f" => RecordState::InFlight {
+            token,
+            acquired_at: ms(&fields[9])?,
+            lease_until: ms(&fields[10])?,
+        },
+        "c" => RecordState::Completed {
+            token,
+            outcome: Outcome::new(bytes(&fields[12])?.unwrap_or_default().to_vec()),
+            completed_at: ms(&fields[11])?,
+        },
+        other => return Err(protocol(&format!("an unknown state {other:?}"))),
+    };
+    let attempt = u32::try_from(int(&fields[4])?).map_err(|_| protocol("an attempt out of range"))?;
+    Ok(Some((
+        now,
+        Record {
+            scope,
+            key,
+            fingerprint: hex_fingerprint(&fields[3])?,
+            attempt,
+            created_at: ms(&fields[5])?,
+            expires_at: ms(&fields[6])?,
+            state,
+        },
+    )))
+}
+
+fn attempt_of(value: &Value) -> Result<u32, StoreError> {
+    u32::try_from(int(value)?).map_err(|_| protocol("an attempt out of range"))
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        let key = self.record_key(&request.scope, &request.key);
+        let fingerprint = request.fingerprint.to_hex();
+        let token = token_hex(request.token);
+        let lease = duration_millis(request.lease).to_string();
+        let retention = duration_millis(request.retention).to_string();
+        let reply = self
+            .run(
+                &self.scripts.begin,
+                &key,
+                &[
+                    request.scope.as_str().as_bytes(),
+                    request.key.as_str().as_bytes(),
+                    fingerprint.as_bytes(),
+                    token.as_bytes(),
+                    lease.as_bytes(),
+                    retention.as_bytes(),
+                ],
+            )
+            .await?;
+        let fields = array(reply)?;
+        let tag = fields.first().map(text).transpose()?.unwrap_or_default();
+        match (tag, fields.len()) {
+            ("acquired", 4) => {
+                let attempt = attempt_of(&fields[1])?;
+                Ok(Claim::Acquired {
+                    token: request.token,
+                    attempt,
+                    recovered: attempt > 1,
+                    lease_until: ms(&fields[2])?,
+                })
+            }
+            ("in_flight", 4) => Ok(Claim::InFlight {
+                attempt: attempt_of(&fields[1])?,
+                retry_after: Duration::from_millis(u64::try_from(int(&fields[2])?).unwrap_or(1)),
+            }),
+            ("replay", 6) => Ok(Claim::Replay(Completed {
+                attempt: attempt_of(&fields[1])?,
+                completed_at: ms(&fields[2])?,
+                expires_at: ms(&fields[3])?,
+                outcome: Outcome::new(bytes(&fields[4])?.unwrap_or_default().to_vec()),
+            })),
+            ("mismatch", 2) => Ok(Claim::Mismatch),
+            _ => Err(protocol(&format!("begin answered {fields:?}"))),
+        }
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        outcome: Outcome,
+        retention: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        let retention = duration_millis(retention).to_string();
+        let reply = self
+            .run(
+                &self.scripts.complete,
+                &self.record_key(scope, key),
+                &[
+                    token_hex(token).as_bytes(),
+                    outcome.as_bytes(),
+                    retention.as_bytes(),
+                ],
+            )
+            .await?;
+        fenced(reply)
+    }
+
+    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let reply = self
+            .run(
+                &self.scripts.release,
+                &self.record_key(scope, key),
+                &[token_hex(token).as_bytes()],
+            )
+            .await?;
+        Ok(if int(&reply)? == 1 {
+            Fenced::Accepted(())
+        } else {
+            Fenced::LeaseLost
+        })
+    }
+
+    async fn extend(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        let lease = duration_millis(lease).to_string();
+        let reply = self
+            .run(
+                &self.scripts.extend,
+                &self.record_key(scope, key),
+                &[token_hex(token).as_bytes(), lease.as_bytes()],
+            )
+            .await?;
+        fenced(reply)
+    }
+
+    async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+        let reply = self
+            .run(&self.scripts.get, &self.record_key(scope, key), &[])
+            .await?;
+        Ok(decode_get(reply)?.map(|(_, record)| record))
+    }
+}
+
+fn fenced(reply: Value) -> Result<Fenced<Timestamp>, StoreError> {
+    let fields = array(reply)?;
+    match fields.as_slice() {
+        [ok, at] if int(ok)? == 1 => Ok(Fenced::Accepted(ms(at)?)),
+        [not] if int(not)? == 0 => Ok(Fenced::LeaseLost),
+        other => Err(protocol(&format!("{other:?}"))),
+    }
+}
+
+/// Inspection scans the record keys (`SCAN MATCH` on each master, in steps of 1000: the scope's
+/// keys when a scope is given, else every key under the prefix) and reads the matching records in
+/// concurrent batches. The server walks its whole keyspace either way; only matching records
+/// cross the network. No index has to be kept consistent.
+#[async_trait]
+impl StoreAdmin for RedisStore {
+    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+        let (now, records) = self.all_records(scope).await?;
+        let mut stats = Stats::default();
+        for record in records.iter().filter(|r| scope.is_none_or(|s| &r.scope == s)) {
+            stats.count(record, now);
+        }
+        Ok(stats)
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+        let (now, records) = self.all_records(filter.scope.as_ref()).await?;
+        let mut found: Vec<RecordSummary> = records
+            .iter()
+            .filter(|record| filter.matches(record, now))
+            .map(Record::summary)
+            .collect();
+        found.sort_unstable_by(|a, b| (&a.scope, &a.key).cmp(&(&b.scope, &b.key)));
+        found.truncate(filter.limit);
+        Ok(found)
+    }
+
+    /// Redis deletes expired records by itself (`PEXPIREAT`): there is never anything to purge.
+    async fn purge_expired(&self, _limit: u64) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}

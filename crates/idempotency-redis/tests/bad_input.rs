@@ -1,0 +1,150 @@
+//! Bad input gets a clear, typed error: malformed URLs, an unreachable server, a value of the
+//! wrong type (or another application's hash) at a record's key, an unsafe key prefix.
+
+mod common;
+
+use idempotency_core::{BeginRequest, ErrorKind, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_redis::RedisStore;
+
+#[tokio::test]
+async fn malformed_urls_are_invalid_config() {
+    for url in [
+        "",
+        "127.0.0.1:6379",
+        "postgres://u:secret@h/db",
+        "redis://h:notaport",
+        "redis://u:secret@[::1",
+    ] {
+        let error = RedisStore::connect(url).await.expect_err(url);
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}: {error}");
+        assert!(!error.to_string().contains("secret"), "password echoed: {error}");
+    }
+    let error = RedisStore::connect_cluster::<&str>(&[]).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidConfig);
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_retryable() {
+    // Port 1 on loopback: nothing listens there.
+    let error = RedisStore::connect("redis://127.0.0.1:1").await.unwrap_err();
+    assert!(error.is_retryable(), "{error}");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+}
+
+#[tokio::test]
+async fn unsafe_prefixes_are_refused() {
+    let store = common::single().await;
+    for prefix in ["{tag}:", "a b", "idem*", "x?", "é:"] {
+        let error = store.clone().prefix(prefix).map(|_| ()).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{prefix:?}");
+    }
+}
+
+async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore, raw: redis::Client) {
+    let scope = Scope::global();
+    let key = Key::generate();
+    let record_key = store.record_key(&scope, &key);
+    let mut connection = raw.get_multiplexed_async_connection().await.unwrap();
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"x"));
+
+    // A string where a record should be.
+    let _: () = redis::cmd("SET")
+        .arg(&record_key)
+        .arg("someone else's data")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    for error in [
+        store.begin(&request).await.unwrap_err(),
+        store.get(&scope, &key).await.unwrap_err(),
+        store
+            .complete(
+                &scope,
+                &key,
+                Token::random(),
+                Outcome::empty(),
+                std::time::Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
+        assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+        assert!(!error.is_retryable());
+    }
+    let kept: String = redis::cmd("GET")
+        .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        kept, "someone else's data",
+        "the foreign value must not be overwritten"
+    );
+
+    // A hash that is not a record.
+    let _: () = redis::cmd("DEL")
+        .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&record_key)
+        .arg("owner")
+        .arg("billing")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let error = store.begin(&request).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
+    assert!(error.to_string().contains("not an idempotency record"), "{error}");
+    let owner: String = redis::cmd("HGET")
+        .arg(&record_key)
+        .arg("owner")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(owner, "billing");
+    let _: () = redis::cmd("DEL")
+        .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_foreign_value_at_the_record_key_is_refused_on_a_single_server() {
+    let raw = redis::Client::open(common::redis_url()).unwrap();
+    a_foreign_value_at_the_record_key_is_refused_and_kept(common::single().await, raw).await;
+}
+
+#[tokio::test]
+async fn a_foreign_value_at_the_record_key_is_refused_on_a_cluster() {
+    let store = common::cluster().await;
+    // The cluster client writes the foreign value on whichever master owns the key's slot.
+    let raw = redis::cluster::ClusterClient::new(common::cluster_urls()).unwrap();
+    let scope = Scope::global();
+    let key = Key::generate();
+    let record_key = store.record_key(&scope, &key);
+    let mut connection = raw.get_async_connection().await.unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&record_key)
+        .arg("foreign")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"x"));
+    let error = store.begin(&request).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
+    let kept: String = redis::cmd("GET")
+        .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(kept, "foreign");
+    let _: () = redis::cmd("DEL")
+        .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+}

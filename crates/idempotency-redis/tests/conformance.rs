@@ -1,0 +1,56 @@
+//! The Redis store passes the conformance suite and the model-based property test, on a single
+//! server and on a three-master Redis Cluster (server clock: real time, short leases).
+
+mod common;
+
+use idempotency_redis::RedisStore;
+use idempotency_testkit::{Harness, TimeControl};
+
+#[derive(Debug)]
+struct SingleHarness;
+
+#[async_trait::async_trait]
+impl Harness for SingleHarness {
+    type Store = RedisStore;
+
+    async fn store(&self) -> RedisStore {
+        common::single().await
+    }
+
+    fn time(&self) -> TimeControl {
+        TimeControl::real()
+    }
+
+    fn expires_by_itself(&self) -> bool {
+        true
+    }
+}
+
+idempotency_testkit::conformance_suite!(SingleHarness);
+
+/// The same suite on a three-master Redis Cluster: records land in every slot range.
+mod cluster {
+    use super::*;
+
+    #[derive(Debug)]
+    struct ClusterHarness;
+
+    #[async_trait::async_trait]
+    impl Harness for ClusterHarness {
+        type Store = RedisStore;
+
+        async fn store(&self) -> RedisStore {
+            common::cluster().await
+        }
+
+        fn time(&self) -> TimeControl {
+            TimeControl::real()
+        }
+
+        fn expires_by_itself(&self) -> bool {
+            true
+        }
+    }
+
+    idempotency_testkit::conformance_suite!(ClusterHarness);
+}
