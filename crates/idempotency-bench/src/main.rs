@@ -6,13 +6,14 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 mod measure;
 mod memory;
 mod postgres;
+mod redis;
 mod sqlite;
 
 use std::process::ExitCode;
@@ -26,7 +27,7 @@ struct Settings {
     rounds: usize,
 }
 
-const TARGETS: [&str; 3] = ["memory", "sqlite", "postgres"];
+const TARGETS: [&str; 4] = ["memory", "sqlite", "postgres", "redis"];
 
 fn parse_args() -> Result<Settings, String> {
     let mut settings = Settings {
@@ -72,7 +73,7 @@ fn main() -> ExitCode {
             if !message.is_empty() {
                 eprintln!("idem-bench: {message}");
             }
-            eprintln!("usage: idem-bench [memory|sqlite|postgres|all]... [--seconds S] [--rounds R]");
+            eprintln!("usage: idem-bench [memory|sqlite|postgres|redis|all]... [--seconds S] [--rounds R]");
             return if message.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -92,6 +93,7 @@ fn main() -> ExitCode {
             "memory" => memory::run(window, settings.rounds),
             "sqlite" => sqlite::run(window, settings.rounds),
             "postgres" => postgres::run(window, settings.rounds),
+            "redis" => redis::run(window, settings.rounds),
             _ => unreachable!("targets are validated"),
         };
         if let Err(error) = result {

@@ -93,3 +93,62 @@ pub(crate) fn per_second(rate: f64) -> String {
     }
     out
 }
+
+/// Cycles per second of `callers` concurrent tasks, each calling `cycle(caller, n)` for
+/// `n = 0, 1, …` until `window` has passed.
+pub(crate) async fn cycles_per_second<F, Fut>(
+    callers: usize,
+    window: Duration,
+    cycle: F,
+) -> Result<f64, String>
+where
+    F: Fn(usize, usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), String>> + Send + 'static,
+{
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let cycle = Arc::new(cycle);
+    let stop = Arc::new(AtomicBool::new(false));
+    let cycles = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..callers)
+        .map(|caller| {
+            let (cycle, stop, cycles) = (Arc::clone(&cycle), Arc::clone(&stop), Arc::clone(&cycles));
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    cycle(caller, n).await?;
+                    n += 1;
+                    cycles.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), String>(())
+            })
+        })
+        .collect();
+    tokio::time::sleep(window).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.map_err(|e| e.to_string())??;
+    }
+    Ok(rate(cycles.load(Ordering::Relaxed), started.elapsed()))
+}
+
+/// [`alternate`] for asynchronous measurements.
+pub(crate) async fn alternate_async<F, Fut>(
+    rounds: usize,
+    variants: usize,
+    mut measure: F,
+) -> Result<Vec<Samples>, String>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = Result<f64, String>>,
+{
+    let mut results = vec![Vec::new(); variants];
+    for _ in 0..rounds {
+        for (variant, samples) in results.iter_mut().enumerate() {
+            samples.push(measure(variant).await?);
+        }
+    }
+    Ok(results.into_iter().map(Samples::of).collect())
+}

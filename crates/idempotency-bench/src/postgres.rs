@@ -13,7 +13,7 @@ use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, St
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore, TxExecution};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::measure::{Samples, per_second, rate};
+use crate::measure::{alternate_async, per_second, rate};
 
 const KEYS_PER_CALLER: usize = 1024;
 const SCHEMA: &str = "idempotency_bench";
@@ -115,25 +115,6 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     .await
     .map_err(|e| e.to_string())?;
     Ok(())
-}
-
-/// [`crate::measure::alternate`] for asynchronous measurements.
-async fn alternate_async<F, Fut>(
-    rounds: usize,
-    variants: usize,
-    mut measure: F,
-) -> Result<Vec<Samples>, String>
-where
-    F: FnMut(usize) -> Fut,
-    Fut: Future<Output = Result<f64, String>>,
-{
-    let mut results = vec![Vec::new(); variants];
-    for _ in 0..rounds {
-        for (variant, samples) in results.iter_mut().enumerate() {
-            samples.push(measure(variant).await?);
-        }
-    }
-    Ok(results.into_iter().map(Samples::of).collect())
 }
 
 #[derive(Clone)]

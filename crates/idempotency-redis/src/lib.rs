@@ -56,4 +56,4 @@ mod error;
 mod scripts;
 mod store;
 
-pub use store::RedisStore;
+pub use store::{Connection, Operation, RedisStore};

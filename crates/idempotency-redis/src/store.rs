@@ -22,10 +22,68 @@ use crate::scripts;
 /// How many keys `stats` and `list` read per batch while scanning.
 const SCAN_BATCH: usize = 500;
 
+/// The store's connection: a multiplexed connection manager to one server, or a cluster
+/// connection. Clones share it. It implements [`ConnectionLike`], so the application can run its
+/// own commands on it ([`RedisStore::connection`]).
 #[derive(Clone)]
-enum Connection {
+pub enum Connection {
+    /// One server, through a reconnecting multiplexed connection.
     Single(ConnectionManager),
+    /// A Redis Cluster.
     Cluster(ClusterConnection),
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Single(_) => "Connection::Single",
+            Self::Cluster(_) => "Connection::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Self::Single(connection) => connection.req_packed_command(cmd),
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(connection) => connection.req_packed_commands(cmd, offset, count),
+            Self::Cluster(connection) => connection.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(connection) => connection.get_db(),
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+/// An operation whose script [`RedisStore::script`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Operation {
+    /// `begin`: ARGV scope, key, fingerprint (hex), token (hex), lease ms, retention ms.
+    Begin,
+    /// `complete`: ARGV token (hex), outcome, retention ms.
+    Complete,
+    /// `release`: ARGV token (hex).
+    Release,
+    /// `extend`: ARGV token (hex), lease ms.
+    Extend,
+    /// `get`: no ARGV.
+    Get,
 }
 
 struct Scripts {
@@ -176,24 +234,42 @@ impl RedisStore {
         out
     }
 
+    /// The store's connection, to run the application's own commands on it.
+    #[must_use]
+    pub fn connection(&self) -> Connection {
+        self.connection.clone()
+    }
+
+    /// The Lua script behind `operation` (for review, `SCRIPT LOAD`, or issuing it directly:
+    /// the benchmark's baseline does). Each takes the record key ([`RedisStore::record_key`]) as
+    /// its only key.
+    #[must_use]
+    pub fn script(&self, operation: Operation) -> &redis::Script {
+        match operation {
+            Operation::Begin => &self.scripts.begin,
+            Operation::Complete => &self.scripts.complete,
+            Operation::Release => &self.scripts.release,
+            Operation::Extend => &self.scripts.extend,
+            Operation::Get => &self.scripts.get,
+        }
+    }
+
     async fn run(&self, script: &redis::Script, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
         let mut invocation = script.key(key);
         for arg in args {
             invocation.arg(*arg);
         }
-        let result = match self.connection.clone() {
-            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await,
-            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
-        };
-        result.map_err(|e| map_error("run a script", e))
+        invocation
+            .invoke_async(&mut self.connection.clone())
+            .await
+            .map_err(|e| map_error("run a script", e))
     }
 
     async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
-        let result = match self.connection.clone() {
-            Connection::Single(mut connection) => command.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
-        };
-        result.map_err(|e| map_error("query Redis", e))
+        command
+            .query_async(&mut self.connection.clone())
+            .await
+            .map_err(|e| map_error("query Redis", e))
     }
 
     /// Every record key (of one scope, or of all), scanning each master.
