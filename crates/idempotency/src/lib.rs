@@ -13,6 +13,7 @@
 //! |---|---|
 //! | `sqlite` | [`sqlite::SqliteStore`], the embedded durable store (`sqlite://` URLs) |
 //! | `postgres` | [`postgres::PostgresStore`] (`postgres://` URLs), with same-transaction mode |
+//! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -47,6 +48,10 @@ pub use idempotency_sqlite as sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotency_postgres as postgres;
 
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use idempotency_redis as redis;
+
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use idempotency_testkit as testkit;
@@ -59,7 +64,9 @@ pub type DynStore = Arc<dyn StoreAdmin>;
 /// * `memory://` — a [`MemoryStore`] (nothing survives the process);
 /// * `sqlite://PATH`, `sqlite::memory:` — the SQLite store (feature `sqlite`);
 /// * `postgres://…`, `postgresql://…` — the PostgreSQL store on its default table, created if
-///   missing (feature `postgres`).
+///   missing (feature `postgres`);
+/// * `redis://host:port`, `rediss://…` — the Redis store on one server; `redis-cluster://h1:p1,h2:p2`
+///   — on a Redis Cluster, through any of the listed nodes (feature `redis`).
 ///
 /// # Errors
 ///
@@ -85,24 +92,42 @@ pub async fn open(url: &str) -> Result<DynStore, StoreError> {
         "postgres" | "postgresql" => Ok(Arc::new(postgres::PostgresStore::connect(url).await?)),
         #[cfg(not(feature = "postgres"))]
         "postgres" | "postgresql" => Err(not_compiled_in("postgres")),
-        "redis" | "rediss" | "mysql" | "mariadb" => Err(StoreError::new(
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => Ok(Arc::new(redis::RedisStore::connect(url).await?)),
+        #[cfg(feature = "redis")]
+        "redis-cluster" => {
+            let nodes: Vec<String> = url
+                .trim_start_matches("redis-cluster://")
+                .split(',')
+                .filter(|node| !node.is_empty())
+                .map(|node| format!("redis://{node}"))
+                .collect();
+            Ok(Arc::new(redis::RedisStore::connect_cluster(&nodes).await?))
+        }
+        #[cfg(not(feature = "redis"))]
+        "redis" | "rediss" | "redis-cluster" => Err(not_compiled_in("redis")),
+        "mysql" | "mariadb" => Err(StoreError::new(
             ErrorKind::InvalidConfig,
             format!(
-                "there is no `{scheme}` store in this version yet (available: memory://, sqlite://, postgres://)"
+                "there is no `{scheme}` store in this version yet (available: memory://, sqlite://, postgres://, redis://)"
             ),
         )),
         "" => Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("`{url}` is not a store URL (expected memory://, sqlite://PATH or postgres://…)"),
+            format!(
+                "`{url}` is not a store URL (expected memory://, sqlite://PATH, postgres://… or redis://…)"
+            ),
         )),
         other => Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("unknown store URL scheme `{other}` (expected memory://, sqlite://PATH or postgres://…)"),
+            format!(
+                "unknown store URL scheme `{other}` (expected memory://, sqlite://PATH, postgres://… or redis://…)"
+            ),
         )),
     }
 }
 
-#[cfg(not(all(feature = "sqlite", feature = "postgres")))]
+#[cfg(not(all(feature = "sqlite", feature = "postgres", feature = "redis")))]
 fn not_compiled_in(feature: &str) -> StoreError {
     StoreError::new(
         ErrorKind::InvalidConfig,
@@ -129,7 +154,7 @@ mod tests {
             ("idem.db", "is not a store URL"),
             ("memory://extra", "takes no path"),
             ("ftp://host/x", "unknown store URL scheme `ftp`"),
-            ("redis://localhost:6379", "no `redis` store in this version"),
+            ("mysql://root@localhost/test", "no `mysql` store in this version"),
         ];
         for (url, expected) in cases {
             let error = open(url).await.map(|_| ()).unwrap_err();
@@ -180,6 +205,33 @@ mod tests {
             .release(&request.scope, &request.key, request.token)
             .await
             .unwrap();
+    }
+
+    #[cfg(feature = "redis")]
+    #[tokio::test]
+    async fn opens_the_redis_stores_by_url() {
+        let single = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let cluster = "redis-cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002";
+        for url in [single.as_str(), cluster] {
+            let store = open(url)
+                .await
+                .unwrap_or_else(|e| panic!("Redis at {url} is needed for this test: {e}"));
+            let request = BeginRequest::new(
+                Scope::new("facade-test").unwrap(),
+                Key::generate(),
+                Fingerprint::of_bytes(b""),
+            );
+            assert!(
+                matches!(store.begin(&request).await.unwrap(), Claim::Acquired { .. }),
+                "{url}"
+            );
+            let _ = store
+                .release(&request.scope, &request.key, request.token)
+                .await
+                .unwrap();
+        }
+        let error = open("redis-cluster://").await.map(|_| ()).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{error}");
     }
 
     #[cfg(not(feature = "sqlite"))]
