@@ -1,0 +1,230 @@
+//! The layer and its configuration.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+use idempotency_core::{FingerprintMode, Guard, Scope, Store};
+use tower::Layer;
+
+use crate::service::IdempotencyService;
+
+type ScopeFn = Arc<dyn Fn(&Parts) -> Scope + Send + Sync>;
+type FinalFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+/// What the layer does, shared by every service it makes.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) max_body: usize,
+    pub(crate) max_response: usize,
+    pub(crate) scope: ScopeFn,
+    pub(crate) fingerprint: FingerprintMode,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) is_final: FinalFn,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) fail_open: bool,
+    pub(crate) allowed_headers: Vec<HeaderName>,
+}
+
+/// The default outcome policy (SPEC §5): 2xx and 4xx are final and stored, except 408, 409, 425
+/// and 429; 1xx, 3xx and 5xx release the key so that a retry runs again.
+///
+/// 3xx is released rather than stored because a redirect usually points at a resource whose
+/// creation is not confirmed by the redirect itself; configure [`IdempotencyLayer::final_status`]
+/// to store it.
+#[must_use]
+pub fn default_is_final(status: StatusCode) -> bool {
+    (status.is_success() || status.is_client_error()) && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
+}
+
+/// A `tower` layer that makes the wrapped service idempotent per `Idempotency-Key`.
+///
+/// See the [crate docs](crate) for the behaviour. Configure with the `#[must_use]` builder
+/// methods; the layer is cheap to clone. Different routes can carry differently configured layers.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::MemoryStore;
+/// use idempotency_http::IdempotencyLayer;
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .require_key(true)
+///     .max_body(64 * 1024)
+///     .retention(Duration::from_secs(24 * 3600))
+///     .scope_from_header(http::header::AUTHORIZATION)
+///     .wait(Duration::from_secs(5));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer<S> {
+    guard: Guard<S>,
+    config: Arc<Config>,
+}
+
+impl<S> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &self.config.methods)
+            .field("require_key", &self.config.require_key)
+            .field("max_body", &self.config.max_body)
+            .field("max_response", &self.config.max_response)
+            .field("wait", &self.config.wait)
+            .field("fail_open", &self.config.fail_open)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store + Clone> IdempotencyLayer<S> {
+    /// A layer over `store`. Defaults:
+    /// - POST and PATCH guarded; requests without a key pass through;
+    /// - bodies and stored responses up to 1 MiB;
+    /// - lease 60 s, retention 24 h;
+    /// - one global scope;
+    /// - fingerprint of the raw body;
+    /// - [`default_is_final`];
+    /// - `409` at once for a request in flight;
+    /// - fail closed.
+    pub fn new(store: S) -> Self {
+        Self {
+            guard: Guard::new(store).name("http"),
+            config: Arc::new(Config {
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                max_body: 1 << 20,
+                max_response: 1 << 20,
+                scope: Arc::new(|_: &Parts| Scope::global()),
+                fingerprint: FingerprintMode::Raw,
+                fingerprint_headers: Vec::new(),
+                is_final: Arc::new(default_is_final),
+                wait: None,
+                fail_open: false,
+                allowed_headers: Vec::new(),
+            }),
+        }
+    }
+
+    fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        change(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// Names the layer in logs and metrics (default `http`).
+    #[must_use]
+    pub fn name(mut self, name: &'static str) -> Self {
+        self.guard = self.guard.name(name);
+        self
+    }
+
+    /// The methods the layer guards; others pass through untouched (default POST, PATCH).
+    #[must_use]
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.methods = methods)
+    }
+
+    /// Whether a guarded request without a key is refused with `400` (default: passed through).
+    #[must_use]
+    pub fn require_key(self, required: bool) -> Self {
+        self.with(|c| c.require_key = required)
+    }
+
+    /// The largest request body buffered for the fingerprint; larger ones get `413` before the
+    /// handler runs (default 1 MiB).
+    #[must_use]
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// The largest response stored for replay; a larger or streamed response is passed through
+    /// and recorded as not replayable (default 1 MiB).
+    #[must_use]
+    pub fn max_response(self, bytes: usize) -> Self {
+        self.with(|c| c.max_response = bytes)
+    }
+
+    /// How long a request may run without a heartbeat before a retry may take over (default 60 s).
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.guard = self.guard.lease(lease);
+        self
+    }
+
+    /// How long a stored response replays (default 24 h). Every stored response says until when
+    /// in its `Idempotency-Key-Expires` header.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.guard = self.guard.retention(retention);
+        self
+    }
+
+    /// Derives the scope from the request (for example the authenticated principal), so that two
+    /// principals using the same key never see each other's responses.
+    #[must_use]
+    pub fn scope(self, scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+        self.with(|c| c.scope = Arc::new(scope))
+    }
+
+    /// Scopes by a header's value, hashed (for example `Authorization`); requests without the
+    /// header share the global scope.
+    #[must_use]
+    pub fn scope_from_header(self, name: HeaderName) -> Self {
+        self.scope(move |parts: &Parts| match parts.headers.get(&name) {
+            Some(value) => Scope::digest(value.as_bytes()),
+            None => Scope::global(),
+        })
+    }
+
+    /// How the body enters the fingerprint (default: the raw bytes). With a JSON mode, a body
+    /// that is not JSON is fingerprinted raw.
+    #[must_use]
+    pub fn fingerprint(self, mode: FingerprintMode) -> Self {
+        self.with(|c| c.fingerprint = mode)
+    }
+
+    /// Adds a request header to the fingerprint (method, path and query always are).
+    #[must_use]
+    pub fn fingerprint_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.fingerprint_headers.push(name))
+    }
+
+    /// Which response statuses are final (stored and replayed); the others release the key so a
+    /// retry runs again (default [`default_is_final`]).
+    #[must_use]
+    pub fn final_status(self, is_final: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.with(|c| c.is_final = Arc::new(is_final))
+    }
+
+    /// Wait mode: a request whose key is in flight waits up to `deadline` for the first one to
+    /// finish and gets its replay, instead of an immediate `409`.
+    #[must_use]
+    pub fn wait(self, deadline: Duration) -> Self {
+        self.with(|c| c.wait = Some(deadline))
+    }
+
+    /// Fail open: when the store is unreachable, run the handler without idempotency instead of
+    /// answering `503` (default: fail closed). Duplicates may then run twice.
+    #[must_use]
+    pub fn fail_open(self, open: bool) -> Self {
+        self.with(|c| c.fail_open = open)
+    }
+
+    /// Stores (and replays) a response header that is not stored by default: `Set-Cookie` and
+    /// other credential headers are left out of replays unless allowed here. Hop-by-hop headers
+    /// are never stored.
+    #[must_use]
+    pub fn store_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.allowed_headers.push(name))
+    }
+}
+
+impl<S: Store + Clone, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<I, S>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        IdempotencyService::new(inner, self.guard.clone(), Arc::clone(&self.config))
+    }
+}

@@ -1,0 +1,61 @@
+//! A `tower` layer that gives any HTTP service Stripe-grade `Idempotency-Key` semantics
+//! (draft-ietf-httpapi-idempotency-key-header), on any store of the idempotency toolkit.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idempotency_core::MemoryStore;
+//! use idempotency_http::IdempotencyLayer;
+//!
+//! let store = MemoryStore::new(); // or SqliteStore, PostgresStore, RedisStore
+//! let app: Router = Router::new()
+//!     .route("/charges", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::new(store).require_key(true));
+//! # let _ = app;
+//! ```
+//!
+//! # What a request goes through
+//!
+//! | request | answer |
+//! |---|---|
+//! | method not guarded (default: not POST or PATCH) | passed through untouched |
+//! | no `Idempotency-Key` | passed through, or `400` when the route requires a key |
+//! | malformed key, or two `Idempotency-Key` headers | `400` |
+//! | body over the limit (`Content-Length` first, then while reading) | `413`, the handler does not run |
+//! | first use of the key | the handler runs **on a task of its own** under a lease kept alive by a heartbeat; a final response is stored, a retryable one releases the key |
+//! | same key, same request, completed | the stored status, headers and body, plus `Idempotent-Replayed: true` |
+//! | same key, same request, still running | `409` with `Retry-After`, or in wait mode the replay once it completes |
+//! | same key, other payload, method or path | `422`, nothing runs |
+//! | store unreachable | `503` with `Retry-After`, nothing runs (or, with fail-open, the handler runs) |
+//! | handler panics, 5xx, 408, 409, 425, 429 | the key is released; the retry runs again |
+//! | response too large to store, or streamed | passed through; the key is completed as not replayable, and a retry gets `409` (never a second run) |
+//!
+//! Because the handler runs on its own task, a client that disconnects cannot cancel it
+//! halfway: it finishes, its outcome is stored, and the client's retry gets the replay.
+//!
+//! Every stored response carries `Idempotency-Key-Expires` (an HTTP-date): retries after that run
+//! again. Hop-by-hop headers are never stored; `Set-Cookie` and other credential headers are not
+//! stored unless allowed with [`IdempotencyLayer::store_header`].
+//!
+//! The handler finds the [`IdempotencyKey`] in the request's extensions, to propagate into the
+//! messages it publishes and the calls it makes.
+//!
+//! Errors are RFC 9457 `application/problem+json` documents with a stable `type` per
+//! [`Problem`].
+//!
+//! Response bodies are stored when their size is known and within the limit; a body of unknown
+//! length (a stream) is passed through as not replayable.
+
+mod body;
+mod key;
+mod layer;
+mod problem;
+mod service;
+mod stored;
+
+pub use body::{BoxError, ResponseBody};
+pub use key::IDEMPOTENCY_KEY;
+pub use layer::{IdempotencyLayer, default_is_final};
+pub use problem::Problem;
+pub use service::{
+    IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, IdempotencyKey, IdempotencyService, ResponseFuture,
+};

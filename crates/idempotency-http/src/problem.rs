@@ -1,0 +1,161 @@
+//! RFC 9457 problem responses, one stable `type` per error.
+//!
+//! The `type` URIs are URNs: stable identifiers that clients match on, not pages to fetch. The
+//! titles of the first three are the IETF draft's (draft-ietf-httpapi-idempotency-key-header).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// An error the layer answers itself, without (or instead of) running the handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// The route requires an `Idempotency-Key` and the request has none (400).
+    MissingKey,
+    /// The `Idempotency-Key` header is malformed, or appears more than once (400).
+    InvalidKey(String),
+    /// The key was first used with another payload, method or path (422).
+    KeyReused,
+    /// A request with this key is being processed (409, with `Retry-After`).
+    InFlight {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The idempotency store cannot be reached; nothing ran (503, with `Retry-After`).
+    StoreUnavailable,
+    /// The request body is larger than the configured limit; nothing ran (413).
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read (400).
+    BodyUnreadable,
+    /// The first request's response was too large or streamed, so it was not stored; the request
+    /// will not run again (409).
+    NotReplayable,
+    /// The handler panicked, or its response body failed; the key was released (500).
+    HandlerFailed,
+    /// A stored response could not be decoded (500).
+    StoredResponseUnreadable,
+}
+
+impl Problem {
+    /// The stable `type` URI.
+    #[must_use]
+    pub fn type_uri(&self) -> &'static str {
+        match self {
+            Self::MissingKey => "urn:idempotency:problem:missing-key",
+            Self::InvalidKey(_) => "urn:idempotency:problem:invalid-key",
+            Self::KeyReused => "urn:idempotency:problem:key-reused",
+            Self::InFlight { .. } => "urn:idempotency:problem:request-in-flight",
+            Self::StoreUnavailable => "urn:idempotency:problem:store-unavailable",
+            Self::BodyTooLarge { .. } => "urn:idempotency:problem:body-too-large",
+            Self::BodyUnreadable => "urn:idempotency:problem:body-unreadable",
+            Self::NotReplayable => "urn:idempotency:problem:outcome-not-replayable",
+            Self::HandlerFailed => "urn:idempotency:problem:handler-failed",
+            Self::StoredResponseUnreadable => "urn:idempotency:problem:stored-response-unreadable",
+        }
+    }
+
+    /// The HTTP status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey(_) | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::HandlerFailed | Self::StoredResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The short human-readable summary.
+    #[must_use]
+    pub fn title(&self) -> &'static str {
+        match self {
+            Self::MissingKey => "Idempotency-Key is missing",
+            Self::InvalidKey(_) => "Idempotency-Key is invalid",
+            Self::KeyReused => "Idempotency-Key is already used",
+            Self::InFlight { .. } => "A request is outstanding for this Idempotency-Key",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::BodyTooLarge { .. } => "Request body too large",
+            Self::BodyUnreadable => "Request body unreadable",
+            Self::NotReplayable => "Original response cannot be replayed",
+            Self::HandlerFailed => "Request handler failed",
+            Self::StoredResponseUnreadable => "Stored response unreadable",
+        }
+    }
+
+    /// The explanation for this occurrence.
+    #[must_use]
+    pub fn detail(&self) -> String {
+        match self {
+            Self::MissingKey => {
+                "This operation is idempotent and it requires correct usage of Idempotency Key.".into()
+            }
+            Self::InvalidKey(why) => format!("The Idempotency-Key header is invalid: {why}."),
+            Self::KeyReused => {
+                "This operation is idempotent and it requires correct usage of Idempotency Key. \
+                Idempotency Key MUST not be reused across different payloads of this operation."
+                    .into()
+            }
+            Self::InFlight { .. } => {
+                "A request with the same Idempotency-Key for the same operation is being \
+                processed or is outstanding."
+                    .into()
+            }
+            Self::StoreUnavailable => {
+                "The idempotency store cannot be reached, so the request was not processed. Retry later."
+                    .into()
+            }
+            Self::BodyTooLarge { limit } => {
+                format!("The request body exceeds {limit} bytes; the request was not processed.")
+            }
+            Self::BodyUnreadable => {
+                "The request body could not be read; the request was not processed.".into()
+            }
+            Self::NotReplayable => {
+                "The first request with this Idempotency-Key was processed, but its response \
+                was too large or streamed and was not stored. It will not be processed again."
+                    .into()
+            }
+            Self::HandlerFailed => "The request failed and was not recorded; it may be retried.".into(),
+            Self::StoredResponseUnreadable => {
+                "The stored response for this Idempotency-Key cannot be read.".into()
+            }
+        }
+    }
+
+    /// The `application/problem+json` response.
+    #[must_use]
+    pub fn to_response(&self) -> Response<Bytes> {
+        let body = serde_json::json!({
+            "type": self.type_uri(),
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": self.detail(),
+        });
+        let mut response = Response::new(Bytes::from(body.to_string()));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        let retry_after = match self {
+            Self::InFlight { retry_after } => {
+                Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0))
+            }
+            Self::StoreUnavailable => Some(1),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        }
+        response
+    }
+}

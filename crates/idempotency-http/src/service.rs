@@ -1,0 +1,423 @@
+//! The service: what happens to one request.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotency_core::{
+    Completed, Decision, Execution, Fingerprint, FingerprintMode, Guard, Key, Recorded, Scope, Store,
+    Timestamp,
+};
+use tower::Service;
+
+use crate::body::{BoxError, ResponseBody};
+use crate::key::key_from_headers;
+use crate::layer::Config;
+use crate::problem::Problem;
+use crate::stored::{self, Stored};
+
+/// Replays carry this header with the value `true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Every stored response (the first and its replays) says until when its key is remembered, as
+/// an HTTP-date: retries after that run again.
+pub const IDEMPOTENCY_KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
+
+/// What the handler finds in the request's extensions: the key it runs under, to propagate into
+/// the messages it publishes and the calls it makes downstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    /// The scope of the key.
+    pub scope: Scope,
+    /// The key.
+    pub key: Key,
+    /// The attempt number: 1, or more after a previous attempt's lease expired.
+    pub attempt: u32,
+    /// Whether a previous attempt may have partially run.
+    pub recovered: bool,
+}
+
+/// The service a [`crate::IdempotencyLayer`] wraps around `I`.
+pub struct IdempotencyService<I, S> {
+    inner: I,
+    guard: Guard<S>,
+    config: Arc<Config>,
+}
+
+impl<I: Clone, S: Clone> Clone for IdempotencyService<I, S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            guard: self.guard.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<I, S> fmt::Debug for IdempotencyService<I, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService").finish_non_exhaustive()
+    }
+}
+
+impl<I, S> IdempotencyService<I, S> {
+    pub(crate) fn new(inner: I, guard: Guard<S>, config: Arc<Config>) -> Self {
+        Self { inner, guard, config }
+    }
+}
+
+/// The future of [`IdempotencyService`].
+pub type ResponseFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+impl<I, S, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<I, S>
+where
+    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    I::Future: Send + 'static,
+    I::Error: Send + 'static,
+    S: Store + Clone + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = I::Error;
+    type Future = ResponseFuture<ResBody, I::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The instance that was polled ready is the one to call (tower's `Service` contract).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(handle(
+            inner,
+            self.guard.clone(),
+            Arc::clone(&self.config),
+            request,
+        ))
+    }
+}
+
+fn problem<B>(problem: &Problem) -> Response<ResponseBody<B>> {
+    problem.to_response().map(ResponseBody::full)
+}
+
+fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>> {
+    response.map(ResponseBody::inner)
+}
+
+async fn handle<I, S, ReqBody, ResBody>(
+    mut inner: I,
+    guard: Guard<S>,
+    config: Arc<Config>,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, I::Error>
+where
+    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    I::Future: Send + 'static,
+    I::Error: Send + 'static,
+    S: Store + Clone + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if !config.methods.contains(request.method()) {
+        return inner.call(request).await.map(passthrough);
+    }
+    let key = match key_from_headers(request.headers()) {
+        Ok(Some(key)) => key,
+        Ok(None) if config.require_key => return Ok(problem(&Problem::MissingKey)),
+        Ok(None) => return inner.call(request).await.map(passthrough),
+        Err(why) => return Ok(problem(&Problem::InvalidKey(why))),
+    };
+    let (parts, body) = request.into_parts();
+    let too_large = Problem::BodyTooLarge {
+        limit: config.max_body,
+    };
+    // A declared length over the limit is refused before a byte is read.
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > config.max_body as u64) {
+        return Ok(problem(&too_large));
+    }
+    let bytes = match Limited::new(body, config.max_body).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => return Ok(problem(&too_large)),
+        Err(_) => return Ok(problem(&Problem::BodyUnreadable)),
+    };
+    let scope = (config.scope)(&parts);
+    let fingerprint = fingerprint(&parts, &bytes, &config);
+    let request = Request::from_parts(parts, ReqBody::from(bytes));
+    // The handler runs on a task of its own: if the client goes away, the future of this
+    // function is dropped, but the handler still finishes and its outcome is recorded.
+    let task = tokio::spawn(run_guarded(
+        inner,
+        guard,
+        config,
+        scope,
+        key,
+        fingerprint,
+        request,
+    ));
+    match task.await {
+        Ok(result) => result,
+        Err(error) => {
+            // The guard released the key before the panic reached the task's boundary.
+            tracing::error!(%error, "the idempotent request handler panicked");
+            Ok(problem(&Problem::HandlerFailed))
+        }
+    }
+}
+
+/// The fingerprint: method, path and query, the configured headers, and the body.
+fn fingerprint(parts: &http::request::Parts, body: &Bytes, config: &Config) -> Fingerprint {
+    let base = || {
+        let mut builder = Fingerprint::builder()
+            .part("method", parts.method.as_str().as_bytes())
+            .part(
+                "target",
+                parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes(),
+            );
+        for name in &config.fingerprint_headers {
+            let values: Vec<&[u8]> = parts
+                .headers
+                .get_all(name)
+                .iter()
+                .map(HeaderValue::as_bytes)
+                .collect();
+            builder = builder.part(name.as_str(), &values.join(&b'\n'));
+        }
+        builder
+    };
+    match base().payload(&config.fingerprint, body) {
+        Ok(builder) => builder.finish(),
+        // A body that is not JSON under a JSON mode: its bytes still identify it.
+        Err(_) => base()
+            .payload(&FingerprintMode::Raw, body)
+            .map(idempotency_core::FingerprintBuilder::finish)
+            .unwrap_or_else(|_| Fingerprint::of_bytes(body)),
+    }
+}
+
+/// What the handler produced, as the guard's policy sees it.
+enum Captured<B, E> {
+    /// The whole response, small enough to store.
+    Buffered {
+        parts: http::response::Parts,
+        body: Bytes,
+    },
+    /// A response too large or streamed to store: passed through.
+    Streaming { parts: http::response::Parts, body: B },
+    /// The inner service failed.
+    Failed(E),
+    /// The response body failed while being read.
+    BodyFailed,
+}
+
+async fn capture<B, E>(result: Result<Response<B>, E>, max_response: usize) -> Captured<B, E>
+where
+    B: Body<Data = Bytes>,
+{
+    match result {
+        Err(error) => Captured::Failed(error),
+        Ok(response) => {
+            let (parts, body) = response.into_parts();
+            match body.size_hint().exact() {
+                Some(len) if len <= max_response as u64 => match body.collect().await {
+                    Ok(collected) => Captured::Buffered {
+                        parts,
+                        body: collected.to_bytes(),
+                    },
+                    Err(_) => Captured::BodyFailed,
+                },
+                _ => Captured::Streaming { parts, body },
+            }
+        }
+    }
+}
+
+fn decide<B, E>(captured: &Captured<B, E>, config: &Config) -> Decision {
+    match captured {
+        Captured::Buffered { parts, body } if (config.is_final)(parts.status) => Decision::Complete(
+            stored::encode_response(parts.status, &storable_headers(&parts.headers, config), body),
+        ),
+        Captured::Streaming { parts, .. } if (config.is_final)(parts.status) => {
+            Decision::Complete(stored::encode_not_replayable())
+        }
+        _ => Decision::Release,
+    }
+}
+
+/// Never stored: hop-by-hop headers (and those `Connection` names), framing and date, which the
+/// server sets anew, and this layer's own headers.
+const NEVER_STORED: [&str; 11] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "date",
+    "idempotent-replayed",
+    "idempotency-key-expires",
+];
+
+/// Not stored unless allowed ([`crate::IdempotencyLayer::store_header`]): credentials.
+const CREDENTIALS: [&str; 5] = [
+    "set-cookie",
+    "set-cookie2",
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+];
+
+fn storable_headers(headers: &HeaderMap, config: &Config) -> HeaderMap {
+    let listed_by_connection: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .collect();
+    let mut kept = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let name_str = name.as_str();
+        let hop = NEVER_STORED.contains(&name_str) || listed_by_connection.iter().any(|n| n == name_str);
+        let secret = CREDENTIALS.contains(&name_str) && !config.allowed_headers.contains(name);
+        if !hop && !secret {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+fn expires_header(expires_at: Timestamp) -> HeaderValue {
+    HeaderValue::from_str(&httpdate::fmt_http_date(expires_at.to_system_time()))
+        .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"))
+}
+
+fn replay<B>(done: &Completed) -> Response<ResponseBody<B>> {
+    match stored::decode(&done.outcome) {
+        Some(Stored::Response {
+            status,
+            headers,
+            body,
+        }) => {
+            let mut response = Response::new(ResponseBody::full(body));
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            response
+                .headers_mut()
+                .insert(IDEMPOTENCY_KEY_EXPIRES, expires_header(done.expires_at));
+            response
+        }
+        Some(Stored::NotReplayable) => problem(&Problem::NotReplayable),
+        None => problem(&Problem::StoredResponseUnreadable),
+    }
+}
+
+fn respond_executed<B, E>(
+    captured: Captured<B, E>,
+    recorded: &Recorded,
+) -> Result<Response<ResponseBody<B>>, E> {
+    let mut response = match captured {
+        Captured::Buffered { parts, body } => Response::from_parts(parts, ResponseBody::full(body)),
+        Captured::Streaming { parts, body } => Response::from_parts(parts, ResponseBody::inner(body)),
+        Captured::Failed(error) => return Err(error),
+        Captured::BodyFailed => return Ok(problem(&Problem::HandlerFailed)),
+    };
+    if let Recorded::Completed { expires_at } = recorded {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENCY_KEY_EXPIRES, expires_header(*expires_at));
+    }
+    Ok(response)
+}
+
+async fn run_guarded<I, S, ReqBody, ResBody>(
+    inner: I,
+    guard: Guard<S>,
+    config: Arc<Config>,
+    scope: Scope,
+    key: Key,
+    fingerprint: Fingerprint,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, I::Error>
+where
+    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    I::Future: Send + 'static,
+    I::Error: Send + 'static,
+    S: Store + Clone + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    let deadline = config.wait.map(|wait| tokio::time::Instant::now() + wait);
+    let mut poll = Duration::from_millis(20);
+    // The handler runs at most once, whichever loop iteration acquires the key.
+    let mut pending = Some((inner, request));
+    loop {
+        let run = guard
+            .run(
+                scope.clone(),
+                key.clone(),
+                fingerprint,
+                |captured: &Captured<ResBody, I::Error>| decide(captured, &config),
+                |attempt| {
+                    let (mut inner, mut request) = pending.take().expect("the handler runs at most once");
+                    request.extensions_mut().insert(IdempotencyKey {
+                        scope: attempt.scope().clone(),
+                        key: attempt.key().clone(),
+                        attempt: attempt.number(),
+                        recovered: attempt.recovered(),
+                    });
+                    let max_response = config.max_response;
+                    async move { capture(inner.call(request).await, max_response).await }
+                },
+            )
+            .await;
+        match run {
+            Ok(Execution::Executed { value, recorded, .. }) => return respond_executed(value, &recorded),
+            Ok(Execution::Replayed(done)) => return Ok(replay(&done)),
+            Ok(Execution::Mismatch) => return Ok(problem(&Problem::KeyReused)),
+            Ok(Execution::InFlight { retry_after, .. }) => {
+                let now = tokio::time::Instant::now();
+                match deadline {
+                    Some(deadline) if now < deadline => {
+                        tokio::time::sleep(poll.min(retry_after).min(deadline - now)).await;
+                        poll = (poll * 2).min(Duration::from_millis(250));
+                    }
+                    _ => return Ok(problem(&Problem::InFlight { retry_after })),
+                }
+            }
+            Err(error) => {
+                if config.fail_open {
+                    tracing::warn!(%error, "idempotency store unavailable; running without it (fail-open)");
+                    let (mut inner, request) = pending.take().expect("the handler has not run");
+                    return inner.call(request).await.map(passthrough);
+                }
+                tracing::warn!(%error, "idempotency store unavailable; refusing the request (fail-closed)");
+                return Ok(problem(&Problem::StoreUnavailable));
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The stored form of a response: what a replay sends back.
+//!
+//! Layout (version 1): `1`, a kind byte (`0` a response, `1` not replayable), then for a response
+//! the status (u16), the number of headers (u16), each header as name length (u16), name, value
+//! length (u32), value, and the body to the end. Integers are big-endian.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use idempotency_core::Outcome;
+
+const VERSION: u8 = 1;
+
+/// A decoded outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// A response to replay.
+    Response {
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+    /// The response was passed through without being stored.
+    NotReplayable,
+}
+
+pub(crate) fn encode_response(status: StatusCode, headers: &HeaderMap, body: &Bytes) -> Outcome {
+    let mut out = BytesMut::with_capacity(8 + body.len() + headers.len() * 32);
+    out.put_u8(VERSION);
+    out.put_u8(0);
+    out.put_u16(status.as_u16());
+    out.put_u16(u16::try_from(headers.len()).unwrap_or(u16::MAX));
+    for (name, value) in headers.iter().take(usize::from(u16::MAX)) {
+        out.put_u16(u16::try_from(name.as_str().len()).unwrap_or(u16::MAX));
+        out.put_slice(name.as_str().as_bytes());
+        out.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
+        out.put_slice(value.as_bytes());
+    }
+    out.put_slice(body);
+    Outcome::new(out.freeze())
+}
+
+pub(crate) fn encode_not_replayable() -> Outcome {
+    Outcome::new(Bytes::from_static(&[VERSION, 1]))
+}
+
+/// Decodes a stored outcome; `None` when it is not one this version wrote.
+pub(crate) fn decode(outcome: &Outcome) -> Option<Stored> {
+    let bytes = outcome.clone().into_bytes();
+    let mut at = 0usize;
+    let take = |at: &mut usize, n: usize| -> Option<Bytes> {
+        let slice = bytes.get(*at..*at + n)?;
+        *at += n;
+        Some(bytes.slice_ref(slice))
+    };
+    let u8_at = |at: &mut usize| take(at, 1).map(|b| b[0]);
+    let u16_at = |at: &mut usize| take(at, 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+    let u32_at = |at: &mut usize| take(at, 4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+    if u8_at(&mut at)? != VERSION {
+        return None;
+    }
+    match u8_at(&mut at)? {
+        1 => Some(Stored::NotReplayable),
+        0 => {
+            let status = StatusCode::from_u16(u16_at(&mut at)?).ok()?;
+            let count = u16_at(&mut at)?;
+            let mut headers = HeaderMap::with_capacity(usize::from(count));
+            for _ in 0..count {
+                let name_len = usize::from(u16_at(&mut at)?);
+                let name = HeaderName::from_bytes(&take(&mut at, name_len)?).ok()?;
+                let value_len = usize::try_from(u32_at(&mut at)?).ok()?;
+                let value = HeaderValue::from_maybe_shared(take(&mut at, value_len)?).ok()?;
+                headers.append(name, value);
+            }
+            let body = bytes.slice(at..);
+            Some(Stored::Response {
+                status,
+                headers,
+                body,
+            })
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_round_trip() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        let body = Bytes::from_static(b"{\"id\":1}\x00\xff");
+        let outcome = encode_response(StatusCode::CREATED, &headers, &body);
+        assert_eq!(
+            decode(&outcome),
+            Some(Stored::Response {
+                status: StatusCode::CREATED,
+                headers,
+                body
+            })
+        );
+        assert_eq!(decode(&encode_not_replayable()), Some(Stored::NotReplayable));
+    }
+
+    #[test]
+    fn garbage_is_not_decoded() {
+        for bytes in [
+            &b""[..],
+            b"\x02\x00",
+            b"\x01\x07",
+            b"\x01\x00\x00",
+            b"\x01\x00\x00\xc8\x00\x05",
+        ] {
+            assert_eq!(decode(&Outcome::new(bytes.to_vec())), None, "{bytes:?}");
+        }
+    }
+}

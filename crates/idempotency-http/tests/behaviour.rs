@@ -1,0 +1,421 @@
+//! The layer's behaviour through a real server and a real HTTP client, on every store:
+//! memory, SQLite, PostgreSQL and Redis.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use common::{Counters, DynStore, app, client, send, serve};
+use http::StatusCode;
+use idempotency_http::IdempotencyLayer;
+use idempotency_testkit::FaultyStore;
+
+fn layer(store: DynStore) -> IdempotencyLayer<DynStore> {
+    IdempotencyLayer::new(store)
+        .scope_from_header(http::header::AUTHORIZATION)
+        .max_body(64 * 1024)
+}
+
+async fn start(
+    store: DynStore,
+    configure: impl FnOnce(IdempotencyLayer<DynStore>) -> IdempotencyLayer<DynStore>,
+) -> (std::net::SocketAddr, Counters) {
+    let counters = Counters::default();
+    let router: Router = app(counters.clone()).layer(configure(layer(store)));
+    (serve(router).await, counters)
+}
+
+/// Same key twice: one execution, the identical status, headers and body, the replay header,
+/// no `Set-Cookie`, `Location` kept, the expiry advertised on both.
+pub async fn replays_the_stored_response(store: DynStore) {
+    let (addr, counters) = start(store, |l| l).await;
+    let http = client();
+    let first = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"\"k-replay\""],
+        &[],
+        b"{\"amount\":10}",
+        false,
+    )
+    .await;
+    let second = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"\"k-replay\""],
+        &[],
+        b"{\"amount\":10}",
+        false,
+    )
+    .await;
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        (second.status, second.body.clone()),
+        (first.status, first.body.clone())
+    );
+    assert!(
+        first.text().contains("\"key\":\"k-replay\""),
+        "the handler sees the key: {}",
+        first.text()
+    );
+    assert_eq!(second.headers["idempotent-replayed"], "true");
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    assert_eq!(second.headers["location"], first.headers["location"]);
+    assert_eq!(second.headers["content-type"], "application/json");
+    assert!(
+        first.headers.contains_key("set-cookie"),
+        "the first caller gets its cookie"
+    );
+    assert!(
+        second.headers.get("set-cookie").is_none(),
+        "credentials must not be replayed"
+    );
+    assert!(first.headers.contains_key("idempotency-key-expires"));
+    assert_eq!(
+        second.headers["idempotency-key-expires"],
+        first.headers["idempotency-key-expires"]
+    );
+}
+
+/// 64 concurrent identical requests to a slow handler: one execution; the rest get 409 with
+/// Retry-After.
+pub async fn concurrent_duplicates_execute_once(store: DynStore) {
+    let (addr, counters) = start(store, |l| l).await;
+    let http = client();
+    let requests: Vec<_> = (0..64)
+        .map(|_| {
+            let http = http.clone();
+            tokio::spawn(async move {
+                send(
+                    &http,
+                    addr,
+                    "POST",
+                    "/charges?delay_ms=500",
+                    &[b"k-race"],
+                    &[],
+                    b"{}",
+                    false,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut created = 0;
+    for request in requests {
+        let seen = request.await.unwrap();
+        match seen.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {
+                assert!(
+                    seen.headers.contains_key("retry-after"),
+                    "409 without Retry-After"
+                );
+                assert_eq!(seen.problem_type(), "urn:idempotency:problem:request-in-flight");
+                assert_eq!(seen.headers["content-type"], "application/problem+json");
+            }
+            other => panic!("unexpected {other}: {}", seen.text()),
+        }
+    }
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1, "executions");
+    assert_eq!(created, 1);
+}
+
+/// The same storm in wait mode: every caller gets the one response.
+pub async fn wait_mode_replays_to_concurrent_duplicates(store: DynStore) {
+    let (addr, counters) = start(store, |l| l.wait(Duration::from_secs(10))).await;
+    let http = client();
+    let requests: Vec<_> = (0..64)
+        .map(|_| {
+            let http = http.clone();
+            tokio::spawn(async move {
+                send(
+                    &http,
+                    addr,
+                    "POST",
+                    "/charges?delay_ms=300",
+                    &[b"k-wait"],
+                    &[],
+                    b"{}",
+                    false,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for request in requests {
+        let seen = request.await.unwrap();
+        assert_eq!(seen.status, StatusCode::CREATED, "{}", seen.text());
+        bodies.push(seen.body);
+    }
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1, "executions");
+    assert!(
+        bodies.iter().all(|b| b == &bodies[0]),
+        "every caller must get the same response"
+    );
+}
+
+/// Same key with another body or another path: 422, nothing runs.
+pub async fn a_reused_key_is_unprocessable(store: DynStore) {
+    let (addr, counters) = start(store, |l| l).await;
+    let http = client();
+    let first = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k-reuse"],
+        &[],
+        b"{\"amount\":10}",
+        false,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other_body = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k-reuse"],
+        &[],
+        b"{\"amount\":99}",
+        false,
+    )
+    .await;
+    assert_eq!(other_body.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other_body.problem_type(), "urn:idempotency:problem:key-reused");
+    let other_path = send(
+        &http,
+        addr,
+        "POST",
+        "/other",
+        &[b"k-reuse"],
+        &[],
+        b"{\"amount\":10}",
+        false,
+    )
+    .await;
+    assert_eq!(other_path.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
+
+/// Missing and invalid keys, oversized bodies, and unguarded methods.
+pub async fn bad_requests_are_refused_before_the_handler(store: DynStore) {
+    let (addr, counters) = start(store, |l| l.require_key(true)).await;
+    let http = client();
+    let missing = send(&http, addr, "POST", "/charges", &[], &[], b"{}", false).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.problem_type(), "urn:idempotency:problem:missing-key");
+    let too_long = "k".repeat(256);
+    let invalid: [&[&[u8]]; 6] = [
+        &[b"\"\""],
+        &[too_long.as_bytes()],
+        &[b"\"a\tb\""],
+        &[b"caf\xc3\xa9"],
+        &[b"a", b"b"],
+        &[b"\"unterminated"],
+    ];
+    for keys in invalid {
+        let seen = send(&http, addr, "POST", "/charges", keys, &[], b"{}", false).await;
+        assert_eq!(seen.status, StatusCode::BAD_REQUEST, "{keys:?}: {}", seen.text());
+        assert_eq!(seen.problem_type(), "urn:idempotency:problem:invalid-key");
+    }
+    let big = vec![b'x'; 64 * 1024 + 1];
+    for chunked in [false, true] {
+        let seen = send(&http, addr, "POST", "/charges", &[b"k-big"], &[], &big, chunked).await;
+        assert_eq!(seen.status, StatusCode::PAYLOAD_TOO_LARGE, "chunked={chunked}");
+        assert_eq!(seen.problem_type(), "urn:idempotency:problem:body-too-large");
+    }
+    let read = send(&http, addr, "GET", "/charges", &[], &[], b"", false).await;
+    assert_eq!(
+        (read.status, read.text().as_str()),
+        (StatusCode::OK, "list of charges")
+    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 0, "nothing may have run");
+    // The key refused for an oversized body is still free.
+    let ok = send(&http, addr, "POST", "/charges", &[b"k-big"], &[], b"{}", false).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+}
+
+/// A 500 or a panic releases the key; the retry executes once more and its success is stored.
+pub async fn failures_release_the_key(store: DynStore) {
+    for mode in ["status", "panic"] {
+        let (addr, counters) = start(store.clone(), |l| l).await;
+        let http = client();
+        let path = format!("/flaky?mode={mode}");
+        let key = format!("k-flaky-{mode}");
+        let first = send(&http, addr, "POST", &path, &[key.as_bytes()], &[], b"", false).await;
+        assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{mode}");
+        let second = send(&http, addr, "POST", &path, &[key.as_bytes()], &[], b"", false).await;
+        assert_eq!(second.status, StatusCode::CREATED, "{mode}: {}", second.text());
+        let third = send(&http, addr, "POST", &path, &[key.as_bytes()], &[], b"", false).await;
+        assert_eq!(third.status, StatusCode::CREATED);
+        assert_eq!(third.headers["idempotent-replayed"], "true");
+        assert_eq!(counters.flaky.load(Ordering::SeqCst), 2, "{mode}: executions");
+    }
+}
+
+/// The client disconnects while the handler runs: the handler finishes exactly once and the
+/// retry gets the replay.
+pub async fn a_disconnect_does_not_cancel_the_handler(store: DynStore) {
+    use tokio::io::AsyncWriteExt;
+    let (addr, counters) = start(store, |l| l).await;
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(
+            b"POST /charges?delay_ms=300 HTTP/1.1\r\nhost: x\r\nidempotency-key: k-gone\r\ncontent-length: 2\r\n\r\n{}",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(socket);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        counters.charges.load(Ordering::SeqCst),
+        1,
+        "the handler must finish"
+    );
+    let http = client();
+    let retry = send(
+        &http,
+        addr,
+        "POST",
+        "/charges?delay_ms=300",
+        &[b"k-gone"],
+        &[],
+        b"{}",
+        false,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        counters.charges.load(Ordering::SeqCst),
+        1,
+        "the retry must not run again"
+    );
+}
+
+/// The store is down: 503 with Retry-After and no execution; with fail-open the handler runs.
+pub async fn an_unreachable_store_fails_closed_or_open(store: DynStore) {
+    let faulty = FaultyStore::new(store);
+    faulty.set_down(true);
+    let (addr, counters) = start(Arc::new(faulty.clone()), |l| l).await;
+    let http = client();
+    let closed = send(&http, addr, "POST", "/charges", &[b"k-down"], &[], b"{}", false).await;
+    assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(closed.headers.contains_key("retry-after"));
+    assert_eq!(closed.problem_type(), "urn:idempotency:problem:store-unavailable");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 0);
+
+    let (addr, counters) = start(Arc::new(faulty.clone()), |l| l.fail_open(true)).await;
+    let open = send(&http, addr, "POST", "/charges", &[b"k-down"], &[], b"{}", false).await;
+    assert_eq!(open.status, StatusCode::CREATED);
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
+
+/// Two principals using the same key never see each other's responses.
+pub async fn scopes_isolate_principals(store: DynStore) {
+    let (addr, counters) = start(store, |l| l).await;
+    let http = client();
+    let alice = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k-shared"],
+        &[("authorization", "Bearer alice")],
+        b"{}",
+        false,
+    )
+    .await;
+    let bob = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k-shared"],
+        &[("authorization", "Bearer bob")],
+        b"{}",
+        false,
+    )
+    .await;
+    assert_eq!(
+        (alice.status, bob.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_ne!(alice.body, bob.body, "bob got alice's response");
+    assert!(bob.headers.get("idempotent-replayed").is_none());
+    let alice_again = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k-shared"],
+        &[("authorization", "Bearer alice")],
+        b"{}",
+        false,
+    )
+    .await;
+    assert_eq!(alice_again.body, alice.body);
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 2);
+}
+
+/// A response over the stored limit, and a streamed one: passed through the first time, never
+/// run again, the retry gets the "not replayable" problem.
+pub async fn unstorable_responses_are_not_replayed(store: DynStore) {
+    let (addr, counters) = start(store, |l| l).await;
+    let http = client();
+    for (path, counter) in [("/big", &counters.big), ("/stream", &counters.stream)] {
+        let key = format!("k-{}", &path[1..]);
+        let first = send(&http, addr, "POST", path, &[key.as_bytes()], &[], b"", false).await;
+        assert_eq!(first.status, StatusCode::OK, "{path}");
+        assert!(!first.body.is_empty());
+        let retry = send(&http, addr, "POST", path, &[key.as_bytes()], &[], b"", false).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{path}: {}", retry.text());
+        assert_eq!(
+            retry.problem_type(),
+            "urn:idempotency:problem:outcome-not-replayable"
+        );
+        assert_eq!(counter.load(Ordering::SeqCst), 1, "{path} ran again");
+    }
+}
+
+macro_rules! on_stores {
+    ($($store:ident),*) => {$(
+        mod $store {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn replay() { replays_the_stored_response(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_duplicates() { concurrent_duplicates_execute_once(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn wait_mode() { wait_mode_replays_to_concurrent_duplicates(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn reused_key() { a_reused_key_is_unprocessable(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_requests() { bad_requests_are_refused_before_the_handler(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn failures_release() { failures_release_the_key(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn disconnect() { a_disconnect_does_not_cancel_the_handler(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn store_unreachable() { an_unreachable_store_fails_closed_or_open(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn scopes() { scopes_isolate_principals(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn unstorable() { unstorable_responses_are_not_replayed(common::$store().await).await }
+        }
+    )*};
+}
+
+on_stores!(memory, sqlite, postgres, redis);
