@@ -419,3 +419,91 @@ macro_rules! on_stores {
 }
 
 on_stores!(memory, sqlite, postgres, redis);
+
+/// Different layers on different routes: one requires a key and fingerprints canonical JSON,
+/// the other lets keyless requests through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_can_be_configured_differently() {
+    use axum::routing::post;
+    use idempotency_core::FingerprintMode;
+
+    let counters = Counters::default();
+    let store = common::memory().await;
+    let strict = IdempotencyLayer::new(Arc::clone(&store))
+        .require_key(true)
+        .fingerprint(FingerprintMode::CanonicalJson);
+    let lenient = IdempotencyLayer::new(store);
+    let charges = app(counters.clone());
+    let router: Router = Router::new()
+        .route(
+            "/strict",
+            post(|| async { (StatusCode::CREATED, "strict") }).layer(strict),
+        )
+        .route(
+            "/lenient",
+            post(|| async { (StatusCode::CREATED, "lenient") }).layer(lenient),
+        )
+        .merge(charges);
+    let addr = serve(router).await;
+    let http = client();
+
+    let keyless = send(&http, addr, "POST", "/strict", &[], &[], b"{}", false).await;
+    assert_eq!(keyless.status, StatusCode::BAD_REQUEST);
+    let keyless = send(&http, addr, "POST", "/lenient", &[], &[], b"{}", false).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+
+    // Canonical JSON: whitespace and member order do not make another request.
+    let first = send(
+        &http,
+        addr,
+        "POST",
+        "/strict",
+        &[b"k-json"],
+        &[],
+        br#"{"a":1,"b":2}"#,
+        false,
+    )
+    .await;
+    let same = send(
+        &http,
+        addr,
+        "POST",
+        "/strict",
+        &[b"k-json"],
+        &[],
+        br#"{ "b": 2, "a": 1 }"#,
+        false,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(same.headers["idempotent-replayed"], "true");
+    let raw_first = send(
+        &http,
+        addr,
+        "POST",
+        "/lenient",
+        &[b"k-raw"],
+        &[],
+        br#"{"a":1,"b":2}"#,
+        false,
+    )
+    .await;
+    let raw_other = send(
+        &http,
+        addr,
+        "POST",
+        "/lenient",
+        &[b"k-raw"],
+        &[],
+        br#"{ "b": 2, "a": 1 }"#,
+        false,
+    )
+    .await;
+    assert_eq!(raw_first.status, StatusCode::CREATED);
+    assert_eq!(
+        raw_other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "raw bytes differ"
+    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 0);
+}
