@@ -6,10 +6,11 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
+mod http;
 mod measure;
 mod memory;
 mod postgres;
@@ -27,7 +28,7 @@ struct Settings {
     rounds: usize,
 }
 
-const TARGETS: [&str; 4] = ["memory", "sqlite", "postgres", "redis"];
+const TARGETS: [&str; 5] = ["memory", "sqlite", "postgres", "redis", "http"];
 
 fn parse_args() -> Result<Settings, String> {
     let mut settings = Settings {
@@ -73,7 +74,9 @@ fn main() -> ExitCode {
             if !message.is_empty() {
                 eprintln!("idem-bench: {message}");
             }
-            eprintln!("usage: idem-bench [memory|sqlite|postgres|redis|all]... [--seconds S] [--rounds R]");
+            eprintln!(
+                "usage: idem-bench [memory|sqlite|postgres|redis|http|all]... [--seconds S] [--rounds R]"
+            );
             return if message.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -94,6 +97,7 @@ fn main() -> ExitCode {
             "sqlite" => sqlite::run(window, settings.rounds),
             "postgres" => postgres::run(window, settings.rounds),
             "redis" => redis::run(window, settings.rounds),
+            "http" => http::run(window, settings.rounds),
             _ => unreachable!("targets are validated"),
         };
         if let Err(error) = result {

@@ -21,7 +21,7 @@
 //! | no `Idempotency-Key` | passed through, or `400` when the route requires a key |
 //! | malformed key, or two `Idempotency-Key` headers | `400` |
 //! | body over the limit (`Content-Length` first, then while reading) | `413`, the handler does not run |
-//! | first use of the key | the handler runs **on a task of its own** under a lease kept alive by a heartbeat; a final response is stored, a retryable one releases the key |
+//! | first use of the key | the handler runs under a lease kept alive by a heartbeat, and finishes even if the client goes away; a final response is stored, a retryable one releases the key |
 //! | same key, same request, completed | the stored status, headers and body, plus `Idempotent-Replayed: true` |
 //! | same key, same request, still running | `409` with `Retry-After`, or in wait mode the replay once it completes |
 //! | same key, other payload, method or path | `422`, nothing runs |
@@ -29,8 +29,10 @@
 //! | handler panics, 5xx, 408, 409, 425, 429 | the key is released; the retry runs again |
 //! | response too large to store, or streamed | passed through; the key is completed as not replayable, and a retry gets `409` (never a second run) |
 //!
-//! Because the handler runs on its own task, a client that disconnects cannot cancel it
-//! halfway: it finishes, its outcome is stored, and the client's retry gets the replay.
+//! A client that disconnects cannot cancel the handler halfway: if the request's future is
+//! dropped before the guarded run is done, the run moves onto a task of its own and finishes
+//! there, its outcome is stored, and the client's retry gets the replay. (It is polled in place
+//! otherwise, which saves a task switch per request.)
 //!
 //! Every stored response carries `Idempotency-Key-Expires` (an HTTP-date): retries after that run
 //! again. Hop-by-hop headers are never stored; `Set-Cookie` and other credential headers are not

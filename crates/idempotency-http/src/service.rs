@@ -2,12 +2,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -164,9 +166,11 @@ where
     let scope = (config.scope)(&parts);
     let fingerprint = fingerprint(&parts, &bytes, &config);
     let request = Request::from_parts(parts, ReqBody::from(bytes));
-    // The handler runs on a task of its own: if the client goes away, the future of this
-    // function is dropped, but the handler still finishes and its outcome is recorded.
-    let task = tokio::spawn(run_guarded(
+    // If the client goes away, hyper drops this future; the guarded run must still finish and
+    // record its outcome. `DetachOnDrop` polls it here and, only if it is dropped unfinished,
+    // moves it onto a task of its own: the guarantee of a spawned task without paying a task
+    // switch on every request.
+    let run = AssertUnwindSafe(run_guarded(
         inner,
         guard,
         config,
@@ -174,13 +178,54 @@ where
         key,
         fingerprint,
         request,
-    ));
-    match task.await {
+    ))
+    .catch_unwind();
+    match DetachOnDrop::new(run).await {
         Ok(result) => result,
-        Err(error) => {
-            // The guard released the key before the panic reached the task's boundary.
-            tracing::error!(%error, "the idempotent request handler panicked");
+        Err(_) => {
+            // The guard released the key before the panic reached this point.
+            tracing::error!("the idempotent request handler panicked");
             Ok(problem(&Problem::HandlerFailed))
+        }
+    }
+}
+
+/// A future that finishes on a task of its own if it is dropped before it is done.
+struct DetachOnDrop<T: Send + 'static> {
+    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+}
+
+impl<T: Send + 'static> DetachOnDrop<T> {
+    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for DetachOnDrop<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(future) = self.future.as_mut() else {
+            panic!("DetachOnDrop polled after completion");
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for DetachOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(future) = self.future.take() {
+            match tokio::runtime::Handle::try_current() {
+                // The future is boxed, so moving it to a task does not move what it pinned.
+                Ok(runtime) => drop(runtime.spawn(future)),
+                Err(_) => {
+                    tracing::error!("an idempotent request was dropped outside a runtime and cancelled");
+                }
+            }
         }
     }
 }

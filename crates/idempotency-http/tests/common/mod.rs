@@ -235,3 +235,34 @@ fn rand_suffix() -> String {
     use std::hash::{BuildHasher, RandomState};
     format!("{:016x}", RandomState::new().hash_one(std::time::Instant::now()))
 }
+
+/// Writes `head` and then `body` on a raw connection, ignoring write errors (the server may
+/// answer and close before the body is sent), and returns the response's status and text.
+pub async fn raw_exchange(addr: SocketAddr, head: &str, body: &[&[u8]]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(head.as_bytes()).await.unwrap();
+    for chunk in body {
+        if socket.write_all(chunk).await.is_err() {
+            break;
+        }
+    }
+    let mut response = Vec::new();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+            Ok(Ok(n)) => response.extend_from_slice(&buffer[..n]),
+        }
+        if response.windows(4).any(|w| w == b"\r\n\r\n") && response.len() > 200 {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP response: {text:?}"));
+    (status, text)
+}
