@@ -525,3 +525,54 @@ async fn routes_can_be_configured_differently() {
     );
     assert_eq!(counters.charges.load(Ordering::SeqCst), 0);
 }
+
+/// Independently of any server: dropping the service's future while the handler runs does not
+/// cancel the handler; it finishes once and its response is stored for the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_future_still_finishes_and_records() {
+    use idempotency_core::{Key, RecordState, Scope, Store};
+    use tower::{Layer, Service};
+
+    let counters = Counters::default();
+    let store = common::memory().await;
+    let mut service = IdempotencyLayer::new(Arc::clone(&store)).layer(app(counters.clone()));
+    let request = || {
+        http::Request::post("/charges?delay_ms=200")
+            .header("idempotency-key", "k-dropped")
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    std::future::poll_fn(|cx| Service::<http::Request<axum::body::Body>>::poll_ready(&mut service, cx))
+        .await
+        .unwrap();
+    let future = service.call(request());
+    // The caller gives up after 50 ms: the future is dropped mid-handler.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), future)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        counters.charges.load(Ordering::SeqCst),
+        1,
+        "the handler must have finished"
+    );
+    let record = store
+        .get(&Scope::global(), &Key::new("k-dropped").unwrap())
+        .await
+        .unwrap()
+        .expect("the outcome must be recorded");
+    assert!(
+        matches!(record.state, RecordState::Completed { .. }),
+        "{record:?}"
+    );
+
+    std::future::poll_fn(|cx| Service::<http::Request<axum::body::Body>>::poll_ready(&mut service, cx))
+        .await
+        .unwrap();
+    let retry = service.call(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
