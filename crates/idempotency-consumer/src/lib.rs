@@ -1,0 +1,358 @@
+//! Broker-neutral idempotent message consumption (SPEC §6): what to do with one delivered
+//! message, decided by the idempotency record, so that a broker adapter only has to carry the
+//! decision out (ack, nack with a delay, dead-letter).
+//!
+//! Brokers deliver at least once: a consumer that crashes after its side effect and before its
+//! ack gets the message again, a rebalance replays, a dead-letter queue is replayed days later.
+//! [`Consumer::process`] runs the handler at most once per key and answers with a
+//! [`Disposition`] that follows these rules:
+//!
+//! | the record says | the handler | disposition |
+//! |---|---|---|
+//! | no key on the message | — | `DeadLetter` (or, if configured, keyed by content hash) |
+//! | first delivery of the key | runs; `Ok` | `complete`, **then** `Ack`: never ack before the record is durable |
+//! | | `Err(Retry)` | `release`, then `Nack` with exponential backoff; `DeadLetter` after the delivery limit |
+//! | | `Err(Fatal)` | `release`, then `DeadLetter` with the reason |
+//! | completed (a duplicate) | — | `Ack`, no side effect |
+//! | in flight elsewhere | — | `Nack` with a delay: never ack (if the holder dies, the message must still be processed) |
+//! | key reused with another payload | — | `DeadLetter` with the reason |
+//! | store unreachable | — | `Nack` with a delay (fail closed) |
+//!
+//! Keys come from the `Idempotency-Key` header by default (the HTTP edge propagates its key into
+//! the messages it publishes), or from the message id, a function of the message, or the content
+//! hash. Never from a delivery tag or a redelivery-specific id: a redelivery gets a new one.
+//!
+//! Broker adapters implement [`Delivery`] for their message type and map the [`Disposition`] to
+//! their acknowledgements.
+//!
+//! # Metrics
+//!
+//! `idempotency_consumer_messages_total{consumer, result}` with `result` one of `executed`,
+//! `duplicate`, `in_flight`, `retried`, `dead_lettered`, `store_unavailable`; the guard's own
+//! metrics are labelled with the consumer's name as well.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::{
+    Attempt, DEFAULT_CONSUMER_RETENTION, Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded,
+    Scope, Store,
+};
+
+/// The header that carries the key by default.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "Idempotency-Key";
+
+/// A delivered message, as a broker adapter presents it.
+pub trait Delivery {
+    /// A header's value (case-sensitive name, as the broker stores it).
+    fn header(&self, name: &str) -> Option<&[u8]>;
+    /// The producer-assigned message id, if any.
+    fn message_id(&self) -> Option<&str>;
+    /// The payload.
+    fn payload(&self) -> &[u8];
+    /// How many times this message has been delivered, this delivery included (1 the first time).
+    fn delivery_count(&self) -> u32;
+}
+
+/// A function that finds a message's key (`None`: the message has none).
+pub type KeyFn = Arc<dyn Fn(&dyn Delivery) -> Option<Key> + Send + Sync>;
+
+/// Where the key of a message comes from.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum KeySource {
+    /// A header (default: `Idempotency-Key`).
+    Header(String),
+    /// The producer-assigned message id.
+    MessageId,
+    /// `sha256:` of the payload: for producers that cannot set a key, when the payload alone
+    /// identifies the operation. Two different operations with identical payloads become one.
+    ContentHash,
+    /// A function of the message.
+    Custom(KeyFn),
+}
+
+impl fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Header(name) => write!(f, "Header({name:?})"),
+            Self::MessageId => f.write_str("MessageId"),
+            Self::ContentHash => f.write_str("ContentHash"),
+            Self::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+/// Why a message has no usable key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum KeyProblem {
+    Missing,
+    Invalid(String),
+}
+
+impl KeySource {
+    fn key_of(&self, message: &dyn Delivery) -> Result<Key, KeyProblem> {
+        match self {
+            Self::Header(name) => {
+                let raw = message.header(name).ok_or(KeyProblem::Missing)?;
+                Key::from_bytes(raw).map_err(|e| KeyProblem::Invalid(e.to_string()))
+            }
+            Self::MessageId => {
+                let id = message.message_id().ok_or(KeyProblem::Missing)?;
+                Key::new(id).map_err(|e| KeyProblem::Invalid(e.to_string()))
+            }
+            Self::ContentHash => Ok(
+                Key::new(format!("sha256:{}", Fingerprint::of_bytes(message.payload())))
+                    .map_err(|e| KeyProblem::Invalid(e.to_string()))?,
+            ),
+            Self::Custom(extract) => extract(message).ok_or(KeyProblem::Missing),
+        }
+    }
+}
+
+/// How long to wait before a retried delivery: `initial × 2^(deliveries − 1)`, at most `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The delay after the first failed delivery (default 1 s).
+    pub initial: Duration,
+    /// The longest delay (default 5 min).
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before redelivering a message delivered `deliveries` times.
+    #[must_use]
+    pub fn delay(&self, deliveries: u32) -> Duration {
+        let doublings = deliveries.saturating_sub(1).min(30);
+        self.initial.saturating_mul(1 << doublings).min(self.max)
+    }
+}
+
+/// What the broker adapter must do with the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Disposition {
+    /// Acknowledge: the operation is recorded as done (now, or earlier by another delivery).
+    Ack,
+    /// Return the message to the broker, to be delivered again after `after`.
+    Nack {
+        /// How long to wait before the redelivery.
+        after: Duration,
+    },
+    /// Move the message to the dead-letter destination, with the reason.
+    DeadLetter {
+        /// Why, for operators and for whoever replays the dead-letter queue.
+        reason: String,
+    },
+}
+
+/// A handler's failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandlerError {
+    /// A transient failure (a timeout, a 503 downstream): release the key and retry later.
+    Retry(String),
+    /// A permanent failure (invalid payload, a rejected charge): retrying cannot help;
+    /// dead-letter the message.
+    Fatal(String),
+}
+
+/// Handles messages of type `M`; runs at most once per key while its outcome is retained.
+pub trait Handler<M: ?Sized>: Send + Sync {
+    /// Performs the side effect of `message` and returns the outcome to keep for duplicates.
+    fn handle(
+        &self,
+        message: &M,
+        attempt: &Attempt,
+    ) -> impl Future<Output = Result<Outcome, HandlerError>> + Send;
+}
+
+/// Processes deliveries for one consumer; see the [crate docs](crate).
+#[derive(Debug, Clone)]
+pub struct Consumer<S, H> {
+    name: &'static str,
+    guard: Guard<S>,
+    handler: H,
+    scope: Scope,
+    keys: KeySource,
+    backoff: Backoff,
+    max_deliveries: u32,
+}
+
+impl<S: Store, H> Consumer<S, H> {
+    /// A consumer named `name` (its records' scope and its metrics label) over `store`.
+    /// Defaults: key from the `Idempotency-Key` header, lease 60 s, retention 7 days, backoff
+    /// 1 s doubling to 5 min, dead-letter after 5 deliveries.
+    ///
+    /// # Panics
+    ///
+    /// If `name` is not a valid scope (1 to 255 bytes of visible ASCII).
+    pub fn new(name: &'static str, store: S, handler: H) -> Self {
+        Self {
+            name,
+            guard: Guard::new(store).name(name).retention(DEFAULT_CONSUMER_RETENTION),
+            handler,
+            scope: Scope::new(name)
+                .unwrap_or_else(|e| panic!("consumer name {name:?} is not a valid scope: {e}")),
+            keys: KeySource::Header(IDEMPOTENCY_KEY_HEADER.into()),
+            backoff: Backoff::default(),
+            max_deliveries: 5,
+        }
+    }
+
+    /// Where keys come from.
+    #[must_use]
+    pub fn keys(mut self, source: KeySource) -> Self {
+        self.keys = source;
+        self
+    }
+
+    /// The lease of a running handler (heartbeats keep it alive).
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.guard = self.guard.lease(lease);
+        self
+    }
+
+    /// How long a completed key keeps replaying (default 7 days: DLQ replays come late).
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.guard = self.guard.retention(retention);
+        self
+    }
+
+    /// The redelivery backoff.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// After how many deliveries a message whose handler keeps failing is dead-lettered.
+    #[must_use]
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = deliveries.max(1);
+        self
+    }
+
+    fn count(&self, result: &'static str) {
+        metrics::counter!("idempotency_consumer_messages_total", "consumer" => self.name, "result" => result)
+            .increment(1);
+    }
+
+    /// Decides what to do with one delivered message, running the handler if this delivery
+    /// acquires the key.
+    pub async fn process<M>(&self, message: &M) -> Disposition
+    where
+        M: Delivery + Sync,
+        H: Handler<M>,
+    {
+        let key = match self.keys.key_of(message) {
+            Ok(key) => key,
+            Err(problem) => {
+                self.count("dead_lettered");
+                let reason = match problem {
+                    KeyProblem::Missing => format!("the message has no idempotency key ({:?})", self.keys),
+                    KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
+                };
+                tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
+                return Disposition::DeadLetter { reason };
+            }
+        };
+        let fingerprint = Fingerprint::of_bytes(message.payload());
+        let policy = |result: &Result<Outcome, HandlerError>| match result {
+            Ok(outcome) => Decision::Complete(outcome.clone()),
+            Err(_) => Decision::Release,
+        };
+        let run = self
+            .guard
+            .run(
+                self.scope.clone(),
+                key.clone(),
+                fingerprint,
+                policy,
+                |attempt| async move { self.handler.handle(message, &attempt).await },
+            )
+            .await;
+        let deliveries = message.delivery_count();
+        match run {
+            Err(error) => {
+                self.count("store_unavailable");
+                tracing::warn!(consumer = self.name, %error, "store unavailable; requeueing");
+                Disposition::Nack {
+                    after: self.backoff.delay(deliveries),
+                }
+            }
+            Ok(Execution::Replayed(_)) => {
+                self.count("duplicate");
+                Disposition::Ack
+            }
+            Ok(Execution::InFlight { retry_after, .. }) => {
+                self.count("in_flight");
+                Disposition::Nack {
+                    after: retry_after.clamp(self.backoff.initial, self.backoff.max),
+                }
+            }
+            Ok(Execution::Mismatch) => {
+                self.count("dead_lettered");
+                Disposition::DeadLetter {
+                    reason: format!(
+                        "idempotency key {} was first used with a different payload",
+                        key.redacted()
+                    ),
+                }
+            }
+            Ok(Execution::Executed { value, recorded, .. }) => match (value, recorded) {
+                (Ok(_), Recorded::Completed { .. }) => {
+                    self.count("executed");
+                    Disposition::Ack
+                }
+                // Another delivery took the key over while this one ran; that delivery's outcome
+                // stands, and this copy of the message is a duplicate.
+                (Ok(_), Recorded::LeaseLost) => {
+                    self.count("duplicate");
+                    Disposition::Ack
+                }
+                // The side effect happened but is not recorded (or, impossibly with this
+                // policy, was released): never ack an outcome that is not durable.
+                (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released)) => {
+                    self.count("store_unavailable");
+                    tracing::error!(
+                        consumer = self.name,
+                        ?recorded,
+                        "outcome not recorded; requeueing"
+                    );
+                    Disposition::Nack {
+                        after: self.backoff.delay(deliveries),
+                    }
+                }
+                (Err(HandlerError::Fatal(reason)), _) => {
+                    self.count("dead_lettered");
+                    Disposition::DeadLetter { reason }
+                }
+                (Err(HandlerError::Retry(reason)), _) if deliveries >= self.max_deliveries => {
+                    self.count("dead_lettered");
+                    Disposition::DeadLetter {
+                        reason: format!("failed {deliveries} deliveries, the last with: {reason}"),
+                    }
+                }
+                (Err(HandlerError::Retry(_)), _) => {
+                    self.count("retried");
+                    Disposition::Nack {
+                        after: self.backoff.delay(deliveries),
+                    }
+                }
+            },
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The ack rules of SPEC §6, on the reference store with injected faults (Tokio's paused clock
+//! makes leases and backoff instant).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, KeySource};
+use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
+use idempotency_testkit::FaultyStore;
+use idempotency_testkit::faults::Op;
+
+#[derive(Debug, Clone, Default)]
+struct Message {
+    headers: HashMap<String, Vec<u8>>,
+    id: Option<String>,
+    payload: Vec<u8>,
+    deliveries: u32,
+}
+
+impl Message {
+    fn keyed(key: &str, payload: &str) -> Self {
+        Self {
+            headers: HashMap::from([("Idempotency-Key".to_string(), key.as_bytes().to_vec())]),
+            payload: payload.as_bytes().to_vec(),
+            deliveries: 1,
+            ..Self::default()
+        }
+    }
+
+    fn redelivered(&self) -> Self {
+        Self {
+            deliveries: self.deliveries + 1,
+            ..self.clone()
+        }
+    }
+}
+
+impl Delivery for Message {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.get(name).map(Vec::as_slice)
+    }
+    fn message_id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+    fn delivery_count(&self) -> u32 {
+        self.deliveries
+    }
+}
+
+/// Charges once per call; fails the first `fail_first` calls with `Retry` (or always with
+/// `Fatal` when `fatal`); can be made slow.
+#[derive(Default)]
+struct Charger {
+    charges: Mutex<Vec<String>>,
+    calls: AtomicU32,
+    fail_first: u32,
+    fatal: bool,
+    slow: Option<Duration>,
+}
+
+impl Handler<Message> for Charger {
+    async fn handle(&self, message: &Message, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(slow) = self.slow {
+            tokio::time::sleep(slow).await;
+        }
+        if self.fatal {
+            return Err(HandlerError::Fatal("card declined".into()));
+        }
+        if call <= self.fail_first {
+            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+        }
+        self.charges.lock().unwrap().push(attempt.key().to_string());
+        Ok(Outcome::new(format!(
+            "charged {}",
+            String::from_utf8_lossy(&message.payload)
+        )))
+    }
+}
+
+type TestStore = FaultyStore<MemoryStore>;
+type TestConsumer = Consumer<TestStore, Arc<Charger>>;
+
+fn consumer(charger: Charger) -> (TestConsumer, Arc<Charger>, TestStore) {
+    let charger = Arc::new(charger);
+    let store = FaultyStore::new(MemoryStore::new());
+    let consumer = Consumer::new("payments", store.clone(), Arc::clone(&charger)).backoff(Backoff {
+        initial: Duration::from_secs(1),
+        max: Duration::from_secs(60),
+    });
+    (consumer, charger, store)
+}
+
+impl Handler<Message> for Arc<Charger> {
+    async fn handle(&self, message: &Message, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        Charger::handle(self, message, attempt).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_first_delivery_executes_and_redeliveries_are_acked_without_side_effects() {
+    let (consumer, charger, _) = consumer(Charger::default());
+    let message = Message::keyed("pay-1", "EUR 10");
+    assert_eq!(consumer.process(&message).await, Disposition::Ack);
+    for _ in 0..3 {
+        assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    }
+    assert_eq!(charger.charges.lock().unwrap().as_slice(), ["pay-1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_without_a_key_is_dead_lettered_unless_keyed_by_content() {
+    let (consumer, charger, _) = consumer(Charger::default());
+    let keyless = Message {
+        payload: b"EUR 10".to_vec(),
+        deliveries: 1,
+        ..Message::default()
+    };
+    let Disposition::DeadLetter { reason } = consumer.process(&keyless).await else {
+        panic!("dead-letter")
+    };
+    assert!(reason.contains("no idempotency key"), "{reason}");
+    let bad = Message::keyed("has space", "EUR 10");
+    let Disposition::DeadLetter { reason } = consumer.process(&bad).await else {
+        panic!("dead-letter")
+    };
+    assert!(reason.contains("invalid"), "{reason}");
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 0, "nothing may run");
+
+    let by_content = consumer.clone().keys(KeySource::ContentHash);
+    assert_eq!(by_content.process(&keyless).await, Disposition::Ack);
+    assert_eq!(by_content.process(&keyless.redelivered()).await, Disposition::Ack);
+    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_message_id_can_be_the_key() {
+    let (consumer, charger, _) = consumer(Charger::default());
+    let consumer = consumer.keys(KeySource::MessageId);
+    let message = Message {
+        id: Some("msg-42".into()),
+        payload: b"EUR 10".to_vec(),
+        deliveries: 1,
+        ..Message::default()
+    };
+    assert_eq!(consumer.process(&message).await, Disposition::Ack);
+    assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    assert_eq!(charger.charges.lock().unwrap().as_slice(), ["msg-42"]);
+    let custom = consumer.keys(KeySource::Custom(Arc::new(|m: &dyn Delivery| {
+        Key::composite(["order", std::str::from_utf8(m.payload()).ok()?]).ok()
+    })));
+    assert_eq!(custom.process(&message).await, Disposition::Ack);
+    assert_eq!(charger.charges.lock().unwrap().last().unwrap(), "order:EUR%2010");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reused_key_with_another_payload_is_dead_lettered() {
+    let (consumer, charger, _) = consumer(Charger::default());
+    assert_eq!(
+        consumer.process(&Message::keyed("pay-1", "EUR 10")).await,
+        Disposition::Ack
+    );
+    let Disposition::DeadLetter { reason } = consumer.process(&Message::keyed("pay-1", "EUR 99")).await
+    else {
+        panic!("dead-letter")
+    };
+    assert!(reason.contains("different payload"), "{reason}");
+    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_of_a_message_in_flight_is_requeued_not_acked() {
+    let (consumer, charger, _) = consumer(Charger {
+        slow: Some(Duration::from_secs(5)),
+        ..Charger::default()
+    });
+    let consumer = Arc::new(consumer);
+    let message = Message::keyed("pay-1", "EUR 10");
+    let first = {
+        let (consumer, message) = (Arc::clone(&consumer), message.clone());
+        tokio::spawn(async move { consumer.process(&message).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let duplicate = consumer.process(&message.redelivered()).await;
+    let Disposition::Nack { after } = duplicate else {
+        panic!("{duplicate:?}")
+    };
+    assert!(after >= Duration::from_secs(1), "{after:?}");
+    assert_eq!(first.await.unwrap(), Disposition::Ack);
+    assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_failing_twice_is_retried_with_backoff_and_charges_once() {
+    let (consumer, charger, _) = consumer(Charger {
+        fail_first: 2,
+        ..Charger::default()
+    });
+    let first = Message::keyed("pay-1", "EUR 10");
+    assert_eq!(
+        consumer.process(&first).await,
+        Disposition::Nack {
+            after: Duration::from_secs(1)
+        }
+    );
+    let second = first.redelivered();
+    assert_eq!(
+        consumer.process(&second).await,
+        Disposition::Nack {
+            after: Duration::from_secs(2)
+        }
+    );
+    assert_eq!(consumer.process(&second.redelivered()).await, Disposition::Ack);
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 3);
+    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_always_fails_is_dead_lettered_after_the_limit() {
+    let (consumer, charger, _) = consumer(Charger {
+        fail_first: u32::MAX,
+        ..Charger::default()
+    });
+    let consumer = consumer.max_deliveries(3);
+    let mut message = Message::keyed("pay-1", "EUR 10");
+    assert!(matches!(
+        consumer.process(&message).await,
+        Disposition::Nack { .. }
+    ));
+    message = message.redelivered();
+    assert!(matches!(
+        consumer.process(&message).await,
+        Disposition::Nack { .. }
+    ));
+    message = message.redelivered();
+    let Disposition::DeadLetter { reason } = consumer.process(&message).await else {
+        panic!("dead-letter")
+    };
+    assert!(
+        reason.contains("failed 3 deliveries") && reason.contains("gateway timeout"),
+        "{reason}"
+    );
+    assert_eq!(charger.charges.lock().unwrap().len(), 0);
+
+    let (fatal, charger, _) = self::consumer(Charger {
+        fatal: true,
+        ..Charger::default()
+    });
+    let verdict = fatal.process(&Message::keyed("pay-2", "EUR 10")).await;
+    assert_eq!(
+        verdict,
+        Disposition::DeadLetter {
+            reason: "card declined".into()
+        }
+    );
+    assert_eq!(
+        charger.calls.load(Ordering::SeqCst),
+        1,
+        "a fatal error is not retried"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_is_down_requeues_without_running_the_handler() {
+    let (consumer, charger, store) = consumer(Charger::default());
+    store.set_down(true);
+    let message = Message::keyed("pay-1", "EUR 10");
+    assert!(matches!(
+        consumer.process(&message).await,
+        Disposition::Nack { .. }
+    ));
+    assert!(matches!(
+        consumer.process(&message.redelivered()).await,
+        Disposition::Nack { .. }
+    ));
+    assert_eq!(
+        charger.calls.load(Ordering::SeqCst),
+        0,
+        "nothing may run while the store is down"
+    );
+    store.set_down(false);
+    assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_that_cannot_be_recorded_is_never_acked() {
+    let (consumer, charger, store) = consumer(Charger::default());
+    let consumer = consumer.lease(Duration::from_secs(10));
+    store.fail_next(Op::Complete, u32::MAX);
+    let message = Message::keyed("pay-1", "EUR 10");
+    assert!(matches!(
+        consumer.process(&message).await,
+        Disposition::Nack { .. }
+    ));
+    assert_eq!(
+        charger.charges.lock().unwrap().len(),
+        1,
+        "the side effect happened"
+    );
+}
