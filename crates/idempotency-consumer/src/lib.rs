@@ -25,6 +25,39 @@
 //! Broker adapters implement [`Delivery`] for their message type and map the [`Disposition`] to
 //! their acknowledgements.
 //!
+//! ```
+//! use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError};
+//! use idempotency_core::{Attempt, MemoryStore, Outcome};
+//!
+//! struct Message { key: Vec<u8>, payload: Vec<u8>, deliveries: u32 }
+//!
+//! impl Delivery for Message {
+//!     fn header(&self, name: &str) -> Option<&[u8]> {
+//!         (name == "Idempotency-Key").then_some(self.key.as_slice())
+//!     }
+//!     fn message_id(&self) -> Option<&str> { None }
+//!     fn payload(&self) -> &[u8] { &self.payload }
+//!     fn delivery_count(&self) -> u32 { self.deliveries }
+//! }
+//!
+//! struct SendInvoice;
+//!
+//! impl Handler<Message> for SendInvoice {
+//!     async fn handle(&self, message: &Message, _attempt: &Attempt) -> Result<Outcome, HandlerError> {
+//!         // Send the e-mail here; a transient failure would be `Err(HandlerError::Retry(..))`.
+//!         Ok(Outcome::new(format!("sent {} bytes", message.payload.len())))
+//!     }
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let consumer = Consumer::new("invoices", MemoryStore::new(), SendInvoice);
+//! let message = Message { key: b"invoice-42".to_vec(), payload: b"...".to_vec(), deliveries: 1 };
+//! assert_eq!(consumer.process(&message).await, Disposition::Ack); // sent, then acked
+//! let redelivered = Message { deliveries: 2, ..message };
+//! assert_eq!(consumer.process(&redelivered).await, Disposition::Ack); // acked, not sent again
+//! # });
+//! ```
+//!
 //! # Metrics
 //!
 //! `idempotency_consumer_messages_total{consumer, result}` with `result` one of `executed`,
