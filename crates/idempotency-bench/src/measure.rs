@@ -152,3 +152,40 @@ where
     }
     Ok(results.into_iter().map(Samples::of).collect())
 }
+
+/// One begin→complete cycle through a store, with zero retention: the next cycle on the same key
+/// finds the record expired and acquires it anew, so the table or map keeps a fixed size.
+pub(crate) async fn store_cycle<S: idempotency_core::Store>(
+    store: &S,
+    scope: idempotency_core::Scope,
+    key: idempotency_core::Key,
+) -> Result<(), String> {
+    use idempotency_core::{BeginRequest, Claim, Fingerprint, Outcome};
+
+    let request = BeginRequest::new(scope, key, Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO);
+    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
+        return Err("a cycle did not acquire".into());
+    };
+    let done = store
+        .complete(
+            &request.scope,
+            &request.key,
+            token,
+            Outcome::empty(),
+            Duration::ZERO,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    if done.is_lease_lost() {
+        return Err("complete lost its lease".into());
+    }
+    Ok(())
+}
+
+/// The scope and key of a caller's `n`-th cycle: each caller cycles over its own 1024 keys.
+pub(crate) fn cycle_key(caller: usize, n: usize) -> (idempotency_core::Scope, idempotency_core::Key) {
+    (
+        idempotency_core::Scope::new(format!("bench-{caller}")).expect("a valid scope"),
+        idempotency_core::Key::new(format!("key-{}", n % 1024)).expect("a valid key"),
+    )
+}

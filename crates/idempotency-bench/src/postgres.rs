@@ -6,16 +6,14 @@
 //! works in a table of its own (`idempotency_bench.records_<pid>`), dropped at the end.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_core::{BeginRequest, Fingerprint, Key, Outcome, Scope, Token};
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore, TxExecution};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::measure::{alternate_async, per_second, rate};
+use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
 
-const KEYS_PER_CALLER: usize = 1024;
 const SCHEMA: &str = "idempotency_bench";
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
@@ -137,66 +135,25 @@ async fn measure(
     cycle: Cycle,
     window: Duration,
 ) -> Result<f64, String> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let cycles = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..callers)
-        .map(|caller| {
-            let (store, stop, cycles, cycle) = (
-                store.clone(),
-                Arc::clone(&stop),
-                Arc::clone(&cycles),
-                cycle.clone(),
-            );
-            tokio::spawn(async move {
-                let scope = Scope::new(format!("bench-{caller}")).expect("scope");
-                let keys: Vec<Key> = (0..KEYS_PER_CALLER)
-                    .map(|i| Key::new(format!("key-{i}")).expect("key"))
-                    .collect();
-                let mut next = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    let key = &keys[next % KEYS_PER_CALLER];
-                    next += 1;
-                    match &cycle {
-                        Cycle::Store => store_cycle(&store, &scope, key).await?,
-                        Cycle::RawSql => raw_cycle(&store, &scope, key).await?,
-                        Cycle::SameTransaction(table) => {
-                            same_transaction_cycle(&store, table, &scope, key).await?;
-                        }
-                        Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, key).await?,
-                    }
-                    cycles.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<(), String>(())
-            })
-        })
-        .collect();
-    tokio::time::sleep(window).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.map_err(|e| e.to_string())??;
-    }
-    Ok(rate(cycles.load(Ordering::Relaxed), started.elapsed()))
+    let store = store.clone();
+    cycles_per_second(callers, window, move |caller, n| {
+        let (store, cycle) = (store.clone(), cycle.clone());
+        async move {
+            let (scope, key) = cycle_key(caller, n);
+            match &cycle {
+                Cycle::Store => store_cycle(&store, scope, key).await,
+                Cycle::RawSql => raw_cycle(&store, &scope, &key).await,
+                Cycle::SameTransaction(table) => same_transaction_cycle(&store, table, &scope, &key).await,
+                Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, &key).await,
+            }
+        }
+    })
+    .await
 }
 
 fn request(scope: &Scope, key: &Key) -> BeginRequest {
     // Zero retention: the next cycle on this key finds the record expired and claims it anew.
     BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO)
-}
-
-async fn store_cycle(store: &PostgresStore, scope: &Scope, key: &Key) -> Result<(), String> {
-    let request = request(scope, key);
-    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
-        return Err("a cycle did not acquire".into());
-    };
-    let done = store
-        .complete(scope, key, token, Outcome::empty(), Duration::ZERO)
-        .await
-        .map_err(|e| e.to_string())?;
-    if done.is_lease_lost() {
-        return Err("complete lost its lease".into());
-    }
-    Ok(())
 }
 
 /// The store's two statements, bound with the same values, on the same pool.

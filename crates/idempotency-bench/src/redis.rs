@@ -9,12 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_redis::{Operation, RedisStore};
 
-use crate::measure::{alternate_async, cycles_per_second, per_second};
-
-const KEYS_PER_CALLER: usize = 1024;
+use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -48,8 +46,7 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
                     cycles_per_second(callers, window, move |caller, n| {
                         let store = store.clone();
                         async move {
-                            let scope = Scope::new(format!("bench-{caller}")).expect("scope");
-                            let key = Key::new(format!("key-{}", n % KEYS_PER_CALLER)).expect("key");
+                            let (scope, key) = cycle_key(caller, n);
                             if variant == 0 { store_cycle(&store, scope, key).await } else { raw_cycle(&store, scope, key).await }
                         }
                     })
@@ -68,28 +65,6 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
         }
         Ok(())
     })
-}
-
-async fn store_cycle(store: &RedisStore, scope: Scope, key: Key) -> Result<(), String> {
-    // Zero retention: the record expires at completion and the next cycle on the key starts anew.
-    let request = BeginRequest::new(scope, key, Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO);
-    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
-        return Err("a cycle did not acquire".into());
-    };
-    let done = store
-        .complete(
-            &request.scope,
-            &request.key,
-            token,
-            Outcome::empty(),
-            Duration::ZERO,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    if done.is_lease_lost() {
-        return Err("complete lost its lease".into());
-    }
-    Ok(())
 }
 
 /// The same two scripts with the same arguments, as bare `EVALSHA`s on the store's connection;

@@ -6,17 +6,13 @@
 //! with the same statements ([`idempotency_sqlite::sql`]) and precomputed values; the ratio is
 //! what the store's decoding, state machine and bookkeeping cost on top of SQLite.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_sqlite::rusqlite::{OptionalExtension, TransactionBehavior, params};
 use idempotency_sqlite::{SqliteOptions, SqliteStore, Synchronous, sql};
 
-use crate::measure::{alternate, per_second, rate};
-
-const KEYS_PER_CALLER: usize = 1024;
+use crate::measure::{alternate, cycle_key, cycles_per_second, per_second, store_cycle};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -58,55 +54,19 @@ async fn measure(
     through_store: bool,
     window: Duration,
 ) -> Result<f64, String> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let cycles = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..callers)
-        .map(|caller| {
-            let (store, stop, cycles) = (store.clone(), Arc::clone(&stop), Arc::clone(&cycles));
-            tokio::spawn(async move {
-                let scope = Scope::new(format!("bench-{caller}")).expect("scope");
-                let keys: Vec<Key> = (0..KEYS_PER_CALLER)
-                    .map(|i| Key::new(format!("key-{i}")).expect("key"))
-                    .collect();
-                let mut next = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    let key = &keys[next % KEYS_PER_CALLER];
-                    next += 1;
-                    if through_store {
-                        store_cycle(&store, &scope, key).await?;
-                    } else {
-                        raw_cycle(&store, &scope, key).await?;
-                    }
-                    cycles.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<(), String>(())
-            })
-        })
-        .collect();
-    tokio::time::sleep(window).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.map_err(|e| e.to_string())??;
-    }
-    Ok(rate(cycles.load(Ordering::Relaxed), started.elapsed()))
-}
-
-async fn store_cycle(store: &SqliteStore, scope: &Scope, key: &Key) -> Result<(), String> {
-    // Zero retention: the next cycle on this key finds the record expired and acquires it anew.
-    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload"))
-        .retention(Duration::ZERO);
-    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
-        return Err("a cycle did not acquire".into());
-    };
-    let done = store
-        .complete(scope, key, token, Outcome::empty(), Duration::ZERO)
-        .await
-        .map_err(|e| e.to_string())?;
-    if done.is_lease_lost() {
-        return Err("complete lost its lease".into());
-    }
-    Ok(())
+    let store = store.clone();
+    cycles_per_second(callers, window, move |caller, n| {
+        let store = store.clone();
+        async move {
+            let (scope, key) = cycle_key(caller, n);
+            if through_store {
+                store_cycle(&store, scope, key).await
+            } else {
+                raw_cycle(&store, &scope, &key).await
+            }
+        }
+    })
+    .await
 }
 
 /// The same two transactions as a store cycle, with the values computed up front.
