@@ -210,6 +210,17 @@ pub trait Handler<M: ?Sized>: Send + Sync {
     ) -> impl Future<Output = Result<Outcome, HandlerError>> + Send;
 }
 
+/// A shared handler handles as the handler it points to.
+impl<M: ?Sized + Sync, H: Handler<M> + ?Sized> Handler<M> for Arc<H> {
+    fn handle(
+        &self,
+        message: &M,
+        attempt: &Attempt,
+    ) -> impl Future<Output = Result<Outcome, HandlerError>> + Send {
+        (**self).handle(message, attempt)
+    }
+}
+
 /// Processes deliveries for one consumer; see the [crate docs](crate).
 #[derive(Debug, Clone)]
 pub struct Consumer<S, H> {

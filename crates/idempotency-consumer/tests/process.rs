@@ -96,12 +96,6 @@ fn consumer(charger: Charger) -> (TestConsumer, Arc<Charger>, TestStore) {
     (consumer, charger, store)
 }
 
-impl Handler<Message> for Arc<Charger> {
-    async fn handle(&self, message: &Message, attempt: &Attempt) -> Result<Outcome, HandlerError> {
-        Charger::handle(self, message, attempt).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn the_first_delivery_executes_and_redeliveries_are_acked_without_side_effects() {
     let (consumer, charger, _) = consumer(Charger::default());

@@ -1,0 +1,203 @@
+//! Idempotent NATS JetStream consumers, on the broker-neutral rules of `idempotency-consumer`.
+//!
+//! * [`process`] runs a [`Consumer`] on one JetStream message. While the handler runs it sends
+//!   progress acks (`+WPI`), so a long handler does not have its message redelivered to another
+//!   consumer. Then it carries out the [`Disposition`]:
+//!   * `Ack` is a **double ack**, confirmed by the server, and only after the outcome is
+//!     recorded;
+//!   * `Nack { after }` is a `NAK` with that delay;
+//!   * `DeadLetter { reason }` publishes the message to the dead-letter subject, with the reason
+//!     in the `Idempotency-Dead-Reason` header, awaits the publish ack, and then `TERM`s the
+//!     original.
+//! * [`publish`] sets both `Idempotency-Key` (for the consumer's record) and `Nats-Msg-Id` (the
+//!   stream's own duplicate window, which drops a producer's retried publish at the server) and
+//!   awaits the publish ack.
+//!
+//! The delivery count comes from the message's JetStream metadata, so backoff and the delivery
+//! limit survive consumer restarts.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use async_nats::{HeaderMap, HeaderValue};
+use bytes::Bytes;
+use idempotency_consumer::{Consumer, Delivery, Disposition, Handler};
+use idempotency_core::{Key, Store};
+
+/// The header a dead-lettered message carries its reason in.
+pub const DEAD_REASON_HEADER: &str = "Idempotency-Dead-Reason";
+
+/// A JetStream message as a [`Delivery`]: headers, `Nats-Msg-Id` as the message id, the payload,
+/// and the delivery count from the JetStream metadata.
+#[derive(Debug)]
+pub struct NatsMessage {
+    message: jetstream::Message,
+    delivered: u32,
+}
+
+impl NatsMessage {
+    /// Wraps a JetStream message.
+    #[must_use]
+    pub fn new(message: jetstream::Message) -> Self {
+        let delivered = message
+            .info()
+            .ok()
+            .and_then(|info| u32::try_from(info.delivered).ok())
+            .unwrap_or(1)
+            .max(1);
+        Self { message, delivered }
+    }
+
+    /// The JetStream message.
+    #[must_use]
+    pub fn message(&self) -> &jetstream::Message {
+        &self.message
+    }
+}
+
+impl Delivery for NatsMessage {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(name))
+            .map(|value| value.as_str().as_bytes())
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get("Nats-Msg-Id"))
+            .map(HeaderValue::as_str)
+    }
+
+    fn payload(&self) -> &[u8] {
+        &self.message.payload
+    }
+
+    fn delivery_count(&self) -> u32 {
+        self.delivered
+    }
+}
+
+/// A failure to reach the server while acknowledging or dead-lettering. The message was not
+/// acknowledged; the server redelivers it after its ack wait, and the record makes that
+/// redelivery a duplicate.
+#[derive(Debug)]
+pub struct SettleError(String);
+
+impl std::fmt::Display for SettleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "could not settle a JetStream message: {}", self.0)
+    }
+}
+
+impl std::error::Error for SettleError {}
+
+/// Processes one message with `consumer` and settles it; returns what was done.
+///
+/// `progress_every` should be below the consumer's ack wait (a third of it is a good choice).
+///
+/// # Errors
+///
+/// [`SettleError`] when the ack, nak, or dead-letter publish could not be confirmed.
+pub async fn process<S, H>(
+    consumer: &Consumer<S, H>,
+    jetstream: &jetstream::Context,
+    dead_letter_subject: &str,
+    message: jetstream::Message,
+    progress_every: Duration,
+) -> Result<Disposition, SettleError>
+where
+    S: Store,
+    H: Handler<NatsMessage>,
+{
+    let message = NatsMessage::new(message);
+    let work = consumer.process(&message);
+    let progress = async {
+        loop {
+            tokio::time::sleep(progress_every).await;
+            if let Err(error) = message.message.ack_with(AckKind::Progress).await {
+                tracing::warn!(%error, "progress ack failed");
+            }
+        }
+    };
+    let disposition = tokio::select! {
+        disposition = work => disposition,
+        never = progress => never,
+    };
+    settle(jetstream, dead_letter_subject, &message, &disposition).await?;
+    Ok(disposition)
+}
+
+/// Carries out `disposition` on `message`.
+///
+/// # Errors
+///
+/// [`SettleError`] when the server did not confirm it.
+pub async fn settle(
+    jetstream: &jetstream::Context,
+    dead_letter_subject: &str,
+    message: &NatsMessage,
+    disposition: &Disposition,
+) -> Result<(), SettleError> {
+    let fail = |e: &dyn std::fmt::Display| SettleError(e.to_string());
+    match disposition {
+        Disposition::Ack => message.message.double_ack().await.map_err(|e| fail(&e)),
+        Disposition::Nack { after } => message
+            .message
+            .ack_with(AckKind::Nak(Some(*after)))
+            .await
+            .map_err(|e| fail(&e)),
+        Disposition::DeadLetter { reason } => {
+            let mut headers = message.message.headers.clone().unwrap_or_default();
+            // The copy must not carry the original's Nats-Msg-Id: in a stream that holds both
+            // subjects, the server's duplicate window would drop it as the original's duplicate.
+            // A derived id still makes a repeated dead-lettering of this message a duplicate.
+            if let Some(id) = headers.get("Nats-Msg-Id").map(|v| format!("dead:{}", v.as_str())) {
+                headers.insert("Nats-Msg-Id", id.as_str());
+            }
+            headers.insert(DEAD_REASON_HEADER, reason.as_str());
+            headers.insert("Idempotency-Dead-Subject", message.message.subject.as_str());
+            jetstream
+                .publish_with_headers(
+                    dead_letter_subject.to_owned(),
+                    headers,
+                    message.message.payload.clone(),
+                )
+                .await
+                .map_err(|e| fail(&e))?
+                .await
+                .map_err(|e| fail(&e))?;
+            message
+                .message
+                .ack_with(AckKind::Term)
+                .await
+                .map_err(|e| fail(&e))
+        }
+    }
+}
+
+/// Publishes `payload` with `key` as both `Idempotency-Key` and `Nats-Msg-Id`, and waits for
+/// the stream's acknowledgement.
+///
+/// # Errors
+///
+/// The publish or its acknowledgement failed; publishing again with the same key is safe.
+pub async fn publish(
+    jetstream: &jetstream::Context,
+    subject: impl Into<String>,
+    key: &Key,
+    payload: Bytes,
+) -> Result<jetstream::publish::PublishAck, SettleError> {
+    let mut headers = HeaderMap::new();
+    headers.insert("Idempotency-Key", key.as_str());
+    headers.insert("Nats-Msg-Id", key.as_str());
+    jetstream
+        .publish_with_headers(subject.into(), headers, payload)
+        .await
+        .map_err(|e| SettleError(e.to_string()))?
+        .await
+        .map_err(|e| SettleError(e.to_string()))
+}

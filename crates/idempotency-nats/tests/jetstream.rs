@@ -1,0 +1,406 @@
+//! Idempotent consumption against the real NATS JetStream server (`NATS_URL`, default
+//! `nats://127.0.0.1:4222`, which `scripts/services` starts): a crash before the ack, a storm of
+//! duplicates across ten consumers, retries with backoff, dead-lettering with reasons, and a
+//! store outage.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use idempotency_consumer::{Backoff, Consumer, Disposition, Handler, HandlerError};
+use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
+use idempotency_nats::{DEAD_REASON_HEADER, NatsMessage, process, publish};
+use idempotency_testkit::FaultyStore;
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+struct Setup {
+    js: jetstream::Context,
+    stream: String,
+    work: String,
+    dead: String,
+    workers: PullConsumer,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let client = async_nats::connect(nats_url())
+            .await
+            .unwrap_or_else(|e| panic!("NATS JetStream at {} is needed for this test: {e}", nats_url()));
+        let js = jetstream::new(client);
+        let id = Key::generate().as_str().replace('-', "");
+        let stream = format!("IDEM_{id}");
+        let (work, dead) = (format!("idem.{id}.work"), format!("idem.{id}.dead"));
+        let created = js
+            .create_stream(jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![work.clone(), dead.clone()],
+                duplicate_window: Duration::from_secs(60),
+                max_age: Duration::from_secs(600),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let workers = created
+            .create_consumer(jetstream::consumer::pull::Config {
+                durable_name: Some("workers".into()),
+                filter_subject: work.clone(),
+                ack_wait: Duration::from_secs(1),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        Self {
+            js,
+            stream,
+            work,
+            dead,
+            workers,
+        }
+    }
+
+    /// Dead-lettered messages: (key, reason).
+    async fn dead_letters(&self, expected: usize) -> Vec<(String, String)> {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let reader: PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: self.dead.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut found = Vec::new();
+        let mut batch = reader
+            .fetch()
+            .max_messages(expected.max(1))
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(message)) = batch.next().await {
+            let headers = message.headers.clone().unwrap_or_default();
+            let header = |name: &str| {
+                headers
+                    .get(name)
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default()
+            };
+            found.push((header("Idempotency-Key"), header(DEAD_REASON_HEADER)));
+            message.ack().await.unwrap();
+        }
+        found
+    }
+
+    /// Whether every work message has been settled.
+    async fn drained(&self) -> bool {
+        let mut workers = self.workers.clone();
+        let info = workers.info().await.unwrap();
+        info.num_pending == 0 && info.num_ack_pending == 0
+    }
+
+    async fn cleanup(self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+    }
+}
+
+/// Charges once per successful call; counts side effects per key.
+#[derive(Default)]
+struct Charger {
+    charges: Mutex<HashMap<String, u32>>,
+    calls: AtomicU32,
+    fail_first: u32,
+}
+
+impl Handler<NatsMessage> for Charger {
+    async fn handle(&self, message: &NatsMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if call <= self.fail_first {
+            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+        }
+        *self
+            .charges
+            .lock()
+            .unwrap()
+            .entry(attempt.key().to_string())
+            .or_default() += 1;
+        Ok(Outcome::new(message.message().payload.clone()))
+    }
+}
+
+type TestConsumer = Consumer<FaultyStore<MemoryStore>, Arc<Charger>>;
+
+fn consumer(charger: &Arc<Charger>, store: &FaultyStore<MemoryStore>) -> Arc<TestConsumer> {
+    Arc::new(
+        Consumer::new("nats-tests", store.clone(), Arc::clone(charger))
+            .backoff(Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(1),
+            })
+            .max_deliveries(4),
+    )
+}
+
+/// Runs a worker on the durable consumer until `stop`.
+fn worker(setup: &Setup, consumer: Arc<TestConsumer>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    let (workers, js, dead) = (setup.workers.clone(), setup.js.clone(), setup.dead.clone());
+    tokio::spawn(async move {
+        let mut messages = workers.messages().await.unwrap();
+        while !stop.load(Ordering::SeqCst) {
+            if let Ok(Some(Ok(message))) =
+                tokio::time::timeout(Duration::from_millis(100), messages.next()).await
+            {
+                let _ = process(&consumer, &js, &dead, message, Duration::from_millis(300)).await;
+            }
+        }
+    })
+}
+
+async fn publish_copy(
+    js: &jetstream::Context,
+    subject: &str,
+    key: Option<&str>,
+    msg_id: &str,
+    payload: &str,
+) {
+    let mut headers = HeaderMap::new();
+    if let Some(key) = key {
+        headers.insert("Idempotency-Key", key);
+    }
+    headers.insert("Nats-Msg-Id", msg_id);
+    js.publish_with_headers(subject.to_owned(), headers, Bytes::from(payload.to_owned()))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+async fn until(mut done: impl AsyncFnMut() -> bool, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if done().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_ack_is_redelivered_and_not_run_again() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let consumer = consumer(&charger, &store);
+    publish(
+        &setup.js,
+        setup.work.clone(),
+        &Key::new("pay-1").unwrap(),
+        Bytes::from_static(b"EUR 10"),
+    )
+    .await
+    .unwrap();
+
+    // The first consumer performs the side effect and records it, then its process dies: its
+    // connection is gone and the message is never acknowledged.
+    {
+        let client = async_nats::connect(nats_url()).await.unwrap();
+        let js = jetstream::new(client.clone());
+        let stream = js.get_stream(&setup.stream).await.unwrap();
+        let doomed: PullConsumer = stream.get_consumer("workers").await.unwrap();
+        let mut batch = doomed.fetch().max_messages(1).messages().await.unwrap();
+        let message = batch.next().await.unwrap().unwrap();
+        let verdict = consumer.process(&NatsMessage::new(message)).await;
+        assert_eq!(verdict, Disposition::Ack, "the first delivery runs");
+        drop(batch);
+        drop(client);
+    }
+    assert_eq!(charger.charges.lock().unwrap().get("pay-1"), Some(&1));
+
+    // The broker redelivers after the ack wait; the record makes it a duplicate.
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = worker(&setup, Arc::clone(&consumer), Arc::clone(&stop));
+    assert!(
+        until(async || setup.drained().await, Duration::from_secs(10)).await,
+        "the redelivery was not acked"
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(
+        charger.charges.lock().unwrap().get("pay-1"),
+        Some(&1),
+        "the side effect ran twice"
+    );
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 1);
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_duplicates_across_ten_consumers_charges_each_key_once() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let consumer = consumer(&charger, &store);
+    let keys: Vec<String> = (0..20).map(|i| format!("order-{i}")).collect();
+    // Three copies of every message, each with its own Nats-Msg-Id, so the server's own dedup
+    // window does not hide them: only the consumer's record can.
+    for copy in 0..3 {
+        for key in &keys {
+            publish_copy(
+                &setup.js,
+                &setup.work,
+                Some(key),
+                &format!("{key}-copy-{copy}"),
+                "EUR 10",
+            )
+            .await;
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let running: Vec<_> = (0..10)
+        .map(|_| worker(&setup, Arc::clone(&consumer), Arc::clone(&stop)))
+        .collect();
+    assert!(
+        until(async || setup.drained().await, Duration::from_secs(30)).await,
+        "not every message was acked"
+    );
+    stop.store(true, Ordering::SeqCst);
+    for worker in running {
+        worker.await.unwrap();
+    }
+    let charges = charger.charges.lock().unwrap().clone();
+    assert_eq!(charges.len(), keys.len());
+    assert!(
+        charges.values().all(|n| *n == 1),
+        "a key was charged twice: {charges:?}"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_reason() {
+    let setup = Setup::new().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Fails twice, then succeeds: one side effect.
+    let (charger, store) = (
+        Arc::new(Charger {
+            fail_first: 2,
+            ..Charger::default()
+        }),
+        FaultyStore::new(MemoryStore::new()),
+    );
+    let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    publish(
+        &setup.js,
+        setup.work.clone(),
+        &Key::new("flaky").unwrap(),
+        Bytes::from_static(b"EUR 10"),
+    )
+    .await
+    .unwrap();
+    assert!(until(async || setup.drained().await, Duration::from_secs(10)).await);
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 3);
+    assert_eq!(charger.charges.lock().unwrap().get("flaky"), Some(&1));
+
+    // Always fails: dead-lettered after four deliveries, with the reason.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (charger, store) = (
+        Arc::new(Charger {
+            fail_first: u32::MAX,
+            ..Charger::default()
+        }),
+        FaultyStore::new(MemoryStore::new()),
+    );
+    let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    publish(
+        &setup.js,
+        setup.work.clone(),
+        &Key::new("hopeless").unwrap(),
+        Bytes::from_static(b"EUR 10"),
+    )
+    .await
+    .unwrap();
+    assert!(until(async || setup.drained().await, Duration::from_secs(15)).await);
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(
+        charger.calls.load(Ordering::SeqCst),
+        4,
+        "one call per delivery, up to the limit"
+    );
+    let dead = setup.dead_letters(1).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "hopeless");
+    assert!(dead[0].1.contains("failed 4 deliveries"), "{dead:?}");
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_key_and_a_reused_key_are_dead_lettered_not_dropped() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    publish_copy(&setup.js, &setup.work, None, "no-key", "EUR 10").await;
+    publish_copy(&setup.js, &setup.work, Some("pay-7"), "pay-7-a", "EUR 10").await;
+    assert!(until(async || setup.drained().await, Duration::from_secs(10)).await);
+    publish_copy(&setup.js, &setup.work, Some("pay-7"), "pay-7-b", "EUR 99").await;
+    assert!(until(async || setup.drained().await, Duration::from_secs(10)).await);
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    let mut dead = setup.dead_letters(2).await;
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(
+        dead[0].0.is_empty() && dead[0].1.contains("no idempotency key"),
+        "{dead:?}"
+    );
+    assert!(
+        dead[1].0 == "pay-7" && dead[1].1.contains("different payload"),
+        "{dead:?}"
+    );
+    assert_eq!(charger.charges.lock().unwrap().get("pay-7"), Some(&1));
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_store_is_down_nothing_is_acked_or_lost() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    store.set_down(true);
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    for i in 0..5 {
+        publish(
+            &setup.js,
+            setup.work.clone(),
+            &Key::new(format!("pay-{i}")).unwrap(),
+            Bytes::from_static(b"EUR 10"),
+        )
+        .await
+        .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !setup.drained().await,
+        "messages were acked while the store was down"
+    );
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 0);
+    store.set_down(false);
+    assert!(
+        until(async || setup.drained().await, Duration::from_secs(15)).await,
+        "not processed after recovery"
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    let charges = charger.charges.lock().unwrap().clone();
+    assert_eq!(charges.len(), 5);
+    assert!(charges.values().all(|n| *n == 1), "{charges:?}");
+    setup.cleanup().await;
+}
