@@ -1,0 +1,319 @@
+//! Idempotent RabbitMQ consumers (lapin), on the broker-neutral rules of
+//! `idempotency-consumer`.
+//!
+//! A [`Topology`] for queue `Q` declares three durable queues:
+//! * `Q`: the work;
+//! * `Q.retry`: delayed retries. A message waits there for its own TTL (`expiration`), then
+//!   RabbitMQ dead-letters it back to `Q` through the default exchange;
+//! * `Q.dead`: dead letters, each with the reason in the `Idempotency-Dead-Reason` header.
+//!
+//! [`settle`] carries out a [`Disposition`] with manual acks:
+//! * `Ack`: `basic.ack`, only after the outcome is recorded;
+//! * `Nack { after }`: publish a copy to `Q.retry` with `expiration = after` and the delivery
+//!   count plus one (`x-idempotency-deliveries`), wait for the publisher confirm, then ack the
+//!   original;
+//! * `DeadLetter { reason }`: publish a copy to `Q.dead` with the reason, wait for the confirm,
+//!   then ack.
+//!
+//! A crash between the confirm and the ack redelivers the original. The copy already holds its
+//! place, and the record makes the extra delivery a duplicate.
+//!
+//! The channel must be in confirm mode: [`Topology::declare`] puts it there.
+//!
+//! Per-message TTLs in one retry queue expire in queue order: a short delay queued behind a long
+//! one waits for it. With the default capped exponential backoff this delays some retries up to
+//! the cap (5 min by default); use one topology per delay class if that matters.
+
+use std::time::Duration;
+
+use idempotency_consumer::{Consumer, Delivery, Disposition, Handler};
+use idempotency_core::{Key, Store};
+use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel};
+
+/// The header a dead-lettered message carries its reason in.
+pub const DEAD_REASON_HEADER: &str = "Idempotency-Dead-Reason";
+
+/// The header that counts deliveries across delayed retries.
+pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
+
+/// A broker operation that failed (connection, channel, or an unconfirmed publish).
+#[derive(Debug)]
+pub struct AmqpError(String);
+
+impl std::fmt::Display for AmqpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RabbitMQ: {}", self.0)
+    }
+}
+
+impl std::error::Error for AmqpError {}
+
+fn amqp(error: impl std::fmt::Display) -> AmqpError {
+    AmqpError(error.to_string())
+}
+
+/// The queues of one consumer; see the [crate docs](crate).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// The work queue.
+    pub queue: String,
+    /// Where delayed retries wait.
+    pub retry_queue: String,
+    /// Where dead letters go.
+    pub dead_queue: String,
+}
+
+impl Topology {
+    /// The topology of queue `queue`: `queue`, `queue.retry`, `queue.dead`.
+    #[must_use]
+    pub fn for_queue(queue: &str) -> Self {
+        Self {
+            queue: queue.to_owned(),
+            retry_queue: format!("{queue}.retry"),
+            dead_queue: format!("{queue}.dead"),
+        }
+    }
+
+    /// Declares the three queues (durable; declaring again is a no-op) and puts `channel` in
+    /// confirm mode.
+    ///
+    /// # Errors
+    ///
+    /// The broker refused a declaration (for example a queue exists with other arguments).
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(self.queue.as_str().into(), durable, FieldTable::default())
+            .await
+            .map_err(amqp)?;
+        let mut retry = FieldTable::default();
+        retry.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+        retry.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(self.queue.as_str().into()),
+        );
+        channel
+            .queue_declare(self.retry_queue.as_str().into(), durable, retry)
+            .await
+            .map_err(amqp)?;
+        channel
+            .queue_declare(self.dead_queue.as_str().into(), durable, FieldTable::default())
+            .await
+            .map_err(amqp)?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(amqp)
+    }
+}
+
+/// A RabbitMQ delivery as a [`Delivery`].
+#[derive(Debug)]
+pub struct AmqpMessage {
+    delivery: lapin::message::Delivery,
+    deliveries: u32,
+}
+
+fn header_value<'a>(table: &'a FieldTable, name: &str) -> Option<&'a AMQPValue> {
+    table.inner().get(name)
+}
+
+impl AmqpMessage {
+    /// Wraps a delivery. The delivery count is the `x-idempotency-deliveries` header (1 when
+    /// absent), plus one if the broker says this is a redelivery.
+    #[must_use]
+    pub fn new(delivery: lapin::message::Delivery) -> Self {
+        let counted = delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| header_value(h, DELIVERIES_HEADER))
+            .and_then(|v| match v {
+                AMQPValue::LongInt(n) => u32::try_from(*n).ok(),
+                AMQPValue::LongLongInt(n) => u32::try_from(*n).ok(),
+                _ => None,
+            })
+            .unwrap_or(1);
+        let deliveries = counted + u32::from(delivery.redelivered);
+        Self { delivery, deliveries }
+    }
+
+    /// The lapin delivery.
+    #[must_use]
+    pub fn delivery(&self) -> &lapin::message::Delivery {
+        &self.delivery
+    }
+}
+
+impl Delivery for AmqpMessage {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        let headers = self.delivery.properties.headers().as_ref()?;
+        match header_value(headers, name)? {
+            AMQPValue::LongString(value) => Some(value.as_bytes()),
+            AMQPValue::ShortString(value) => Some(value.as_str().as_bytes()),
+            _ => None,
+        }
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(ShortString::as_str)
+    }
+
+    fn payload(&self) -> &[u8] {
+        &self.delivery.data
+    }
+
+    fn delivery_count(&self) -> u32 {
+        self.deliveries
+    }
+}
+
+/// Processes one delivery with `consumer`, then settles it on `channel`.
+///
+/// # Errors
+///
+/// [`AmqpError`] when the settlement could not be confirmed; the message is then redelivered by
+/// the broker, and the record makes it a duplicate.
+pub async fn process<S, H>(
+    consumer: &Consumer<S, H>,
+    channel: &Channel,
+    topology: &Topology,
+    delivery: lapin::message::Delivery,
+) -> Result<Disposition, AmqpError>
+where
+    S: Store,
+    H: Handler<AmqpMessage>,
+{
+    let message = AmqpMessage::new(delivery);
+    let disposition = consumer.process(&message).await;
+    settle(channel, topology, &message, &disposition).await?;
+    Ok(disposition)
+}
+
+/// Carries out `disposition`; see the [crate docs](crate).
+///
+/// # Errors
+///
+/// [`AmqpError`] when a publish was not confirmed or the ack could not be sent.
+pub async fn settle(
+    channel: &Channel,
+    topology: &Topology,
+    message: &AmqpMessage,
+    disposition: &Disposition,
+) -> Result<(), AmqpError> {
+    let copy_to = |queue: &str, change: &dyn Fn(&mut FieldTable), expiration: Option<Duration>| {
+        let mut headers = message.delivery.properties.headers().clone().unwrap_or_default();
+        change(&mut headers);
+        let mut properties = message.delivery.properties.clone().with_headers(headers);
+        if let Some(after) = expiration {
+            properties = properties.with_expiration(after.as_millis().max(1).to_string().into());
+        }
+        publish_confirmed(
+            channel,
+            "",
+            queue.to_owned(),
+            message.delivery.data.clone(),
+            properties,
+        )
+    };
+    match disposition {
+        Disposition::Ack => {}
+        Disposition::Nack { after } => {
+            let next = i32::try_from(message.deliveries.saturating_add(1)).unwrap_or(i32::MAX);
+            copy_to(
+                &topology.retry_queue,
+                &|headers| {
+                    headers.insert(DELIVERIES_HEADER.into(), AMQPValue::LongInt(next));
+                },
+                Some(*after),
+            )
+            .await?;
+        }
+        Disposition::DeadLetter { reason } => {
+            copy_to(
+                &topology.dead_queue,
+                &|headers| {
+                    headers.insert(
+                        DEAD_REASON_HEADER.into(),
+                        AMQPValue::LongString(reason.as_str().into()),
+                    );
+                },
+                None,
+            )
+            .await?;
+        }
+    }
+    message
+        .delivery
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(amqp)
+}
+
+async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: String,
+    payload: Vec<u8>,
+    properties: BasicProperties,
+) -> Result<(), AmqpError> {
+    let confirm = channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions::default(),
+            &payload,
+            properties,
+        )
+        .await
+        .map_err(amqp)?
+        .await
+        .map_err(amqp)?;
+    if confirm.is_nack() {
+        return Err(AmqpError("the broker refused a publish (nack)".into()));
+    }
+    Ok(())
+}
+
+/// Publishes `payload` to `exchange` with `routing_key`, with `key` as the `Idempotency-Key`
+/// header and the message id, persistent, and waits for the publisher confirm. The channel
+/// must be in confirm mode.
+///
+/// # Errors
+///
+/// [`AmqpError`] when the publish was not confirmed; publishing again with the same key is safe.
+pub async fn publish(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    key: &Key,
+    payload: &[u8],
+) -> Result<(), AmqpError> {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "Idempotency-Key".into(),
+        AMQPValue::LongString(LongString::from(key.as_str())),
+    );
+    let properties = BasicProperties::default()
+        .with_headers(headers)
+        .with_message_id(key.as_str().into())
+        .with_delivery_mode(2);
+    publish_confirmed(
+        channel,
+        exchange,
+        routing_key.to_owned(),
+        payload.to_vec(),
+        properties,
+    )
+    .await
+}

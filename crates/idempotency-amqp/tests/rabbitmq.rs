@@ -1,0 +1,406 @@
+//! Idempotent consumption against the real RabbitMQ server (`AMQP_URL`, default
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`, which `scripts/services` starts): a crash before
+//! the ack, a storm of duplicates across ten consumers, delayed retries, dead-lettering with
+//! reasons, and a store outage.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use idempotency_amqp::{AmqpMessage, DEAD_REASON_HEADER, Topology, process, publish};
+use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError};
+use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
+use idempotency_testkit::FaultyStore;
+use lapin::options::{
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+async fn connect() -> Connection {
+    Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("RabbitMQ at {} is needed for this test: {e}", amqp_url()))
+}
+
+struct Setup {
+    _connection: Connection,
+    channel: Channel,
+    topology: Topology,
+    acks: Arc<AtomicUsize>,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let connection = connect().await;
+        let channel = connection.create_channel().await.unwrap();
+        let topology = Topology::for_queue(&format!("idem-test-{}", Key::generate()));
+        topology.declare(&channel).await.unwrap();
+        Self {
+            _connection: connection,
+            channel,
+            topology,
+            acks: Arc::default(),
+        }
+    }
+
+    async fn publish_copy(&self, key: Option<&str>, payload: &str) {
+        let mut headers = FieldTable::default();
+        if let Some(key) = key {
+            headers.insert("Idempotency-Key".into(), AMQPValue::LongString(key.into()));
+        }
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.topology.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Dead-lettered messages: (key, reason).
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let mut found = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(
+                self.topology.dead_queue.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
+            let message = AmqpMessage::new(message.delivery);
+            let text = |name: &str| {
+                message
+                    .header(name)
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default()
+            };
+            found.push((text("Idempotency-Key"), text(DEAD_REASON_HEADER)));
+        }
+        found
+    }
+
+    fn worker(&self, consumer: Arc<TestConsumer>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+        let (topology, acks) = (self.topology.clone(), Arc::clone(&self.acks));
+        tokio::spawn(async move {
+            let connection = connect().await;
+            let channel = connection.create_channel().await.unwrap();
+            topology.declare(&channel).await.unwrap();
+            channel.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+            let mut deliveries = channel
+                .basic_consume(
+                    topology.queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            while !stop.load(Ordering::SeqCst) {
+                let Ok(Some(Ok(delivery))) =
+                    tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await
+                else {
+                    continue;
+                };
+                if let Ok(Disposition::Ack) = process(&consumer, &channel, &topology, delivery).await {
+                    acks.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+    }
+
+    async fn cleanup(self) {
+        for queue in [
+            &self.topology.queue,
+            &self.topology.retry_queue,
+            &self.topology.dead_queue,
+        ] {
+            let _ = self
+                .channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+#[derive(Default)]
+struct Charger {
+    charges: Mutex<HashMap<String, u32>>,
+    calls: AtomicU32,
+    fail_first: u32,
+}
+
+impl Handler<AmqpMessage> for Charger {
+    async fn handle(&self, message: &AmqpMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if call <= self.fail_first {
+            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+        }
+        *self
+            .charges
+            .lock()
+            .unwrap()
+            .entry(attempt.key().to_string())
+            .or_default() += 1;
+        Ok(Outcome::new(message.payload().to_vec()))
+    }
+}
+
+type TestConsumer = Consumer<FaultyStore<MemoryStore>, Arc<Charger>>;
+
+fn consumer(charger: &Arc<Charger>, store: &FaultyStore<MemoryStore>) -> Arc<TestConsumer> {
+    Arc::new(
+        Consumer::new("amqp-tests", store.clone(), Arc::clone(charger))
+            .backoff(Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(1),
+            })
+            .max_deliveries(4),
+    )
+}
+
+async fn until(mut done: impl FnMut() -> bool, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_ack_is_redelivered_and_not_run_again() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let consumer = consumer(&charger, &store);
+    publish(
+        &setup.channel,
+        "",
+        &setup.topology.queue,
+        &Key::new("pay-1").unwrap(),
+        b"EUR 10",
+    )
+    .await
+    .unwrap();
+    // The first consumer performs the side effect and records it; then its connection is lost
+    // before the ack.
+    {
+        let doomed = connect().await;
+        let channel = doomed.create_channel().await.unwrap();
+        let message = channel
+            .basic_get(setup.topology.queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("the message");
+        let verdict = consumer.process(&AmqpMessage::new(message.delivery)).await;
+        assert_eq!(verdict, Disposition::Ack);
+        doomed.close(320, "crash".into()).await.unwrap();
+    }
+    assert_eq!(charger.charges.lock().unwrap().get("pay-1"), Some(&1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(Arc::clone(&consumer), Arc::clone(&stop));
+    let acks = Arc::clone(&setup.acks);
+    assert!(
+        until(|| acks.load(Ordering::SeqCst) == 1, Duration::from_secs(10)).await,
+        "the redelivery was not acked"
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(
+        charger.charges.lock().unwrap().get("pay-1"),
+        Some(&1),
+        "the side effect ran twice"
+    );
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 1);
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_duplicates_across_ten_consumers_charges_each_key_once() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let consumer = consumer(&charger, &store);
+    let keys: Vec<String> = (0..20).map(|i| format!("order-{i}")).collect();
+    for _copy in 0..3 {
+        for key in &keys {
+            setup.publish_copy(Some(key), "EUR 10").await;
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let running: Vec<_> = (0..10)
+        .map(|_| setup.worker(Arc::clone(&consumer), Arc::clone(&stop)))
+        .collect();
+    let acks = Arc::clone(&setup.acks);
+    assert!(
+        until(|| acks.load(Ordering::SeqCst) == 60, Duration::from_secs(30)).await,
+        "acked {} of 60",
+        acks.load(Ordering::SeqCst)
+    );
+    stop.store(true, Ordering::SeqCst);
+    for worker in running {
+        worker.await.unwrap();
+    }
+    let charges = charger.charges.lock().unwrap().clone();
+    assert_eq!(charges.len(), keys.len());
+    assert!(
+        charges.values().all(|n| *n == 1),
+        "a key was charged twice: {charges:?}"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_reason() {
+    let setup = Setup::new().await;
+    let (charger, store) = (
+        Arc::new(Charger {
+            fail_first: 2,
+            ..Charger::default()
+        }),
+        FaultyStore::new(MemoryStore::new()),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(consumer(&charger, &store), Arc::clone(&stop));
+    publish(
+        &setup.channel,
+        "",
+        &setup.topology.queue,
+        &Key::new("flaky").unwrap(),
+        b"EUR 10",
+    )
+    .await
+    .unwrap();
+    let acks = Arc::clone(&setup.acks);
+    assert!(until(|| acks.load(Ordering::SeqCst) == 1, Duration::from_secs(10)).await);
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 3);
+    assert_eq!(charger.charges.lock().unwrap().get("flaky"), Some(&1));
+
+    let (charger, store) = (
+        Arc::new(Charger {
+            fail_first: u32::MAX,
+            ..Charger::default()
+        }),
+        FaultyStore::new(MemoryStore::new()),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(consumer(&charger, &store), Arc::clone(&stop));
+    publish(
+        &setup.channel,
+        "",
+        &setup.topology.queue,
+        &Key::new("hopeless").unwrap(),
+        b"EUR 10",
+    )
+    .await
+    .unwrap();
+    let calls = Arc::clone(&charger);
+    assert!(
+        until(
+            || calls.calls.load(Ordering::SeqCst) == 4,
+            Duration::from_secs(15)
+        )
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    let dead = setup.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "hopeless");
+    assert!(dead[0].1.contains("failed 4 deliveries"), "{dead:?}");
+    assert_eq!(
+        charger.calls.load(Ordering::SeqCst),
+        4,
+        "no delivery past the limit"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_key_and_a_reused_key_are_dead_lettered_not_dropped() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(consumer(&charger, &store), Arc::clone(&stop));
+    setup.publish_copy(None, "EUR 10").await;
+    setup.publish_copy(Some("pay-7"), "EUR 10").await;
+    let acks = Arc::clone(&setup.acks);
+    assert!(until(|| acks.load(Ordering::SeqCst) == 1, Duration::from_secs(10)).await);
+    setup.publish_copy(Some("pay-7"), "EUR 99").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    let mut dead = setup.dead_letters().await;
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(
+        dead[0].0.is_empty() && dead[0].1.contains("no idempotency key"),
+        "{dead:?}"
+    );
+    assert!(
+        dead[1].0 == "pay-7" && dead[1].1.contains("different payload"),
+        "{dead:?}"
+    );
+    assert_eq!(charger.charges.lock().unwrap().get("pay-7"), Some(&1));
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_store_is_down_nothing_is_acked_or_lost() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Arc::new(Charger::default()), FaultyStore::new(MemoryStore::new()));
+    store.set_down(true);
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(consumer(&charger, &store), Arc::clone(&stop));
+    for i in 0..5 {
+        publish(
+            &setup.channel,
+            "",
+            &setup.topology.queue,
+            &Key::new(format!("pay-{i}")).unwrap(),
+            b"EUR 10",
+        )
+        .await
+        .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        setup.acks.load(Ordering::SeqCst),
+        0,
+        "acked while the store was down"
+    );
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 0);
+    assert!(
+        setup.dead_letters().await.is_empty(),
+        "nothing may be dead-lettered for an outage"
+    );
+    store.set_down(false);
+    let acks = Arc::clone(&setup.acks);
+    assert!(
+        until(|| acks.load(Ordering::SeqCst) == 5, Duration::from_secs(15)).await,
+        "not processed after recovery"
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    let charges = charger.charges.lock().unwrap().clone();
+    assert_eq!(charges.len(), 5);
+    assert!(charges.values().all(|n| *n == 1), "{charges:?}");
+    setup.cleanup().await;
+}
