@@ -6,10 +6,11 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|consumers|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
+mod consumers;
 mod http;
 mod measure;
 mod memory;
@@ -28,7 +29,7 @@ struct Settings {
     rounds: usize,
 }
 
-const TARGETS: [&str; 5] = ["memory", "sqlite", "postgres", "redis", "http"];
+const TARGETS: [&str; 6] = ["memory", "sqlite", "postgres", "redis", "http", "consumers"];
 
 fn parse_args() -> Result<Settings, String> {
     let mut settings = Settings {
@@ -75,7 +76,7 @@ fn main() -> ExitCode {
                 eprintln!("idem-bench: {message}");
             }
             eprintln!(
-                "usage: idem-bench [memory|sqlite|postgres|redis|http|all]... [--seconds S] [--rounds R]"
+                "usage: idem-bench [memory|sqlite|postgres|redis|http|consumers|all]... [--seconds S] [--rounds R]"
             );
             return if message.is_empty() {
                 ExitCode::SUCCESS
@@ -98,6 +99,7 @@ fn main() -> ExitCode {
             "postgres" => postgres::run(window, settings.rounds),
             "redis" => redis::run(window, settings.rounds),
             "http" => http::run(window, settings.rounds),
+            "consumers" => consumers::run(window, settings.rounds),
             _ => unreachable!("targets are validated"),
         };
         if let Err(error) = result {

@@ -1,0 +1,257 @@
+//! Consumers: messages per second consumed and acknowledged with the guard (`process` of the
+//! broker adapter) against the same consumer without it (handle, then ack), on the same broker
+//! in the same run, for RabbitMQ and NATS JetStream, with the Redis and PostgreSQL stores.
+//!
+//! Each measurement publishes `MESSAGES` messages with distinct keys first (not timed), then
+//! times one consumer draining them with up to 64 messages in process at once. The handler does nothing but count, so the figures show
+//! what the idempotency record costs per message.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use futures_util::StreamExt;
+use idempotency_consumer::{Consumer, Disposition, Handler, HandlerError};
+use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+
+use crate::measure::{Samples, per_second};
+
+const MESSAGES: usize = 3000;
+/// Messages in process at once, in both variants (a consumer with a prefetch of 100 works so).
+const CONCURRENCY: usize = 64;
+type DynStore = Arc<dyn StoreAdmin>;
+
+/// Counts what it handles.
+#[derive(Default)]
+struct Count(AtomicU64);
+
+impl<M: Sync> Handler<M> for Count {
+    async fn handle(&self, _message: &M, _attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(Outcome::empty())
+    }
+}
+
+pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        println!("\n## Consumers: messages/s consumed and acked, with the guard vs without ({MESSAGES} messages per measurement)\n");
+        println!("| broker | store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
+        println!("|---|---|---:|---:|---:|---:|---:|");
+        let stores = stores().await?;
+        for (store_name, store) in &stores {
+            for broker in ["rabbitmq", "nats"] {
+                let mut with = Vec::new();
+                let mut without = Vec::new();
+                for round in 0..rounds {
+                    for guarded in [true, false] {
+                        let tag = format!("{}-{round}-{guarded}-{}", std::process::id(), Key::generate());
+                        let rate = match broker {
+                            "rabbitmq" => rabbitmq(store, guarded, &tag).await?,
+                            _ => nats(store, guarded, &tag).await?,
+                        };
+                        if guarded { with.push(rate) } else { without.push(rate) }
+                    }
+                }
+                let (with, without) = (Samples::of(with), Samples::of(without));
+                println!(
+                    "| {broker} | {store_name} | {} | {} | {:.2} | {} | {} |",
+                    per_second(with.median),
+                    per_second(without.median),
+                    with.median / without.median,
+                    with.spread(),
+                    without.spread()
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+async fn stores() -> Result<Vec<(&'static str, DynStore)>, String> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let redis = idempotency_redis::RedisStore::connect(&url)
+        .await
+        .and_then(|s| s.prefix(&format!("idem-consumer-bench:{}:", std::process::id())))
+        .map_err(|e| format!("Redis at {url}: {e}"))?;
+    let url =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let options = idempotency_postgres::PostgresOptions::from_url(&url)
+        .and_then(|o| o.schema("idempotency_bench"))
+        .and_then(|o| o.table(&format!("consumers_{}", std::process::id())))
+        .map_err(|e| e.to_string())?;
+    let postgres = idempotency_postgres::PostgresStore::connect_with(options)
+        .await
+        .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
+    Ok(vec![("redis", Arc::new(redis)), ("postgres", Arc::new(postgres))])
+}
+
+async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String> {
+    let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("RabbitMQ at {url}: {e}"))?;
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    let topology = idempotency_amqp::Topology::for_queue(&format!("idem-bench-{tag}"));
+    topology.declare(&channel).await.map_err(|e| e.to_string())?;
+    for i in 0..MESSAGES {
+        let key = Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string())?;
+        idempotency_amqp::publish(&channel, "", &topology.queue, &key, b"{\"amount\":1000}")
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let consumer = Consumer::new("bench", Arc::clone(store), Count::default());
+    channel
+        .basic_qos(128, BasicQosOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let deliveries = channel
+        .basic_consume(
+            topology.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
+    deliveries
+        .take(MESSAGES)
+        .for_each_concurrent(CONCURRENCY, |delivery| {
+            let (consumer, channel, topology, failure) = (&consumer, &channel, &topology, &failure);
+            async move {
+                let result = async {
+                    let delivery = delivery.map_err(|e| e.to_string())?;
+                    if guarded {
+                        let disposition = idempotency_amqp::process(consumer, channel, topology, delivery)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        if disposition != Disposition::Ack {
+                            return Err(format!("a fresh message was not acked: {disposition:?}"));
+                        }
+                    } else {
+                        let _ = consumer_free_handle(&delivery.data);
+                        delivery
+                            .ack(BasicAckOptions::default())
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok::<(), String>(())
+                }
+                .await;
+                if let Err(error) = result {
+                    *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
+                }
+            }
+        })
+        .await;
+    if let Some(error) = failure
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        return Err(error);
+    }
+    let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
+    for queue in [&topology.queue, &topology.retry_queue, &topology.dead_queue] {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    Ok(rate)
+}
+
+/// What the unguarded consumer does per message: the same nothing the handler does.
+fn consumer_free_handle(payload: &[u8]) -> usize {
+    std::hint::black_box(payload.len())
+}
+
+async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String> {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let client = async_nats::connect(&url)
+        .await
+        .map_err(|e| format!("NATS at {url}: {e}"))?;
+    let js = jetstream::new(client);
+    let id = tag.replace(['-', ':'], "");
+    let (name, work, dead) = (
+        format!("IDEMBENCH_{id}"),
+        format!("idembench.{id}.work"),
+        format!("idembench.{id}.dead"),
+    );
+    let stream = js
+        .create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![work.clone(), dead.clone()],
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    for i in 0..MESSAGES {
+        let key = Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string())?;
+        idempotency_nats::publish(
+            &js,
+            work.clone(),
+            &key,
+            bytes::Bytes::from_static(b"{\"amount\":1000}"),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    }
+    let puller: jetstream::consumer::PullConsumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("bench".into()),
+            filter_subject: work.clone(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let consumer = Consumer::new("bench", Arc::clone(store), Count::default());
+    let messages = puller.messages().await.map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
+    messages
+        .take(MESSAGES)
+        .for_each_concurrent(CONCURRENCY, |message| {
+            let (consumer, js, dead, failure) = (&consumer, &js, &dead, &failure);
+            async move {
+                let result = async {
+                    let message = message.map_err(|e| e.to_string())?;
+                    if guarded {
+                        let disposition =
+                            idempotency_nats::process(consumer, js, dead, message, Duration::from_secs(10))
+                                .await
+                                .map_err(|e| e.to_string())?;
+                        if disposition != Disposition::Ack {
+                            return Err(format!("a fresh message was not acked: {disposition:?}"));
+                        }
+                    } else {
+                        let _ = consumer_free_handle(&message.payload);
+                        message.double_ack().await.map_err(|e| e.to_string())?;
+                    }
+                    Ok::<(), String>(())
+                }
+                .await;
+                if let Err(error) = result {
+                    *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
+                }
+            }
+        })
+        .await;
+    if let Some(error) = failure
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        return Err(error);
+    }
+    let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
+    let _ = js.delete_stream(&name).await;
+    Ok(rate)
+}
