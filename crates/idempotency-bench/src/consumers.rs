@@ -122,43 +122,27 @@ async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, Str
         .await
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
-    deliveries
-        .take(MESSAGES)
-        .for_each_concurrent(CONCURRENCY, |delivery| {
-            let (consumer, channel, topology, failure) = (&consumer, &channel, &topology, &failure);
-            async move {
-                let result = async {
-                    let delivery = delivery.map_err(|e| e.to_string())?;
-                    if guarded {
-                        let disposition = idempotency_amqp::process(consumer, channel, topology, delivery)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        if disposition != Disposition::Ack {
-                            return Err(format!("a fresh message was not acked: {disposition:?}"));
-                        }
-                    } else {
-                        let _ = consumer_free_handle(&delivery.data);
-                        delivery
-                            .ack(BasicAckOptions::default())
-                            .await
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok::<(), String>(())
-                }
-                .await;
-                if let Err(error) = result {
-                    *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
-                }
+    drain(deliveries, |delivery| {
+        let (consumer, channel, topology) = (&consumer, &channel, &topology);
+        async move {
+            let delivery = delivery.map_err(|e| e.to_string())?;
+            if guarded {
+                expect_ack(
+                    idempotency_amqp::process(consumer, channel, topology, delivery)
+                        .await
+                        .map_err(|e| e.to_string())?,
+                )
+            } else {
+                let _ = consumer_free_handle(&delivery.data);
+                delivery
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
             }
-        })
-        .await;
-    if let Some(error) = failure
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        return Err(error);
-    }
+        }
+    })
+    .await?;
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
     for queue in [&topology.queue, &topology.retry_queue, &topology.dead_queue] {
         let _ = channel
@@ -166,6 +150,42 @@ async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, Str
             .await;
     }
     Ok(rate)
+}
+
+/// Handles the first `MESSAGES` items of `stream`, `CONCURRENCY` at a time; the first error
+/// fails the measurement.
+async fn drain<T, F, Fut>(stream: impl futures_util::Stream<Item = T>, handle: F) -> Result<(), String>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
+    stream
+        .take(MESSAGES)
+        .for_each_concurrent(CONCURRENCY, |item| {
+            let (handle, failure) = (&handle, &failure);
+            async move {
+                if let Err(error) = handle(item).await {
+                    *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
+                }
+            }
+        })
+        .await;
+    match failure
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
+/// A fresh message must be acked (executed once); anything else means the bench is wrong.
+fn expect_ack(disposition: Disposition) -> Result<(), String> {
+    match disposition {
+        Disposition::Ack => Ok(()),
+        other => Err(format!("a fresh message was not acked: {other:?}")),
+    }
 }
 
 /// What the unguarded consumer does per message: the same nothing the handler does.
@@ -216,41 +236,23 @@ async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String>
     let consumer = Consumer::new("bench", Arc::clone(store), Count::default());
     let messages = puller.messages().await.map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let failure: std::sync::Mutex<Option<String>> = std::sync::Mutex::default();
-    messages
-        .take(MESSAGES)
-        .for_each_concurrent(CONCURRENCY, |message| {
-            let (consumer, js, dead, failure) = (&consumer, &js, &dead, &failure);
-            async move {
-                let result = async {
-                    let message = message.map_err(|e| e.to_string())?;
-                    if guarded {
-                        let disposition =
-                            idempotency_nats::process(consumer, js, dead, message, Duration::from_secs(10))
-                                .await
-                                .map_err(|e| e.to_string())?;
-                        if disposition != Disposition::Ack {
-                            return Err(format!("a fresh message was not acked: {disposition:?}"));
-                        }
-                    } else {
-                        let _ = consumer_free_handle(&message.payload);
-                        message.double_ack().await.map_err(|e| e.to_string())?;
-                    }
-                    Ok::<(), String>(())
-                }
-                .await;
-                if let Err(error) = result {
-                    *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(error);
-                }
+    drain(messages, |message| {
+        let (consumer, js, dead) = (&consumer, &js, &dead);
+        async move {
+            let message = message.map_err(|e| e.to_string())?;
+            if guarded {
+                expect_ack(
+                    idempotency_nats::process(consumer, js, dead, message, Duration::from_secs(10))
+                        .await
+                        .map_err(|e| e.to_string())?,
+                )
+            } else {
+                let _ = consumer_free_handle(&message.payload);
+                message.double_ack().await.map_err(|e| e.to_string())
             }
-        })
-        .await;
-    if let Some(error) = failure
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        return Err(error);
-    }
+        }
+    })
+    .await?;
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
     let _ = js.delete_stream(&name).await;
     Ok(rate)
