@@ -37,5 +37,5 @@ pub use record::{
     BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,
     ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
 };
-pub use store::{ErrorKind, Store, StoreAdmin, StoreError};
+pub use store::{ErrorKind, Store, StoreAdmin, StoreError, redact_url};
 pub use time::{Clock, ManualClock, SystemClock, Timestamp, duration_millis};

@@ -162,6 +162,31 @@ impl StdError for StoreError {
     }
 }
 
+/// A store URL fit for error messages and logs: the password, if any, replaced by `***`.
+///
+/// ```
+/// use idempotency_core::redact_url;
+///
+/// assert_eq!(redact_url("postgres://app:s3cret@db:5432/orders?x=1"), "postgres://app:***@db:5432/orders?x=1");
+/// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+/// assert_eq!(redact_url("admin:s3cret@db/app"), "admin:***@db/app"); // no scheme
+/// ```
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (&url[..scheme.len() + 3], rest),
+        None => ("", url),
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{scheme}{user}:***@{host}{tail}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 /// The record protocol (SPEC §4). All transitions are atomic in the store and timed by the
 /// store's clock.
 ///
@@ -252,3 +277,22 @@ macro_rules! forward_store {
 }
 
 forward_store!(Arc<S>, Box<S>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_keeps_everything_but_the_password() {
+        assert_eq!(
+            redact_url("postgres://u:p@h:1/d?x=y"),
+            "postgres://u:***@h:1/d?x=y"
+        );
+        assert_eq!(redact_url("redis://u:p@h:6379"), "redis://u:***@h:6379");
+        assert_eq!(redact_url("postgres://u@h/d"), "postgres://u@h/d");
+        assert_eq!(redact_url("postgres://h/d"), "postgres://h/d");
+        assert_eq!(redact_url("u:p@h/d"), "u:***@h/d");
+        assert_eq!(redact_url("sqlite:///var/lib/a@b.db"), "sqlite:///var/lib/a@b.db");
+        assert_eq!(redact_url(""), "");
+    }
+}

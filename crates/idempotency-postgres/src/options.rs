@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{ErrorKind, StoreError};
+use idempotency_core::{ErrorKind, StoreError, redact_url};
 use sqlx::postgres::PgConnectOptions;
 
 /// A SQL identifier the store may interpolate into its statements: 1 to 63 characters of
@@ -133,13 +133,13 @@ impl PostgresOptions {
         if !matches!(scheme, Some("postgres" | "postgresql")) {
             return Err(StoreError::new(
                 ErrorKind::InvalidConfig,
-                format!("`{}` is not a postgres:// URL", redact(url)),
+                format!("`{}` is not a postgres:// URL", redact_url(url)),
             ));
         }
         let connect = PgConnectOptions::from_str(url).map_err(|error| {
             StoreError::new(
                 ErrorKind::InvalidConfig,
-                format!("malformed PostgreSQL URL `{}`: {error}", redact(url)),
+                format!("malformed PostgreSQL URL `{}`: {error}", redact_url(url)),
             )
         })?;
         Ok(Self::with(connect))
@@ -206,22 +206,6 @@ impl PostgresOptions {
     }
 }
 
-/// A URL with any password replaced by `***`.
-pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.chars().take(24).collect();
-    };
-    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
-            let hidden = if userinfo.contains(':') { ":***" } else { "" };
-            format!("{scheme}://{user}{hidden}@{host}{tail}")
-        }
-        None => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,12 +254,5 @@ mod tests {
             assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
             assert!(!error.to_string().contains("s3cret"), "{url}: {error}");
         }
-    }
-
-    #[test]
-    fn redaction_keeps_everything_but_the_password() {
-        assert_eq!(redact("postgres://u:p@h:1/d?x=y"), "postgres://u:***@h:1/d?x=y");
-        assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
-        assert_eq!(redact("postgres://h/d"), "postgres://h/d");
     }
 }

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use idempotency_core::{
     BeginRequest, Claim, Completed, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record,
     RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    duration_millis,
+    duration_millis, redact_url,
 };
 use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -379,29 +379,15 @@ fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {
     if !matches!(scheme, Some("redis" | "rediss")) {
         return Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("`{}` is not a redis:// URL", redact(url)),
+            format!("`{}` is not a redis:// URL", redact_url(url)),
         ));
     }
     url.into_connection_info().map_err(|e| {
         StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("malformed Redis URL `{}`: {e}", redact(url)),
+            format!("malformed Redis URL `{}`: {e}", redact_url(url)),
         )
     })
-}
-
-/// A URL with any password replaced by `***`.
-fn redact(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((userinfo, host)) => {
-                let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
-                format!("{scheme}://{user}:***@{host}")
-            }
-            None => url.to_owned(),
-        },
-        None => url.chars().take(24).collect(),
-    }
 }
 
 fn protocol(what: &str) -> StoreError {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Clock, ErrorKind, StoreError, SystemClock};
+use idempotency_core::{Clock, ErrorKind, StoreError, SystemClock, redact_url};
 
 /// Where the database lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +119,7 @@ impl SqliteOptions {
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
         let rest = url
             .strip_prefix("sqlite:")
-            .ok_or_else(|| invalid(format!("`{}` is not a sqlite: URL", redact(url))))?;
+            .ok_or_else(|| invalid(format!("`{}` is not a sqlite: URL", redact_url(url))))?;
         let rest = rest.strip_prefix("//").unwrap_or(rest);
         let (path, query) = match rest.split_once('?') {
             Some((path, query)) => (path, Some(query)),
@@ -190,14 +190,6 @@ impl SqliteOptions {
 
 fn invalid(message: String) -> StoreError {
     StoreError::new(ErrorKind::InvalidConfig, message)
-}
-
-/// URLs of other schemes may carry passwords; show only the scheme.
-fn redact(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, _)) => format!("{scheme}://…"),
-        None => url.chars().take(16).collect(),
-    }
 }
 
 #[cfg(test)]

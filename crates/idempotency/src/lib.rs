@@ -114,8 +114,10 @@ pub async fn open(url: &str) -> Result<DynStore, StoreError> {
         )),
         "" => Err(StoreError::new(
             ErrorKind::InvalidConfig,
+            // Without a scheme a password may still be in there (`user:pass@host`).
             format!(
-                "`{url}` is not a store URL (expected memory://, sqlite://PATH, postgres://… or redis://…)"
+                "`{}` is not a store URL (expected memory://, sqlite://PATH, postgres://… or redis://…)",
+                redact_url(url)
             ),
         )),
         other => Err(StoreError::new(
@@ -152,6 +154,7 @@ mod tests {
         let cases = [
             ("", "is not a store URL"),
             ("idem.db", "is not a store URL"),
+            ("admin:s3cret@db/app", "unknown store URL scheme `admin`"),
             ("memory://extra", "takes no path"),
             ("ftp://host/x", "unknown store URL scheme `ftp`"),
             ("mysql://root@localhost/test", "no `mysql` store in this version"),
@@ -160,6 +163,7 @@ mod tests {
             let error = open(url).await.map(|_| ()).unwrap_err();
             assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
             assert!(error.to_string().contains(expected), "{url}: {error}");
+            assert!(!error.to_string().contains("s3cret"), "password echoed: {error}");
         }
     }
 
