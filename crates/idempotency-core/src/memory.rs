@@ -241,9 +241,7 @@ impl StoreAdmin for MemoryStore {
                     .map(Record::summary),
             );
         }
-        found.sort_unstable_by(|a, b| (&a.scope, &a.key).cmp(&(&b.scope, &b.key)));
-        found.truncate(filter.limit);
-        Ok(found)
+        Ok(filter.page(found))
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {

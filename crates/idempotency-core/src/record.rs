@@ -490,7 +490,18 @@ impl ListFilter {
         self
     }
 
-    /// Whether `record` passes this filter at `now` (the order and limit are the caller's).
+    /// The page of `found` (summaries that passed [`ListFilter::matches`]): in `(scope, key)`
+    /// byte order, at most [`ListFilter::limit`] of them. Stores that filter in memory use it so
+    /// that their pages agree with the SQL stores' `ORDER BY scope, key` (C collation).
+    #[must_use]
+    pub fn page(&self, mut found: Vec<RecordSummary>) -> Vec<RecordSummary> {
+        found.sort_unstable_by(|a, b| (&a.scope, &a.key).cmp(&(&b.scope, &b.key)));
+        found.truncate(self.limit);
+        found
+    }
+
+    /// Whether `record` passes this filter at `now` (the order and limit are
+    /// [`ListFilter::page`]'s).
     #[must_use]
     pub fn matches(&self, record: &Record, now: Timestamp) -> bool {
         if record.is_expired(now) {

@@ -650,14 +650,12 @@ impl StoreAdmin for RedisStore {
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
         let (now, records) = self.all_records(filter.scope.as_ref()).await?;
-        let mut found: Vec<RecordSummary> = records
+        let found = records
             .iter()
             .filter(|record| filter.matches(record, now))
             .map(Record::summary)
             .collect();
-        found.sort_unstable_by(|a, b| (&a.scope, &a.key).cmp(&(&b.scope, &b.key)));
-        found.truncate(filter.limit);
-        Ok(found)
+        Ok(filter.page(found))
     }
 
     /// Redis deletes expired records by itself (`PEXPIREAT`): there is never anything to purge.
