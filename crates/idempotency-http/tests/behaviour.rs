@@ -285,7 +285,7 @@ pub async fn failures_release_the_key(store: DynStore) {
 /// retry gets the replay.
 pub async fn a_disconnect_does_not_cancel_the_handler(store: DynStore) {
     use tokio::io::AsyncWriteExt;
-    let (addr, counters) = start(store, |l| l).await;
+    let (addr, counters) = start(Arc::clone(&store), |l| l).await;
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
     socket
         .write_all(
@@ -295,7 +295,7 @@ pub async fn a_disconnect_does_not_cancel_the_handler(store: DynStore) {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     drop(socket);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    common::wait_until_completed(&store, "k-gone").await;
     assert_eq!(
         counters.charges.load(Ordering::SeqCst),
         1,
@@ -552,7 +552,7 @@ async fn a_dropped_future_still_finishes_and_records() {
             .await
             .is_err()
     );
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    common::wait_until_completed(&store, "k-dropped").await;
     assert_eq!(
         counters.charges.load(Ordering::SeqCst),
         1,

@@ -266,3 +266,18 @@ pub async fn raw_exchange(addr: SocketAddr, head: &str, body: &[&[u8]]) -> (u16,
         .unwrap_or_else(|| panic!("no HTTP response: {text:?}"));
     (status, text)
 }
+
+/// Waits (polling every 20 ms, at most 5 s) until the record of `key` in the global scope is
+/// completed; whether it is, is for the caller to assert.
+pub async fn wait_until_completed(store: &DynStore, key: &str) {
+    use idempotency_core::{Key, RecordState, Scope};
+    let key = Key::new(key).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::Instant::now() < deadline {
+        let record = store.get(&Scope::global(), &key).await;
+        if matches!(record, Ok(Some(ref r)) if matches!(r.state, RecordState::Completed { .. })) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
