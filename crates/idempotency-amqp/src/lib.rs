@@ -26,8 +26,8 @@
 
 use std::time::Duration;
 
-use idempotency_consumer::{Consumer, Delivery, Disposition, Handler};
-use idempotency_core::{Key, Store};
+use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_core::Key;
 use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
@@ -183,15 +183,14 @@ impl Delivery for AmqpMessage {
 ///
 /// [`AmqpError`] when the settlement could not be confirmed; the message is then redelivered by
 /// the broker, and the record makes it a duplicate.
-pub async fn process<S, H>(
-    consumer: &Consumer<S, H>,
+pub async fn process<P>(
+    consumer: &P,
     channel: &Channel,
     topology: &Topology,
     delivery: lapin::message::Delivery,
 ) -> Result<Disposition, AmqpError>
 where
-    S: Store,
-    H: Handler<AmqpMessage>,
+    P: Processor<AmqpMessage>,
 {
     let message = AmqpMessage::new(delivery);
     let disposition = consumer.process(&message).await;

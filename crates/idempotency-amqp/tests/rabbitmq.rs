@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use idempotency_amqp::{AmqpMessage, DEAD_REASON_HEADER, Topology, process, publish};
-use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError};
+use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_testkit::FaultyStore;
 use lapin::options::{

@@ -26,7 +26,7 @@
 //! their acknowledgements.
 //!
 //! ```
-//! use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError};
+//! use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 //! use idempotency_core::{Attempt, MemoryStore, Outcome};
 //!
 //! struct Message { key: Vec<u8>, payload: Vec<u8>, deliveries: u32 }
@@ -73,6 +73,11 @@ use idempotency_core::{
     Attempt, DEFAULT_CONSUMER_RETENTION, Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded,
     Scope, Store,
 };
+
+#[cfg(feature = "postgres")]
+pub mod transactional;
+#[cfg(feature = "postgres")]
+pub use transactional::{TxConsumer, TxHandler};
 
 /// The header that carries the key by default.
 pub const IDEMPOTENCY_KEY_HEADER: &str = "Idempotency-Key";
@@ -221,16 +226,114 @@ impl<M: ?Sized + Sync, H: Handler<M> + ?Sized> Handler<M> for Arc<H> {
     }
 }
 
-/// Processes deliveries for one consumer; see the [crate docs](crate).
+/// Decides what to do with one delivered message: [`Consumer`] with a [`Handler`], and (with
+/// the `postgres` feature) a consumer whose handler writes in the record's transaction. Broker
+/// adapters take any processor.
+pub trait Processor<M: ?Sized>: Send + Sync {
+    /// Decides what to do with `message`, running the handler if this delivery acquires the key.
+    fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send;
+}
+
+/// A shared processor processes as the processor it points to.
+impl<M: ?Sized + Sync, P: Processor<M> + ?Sized> Processor<M> for Arc<P> {
+    fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send {
+        (**self).process(message)
+    }
+}
+
+/// The ack rules shared by every kind of consumer: key extraction, backoff, the delivery limit,
+/// dead-letter reasons and metrics.
 #[derive(Debug, Clone)]
-pub struct Consumer<S, H> {
+struct Rules {
     name: &'static str,
-    guard: Guard<S>,
-    handler: H,
     scope: Scope,
     keys: KeySource,
     backoff: Backoff,
     max_deliveries: u32,
+}
+
+impl Rules {
+    fn count(&self, result: &'static str) {
+        metrics::counter!("idempotency_consumer_messages_total", "consumer" => self.name, "result" => result)
+            .increment(1);
+    }
+
+    /// The message's key, or the dead-letter disposition of a message without a usable one.
+    fn key(&self, message: &dyn Delivery) -> Result<Key, Disposition> {
+        self.keys.key_of(message).map_err(|problem| {
+            self.count("dead_lettered");
+            let reason = match problem {
+                KeyProblem::Missing => format!("the message has no idempotency key ({:?})", self.keys),
+                KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
+            };
+            tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
+            Disposition::DeadLetter { reason }
+        })
+    }
+
+    fn store_unavailable(&self, error: &dyn fmt::Display, deliveries: u32) -> Disposition {
+        self.count("store_unavailable");
+        tracing::warn!(consumer = self.name, %error, "store unavailable; requeueing");
+        Disposition::Nack {
+            after: self.backoff.delay(deliveries),
+        }
+    }
+
+    fn executed(&self) -> Disposition {
+        self.count("executed");
+        Disposition::Ack
+    }
+
+    fn duplicate(&self) -> Disposition {
+        self.count("duplicate");
+        Disposition::Ack
+    }
+
+    fn in_flight(&self, retry_after: Duration) -> Disposition {
+        self.count("in_flight");
+        Disposition::Nack {
+            after: retry_after.clamp(self.backoff.initial, self.backoff.max),
+        }
+    }
+
+    fn mismatch(&self, key: &Key) -> Disposition {
+        self.count("dead_lettered");
+        Disposition::DeadLetter {
+            reason: format!(
+                "idempotency key {} was first used with a different payload",
+                key.redacted()
+            ),
+        }
+    }
+
+    fn failed(&self, error: HandlerError, deliveries: u32) -> Disposition {
+        match error {
+            HandlerError::Fatal(reason) => {
+                self.count("dead_lettered");
+                Disposition::DeadLetter { reason }
+            }
+            HandlerError::Retry(reason) if deliveries >= self.max_deliveries => {
+                self.count("dead_lettered");
+                Disposition::DeadLetter {
+                    reason: format!("failed {deliveries} deliveries, the last with: {reason}"),
+                }
+            }
+            HandlerError::Retry(_) => {
+                self.count("retried");
+                Disposition::Nack {
+                    after: self.backoff.delay(deliveries),
+                }
+            }
+        }
+    }
+}
+
+/// Processes deliveries for one consumer; see the [crate docs](crate).
+#[derive(Debug, Clone)]
+pub struct Consumer<S, H> {
+    guard: Guard<S>,
+    handler: H,
+    rules: Rules,
 }
 
 impl<S: Store, H> Consumer<S, H> {
@@ -243,21 +346,23 @@ impl<S: Store, H> Consumer<S, H> {
     /// If `name` is not a valid scope (1 to 255 bytes of visible ASCII).
     pub fn new(name: &'static str, store: S, handler: H) -> Self {
         Self {
-            name,
             guard: Guard::new(store).name(name).retention(DEFAULT_CONSUMER_RETENTION),
             handler,
-            scope: Scope::new(name)
-                .unwrap_or_else(|e| panic!("consumer name {name:?} is not a valid scope: {e}")),
-            keys: KeySource::Header(IDEMPOTENCY_KEY_HEADER.into()),
-            backoff: Backoff::default(),
-            max_deliveries: 5,
+            rules: Rules {
+                name,
+                scope: Scope::new(name)
+                    .unwrap_or_else(|e| panic!("consumer name {name:?} is not a valid scope: {e}")),
+                keys: KeySource::Header(IDEMPOTENCY_KEY_HEADER.into()),
+                backoff: Backoff::default(),
+                max_deliveries: 5,
+            },
         }
     }
 
     /// Where keys come from.
     #[must_use]
     pub fn keys(mut self, source: KeySource) -> Self {
-        self.keys = source;
+        self.rules.keys = source;
         self
     }
 
@@ -278,40 +383,35 @@ impl<S: Store, H> Consumer<S, H> {
     /// The redelivery backoff.
     #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.backoff = backoff;
+        self.rules.backoff = backoff;
         self
     }
 
     /// After how many deliveries a message whose handler keeps failing is dead-lettered.
     #[must_use]
     pub fn max_deliveries(mut self, deliveries: u32) -> Self {
-        self.max_deliveries = deliveries.max(1);
+        self.rules.max_deliveries = deliveries.max(1);
         self
     }
 
-    fn count(&self, result: &'static str) {
-        metrics::counter!("idempotency_consumer_messages_total", "consumer" => self.name, "result" => result)
-            .increment(1);
+    /// The consumer's name.
+    #[must_use]
+    pub fn name(&self) -> &'static str {
+        self.rules.name
     }
+}
 
-    /// Decides what to do with one delivered message, running the handler if this delivery
-    /// acquires the key.
-    pub async fn process<M>(&self, message: &M) -> Disposition
-    where
-        M: Delivery + Sync,
-        H: Handler<M>,
-    {
-        let key = match self.keys.key_of(message) {
+impl<S, H, M> Processor<M> for Consumer<S, H>
+where
+    S: Store,
+    H: Handler<M>,
+    M: Delivery + Sync,
+{
+    async fn process(&self, message: &M) -> Disposition {
+        let rules = &self.rules;
+        let key = match rules.key(message) {
             Ok(key) => key,
-            Err(problem) => {
-                self.count("dead_lettered");
-                let reason = match problem {
-                    KeyProblem::Missing => format!("the message has no idempotency key ({:?})", self.keys),
-                    KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
-                };
-                tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
-                return Disposition::DeadLetter { reason };
-            }
+            Err(dead) => return dead,
         };
         let fingerprint = Fingerprint::of_bytes(message.payload());
         let policy = |result: &Result<Outcome, HandlerError>| match result {
@@ -321,7 +421,7 @@ impl<S: Store, H> Consumer<S, H> {
         let run = self
             .guard
             .run(
-                self.scope.clone(),
+                rules.scope.clone(),
                 key.clone(),
                 fingerprint,
                 policy,
@@ -330,72 +430,22 @@ impl<S: Store, H> Consumer<S, H> {
             .await;
         let deliveries = message.delivery_count();
         match run {
-            Err(error) => {
-                self.count("store_unavailable");
-                tracing::warn!(consumer = self.name, %error, "store unavailable; requeueing");
-                Disposition::Nack {
-                    after: self.backoff.delay(deliveries),
-                }
-            }
-            Ok(Execution::Replayed(_)) => {
-                self.count("duplicate");
-                Disposition::Ack
-            }
-            Ok(Execution::InFlight { retry_after, .. }) => {
-                self.count("in_flight");
-                Disposition::Nack {
-                    after: retry_after.clamp(self.backoff.initial, self.backoff.max),
-                }
-            }
-            Ok(Execution::Mismatch) => {
-                self.count("dead_lettered");
-                Disposition::DeadLetter {
-                    reason: format!(
-                        "idempotency key {} was first used with a different payload",
-                        key.redacted()
-                    ),
-                }
-            }
+            Err(error) => rules.store_unavailable(&error, deliveries),
+            Ok(Execution::Replayed(_)) => rules.duplicate(),
+            Ok(Execution::InFlight { retry_after, .. }) => rules.in_flight(retry_after),
+            Ok(Execution::Mismatch) => rules.mismatch(&key),
             Ok(Execution::Executed { value, recorded, .. }) => match (value, recorded) {
-                (Ok(_), Recorded::Completed { .. }) => {
-                    self.count("executed");
-                    Disposition::Ack
-                }
+                (Ok(_), Recorded::Completed { .. }) => rules.executed(),
                 // Another delivery took the key over while this one ran; that delivery's outcome
                 // stands, and this copy of the message is a duplicate.
-                (Ok(_), Recorded::LeaseLost) => {
-                    self.count("duplicate");
-                    Disposition::Ack
-                }
+                (Ok(_), Recorded::LeaseLost) => rules.duplicate(),
                 // The side effect happened but is not recorded (or, impossibly with this
                 // policy, was released): never ack an outcome that is not durable.
                 (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released)) => {
-                    self.count("store_unavailable");
-                    tracing::error!(
-                        consumer = self.name,
-                        ?recorded,
-                        "outcome not recorded; requeueing"
-                    );
-                    Disposition::Nack {
-                        after: self.backoff.delay(deliveries),
-                    }
+                    tracing::error!(consumer = rules.name, ?recorded, "outcome not recorded");
+                    rules.store_unavailable(&"the outcome could not be recorded", deliveries)
                 }
-                (Err(HandlerError::Fatal(reason)), _) => {
-                    self.count("dead_lettered");
-                    Disposition::DeadLetter { reason }
-                }
-                (Err(HandlerError::Retry(reason)), _) if deliveries >= self.max_deliveries => {
-                    self.count("dead_lettered");
-                    Disposition::DeadLetter {
-                        reason: format!("failed {deliveries} deliveries, the last with: {reason}"),
-                    }
-                }
-                (Err(HandlerError::Retry(_)), _) => {
-                    self.count("retried");
-                    Disposition::Nack {
-                        after: self.backoff.delay(deliveries),
-                    }
-                }
+                (Err(error), _) => rules.failed(error, deliveries),
             },
         }
     }

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, KeySource};
+use idempotency_consumer::{
+    Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, KeySource, Processor,
+};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_testkit::FaultyStore;
 use idempotency_testkit::faults::Op;

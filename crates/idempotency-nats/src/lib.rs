@@ -21,8 +21,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{HeaderMap, HeaderValue};
 use bytes::Bytes;
-use idempotency_consumer::{Consumer, Delivery, Disposition, Handler};
-use idempotency_core::{Key, Store};
+use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_core::Key;
 
 /// The header a dead-lettered message carries its reason in.
 pub const DEAD_REASON_HEADER: &str = "Idempotency-Dead-Reason";
@@ -102,16 +102,15 @@ impl std::error::Error for SettleError {}
 /// # Errors
 ///
 /// [`SettleError`] when the ack, nak, or dead-letter publish could not be confirmed.
-pub async fn process<S, H>(
-    consumer: &Consumer<S, H>,
+pub async fn process<P>(
+    consumer: &P,
     jetstream: &jetstream::Context,
     dead_letter_subject: &str,
     message: jetstream::Message,
     progress_every: Duration,
 ) -> Result<Disposition, SettleError>
 where
-    S: Store,
-    H: Handler<NatsMessage>,
+    P: Processor<NatsMessage>,
 {
     let message = NatsMessage::new(message);
     let work = consumer.process(&message);

@@ -12,7 +12,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use idempotency_consumer::{Backoff, Consumer, Disposition, Handler, HandlerError};
+use idempotency_consumer::{Backoff, Consumer, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_nats::{DEAD_REASON_HEADER, NatsMessage, process, publish};
 use idempotency_testkit::FaultyStore;

@@ -41,5 +41,7 @@ pub mod transaction;
 
 pub use options::{Identifier, PostgresOptions};
 pub use sql::SCHEMA_VERSION;
+/// The sqlx this crate is built on, for same-transaction operations to write through.
+pub use sqlx;
 pub use store::{Operation, PostgresStore};
-pub use transaction::{TxAttempt, TxError, TxExecution, TxFuture};
+pub use transaction::{TxAttempt, TxError, TxExecution, TxFuture, TxOperation};

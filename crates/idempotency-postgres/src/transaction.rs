@@ -37,6 +37,79 @@ use crate::store::{PostgresStore, begin_on, complete_on};
 /// can run on a spawned task (`Box::pin(async move { … })`).
 pub type TxFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<(T, Outcome), E>> + Send + 't>>;
 
+/// An operation that runs inside the record's transaction (see
+/// [`PostgresStore::run_operation_in_transaction`]).
+///
+/// Unlike a closure returning a [`TxFuture`], an implementation can borrow what it works on:
+///
+/// ```no_run
+/// use idempotency_core::{BeginRequest, Fingerprint, Key, Outcome, Scope};
+/// use idempotency_postgres::{PostgresStore, TxAttempt, TxOperation};
+///
+/// struct Charge<'a> { order: &'a str, cents: i64 }
+///
+/// impl TxOperation for Charge<'_> {
+///     type Value = i64;
+///     type Error = sqlx::Error;
+///
+///     async fn run(
+///         self,
+///         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+///         attempt: TxAttempt,
+///     ) -> Result<(i64, Outcome), sqlx::Error> {
+///         let id: i64 = sqlx::query_scalar("INSERT INTO charges (key, order_id, cents) VALUES ($1, $2, $3) RETURNING id")
+///             .bind(attempt.key.as_str())
+///             .bind(self.order)
+///             .bind(self.cents)
+///             .fetch_one(&mut **tx)
+///             .await?;
+///         Ok((id, Outcome::new(id.to_string())))
+///     }
+/// }
+///
+/// # async fn example(store: PostgresStore, order: String) -> Result<(), Box<dyn std::error::Error>> {
+/// let request = BeginRequest::new(Scope::global(), Key::new(format!("charge-{order}"))?, Fingerprint::of_bytes(b"1000"));
+/// let run = store.run_operation_in_transaction(request, Charge { order: &order, cents: 1000 }).await?;
+/// # let _ = run;
+/// # Ok(())
+/// # }
+/// ```
+pub trait TxOperation: Send {
+    /// What the operation returns to its caller.
+    type Value: Send;
+    /// How the operation fails (everything is then rolled back).
+    type Error: Send;
+
+    /// Writes the business rows through `tx` and returns the value and the outcome to store.
+    fn run(
+        self,
+        tx: &mut sqlx::Transaction<'static, Postgres>,
+        attempt: TxAttempt,
+    ) -> impl Future<Output = Result<(Self::Value, Outcome), Self::Error>> + Send;
+}
+
+/// A closure returning a [`TxFuture`], as a [`TxOperation`]. Boxed as a trait object so that
+/// the higher-ranked closure bound is not re-proved, with erased lifetimes, where the future's
+/// `Send` is checked.
+type BoxedClosure<T, E> = Box<
+    dyn for<'t> FnOnce(&'t mut sqlx::Transaction<'static, Postgres>, TxAttempt) -> TxFuture<'t, T, E> + Send,
+>;
+
+struct Closure<T, E>(BoxedClosure<T, E>);
+
+impl<T: Send, E: Send> TxOperation for Closure<T, E> {
+    type Value = T;
+    type Error = E;
+
+    fn run(
+        self,
+        tx: &mut sqlx::Transaction<'static, Postgres>,
+        attempt: TxAttempt,
+    ) -> impl Future<Output = Result<(T, Outcome), E>> + Send {
+        (self.0)(tx, attempt)
+    }
+}
+
 /// The attempt a same-transaction operation runs as.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TxAttempt {
@@ -146,8 +219,28 @@ impl PostgresStore {
         operation: F,
     ) -> Result<TxExecution<T>, TxError<E>>
     where
-        F: for<'t> FnOnce(&'t mut sqlx::Transaction<'static, Postgres>, TxAttempt) -> TxFuture<'t, T, E>,
+        F: for<'t> FnOnce(&'t mut sqlx::Transaction<'static, Postgres>, TxAttempt) -> TxFuture<'t, T, E>
+            + Send
+            + 'static,
+        T: Send,
+        E: Send,
     {
+        self.run_operation_in_transaction(request, Closure(Box::new(operation)))
+            .await
+    }
+
+    /// Runs a [`TxOperation`] in a new transaction together with the idempotency record: the
+    /// same as [`PostgresStore::run_in_transaction`], for operations that borrow data (a
+    /// delivered message, a request) which a closure returning a boxed future cannot hold.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStore::run_in_transaction`].
+    pub async fn run_operation_in_transaction<O: TxOperation>(
+        &self,
+        request: BeginRequest,
+        operation: O,
+    ) -> Result<TxExecution<O::Value>, TxError<O::Error>> {
         let mut tx = self
             .pool()
             .begin()
@@ -174,7 +267,7 @@ impl PostgresStore {
             number: attempt,
             recovered,
         };
-        let (value, outcome) = match operation(&mut tx, context).await {
+        let (value, outcome) = match operation.run(&mut tx, context).await {
             Ok(done) => done,
             Err(error) => {
                 // Best effort: a failed rollback (connection gone) rolls back on the server anyway.

@@ -1,0 +1,355 @@
+//! Same-transaction consumers against the real PostgreSQL server: the record, the charge row
+//! and the completion commit together, so every delivery path (duplicates racing, a failing or
+//! panicking handler, a lost connection) ends with exactly one charge row per key.
+
+#[path = "../../idempotency-postgres/tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler};
+use idempotency_core::{Key, Outcome, RecordState, Scope, Store};
+use idempotency_postgres::sqlx::PgConnection;
+use idempotency_postgres::{PostgresOptions, PostgresStore, TxAttempt};
+use idempotency_testkit::TcpProxy;
+use sqlx::AssertSqlSafe;
+
+/// A delivered message: the key header, the amount in cents as text, the delivery count.
+#[derive(Debug, Clone)]
+struct Message {
+    key: Option<String>,
+    payload: String,
+    deliveries: u32,
+}
+
+impl Message {
+    fn keyed(key: &str, payload: &str) -> Self {
+        Self {
+            key: Some(key.into()),
+            payload: payload.into(),
+            deliveries: 1,
+        }
+    }
+
+    fn redelivered(&self) -> Self {
+        Self {
+            deliveries: self.deliveries + 1,
+            ..self.clone()
+        }
+    }
+}
+
+impl Delivery for Message {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        (name == "Idempotency-Key").then_some(self.key.as_deref()?.as_bytes())
+    }
+    fn message_id(&self) -> Option<&str> {
+        None
+    }
+    fn payload(&self) -> &[u8] {
+        self.payload.as_bytes()
+    }
+    fn delivery_count(&self) -> u32 {
+        self.deliveries
+    }
+}
+
+/// Writes a charge row from the borrowed message; fails on demand, after writing.
+#[derive(Default)]
+struct Charger {
+    table: String,
+    /// How many more times each key fails with `Retry` (after its row is written).
+    failures: Mutex<HashMap<String, u32>>,
+    /// Panic after the row is written, once.
+    panic_once: AtomicBool,
+    hold: Duration,
+}
+
+impl TxHandler<Message> for Charger {
+    async fn handle(
+        &self,
+        message: &Message,
+        tx: &mut PgConnection,
+        attempt: &TxAttempt,
+    ) -> Result<Outcome, HandlerError> {
+        let cents: i64 = message
+            .payload
+            .parse()
+            .map_err(|_| HandlerError::Fatal(format!("not an amount: {:?}", message.payload)))?;
+        let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "INSERT INTO {} (key, cents) VALUES ($1, $2) RETURNING id",
+            self.table
+        )))
+        .bind(attempt.key.as_str())
+        .bind(cents)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        tokio::time::sleep(self.hold).await;
+        if self.panic_once.swap(false, Ordering::SeqCst) {
+            panic!("the handler crashed after writing its row");
+        }
+        let mut failures = self.failures.lock().unwrap();
+        if let Some(left) = failures.get_mut(attempt.key.as_str()).filter(|left| **left > 0) {
+            *left -= 1;
+            return Err(HandlerError::Retry("the gateway timed out".into()));
+        }
+        Ok(Outcome::new(id.to_string()))
+    }
+}
+
+struct Setup {
+    store: PostgresStore,
+    table: String,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let store = common::fresh_store().await;
+        let table = format!(
+            "{}.c_{}",
+            common::SCHEMA,
+            store.table().rsplit('_').next().unwrap()
+        );
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL, cents bigint NOT NULL)"
+        )))
+        .execute(store.pool())
+        .await
+        .unwrap();
+        Self { store, table }
+    }
+
+    fn charger(&self) -> Charger {
+        Charger {
+            table: self.table.clone(),
+            ..Charger::default()
+        }
+    }
+
+    fn consumer(&self, store: PostgresStore, charger: Charger) -> TxConsumer<Charger> {
+        TxConsumer::new("tx-payments", store, charger).backoff(Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+        })
+    }
+
+    async fn rows(&self, key: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE key = $1",
+            self.table
+        )))
+        .bind(key)
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Whether the key's record is completed (`Some(true)`), in flight, or absent.
+    async fn completed(&self, key: &str) -> Option<bool> {
+        self.store
+            .get(&Scope::new("tx-payments").unwrap(), &Key::new(key).unwrap())
+            .await
+            .unwrap()
+            .map(|record| matches!(record.state, RecordState::Completed { .. }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicates_commit_one_charge_and_all_ack() {
+    let setup = Setup::new().await;
+    let charger = Charger {
+        hold: Duration::from_millis(20),
+        ..setup.charger()
+    };
+    let consumer = Arc::new(setup.consumer(setup.store.clone(), charger));
+    for round in 0..3 {
+        let key = format!("order-{round}");
+        let message = Message::keyed(&key, "1000");
+        let copies: Vec<_> = (0..32)
+            .map(|copy| {
+                let (consumer, message) = (Arc::clone(&consumer), message.clone());
+                tokio::spawn(async move {
+                    let message = if copy % 2 == 0 {
+                        message
+                    } else {
+                        message.redelivered()
+                    };
+                    consumer.process(&message).await
+                })
+            })
+            .collect();
+        for copy in copies {
+            // A duplicate waits on the row lock of the uncommitted claim, then replays.
+            assert_eq!(copy.await.unwrap(), Disposition::Ack);
+        }
+        assert_eq!(setup.rows(&key).await, 1, "{key}");
+        assert_eq!(setup.completed(&key).await, Some(true));
+    }
+}
+
+#[tokio::test]
+async fn failed_attempts_roll_back_their_rows() {
+    let setup = Setup::new().await;
+    let charger = setup.charger();
+    charger.failures.lock().unwrap().insert("order-1".into(), 2);
+    let consumer = setup.consumer(setup.store.clone(), charger).max_deliveries(5);
+    let mut message = Message::keyed("order-1", "1000");
+    for delivery in 1..=2 {
+        assert_eq!(
+            consumer.process(&message).await,
+            Disposition::Nack {
+                after: Duration::from_millis(100 << (delivery - 1))
+            }
+        );
+        // The row the failed attempt wrote went with its transaction, and so did the claim.
+        assert_eq!(setup.rows("order-1").await, 0);
+        assert_eq!(setup.completed("order-1").await, None);
+        message = message.redelivered();
+    }
+    assert_eq!(consumer.process(&message).await, Disposition::Ack);
+    assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    assert_eq!(setup.rows("order-1").await, 1);
+
+    // Always failing: dead-lettered at the limit, with the reason; nothing written.
+    let always = setup.charger();
+    always.failures.lock().unwrap().insert("order-2".into(), u32::MAX);
+    let consumer = setup.consumer(setup.store.clone(), always).max_deliveries(3);
+    let mut message = Message::keyed("order-2", "1000");
+    message.deliveries = 3;
+    let Disposition::DeadLetter { reason } = consumer.process(&message).await else {
+        panic!("expected a dead letter");
+    };
+    assert_eq!(
+        reason,
+        "failed 3 deliveries, the last with: the gateway timed out"
+    );
+    assert_eq!(setup.rows("order-2").await, 0);
+}
+
+#[tokio::test]
+async fn bad_messages_are_dead_lettered_with_the_reason() {
+    let setup = Setup::new().await;
+    let consumer = setup.consumer(setup.store.clone(), setup.charger());
+
+    let keyless = Message {
+        key: None,
+        ..Message::keyed("unused", "1000")
+    };
+    let Disposition::DeadLetter { reason } = consumer.process(&keyless).await else {
+        panic!("expected a dead letter");
+    };
+    assert!(reason.contains("no idempotency key"), "{reason}");
+
+    let Disposition::DeadLetter { reason } = consumer.process(&Message::keyed("order-3", "ten euros")).await
+    else {
+        panic!("expected a dead letter");
+    };
+    assert_eq!(reason, "not an amount: \"ten euros\"");
+    assert_eq!(
+        setup.completed("order-3").await,
+        None,
+        "a fatal failure leaves no record"
+    );
+
+    assert_eq!(
+        consumer.process(&Message::keyed("order-4", "1000")).await,
+        Disposition::Ack
+    );
+    let Disposition::DeadLetter { reason } = consumer.process(&Message::keyed("order-4", "9999")).await
+    else {
+        panic!("expected a dead letter");
+    };
+    assert!(reason.contains("different payload"), "{reason}");
+    assert_eq!(setup.rows("order-4").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_leaves_nothing_and_the_redelivery_charges_once() {
+    let setup = Setup::new().await;
+    let charger = setup.charger();
+    charger.panic_once.store(true, Ordering::SeqCst);
+    let consumer = Arc::new(setup.consumer(setup.store.clone(), charger));
+    let message = Message::keyed("order-5", "1000");
+    let crashed = {
+        let (consumer, message) = (Arc::clone(&consumer), message.clone());
+        tokio::spawn(async move { consumer.process(&message).await }).await
+    };
+    assert!(crashed.unwrap_err().is_panic());
+    assert_eq!(setup.rows("order-5").await, 0);
+    assert_eq!(setup.completed("order-5").await, None);
+    assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    assert_eq!(setup.rows("order-5").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_requeues_and_nothing_is_charged_twice() {
+    let setup = Setup::new().await;
+    let options = PostgresOptions::from_url(&common::database_url()).unwrap();
+    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = TcpProxy::start(upstream).await.unwrap();
+    let qualified = setup.store.table();
+    let (schema, table) = qualified.split_once('.').unwrap();
+    let mut options = options
+        .schema(schema)
+        .unwrap()
+        .table(table)
+        .unwrap()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(300));
+    options.connect = options
+        .connect
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.addr().port());
+    let proxied = PostgresStore::connect_with(options).await.unwrap();
+    let charger = Charger {
+        hold: Duration::from_millis(300),
+        ..setup.charger()
+    };
+    let consumer = Arc::new(setup.consumer(proxied, charger));
+
+    // The connection is cut while the handler holds its transaction open.
+    let message = Message::keyed("order-6", "1000");
+    let running = {
+        let (consumer, message) = (Arc::clone(&consumer), message.clone());
+        tokio::spawn(async move { consumer.process(&message).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set_down(true);
+    proxy.cut();
+    let Disposition::Nack { .. } = running.await.unwrap() else {
+        panic!("a lost connection must requeue");
+    };
+    // While the server is unreachable, deliveries are requeued, never acked.
+    let Disposition::Nack { .. } = consumer.process(&message.redelivered()).await else {
+        panic!("an unreachable store must requeue");
+    };
+    assert_eq!(setup.rows("order-6").await, 0);
+    assert_eq!(setup.completed("order-6").await, None);
+
+    proxy.set_down(false);
+    let mut redelivery = message.redelivered().redelivered();
+    let mut disposition = consumer.process(&redelivery).await;
+    // The pool may hand out a connection that died in the cut before it notices; requeue again.
+    for _ in 0..5 {
+        if disposition == Disposition::Ack {
+            break;
+        }
+        redelivery = redelivery.redelivered();
+        disposition = consumer.process(&redelivery).await;
+    }
+    assert_eq!(disposition, Disposition::Ack);
+    assert_eq!(
+        consumer.process(&redelivery.redelivered()).await,
+        Disposition::Ack
+    );
+    assert_eq!(setup.rows("order-6").await, 1);
+}
