@@ -217,6 +217,50 @@ impl Key {
         Self::new(text)
     }
 
+    /// The key that names `key` in `scope` on its own, for a system that has no scopes: the
+    /// messages a request publishes, the downstream calls it makes. Two requests share it
+    /// exactly when they share scope and key, so an API retry and a broker redelivery meet at
+    /// one idempotency boundary, and two tenants' equal keys stay apart.
+    ///
+    /// It is `key` itself in the global scope; otherwise [`Key::composite`] of the scope and
+    /// the key, or, when that exceeds 255 bytes, `sha256:` and the hex SHA-256 of it.
+    ///
+    /// ```
+    /// use idempotency_core::{Key, Scope};
+    ///
+    /// let key = Key::new("order-7")?;
+    /// assert_eq!(Key::qualified(&Scope::global(), &key), key);
+    /// assert_eq!(Key::qualified(&Scope::new("tenant-a")?, &key).as_str(), "tenant-a:order-7");
+    /// let long = Key::qualified(&Scope::digest(b"Bearer secret"), &Key::new("k".repeat(255))?);
+    /// assert!(long.as_str().starts_with("sha256:"));
+    /// # Ok::<(), idempotency_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn qualified(scope: &Scope, key: &Self) -> Self {
+        if scope.as_str().is_empty() {
+            return key.clone();
+        }
+        let mut text = String::new();
+        for (index, part) in [scope.as_str(), key.as_str()].into_iter().enumerate() {
+            if index > 0 {
+                text.push(':');
+            }
+            for &byte in part.as_bytes() {
+                match byte {
+                    b'%' | b':' => push_percent(&mut text, byte),
+                    _ => text.push(char::from(byte)),
+                }
+            }
+        }
+        if text.len() <= MAX_KEY_LEN {
+            return Self(Arc::from(text));
+        }
+        let mut hashed = String::with_capacity(7 + 64);
+        hashed.push_str("sha256:");
+        push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
+        Self(Arc::from(hashed))
+    }
+
     /// The key as text.
     #[must_use]
     pub fn as_str(&self) -> &str {
@@ -468,6 +512,26 @@ mod tests {
             Key::content_hash(b"{not json"),
             Err(KeyError::InvalidJson(_))
         ));
+    }
+
+    #[test]
+    fn qualified_keys_are_valid_unambiguous_and_bounded() {
+        let q = |scope: &str, key: &str| Key::qualified(&Scope::new(scope).unwrap(), &Key::new(key).unwrap());
+        assert_ne!(q("a:b", "c"), q("a", "b:c"));
+        assert_ne!(q("a", "b"), q("b", "a"));
+        assert_eq!(q("t", "50%").as_str(), "t:50%25");
+        // 100 + 1 + 154 = 255 bytes fits; one more byte is hashed.
+        assert_eq!(q(&"s".repeat(100), &"k".repeat(154)).as_str().len(), 255);
+        let hashed = q(&"s".repeat(100), &"k".repeat(155));
+        assert_eq!(hashed.as_str().len(), 7 + 64);
+        assert_ne!(hashed, q(&"s".repeat(100), &"k".repeat(156)));
+        for key in [q("a:b", "c"), hashed, q(&"%".repeat(85), "x")] {
+            assert_eq!(
+                Key::new(key.as_str()).unwrap(),
+                key,
+                "a qualified key is a valid key"
+            );
+        }
     }
 
     #[test]

@@ -38,8 +38,10 @@
 //! again. Hop-by-hop headers are never stored; `Set-Cookie` and other credential headers are not
 //! stored unless allowed with [`IdempotencyLayer::store_header`].
 //!
-//! The handler finds the [`IdempotencyKey`] in the request's extensions, to propagate into the
-//! messages it publishes and the calls it makes.
+//! The handler finds the [`IdempotencyKey`] in the request's extensions. Its
+//! [`IdempotencyKey::message_key`] goes on the messages the handler publishes (the
+//! `Idempotency-Key` header that consumers read by default) and the calls it makes downstream,
+//! so an API retry and a broker redelivery meet at one idempotency boundary.
 //!
 //! Errors are RFC 9457 `application/problem+json` documents with a stable `type` per
 //! [`Problem`].

@@ -46,6 +46,26 @@ pub struct IdempotencyKey {
     pub recovered: bool,
 }
 
+impl IdempotencyKey {
+    /// The key to put on the messages the handler publishes and the calls it makes downstream
+    /// ([`Key::qualified`]): the same for every retry of this request, different for another
+    /// scope's equal key. A consumer keyed on it runs once per API request, however often the
+    /// client retried and the broker redelivered.
+    ///
+    /// ```
+    /// use idempotency_core::{Key, Scope};
+    /// use idempotency_http::IdempotencyKey;
+    ///
+    /// let request = IdempotencyKey { scope: Scope::new("tenant-a")?, key: Key::new("pay-1")?, attempt: 1, recovered: false };
+    /// assert_eq!(request.message_key().as_str(), "tenant-a:pay-1");
+    /// # Ok::<(), idempotency_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn message_key(&self) -> Key {
+        Key::qualified(&self.scope, &self.key)
+    }
+}
+
 /// The service a [`crate::IdempotencyLayer`] wraps around `I`.
 pub struct IdempotencyService<I, S> {
     inner: I,
