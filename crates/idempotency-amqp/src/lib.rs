@@ -20,11 +20,18 @@
 //!
 //! The channel must be in confirm mode: [`Topology::declare`] puts it there.
 //!
+//! [`Worker`] runs all of this for one queue as a long-lived consumer: prefetch, concurrent
+//! processing, reconnection with backoff when the broker goes away (its unsettled deliveries
+//! come back, and the record makes the completed ones duplicates), and a graceful stop.
+//!
 //! Per-message TTLs in one retry queue expire in queue order: a short delay queued behind a long
 //! one waits for it. With the default capped exponential backoff this delays some retries up to
 //! the cap (5 min by default); use one topology per delay class if that matters.
 
 use std::time::Duration;
+
+mod worker;
+pub use worker::Worker;
 
 use idempotency_consumer::{Delivery, Disposition, Processor};
 use idempotency_core::Key;

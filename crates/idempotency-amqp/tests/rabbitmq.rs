@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use idempotency_amqp::{AmqpMessage, DEAD_REASON_HEADER, Topology, process, publish};
+use idempotency_amqp::{AmqpMessage, DEAD_REASON_HEADER, Topology, Worker, process, publish};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
-use idempotency_testkit::FaultyStore;
+use idempotency_testkit::{FaultyStore, TcpProxy};
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
@@ -141,11 +141,14 @@ struct Charger {
     charges: Mutex<HashMap<String, u32>>,
     calls: AtomicU32,
     fail_first: u32,
+    /// How long each call takes.
+    hold: Duration,
 }
 
 impl Handler<AmqpMessage> for Charger {
     async fn handle(&self, message: &AmqpMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(self.hold).await;
         if call <= self.fail_first {
             return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
         }
@@ -402,5 +405,136 @@ async fn while_the_store_is_down_nothing_is_acked_or_lost() {
     let charges = charger.charges.lock().unwrap().clone();
     assert_eq!(charges.len(), 5);
     assert!(charges.values().all(|n| *n == 1), "{charges:?}");
+    setup.cleanup().await;
+}
+
+/// Ready messages in `queue` (unacknowledged ones are not counted).
+async fn ready(channel: &Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once() {
+    let setup = Setup::new().await;
+    // amqp://user:pass@HOST:PORT/vhost: the worker reaches HOST:PORT through a proxy.
+    let url = amqp_url();
+    let (head, rest) = url.split_once("://").unwrap();
+    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
+    let (authority, vhost) = rest.split_once('/').unwrap_or((rest, ""));
+    let broker = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
+    let proxy = TcpProxy::start(broker).await.unwrap();
+    let at = if credentials.is_empty() { "" } else { "@" };
+    let proxied = format!(
+        "{head}://{credentials}{at}127.0.0.1:{}/{vhost}",
+        proxy.addr().port()
+    );
+
+    let charger = Arc::new(Charger {
+        hold: Duration::from_millis(10),
+        ..Charger::default()
+    });
+    let store = FaultyStore::new(MemoryStore::new());
+    let keys: Vec<String> = (0..150).map(|i| format!("order-{i}")).collect();
+    for key in &keys {
+        setup.publish_copy(Some(key), "EUR 10").await;
+    }
+    let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store)).prefetch(8);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let charged = |charger: &Charger| charger.charges.lock().unwrap().len();
+    assert!(until(|| charged(&charger) >= 30, Duration::from_secs(10)).await);
+    // The broker goes away with deliveries in flight, and stays away for a second.
+    proxy.set_down(true);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        charged(&charger) < keys.len(),
+        "the outage came too late to test anything"
+    );
+    proxy.set_down(false);
+    assert!(
+        until(|| charged(&charger) == keys.len(), Duration::from_secs(30)).await,
+        "charged {} of {} keys",
+        charged(&charger),
+        keys.len()
+    );
+    // Every delivery settles: nothing waits in the queue or its retry queue.
+    let settled = async {
+        ready(&setup.channel, &setup.topology.queue).await
+            + ready(&setup.channel, &setup.topology.retry_queue).await
+    };
+    let mut left = settled.await;
+    for _ in 0..100 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left = ready(&setup.channel, &setup.topology.queue).await
+            + ready(&setup.channel, &setup.topology.retry_queue).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(left, 0, "messages left unsettled");
+    assert!(proxy.accepted() >= 2, "the worker did not reconnect");
+    let charges = charger.charges.lock().unwrap().clone();
+    assert!(
+        charges.values().all(|&n| n == 1),
+        "a key was charged twice: {charges:?}"
+    );
+    assert!(setup.dead_letters().await.is_empty());
+    setup.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_worker_refuses_a_topology_the_broker_rejects() {
+    let setup = Setup::new().await;
+    // The retry queue exists without its dead-letter arguments: a declaration conflict.
+    let clash = Topology::for_queue(&format!("idem-clash-{}", Key::generate()));
+    setup
+        .channel
+        .queue_declare(
+            clash.retry_queue.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let charger = Arc::new(Charger::default());
+    let worker = Worker::new(
+        amqp_url(),
+        clash.clone(),
+        consumer(&charger, &FaultyStore::new(MemoryStore::new())),
+    );
+    let refused = tokio::time::timeout(Duration::from_secs(10), worker.run_until(std::future::pending()))
+        .await
+        .expect("a refused topology must end the worker")
+        .unwrap_err();
+    assert!(refused.to_string().contains("PRECONDITION_FAILED"), "{refused}");
+    for queue in [&clash.queue, &clash.retry_queue, &clash.dead_queue] {
+        let _ = setup
+            .channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
     setup.cleanup().await;
 }

@@ -1,6 +1,6 @@
 //! Idempotent NATS JetStream consumers, on the broker-neutral rules of `idempotency-consumer`.
 //!
-//! * [`process`] runs a [`Consumer`] on one JetStream message. While the handler runs it sends
+//! * [`process`] runs a [`Processor`] (a consumer) on one JetStream message. While the handler runs it sends
 //!   progress acks (`+WPI`), so a long handler does not have its message redelivered to another
 //!   consumer. Then it carries out the [`Disposition`]:
 //!   * `Ack` is a **double ack**, confirmed by the server, and only after the outcome is

@@ -1,0 +1,204 @@
+//! A long-running consumer of one queue that survives broker restarts and lost connections.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use std::pin::Pin;
+
+use futures_util::StreamExt;
+use futures_util::future::{FutureExt, Shared};
+use idempotency_consumer::{Backoff, Processor};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::{AmqpError, AmqpMessage, Topology, amqp, process};
+
+/// Consumes a queue with a [`Processor`], `prefetch` deliveries at a time, and reconnects
+/// (with backoff) when the connection or the channel is lost.
+///
+/// Deliveries that were in flight when the connection went are redelivered by the broker; the
+/// record makes the ones that completed duplicates, acked without running again.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use idempotency_amqp::{Topology, Worker};
+/// # async fn example<P: idempotency_consumer::Processor<idempotency_amqp::AmqpMessage>>(
+/// #     processor: P,
+/// #     shutdown: impl Future<Output = ()> + Send,
+/// # ) -> Result<(), idempotency_amqp::AmqpError> {
+/// let worker = Worker::new("amqp://guest:guest@127.0.0.1:5672/%2f", Topology::for_queue("payments"), Arc::new(processor))
+///     .prefetch(32);
+/// worker.run_until(shutdown).await?; // SIGTERM, say: stop taking messages, settle the running ones
+/// # Ok(())
+/// # }
+/// ```
+pub struct Worker<P> {
+    url: String,
+    topology: Topology,
+    processor: Arc<P>,
+    prefetch: u16,
+    reconnect: Backoff,
+}
+
+impl<P> fmt::Debug for Worker<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Worker")
+            .field("url", &idempotency_core::redact_url(&self.url))
+            .field("topology", &self.topology)
+            .field("prefetch", &self.prefetch)
+            .field("reconnect", &self.reconnect)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Processor<AmqpMessage>> Worker<P> {
+    /// A worker on the broker at `url` (an `amqp://` URL) for `topology`. Defaults: prefetch 16,
+    /// reconnection backoff from 100 ms doubling to 5 s.
+    pub fn new(url: impl Into<String>, topology: Topology, processor: Arc<P>) -> Self {
+        Self {
+            url: url.into(),
+            topology,
+            processor,
+            prefetch: 16,
+            reconnect: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(5),
+            },
+        }
+    }
+
+    /// How many unacknowledged deliveries the broker hands out at once; they are processed
+    /// concurrently.
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// The wait between reconnection attempts.
+    #[must_use]
+    pub fn reconnect(mut self, backoff: Backoff) -> Self {
+        self.reconnect = backoff;
+        self
+    }
+
+    /// Consumes until `shutdown` completes, then stops taking deliveries, lets the running ones
+    /// settle and closes the connection.
+    ///
+    /// # Errors
+    ///
+    /// [`AmqpError`] when the first connection's topology is refused (for example a queue
+    /// exists with other arguments): a configuration error that retrying cannot mend. Lost
+    /// connections are not errors; the worker reconnects.
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AmqpError>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        let shutdown = Box::pin(shutdown).shared();
+        let mut failures = 0_u32;
+        let mut first = true;
+        loop {
+            let session = self.session(&shutdown).await;
+            if shutdown.peek().is_some() {
+                return Ok(());
+            }
+            match session {
+                Ok(()) => failures = 0,
+                Err(Session::Refused(error)) if first => return Err(error),
+                Err(Session::Refused(error) | Session::Lost(error)) => {
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(queue = %self.topology.queue, %error, "RabbitMQ connection failed");
+                }
+            }
+            first = false;
+            metrics::counter!("idempotency_amqp_reconnects_total", "queue" => self.topology.queue.clone())
+                .increment(1);
+            let wait = if failures == 0 {
+                self.reconnect.initial
+            } else {
+                self.reconnect.delay(failures)
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = shutdown.clone() => return Ok(()),
+            }
+        }
+    }
+
+    /// One connection's life: connect, declare, consume until the connection ends or `shutdown`.
+    async fn session<F: Future<Output = ()>>(&self, shutdown: &Shared<Pin<Box<F>>>) -> Result<(), Session> {
+        // Until deliveries flow, nothing is in flight: a shutdown may simply drop the set-up.
+        let set_up = tokio::select! {
+            set_up = self.set_up() => set_up?,
+            () = shutdown.clone() => return Ok(()),
+        };
+        let (connection, channel, deliveries) = set_up;
+        tracing::info!(queue = %self.topology.queue, prefetch = self.prefetch, "consuming");
+        let lost = std::sync::Mutex::new(None);
+        deliveries
+            .take_until(shutdown.clone())
+            .take_while(|delivery| {
+                if let Err(error) = delivery {
+                    *lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(amqp(error));
+                }
+                std::future::ready(delivery.is_ok())
+            })
+            .for_each_concurrent(usize::from(self.prefetch), |delivery| {
+                let channel = &channel;
+                async move {
+                    let Ok(delivery) = delivery else { return };
+                    if let Err(error) = process(&*self.processor, channel, &self.topology, delivery).await {
+                        // The broker redelivers an unsettled message; the record decides again.
+                        tracing::warn!(queue = %self.topology.queue, %error, "settlement failed");
+                    }
+                }
+            })
+            .await;
+        let _ = channel.close(200, "consumer stopping".into()).await;
+        let _ = connection.close(200, "consumer stopping".into()).await;
+        match lost
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(error) => Err(Session::Lost(error)),
+            None => Ok(()),
+        }
+    }
+
+    /// Connects, declares the topology and starts consuming.
+    async fn set_up(&self) -> Result<(Connection, Channel, lapin::Consumer), Session> {
+        let connection = Connection::connect(&self.url, ConnectionProperties::default())
+            .await
+            .map_err(|e| Session::Lost(amqp(e)))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| Session::Lost(amqp(e)))?;
+        self.topology.declare(&channel).await.map_err(Session::Refused)?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|e| Session::Lost(amqp(e)))?;
+        let deliveries = channel
+            .basic_consume(
+                self.topology.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| Session::Lost(amqp(e)))?;
+        Ok((connection, channel, deliveries))
+    }
+}
+
+/// How a connection's life ended, when it ended badly.
+enum Session {
+    /// The broker refused the topology.
+    Refused(AmqpError),
+    /// The connection failed or was lost.
+    Lost(AmqpError),
+}
