@@ -119,6 +119,10 @@ impl Setup {
                     acks.fetch_add(1, Ordering::SeqCst);
                 }
             }
+            // Dropping a lapin connection does not close it: its consumer would stay registered
+            // and be handed (and sit on) later tests' deliveries.
+            let _ = channel.close(200, "stopped".into()).await;
+            let _ = connection.close(200, "stopped".into()).await;
         })
     }
 
