@@ -70,6 +70,9 @@ pub struct Topology {
     pub retry_queue: String,
     /// Where dead letters go.
     pub dead_queue: String,
+    /// Delete the queues after they have been unused this long (`x-expires`): for short-lived
+    /// environments and tests. `None` (the default) keeps them.
+    pub expires: Option<Duration>,
 }
 
 impl Topology {
@@ -80,7 +83,16 @@ impl Topology {
             queue: queue.to_owned(),
             retry_queue: format!("{queue}.retry"),
             dead_queue: format!("{queue}.dead"),
+            expires: None,
         }
+    }
+
+    /// Delete the queues after they have been unused (no consumer, no declaration) for
+    /// `after`: RabbitMQ's `x-expires`. Declaring a queue again with another value fails.
+    #[must_use]
+    pub fn expires(mut self, after: Duration) -> Self {
+        self.expires = Some(after);
+        self
     }
 
     /// Declares the three queues (durable; declaring again is a no-op) and puts `channel` in
@@ -94,11 +106,16 @@ impl Topology {
             durable: true,
             ..QueueDeclareOptions::default()
         };
+        let mut common = FieldTable::default();
+        if let Some(after) = self.expires {
+            let millis = i64::try_from(after.as_millis()).unwrap_or(i64::MAX).max(1);
+            common.insert("x-expires".into(), AMQPValue::LongLongInt(millis));
+        }
         channel
-            .queue_declare(self.queue.as_str().into(), durable, FieldTable::default())
+            .queue_declare(self.queue.as_str().into(), durable, common.clone())
             .await
             .map_err(amqp)?;
-        let mut retry = FieldTable::default();
+        let mut retry = common.clone();
         retry.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
         retry.insert(
             "x-dead-letter-routing-key".into(),
@@ -109,7 +126,7 @@ impl Topology {
             .await
             .map_err(amqp)?;
         channel
-            .queue_declare(self.dead_queue.as_str().into(), durable, FieldTable::default())
+            .queue_declare(self.dead_queue.as_str().into(), durable, common)
             .await
             .map_err(amqp)?;
         channel

@@ -30,7 +30,7 @@ async fn connect() -> Connection {
 }
 
 struct Setup {
-    _connection: Connection,
+    connection: Connection,
     channel: Channel,
     topology: Topology,
     acks: Arc<AtomicUsize>,
@@ -40,10 +40,11 @@ impl Setup {
     async fn new() -> Self {
         let connection = connect().await;
         let channel = connection.create_channel().await.unwrap();
-        let topology = Topology::for_queue(&format!("idem-test-{}", Key::generate()));
+        let topology =
+            Topology::for_queue(&format!("idem-test-{}", Key::generate())).expires(Duration::from_secs(600));
         topology.declare(&channel).await.unwrap();
         Self {
-            _connection: connection,
+            connection,
             channel,
             topology,
             acks: Arc::default(),
@@ -540,5 +541,18 @@ async fn a_worker_refuses_a_topology_the_broker_rejects() {
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
+    setup.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_expiring_topology_declares_x_expires_on_its_queues() {
+    let setup = Setup::new().await;
+    // Setup's topology expires; declaring its queues without x-expires is a conflict.
+    let plain = Topology::for_queue(&setup.topology.queue);
+    let channel = setup.connection.create_channel().await.unwrap();
+    let refused = plain.declare(&channel).await.unwrap_err();
+    assert!(refused.to_string().contains("x-expires"), "{refused}");
+    let again = setup.connection.create_channel().await.unwrap();
+    setup.topology.declare(&again).await.unwrap();
     setup.cleanup().await;
 }

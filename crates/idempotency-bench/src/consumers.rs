@@ -99,7 +99,8 @@ async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, Str
         .await
         .map_err(|e| format!("RabbitMQ at {url}: {e}"))?;
     let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
-    let topology = idempotency_amqp::Topology::for_queue(&format!("idem-bench-{tag}"));
+    let topology =
+        idempotency_amqp::Topology::for_queue(&format!("idem-bench-{tag}")).expires(Duration::from_secs(600));
     topology.declare(&channel).await.map_err(|e| e.to_string())?;
     for i in 0..MESSAGES {
         let key = Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string())?;

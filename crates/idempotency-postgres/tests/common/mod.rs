@@ -4,6 +4,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresOptions, PostgresStore};
 
 /// The server the tests use: `DATABASE_URL`, or the loopback default that `scripts/services`
