@@ -3,8 +3,12 @@
 //! in the same run, for RabbitMQ and NATS JetStream, with the Redis and PostgreSQL stores.
 //!
 //! Each measurement publishes `MESSAGES` messages with distinct keys first (not timed), then
-//! times one consumer draining them with up to 64 messages in process at once. The handler does nothing but count, so the figures show
-//! what the idempotency record costs per message.
+//! times one consumer draining them with up to 64 messages in process at once. Two pairs:
+//! * a handler that does nothing but count, with the guard on each store vs plain acks: what the
+//!   idempotency record costs per message;
+//! * a handler that inserts one row into PostgreSQL, in same-transaction mode (claim, row and
+//!   completion in one commit) vs the same insert in its own transaction: a consumer whose side
+//!   effect is a database write, with and without the record.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures_util::StreamExt;
-use idempotency_consumer::{Consumer, Disposition, Handler, HandlerError};
+use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError, TxConsumer, TxHandler};
+use idempotency_postgres::sqlx::PgConnection;
+use idempotency_postgres::{PostgresStore, TxAttempt};
 use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
@@ -35,6 +41,45 @@ impl<M: Sync> Handler<M> for Count {
     }
 }
 
+/// Inserts one row per message, in the record's transaction.
+struct InsertRow(String);
+
+impl<M: Delivery + Sync> TxHandler<M> for InsertRow {
+    async fn handle(&self, message: &M, tx: &mut PgConnection, attempt: &TxAttempt) -> Result<Outcome, HandlerError> {
+        insert_row(&mut *tx, &self.0, attempt.key.as_str(), message.payload())
+            .await
+            .map_err(HandlerError::Retry)?;
+        Ok(Outcome::empty())
+    }
+}
+
+async fn insert_row<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    table: &str,
+    key: &str,
+    payload: &[u8],
+) -> Result<(), String> {
+    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {table} (key, payload) VALUES ($1, $2)")))
+        .bind(key)
+        .bind(payload)
+        .execute(executor)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// What a consumer does with each message.
+enum Work {
+    /// Nothing but the ack.
+    Ack,
+    /// The guard on a store, around a handler that counts.
+    Guard(Consumer<DynStore, Count>),
+    /// Insert a row in its own transaction, then ack.
+    Insert(sqlx::PgPool, String),
+    /// Insert a row in the record's transaction.
+    InTransaction(TxConsumer<InsertRow>),
+}
+
 pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -45,19 +90,37 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
         println!("\n## Consumers: messages/s consumed and acked, with the guard vs without ({MESSAGES} messages per measurement)\n");
         println!("| broker | store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
         println!("|---|---|---:|---:|---:|---:|---:|");
-        let stores = stores().await?;
-        for (store_name, store) in &stores {
+        let (redis, postgres) = stores().await?;
+        let table = format!("idempotency_bench.consumer_rows_{}", std::process::id());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea NOT NULL)"
+        )))
+        .execute(postgres.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+        let guarded = |store: &DynStore| Work::Guard(Consumer::new("bench", Arc::clone(store), Count::default()));
+        let redis: DynStore = Arc::new(redis);
+        let postgres_dyn: DynStore = Arc::new(postgres.clone());
+        let pairs = [
+            ("redis", guarded(&redis), Work::Ack),
+            ("postgres", guarded(&postgres_dyn), Work::Ack),
+            (
+                "postgres, insert a row: same transaction vs own transaction",
+                Work::InTransaction(TxConsumer::new("bench", postgres.clone(), InsertRow(table.clone()))),
+                Work::Insert(postgres.pool().clone(), table.clone()),
+            ),
+        ];
+        for (store_name, with_work, without_work) in &pairs {
             for broker in ["rabbitmq", "nats"] {
                 let mut with = Vec::new();
                 let mut without = Vec::new();
                 for round in 0..rounds {
-                    for guarded in [true, false] {
-                        let tag = format!("{}-{round}-{guarded}-{}", std::process::id(), Key::generate());
-                        let rate = match broker {
-                            "rabbitmq" => rabbitmq(store, guarded, &tag).await?,
-                            _ => nats(store, guarded, &tag).await?,
-                        };
-                        if guarded { with.push(rate) } else { without.push(rate) }
+                    for (work, rates) in [(with_work, &mut with), (without_work, &mut without)] {
+                        let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
+                        rates.push(match broker {
+                            "rabbitmq" => rabbitmq(work, &tag).await?,
+                            _ => nats(work, &tag).await?,
+                        });
                     }
                 }
                 let (with, without) = (Samples::of(with), Samples::of(without));
@@ -71,11 +134,14 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
                 );
             }
         }
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+            .execute(postgres.pool())
+            .await;
         Ok(())
     })
 }
 
-async fn stores() -> Result<Vec<(&'static str, DynStore)>, String> {
+async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresStore), String> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let redis = idempotency_redis::RedisStore::connect(&url)
         .await
@@ -87,13 +153,13 @@ async fn stores() -> Result<Vec<(&'static str, DynStore)>, String> {
         .and_then(|o| o.schema("idempotency_bench"))
         .and_then(|o| o.table(&format!("consumers_{}", std::process::id())))
         .map_err(|e| e.to_string())?;
-    let postgres = idempotency_postgres::PostgresStore::connect_with(options)
+    let postgres = PostgresStore::connect_with(options)
         .await
         .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
-    Ok(vec![("redis", Arc::new(redis)), ("postgres", Arc::new(postgres))])
+    Ok((redis, postgres))
 }
 
-async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String> {
+async fn rabbitmq(work: &Work, tag: &str) -> Result<f64, String> {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
         .await
@@ -108,7 +174,6 @@ async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, Str
             .await
             .map_err(|e| e.to_string())?;
     }
-    let consumer = Consumer::new("bench", Arc::clone(store), Count::default());
     channel
         .basic_qos(128, BasicQosOptions::default())
         .await
@@ -124,22 +189,33 @@ async fn rabbitmq(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, Str
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
     drain(deliveries, |delivery| {
-        let (consumer, channel, topology) = (&consumer, &channel, &topology);
+        let (channel, topology) = (&channel, &topology);
         async move {
             let delivery = delivery.map_err(|e| e.to_string())?;
-            if guarded {
-                expect_ack(
-                    idempotency_amqp::process(consumer, channel, topology, delivery)
-                        .await
-                        .map_err(|e| e.to_string())?,
-                )
-            } else {
-                let _ = consumer_free_handle(&delivery.data);
+            let ack = async |delivery: lapin::message::Delivery| {
                 delivery
                     .ack(BasicAckOptions::default())
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string())
+            };
+            let settled = |done: Result<Disposition, idempotency_amqp::AmqpError>| {
+                expect_ack(done.map_err(|e| e.to_string())?)
+            };
+            match work {
+                Work::Ack => {
+                    let _ = consumer_free_handle(&delivery.data);
+                    ack(delivery).await
+                }
+                Work::Insert(pool, table) => {
+                    let key = delivery.properties.message_id().as_ref().map_or("", |id| id.as_str());
+                    insert_row(pool, table, key, &delivery.data).await?;
+                    ack(delivery).await
+                }
+                Work::Guard(consumer) => settled(idempotency_amqp::process(consumer, channel, topology, delivery).await),
+                Work::InTransaction(consumer) => {
+                    settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
+                }
             }
         }
     })
@@ -194,14 +270,14 @@ fn consumer_free_handle(payload: &[u8]) -> usize {
     std::hint::black_box(payload.len())
 }
 
-async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String> {
+async fn nats(work: &Work, tag: &str) -> Result<f64, String> {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let client = async_nats::connect(&url)
         .await
         .map_err(|e| format!("NATS at {url}: {e}"))?;
     let js = jetstream::new(client);
     let id = tag.replace(['-', ':'], "");
-    let (name, work, dead) = (
+    let (name, subject, dead) = (
         format!("IDEMBENCH_{id}"),
         format!("idembench.{id}.work"),
         format!("idembench.{id}.dead"),
@@ -209,7 +285,7 @@ async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String>
     let stream = js
         .create_stream(jetstream::stream::Config {
             name: name.clone(),
-            subjects: vec![work.clone(), dead.clone()],
+            subjects: vec![subject.clone(), dead.clone()],
             max_age: Duration::from_secs(600),
             ..Default::default()
         })
@@ -219,7 +295,7 @@ async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String>
         let key = Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string())?;
         idempotency_nats::publish(
             &js,
-            work.clone(),
+            subject.clone(),
             &key,
             bytes::Bytes::from_static(b"{\"amount\":1000}"),
         )
@@ -229,27 +305,40 @@ async fn nats(store: &DynStore, guarded: bool, tag: &str) -> Result<f64, String>
     let puller: jetstream::consumer::PullConsumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
             durable_name: Some("bench".into()),
-            filter_subject: work.clone(),
+            filter_subject: subject.clone(),
             ..Default::default()
         })
         .await
         .map_err(|e| e.to_string())?;
-    let consumer = Consumer::new("bench", Arc::clone(store), Count::default());
     let messages = puller.messages().await.map_err(|e| e.to_string())?;
     let started = Instant::now();
     drain(messages, |message| {
-        let (consumer, js, dead) = (&consumer, &js, &dead);
+        let (js, dead) = (&js, &dead);
         async move {
             let message = message.map_err(|e| e.to_string())?;
-            if guarded {
-                expect_ack(
-                    idempotency_nats::process(consumer, js, dead, message, Duration::from_secs(10))
-                        .await
-                        .map_err(|e| e.to_string())?,
-                )
-            } else {
-                let _ = consumer_free_handle(&message.payload);
-                message.double_ack().await.map_err(|e| e.to_string())
+            let progress = Duration::from_secs(10);
+            let settled = |done: Result<Disposition, idempotency_nats::SettleError>| {
+                expect_ack(done.map_err(|e| e.to_string())?)
+            };
+            match work {
+                Work::Ack => {
+                    let _ = consumer_free_handle(&message.payload);
+                    message.double_ack().await.map_err(|e| e.to_string())
+                }
+                Work::Insert(pool, table) => {
+                    let key = message
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("Idempotency-Key"))
+                        .map_or("", |v| v.as_str())
+                        .to_owned();
+                    insert_row(pool, table, &key, &message.payload).await?;
+                    message.double_ack().await.map_err(|e| e.to_string())
+                }
+                Work::Guard(consumer) => settled(idempotency_nats::process(consumer, js, dead, message, progress).await),
+                Work::InTransaction(consumer) => {
+                    settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
+                }
             }
         }
     })
