@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use futures_util::StreamExt;
 use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError, TxConsumer, TxHandler};
+use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
 use idempotency_postgres::sqlx::PgConnection;
 use idempotency_postgres::{PostgresStore, TxAttempt};
-use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
@@ -45,7 +45,12 @@ impl<M: Sync> Handler<M> for Count {
 struct InsertRow(String);
 
 impl<M: Delivery + Sync> TxHandler<M> for InsertRow {
-    async fn handle(&self, message: &M, tx: &mut PgConnection, attempt: &TxAttempt) -> Result<Outcome, HandlerError> {
+    async fn handle(
+        &self,
+        message: &M,
+        tx: &mut PgConnection,
+        attempt: &TxAttempt,
+    ) -> Result<Outcome, HandlerError> {
         insert_row(&mut *tx, &self.0, attempt.key.as_str(), message.payload())
             .await
             .map_err(HandlerError::Retry)?;
@@ -59,13 +64,15 @@ async fn insert_row<'e>(
     key: &str,
     payload: &[u8],
 ) -> Result<(), String> {
-    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {table} (key, payload) VALUES ($1, $2)")))
-        .bind(key)
-        .bind(payload)
-        .execute(executor)
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (key, payload) VALUES ($1, $2)"
+    )))
+    .bind(key)
+    .bind(payload)
+    .execute(executor)
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
 }
 
 /// What a consumer does with each message.
@@ -208,11 +215,17 @@ async fn rabbitmq(work: &Work, tag: &str) -> Result<f64, String> {
                     ack(delivery).await
                 }
                 Work::Insert(pool, table) => {
-                    let key = delivery.properties.message_id().as_ref().map_or("", |id| id.as_str());
+                    let key = delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map_or("", |id| id.as_str());
                     insert_row(pool, table, key, &delivery.data).await?;
                     ack(delivery).await
                 }
-                Work::Guard(consumer) => settled(idempotency_amqp::process(consumer, channel, topology, delivery).await),
+                Work::Guard(consumer) => {
+                    settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
+                }
                 Work::InTransaction(consumer) => {
                     settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
                 }
@@ -335,7 +348,9 @@ async fn nats(work: &Work, tag: &str) -> Result<f64, String> {
                     insert_row(pool, table, &key, &message.payload).await?;
                     message.double_ack().await.map_err(|e| e.to_string())
                 }
-                Work::Guard(consumer) => settled(idempotency_nats::process(consumer, js, dead, message, progress).await),
+                Work::Guard(consumer) => {
+                    settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
+                }
                 Work::InTransaction(consumer) => {
                     settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
                 }

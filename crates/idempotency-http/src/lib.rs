@@ -63,3 +63,4 @@ pub use problem::Problem;
 pub use service::{
     IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, IdempotencyKey, IdempotencyService, ResponseFuture,
 };
+pub use stored::Stored as StoredOutcome;

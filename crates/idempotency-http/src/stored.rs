@@ -10,17 +10,29 @@ use idempotency_core::Outcome;
 
 const VERSION: u8 = 1;
 
-/// A decoded outcome.
+/// What the layer stored as a key's outcome, decoded: for operators' tools (`idem keys get`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Stored {
+pub enum Stored {
     /// A response to replay.
     Response {
+        /// Its status.
         status: StatusCode,
+        /// The headers that are replayed.
         headers: HeaderMap,
+        /// Its body.
         body: Bytes,
     },
     /// The response was passed through without being stored.
     NotReplayable,
+}
+
+impl Stored {
+    /// Decodes an outcome the layer stored; `None` when `bytes` is not one (another
+    /// application's outcome, or a newer format).
+    #[must_use]
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        decode(&Outcome::new(Bytes::copy_from_slice(bytes)))
+    }
 }
 
 pub(crate) fn encode_response(status: StatusCode, headers: &HeaderMap, body: &Bytes) -> Outcome {

@@ -1,0 +1,522 @@
+//! `idem demo`: a sample payments upstream with a ledger, the gateway in front of it on the
+//! embedded SQLite store, and a client storm — retries after timeouts, duplicates, concurrent
+//! races, a key reused with another payload — ending in a table whose double-charge count comes
+//! from the upstream's own ledger.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write as _};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use rand::RngExt;
+use serde_json::json;
+
+use crate::gateway::{self, Config};
+use crate::units::format_duration;
+
+/// What the demo is asked to do.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Roughly how many requests the storm sends.
+    pub requests: usize,
+    /// The store URL; `None`: a fresh SQLite file in a temporary directory.
+    pub store: Option<String>,
+    /// Payments in progress at once.
+    pub concurrency: usize,
+    /// Show the progress bar.
+    pub progress: bool,
+}
+
+/// The upstream's ledger: every charge it made, by forwarded key.
+#[derive(Debug, Default)]
+struct Ledger {
+    charges: Mutex<HashMap<String, Vec<i64>>>,
+}
+
+impl Ledger {
+    fn charges(&self) -> (u64, u64) {
+        let charges = self
+            .charges
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let total: usize = charges.values().map(Vec::len).sum();
+        let doubles: usize = charges.values().map(|c| c.len().saturating_sub(1)).sum();
+        (total as u64, doubles as u64)
+    }
+}
+
+/// The sample upstream: `POST /charges` charges once per call; it is slow now and then (client
+/// timeouts) and fails transiently (503) before charging on about 3% of calls.
+async fn charge(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+    else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "the gateway always forwards Idempotency-Key",
+        )
+            .into_response();
+    };
+    let amount = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|json| json["amount_cents"].as_i64());
+    let Some(amount) = amount else {
+        return (StatusCode::UNPROCESSABLE_ENTITY, "amount_cents is required").into_response();
+    };
+    let (latency, fail) = {
+        let mut rng = rand::rng();
+        let slow = rng.random_ratio(1, 10);
+        let latency = if slow {
+            rng.random_range(150..300)
+        } else {
+            rng.random_range(2..20)
+        };
+        (Duration::from_millis(latency), rng.random_ratio(3, 100))
+    };
+    tokio::time::sleep(latency).await;
+    if fail {
+        return (StatusCode::SERVICE_UNAVAILABLE, "card network busy, try again").into_response();
+    }
+    let charge_id = {
+        let mut charges = ledger
+            .charges
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = charges.entry(key).or_default();
+        entry.push(amount);
+        format!("ch_{}_{}", charges.len(), amount)
+    };
+    let attempt = headers
+        .get(gateway::IDEMPOTENCY_ATTEMPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("1")
+        .to_owned();
+    (
+        StatusCode::CREATED,
+        [("set-cookie", "session=upstream-only; HttpOnly")],
+        axum::Json(json!({ "charge_id": charge_id, "amount_cents": amount, "attempt": attempt })),
+    )
+        .into_response()
+}
+
+async fn serve(router: Router) -> Result<SocketAddr, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("cannot listen on 127.0.0.1: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(addr)
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    requests: AtomicU64,
+    replays: AtomicU64,
+    conflicts: AtomicU64,
+    mismatches: AtomicU64,
+    timeouts: AtomicU64,
+    released: AtomicU64,
+    failed_payments: AtomicU64,
+    latencies: Mutex<Vec<Duration>>,
+}
+
+/// What one request got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Got {
+    Ok,
+    Conflict,
+    Mismatch,
+    Retryable,
+    Timeout,
+}
+
+struct Storm {
+    client: Client<HttpConnector, Full<Bytes>>,
+    gateway: SocketAddr,
+    counters: Counters,
+}
+
+impl Storm {
+    async fn send(&self, tenant: &str, key: &str, amount: i64) -> Got {
+        let body = json!({ "amount_cents": amount, "currency": "EUR" }).to_string();
+        let request = http::Request::post(format!("http://{}/charges", self.gateway))
+            .header("authorization", tenant)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)));
+        let Ok(request) = request else {
+            return Got::Retryable;
+        };
+        self.counters.requests.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        // The client gives up after 100 ms, as impatient clients do, and retries.
+        let response = tokio::time::timeout(Duration::from_millis(100), async {
+            let response = self.client.request(request).await.ok()?;
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            let _ = response.into_body().collect().await.ok()?;
+            Some((status, replayed))
+        })
+        .await;
+        let got = match response {
+            Err(_) => {
+                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                Got::Timeout
+            }
+            Ok(None) => Got::Retryable,
+            Ok(Some((status, replayed))) => {
+                if replayed {
+                    self.counters.replays.fetch_add(1, Ordering::Relaxed);
+                }
+                match status.as_u16() {
+                    200..=299 => Got::Ok,
+                    409 => {
+                        self.counters.conflicts.fetch_add(1, Ordering::Relaxed);
+                        Got::Conflict
+                    }
+                    422 => {
+                        self.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+                        Got::Mismatch
+                    }
+                    _ => {
+                        self.counters.released.fetch_add(1, Ordering::Relaxed);
+                        Got::Retryable
+                    }
+                }
+            }
+        };
+        if got != Got::Timeout {
+            self.counters
+                .latencies
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(started.elapsed());
+        }
+        got
+    }
+
+    /// Sends until the payment succeeds (or 20 tries), backing off after conflicts, timeouts
+    /// and 5xx; returns whether it succeeded.
+    async fn until_done(&self, tenant: &str, key: &str, amount: i64) -> bool {
+        for attempt in 0..20_u32 {
+            match self.send(tenant, key, amount).await {
+                Got::Ok => return true,
+                Got::Mismatch => return false,
+                Got::Conflict | Got::Retryable | Got::Timeout => {
+                    tokio::time::sleep(Duration::from_millis(20 << attempt.min(4))).await;
+                }
+            }
+        }
+        false
+    }
+
+    /// One payment, in one of four client behaviours.
+    async fn payment(&self, n: usize) {
+        let tenant = ["Bearer tenant-a", "Bearer tenant-b", "Bearer tenant-c"][n % 3];
+        let key = format!("payment-{n}");
+        let amount = 1000 + i64::try_from(n % 500).unwrap_or(0);
+        let done = match n % 20 {
+            // Concurrent copies racing each other (a double-click, a retrying load balancer).
+            0..=4 => {
+                let racers = (0..3).map(|_| self.until_done(tenant, &key, amount));
+                futures_util::future::join_all(racers)
+                    .await
+                    .into_iter()
+                    .all(|ok| ok)
+            }
+            // A plain duplicate: the client sends the same request twice.
+            5..=8 => {
+                self.until_done(tenant, &key, amount).await && self.until_done(tenant, &key, amount).await
+            }
+            // The key reused with another payload: rejected, never charged.
+            9..=11 => {
+                let ok = self.until_done(tenant, &key, amount).await;
+                let reused = self.send(tenant, &key, amount + 1).await;
+                ok && reused == Got::Mismatch
+            }
+            // Retries after timeouts and transient failures only.
+            _ => self.until_done(tenant, &key, amount).await,
+        };
+        if !done {
+            self.counters.failed_payments.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The demo's outcome.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The store the gateway ran on (password redacted).
+    pub store: String,
+    /// Logical payments the clients made.
+    pub payments: u64,
+    /// Requests sent.
+    pub requests: u64,
+    /// Requests beyond the first of each payment.
+    pub duplicates: u64,
+    /// Responses replayed from the store.
+    pub replays: u64,
+    /// `409` answers (a duplicate arrived while the first was running).
+    pub conflicts: u64,
+    /// `422` answers (a key reused with another payload).
+    pub mismatches: u64,
+    /// Requests the client gave up on.
+    pub client_timeouts: u64,
+    /// `5xx` answers (the key was released; the retry ran again).
+    pub released: u64,
+    /// Payments that did not succeed within their tries.
+    pub failed_payments: u64,
+    /// Charges in the upstream's ledger.
+    pub charges: u64,
+    /// Charges beyond the first for a payment, from the ledger.
+    pub double_charges: u64,
+    /// Latency percentiles of answered requests.
+    pub p50: Duration,
+    /// See `p50`.
+    pub p90: Duration,
+    /// See `p50`.
+    pub p99: Duration,
+    /// How long the storm took.
+    pub elapsed: Duration,
+}
+
+impl Report {
+    /// The report as JSON.
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        json!({
+            "store": self.store,
+            "payments": self.payments,
+            "requests": self.requests,
+            "duplicates": self.duplicates,
+            "replays": self.replays,
+            "conflicts": self.conflicts,
+            "mismatches_rejected": self.mismatches,
+            "client_timeouts": self.client_timeouts,
+            "released_5xx": self.released,
+            "failed_payments": self.failed_payments,
+            "charges": self.charges,
+            "double_charges": self.double_charges,
+            "latency_ms": { "p50": ms(self.p50), "p90": ms(self.p90), "p99": ms(self.p99) },
+            "elapsed_ms": ms(self.elapsed),
+        })
+    }
+
+    /// The report as a table.
+    #[must_use]
+    pub fn to_table(&self) -> String {
+        let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1000.0);
+        let rows = vec![
+            vec!["payments".into(), self.payments.to_string()],
+            vec!["requests sent".into(), self.requests.to_string()],
+            vec!["duplicates sent".into(), self.duplicates.to_string()],
+            vec!["replays served".into(), self.replays.to_string()],
+            vec![
+                "conflicts (409, still running)".into(),
+                self.conflicts.to_string(),
+            ],
+            vec!["mismatches rejected (422)".into(), self.mismatches.to_string()],
+            vec!["client timeouts".into(), self.client_timeouts.to_string()],
+            vec!["upstream 5xx (key released)".into(), self.released.to_string()],
+            vec!["charges made (upstream ledger)".into(), self.charges.to_string()],
+            vec!["DOUBLE CHARGES".into(), self.double_charges.to_string()],
+            vec![
+                "latency p50 / p90 / p99 (ms)".into(),
+                format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
+            ],
+        ];
+        let mut out = format!(
+            "idem demo: {} payments, {} requests through the gateway on {} in {}\n\n",
+            self.payments,
+            self.requests,
+            self.store,
+            format_duration(Duration::from_millis(
+                u64::try_from(self.elapsed.as_millis()).unwrap_or(u64::MAX)
+            ))
+        );
+        out.push_str(&crate::ops::table(&["", ""], &rows));
+        if self.failed_payments > 0 {
+            out.push_str(&format!(
+                "\n{} payments did not succeed within 20 tries (the upstream kept failing).\n",
+                self.failed_payments
+            ));
+        }
+        out
+    }
+}
+
+/// The nearest-rank percentile, `per_mille` in thousandths (500: the median).
+fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) * per_mille.min(1000) + 500) / 1000]
+}
+
+/// A directory removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs the demo.
+///
+/// # Errors
+///
+/// The store cannot be opened, or a local listener cannot be bound.
+pub async fn run(options: Options) -> Result<Report, String> {
+    // A store of its own unless told otherwise, removed afterwards.
+    let temp = match &options.store {
+        Some(_) => None,
+        None => {
+            let dir = std::env::temp_dir().join(format!("idem-demo-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            Some(TempDir(dir))
+        }
+    };
+    let store_url = match (&options.store, &temp) {
+        (Some(url), _) => url.clone(),
+        (None, Some(dir)) => format!("sqlite://{}", dir.0.join("idem.db").display()),
+        (None, None) => unreachable!("a temporary directory is made when no store is given"),
+    };
+    let ledger = Arc::new(Ledger::default());
+    let upstream = serve(
+        Router::new()
+            .route("/charges", post(charge))
+            .with_state(Arc::clone(&ledger)),
+    )
+    .await?;
+    let config = Config {
+        listen: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
+        admin_listen: None,
+        upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
+        store: store_url.clone(),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(86_400),
+        max_body: 1 << 20,
+        max_response: 1 << 20,
+        methods: vec![http::Method::POST],
+        require_key: true,
+        scope_header: Some(http::header::AUTHORIZATION),
+        wait: None,
+        fail_open: false,
+        upstream_timeout: Duration::from_secs(30),
+    };
+    let store = idempotency::open(&store_url)
+        .await
+        .map_err(|e| format!("store {}: {e}", idempotency::redact_url(&store_url)))?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .build_recorder()
+        .handle();
+    let (router, _) = gateway::router(&config, store, metrics);
+    let gateway_addr = serve(router).await?;
+
+    let storm = Arc::new(Storm {
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        gateway: gateway_addr,
+        counters: Counters::default(),
+    });
+    // About 2.6 requests per payment on average (races, duplicates, reuse, retries).
+    let payments = (options.requests * 10 / 26).max(1);
+    let started = Instant::now();
+    let progress = options.progress.then(|| {
+        let storm = Arc::clone(&storm);
+        let target = options.requests as u64;
+        tokio::spawn(async move {
+            let terminal = std::io::stderr().is_terminal();
+            let mut last_quarter = 0;
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let sent = storm.counters.requests.load(Ordering::Relaxed);
+                let filled = usize::try_from((sent.min(target) * 30) / target.max(1)).unwrap_or(30);
+                if terminal {
+                    eprint!(
+                        "\r[{}{}] {sent}/{target} requests, {} replays, {} conflicts ",
+                        "#".repeat(filled),
+                        "-".repeat(30 - filled),
+                        storm.counters.replays.load(Ordering::Relaxed),
+                        storm.counters.conflicts.load(Ordering::Relaxed)
+                    );
+                    let _ = std::io::stderr().flush();
+                } else if filled / 8 > last_quarter {
+                    last_quarter = filled / 8;
+                    eprintln!(
+                        "[{}{}] {sent}/{target} requests",
+                        "#".repeat(filled),
+                        "-".repeat(30 - filled)
+                    );
+                }
+            }
+        })
+    });
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
+    let mut tasks = Vec::with_capacity(payments);
+    for n in 0..payments {
+        let permit = Arc::clone(&semaphore)
+            .acquire_owned()
+            .await
+            .map_err(|e| e.to_string())?;
+        let storm = Arc::clone(&storm);
+        tasks.push(tokio::spawn(async move {
+            storm.payment(n).await;
+            drop(permit);
+        }));
+    }
+    for task in tasks {
+        task.await.map_err(|e| format!("a client task failed: {e}"))?;
+    }
+    let elapsed = started.elapsed();
+    if let Some(progress) = progress {
+        progress.abort();
+        if std::io::stderr().is_terminal() {
+            eprintln!();
+        }
+    }
+    let counters = &storm.counters;
+    let mut latencies = counters
+        .latencies
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    latencies.sort();
+    let (charges, double_charges) = ledger.charges();
+    let requests = counters.requests.load(Ordering::Relaxed);
+    Ok(Report {
+        store: idempotency::redact_url(&store_url),
+        payments: payments as u64,
+        requests,
+        duplicates: requests.saturating_sub(payments as u64),
+        replays: counters.replays.load(Ordering::Relaxed),
+        conflicts: counters.conflicts.load(Ordering::Relaxed),
+        mismatches: counters.mismatches.load(Ordering::Relaxed),
+        client_timeouts: counters.timeouts.load(Ordering::Relaxed),
+        released: counters.released.load(Ordering::Relaxed),
+        failed_payments: counters.failed_payments.load(Ordering::Relaxed),
+        charges,
+        double_charges,
+        p50: percentile(&latencies, 500),
+        p90: percentile(&latencies, 900),
+        p99: percentile(&latencies, 990),
+        elapsed,
+    })
+}

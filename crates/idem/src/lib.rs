@@ -1,0 +1,12 @@
+//! The `idem` binary's parts, as a library for its tests and for embedding:
+//!
+//! * [`gateway`]: the idempotency gateway (`idem serve`), a reverse proxy with the HTTP layer in
+//!   front of any upstream;
+//! * [`demo`]: the payments demo (`idem demo`);
+//! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
+//! * [`units`]: human durations and sizes as the flags take them.
+
+pub mod demo;
+pub mod gateway;
+pub mod ops;
+pub mod units;

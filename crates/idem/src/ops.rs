@@ -1,0 +1,412 @@
+//! The operations commands: `keys list|get|stats|purge`, `inflight`, `migrate`. Human tables by
+//! default, JSON with `--json`.
+
+use std::fmt::Write as _;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idempotency::{
+    DynStore, Key, ListFilter, Record, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState,
+    Timestamp,
+};
+use serde_json::{Value, json};
+
+use crate::units::format_duration;
+
+/// A timestamp as RFC 3339 UTC, to the millisecond.
+#[must_use]
+pub fn rfc3339(time: Timestamp) -> String {
+    let since = time
+        .to_system_time()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    let secs = since.as_secs();
+    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX);
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+fn now() -> Timestamp {
+    Timestamp::from_system_time(SystemTime::now())
+}
+
+fn age(since: Timestamp) -> String {
+    format_duration(Duration::from_secs(now().since(since).as_secs()))
+}
+
+/// Renders rows as a left-aligned text table with a header.
+#[must_use]
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (cell, width) in cells.zip(&widths) {
+            let _ = write!(text, "{cell:<width$}  ");
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    if header.iter().any(|h| !h.is_empty()) {
+        line(&mut header.iter().copied());
+    }
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+fn summary_json(record: &RecordSummary) -> Value {
+    let mut value = json!({
+        "scope": record.scope.as_str(),
+        "key": record.key.as_str(),
+        "attempt": record.attempt,
+        "created_at": rfc3339(record.created_at),
+        "expires_at": rfc3339(record.expires_at),
+    });
+    match &record.state {
+        SummaryState::InFlight {
+            acquired_at,
+            lease_until,
+        } => {
+            value["state"] = json!("in_flight");
+            value["acquired_at"] = json!(rfc3339(*acquired_at));
+            value["lease_until"] = json!(rfc3339(*lease_until));
+            value["lease_expired"] = json!(*lease_until <= now());
+        }
+        SummaryState::Completed {
+            completed_at,
+            outcome_len,
+        } => {
+            value["state"] = json!("completed");
+            value["completed_at"] = json!(rfc3339(*completed_at));
+            value["outcome_bytes"] = json!(outcome_len);
+        }
+    }
+    value
+}
+
+fn summary_row(record: &RecordSummary) -> Vec<String> {
+    let (state, since, note) = match &record.state {
+        SummaryState::InFlight {
+            acquired_at,
+            lease_until,
+        } => (
+            "in-flight",
+            *acquired_at,
+            if *lease_until <= now() {
+                "lease expired".to_owned()
+            } else {
+                format!("lease until {}", rfc3339(*lease_until))
+            },
+        ),
+        SummaryState::Completed {
+            completed_at,
+            outcome_len,
+        } => ("completed", *completed_at, format!("{outcome_len} bytes")),
+    };
+    vec![
+        if record.scope.as_str().is_empty() {
+            "-".into()
+        } else {
+            record.scope.redacted().to_string()
+        },
+        record.key.as_str().to_owned(),
+        state.to_owned(),
+        record.attempt.to_string(),
+        age(since),
+        note,
+    ]
+}
+
+/// `idem keys list` / `idem inflight`: one page of records.
+///
+/// # Errors
+///
+/// The store's error.
+pub async fn list(store: &DynStore, filter: &ListFilter, json_out: bool) -> Result<String, String> {
+    let records = store.list(filter).await.map_err(|e| e.to_string())?;
+    if json_out {
+        let next = records
+            .last()
+            .filter(|_| records.len() == filter.limit)
+            .map(|last| json!({ "scope": last.scope.as_str(), "key": last.key.as_str() }));
+        return Ok(
+            json!({ "records": records.iter().map(summary_json).collect::<Vec<_>>(), "next_after": next })
+                .to_string(),
+        );
+    }
+    if records.is_empty() {
+        return Ok("no records\n".into());
+    }
+    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
+    let mut out = table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows);
+    if records.len() == filter.limit {
+        let last = &records[records.len() - 1];
+        let _ = writeln!(
+            out,
+            "(first {} shown; continue with --after-scope '{}' --after-key '{}')",
+            filter.limit,
+            last.scope.as_str(),
+            last.key.as_str()
+        );
+    }
+    Ok(out)
+}
+
+/// How a stored outcome reads: an HTTP response the gateway stored, or bytes.
+fn outcome_json(bytes: &[u8]) -> Value {
+    match idempotency_http::StoredOutcome::decode(bytes) {
+        Some(idempotency_http::StoredOutcome::Response {
+            status,
+            headers,
+            body,
+        }) => json!({
+            "kind": "http_response",
+            "status": status.as_u16(),
+            "headers": headers
+                .iter()
+                .map(|(name, value)| json!([name.as_str(), String::from_utf8_lossy(value.as_bytes())]))
+                .collect::<Vec<_>>(),
+            "body": String::from_utf8_lossy(&body),
+        }),
+        Some(idempotency_http::StoredOutcome::NotReplayable) => json!({ "kind": "http_not_replayable" }),
+        None => json!({ "kind": "bytes", "text": String::from_utf8_lossy(bytes), "len": bytes.len() }),
+    }
+}
+
+/// `idem keys get`: one record, with its outcome decoded when the gateway stored it.
+///
+/// # Errors
+///
+/// The store's error, or no such record.
+pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> Result<String, String> {
+    let Some(record) = store.get(scope, key).await.map_err(|e| e.to_string())? else {
+        return Err(format!(
+            "no record for key {} in scope {:?}",
+            key.as_str(),
+            scope.as_str()
+        ));
+    };
+    let Record {
+        attempt,
+        created_at,
+        expires_at,
+        ref fingerprint,
+        ..
+    } = record;
+    let mut value = json!({
+        "scope": scope.as_str(),
+        "key": key.as_str(),
+        "fingerprint": fingerprint.to_string(),
+        "attempt": attempt,
+        "created_at": rfc3339(created_at),
+        "expires_at": rfc3339(expires_at),
+    });
+    match &record.state {
+        RecordState::InFlight {
+            acquired_at,
+            lease_until,
+            ..
+        } => {
+            value["state"] = json!("in_flight");
+            value["acquired_at"] = json!(rfc3339(*acquired_at));
+            value["lease_until"] = json!(rfc3339(*lease_until));
+            value["lease_expired"] = json!(*lease_until <= now());
+        }
+        RecordState::Completed {
+            outcome,
+            completed_at,
+            ..
+        } => {
+            value["state"] = json!("completed");
+            value["completed_at"] = json!(rfc3339(*completed_at));
+            value["outcome"] = outcome_json(outcome.as_bytes());
+        }
+    }
+    if json_out {
+        return Ok(value.to_string());
+    }
+    let mut out = String::new();
+    for field in [
+        "scope",
+        "key",
+        "state",
+        "attempt",
+        "fingerprint",
+        "created_at",
+        "acquired_at",
+        "lease_until",
+        "lease_expired",
+        "completed_at",
+        "expires_at",
+    ] {
+        if let Some(v) = value.get(field) {
+            let text = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+            let _ = writeln!(out, "{field:<14}{text}");
+        }
+    }
+    if let Some(outcome) = value.get("outcome") {
+        match outcome["kind"].as_str() {
+            Some("http_response") => {
+                let _ = writeln!(out, "{:<14}HTTP {}", "outcome", outcome["status"]);
+                for header in outcome["headers"].as_array().into_iter().flatten() {
+                    let _ = writeln!(
+                        out,
+                        "{:<14}{}: {}",
+                        "",
+                        header[0].as_str().unwrap_or(""),
+                        header[1].as_str().unwrap_or("")
+                    );
+                }
+                let _ = writeln!(out, "{:<14}{}", "", outcome["body"].as_str().unwrap_or(""));
+            }
+            Some("http_not_replayable") => {
+                let _ = writeln!(
+                    out,
+                    "{:<14}an HTTP response too large to store (retries get 409)",
+                    "outcome"
+                );
+            }
+            _ => {
+                let _ = writeln!(
+                    out,
+                    "{:<14}{} bytes: {}",
+                    "outcome",
+                    outcome["len"],
+                    outcome["text"].as_str().unwrap_or("")
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn stats_json(stats: &Stats) -> Value {
+    json!({
+        "in_flight": stats.in_flight,
+        "stale_leases": stats.stale_leases,
+        "completed": stats.completed,
+        "expired": stats.expired,
+        "oldest_in_flight_ms": stats.oldest_in_flight.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    })
+}
+
+/// `idem keys stats`.
+///
+/// # Errors
+///
+/// The store's error.
+pub async fn stats(store: &DynStore, scope: Option<&Scope>, json_out: bool) -> Result<String, String> {
+    let stats = store.stats(scope).await.map_err(|e| e.to_string())?;
+    if json_out {
+        return Ok(stats_json(&stats).to_string());
+    }
+    let rows = vec![
+        vec!["in flight".to_owned(), stats.in_flight.to_string()],
+        vec![
+            "  of which stale (lease expired)".to_owned(),
+            stats.stale_leases.to_string(),
+        ],
+        vec!["completed".to_owned(), stats.completed.to_string()],
+        vec!["expired, not yet purged".to_owned(), stats.expired.to_string()],
+        vec![
+            "oldest in flight".to_owned(),
+            stats
+                .oldest_in_flight
+                .map_or_else(|| "-".to_owned(), format_duration),
+        ],
+    ];
+    Ok(table(&["RECORDS", "COUNT"], &rows))
+}
+
+/// `idem keys purge`: deletes expired records, `batch` at a time, until none are left.
+///
+/// # Errors
+///
+/// The store's error.
+pub async fn purge(store: &DynStore, batch: u64, json_out: bool) -> Result<String, String> {
+    let mut total = 0_u64;
+    loop {
+        let deleted = store.purge_expired(batch).await.map_err(|e| e.to_string())?;
+        total += deleted;
+        if deleted < batch {
+            break;
+        }
+    }
+    Ok(if json_out {
+        json!({ "purged": total }).to_string()
+    } else {
+        format!("purged {total} expired records\n")
+    })
+}
+
+/// `idem inflight --older-than D`: the stale-lease report.
+///
+/// # Errors
+///
+/// The store's error.
+pub async fn inflight(
+    store: &DynStore,
+    scope: Option<Scope>,
+    older_than: Duration,
+    limit: usize,
+    json_out: bool,
+) -> Result<String, String> {
+    let mut filter = ListFilter::default()
+        .state(StateFilter::InFlight)
+        .older_than(older_than)
+        .limit(limit);
+    if let Some(scope) = scope {
+        filter = filter.scope(scope);
+    }
+    let records = store.list(&filter).await.map_err(|e| e.to_string())?;
+    let stale = records
+        .iter()
+        .filter(|r| matches!(r.state, SummaryState::InFlight { lease_until, .. } if lease_until <= now()))
+        .count();
+    if json_out {
+        return Ok(json!({
+            "older_than_ms": u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX),
+            "records": records.iter().map(summary_json).collect::<Vec<_>>(),
+            "stale": stale,
+        })
+        .to_string());
+    }
+    if records.is_empty() {
+        return Ok(format!(
+            "no requests in flight for longer than {}\n",
+            format_duration(older_than)
+        ));
+    }
+    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
+    let mut out = table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows);
+    let _ = writeln!(
+        out,
+        "{} in flight for longer than {}, {stale} with an expired lease: their workers crashed or hung, \
+         and the next retry of each takes over (attempt + 1).",
+        records.len(),
+        format_duration(older_than)
+    );
+    Ok(out)
+}
