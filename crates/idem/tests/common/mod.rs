@@ -1,0 +1,325 @@
+//! Shared set-up for the `idem` end-to-end tests: an upstream in a process of its own (this
+//! test binary, run again in upstream mode), the `idem` binary as another process, and a client.
+
+#![allow(dead_code, unreachable_pub, clippy::print_stdout)] // each test crate uses a part
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+const UPSTREAM_ENV: &str = "IDEM_TEST_UPSTREAM";
+const UPSTREAM_READY: &str = "UPSTREAM LISTENING ON ";
+
+/// Executions per forwarded key, in the upstream process.
+type Calls = Arc<Mutex<HashMap<String, u32>>>;
+
+fn query(uri: &Uri, name: &str) -> Option<String> {
+    uri.query()?
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_owned())
+}
+
+fn count(calls: &Calls, headers: &HeaderMap) -> (String, u32) {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned();
+    let mut calls = calls.lock().unwrap();
+    let n = calls.entry(key.clone()).or_default();
+    *n += 1;
+    (key, *n)
+}
+
+fn echo_response(headers: &HeaderMap, key: &str, calls: u32, body: &Bytes) -> Response {
+    let attempt = headers
+        .get("idempotency-attempt")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned();
+    let json = serde_json::json!({
+        "key": key,
+        "attempt": attempt,
+        "calls": calls,
+        "body": String::from_utf8_lossy(body),
+    });
+    (
+        StatusCode::CREATED,
+        [("set-cookie", "session=abc; HttpOnly"), ("x-upstream", "yes")],
+        json.to_string(),
+    )
+        .into_response()
+}
+
+/// `POST /echo`: counts the call and echoes what it got. `POST /slow?ms=N`: the same after N ms.
+/// `POST /flaky`: 503 on a key's first call, then as `/echo`. `POST /big?bytes=N`: a chunked body
+/// of N bytes. `GET /calls?key=K`: how many times K ran.
+fn upstream_app() -> Router {
+    let calls: Calls = Arc::default();
+    Router::new()
+        .route(
+            "/echo",
+            post(
+                |State(calls): State<Calls>, headers: HeaderMap, body: Bytes| async move {
+                    let (key, n) = count(&calls, &headers);
+                    echo_response(&headers, &key, n, &body)
+                },
+            ),
+        )
+        .route(
+            "/slow",
+            post(
+                |State(calls): State<Calls>, uri: Uri, headers: HeaderMap, body: Bytes| async move {
+                    let ms: u64 = query(&uri, "ms").and_then(|v| v.parse().ok()).unwrap_or(500);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    let (key, n) = count(&calls, &headers);
+                    echo_response(&headers, &key, n, &body)
+                },
+            ),
+        )
+        .route(
+            "/flaky",
+            post(
+                |State(calls): State<Calls>, headers: HeaderMap, body: Bytes| async move {
+                    let (key, n) = count(&calls, &headers);
+                    if n == 1 {
+                        return (StatusCode::SERVICE_UNAVAILABLE, "try again").into_response();
+                    }
+                    echo_response(&headers, &key, n, &body)
+                },
+            ),
+        )
+        .route(
+            "/big",
+            post(
+                |State(calls): State<Calls>, uri: Uri, headers: HeaderMap| async move {
+                    let _ = count(&calls, &headers);
+                    let bytes: usize = query(&uri, "bytes").and_then(|v| v.parse().ok()).unwrap_or(1024);
+                    let chunks: Vec<Result<Bytes, std::convert::Infallible>> = (0..bytes.div_ceil(1000))
+                        .map(|_| Ok(Bytes::from(vec![b'x'; 1000])))
+                        .collect();
+                    axum::body::Body::from_stream(futures_util::stream::iter(chunks)).into_response()
+                },
+            ),
+        )
+        .route(
+            "/calls",
+            get(|State(calls): State<Calls>, uri: Uri| async move {
+                let key = query(&uri, "key").unwrap_or_default();
+                let n = calls.lock().unwrap().get(&key).copied().unwrap_or(0);
+                n.to_string()
+            }),
+        )
+        .with_state(calls)
+}
+
+/// The upstream process's body: serves [`upstream_app`] until killed. Call it from a test named
+/// `upstream_process`; it does nothing unless this binary was started as the upstream.
+pub fn upstream_child() {
+    if std::env::var(UPSTREAM_ENV).is_err() {
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{UPSTREAM_READY}{}", listener.local_addr().unwrap());
+        axum::serve(listener, upstream_app()).await.unwrap();
+    });
+}
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Process {
+    pub child: Child,
+}
+
+impl Process {
+    /// SIGKILL, and wait for it.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM; returns its exit status once it exits (within `limit`).
+    pub fn terminate(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Starts the upstream process; returns it and its address.
+pub fn start_upstream() -> (Process, SocketAddr) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["upstream_process", "--exact", "--nocapture", "--test-threads=1"])
+        .env(UPSTREAM_ENV, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the upstream process");
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    for line in stdout.lines() {
+        let line = line.expect("upstream output");
+        if let Some(at) = line.find(UPSTREAM_READY) {
+            let addr = line[at + UPSTREAM_READY.len()..].trim().parse().unwrap();
+            return (Process { child }, addr);
+        }
+    }
+    panic!("the upstream process exited before listening");
+}
+
+/// A free loopback port (bound, then released for the gateway to take).
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// `idem` with `args`, run to completion: (exit code, stdout, stderr).
+pub fn idem(args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Starts `idem serve` on `listen` with `args`, and waits until its health check passes (or
+/// `healthy` is false: until it accepts connections).
+pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> Process {
+    let listen_text = listen.to_string();
+    let mut all = vec!["serve", "--listen", listen_text.as_str()];
+    all.extend_from_slice(args);
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(&all)
+        .env("IDEM_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start idem serve");
+    let mut process = Process { child };
+    let client = client();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = process.child.try_wait() {
+            panic!("idem serve exited: {status}");
+        }
+        let ready = if healthy {
+            matches!(try_send(&client, listen, "GET", "/_idem/healthz", &[], b"").await, Some(seen) if seen.status == 200)
+        } else {
+            tokio::net::TcpStream::connect(listen).await.is_ok()
+        };
+        if ready {
+            return process;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    process.kill9();
+    panic!("idem serve did not become ready on {listen}");
+}
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// A response as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Seen {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_default()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+pub async fn try_send(
+    client: &HttpClient,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<Seen> {
+    let mut builder = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    let response = client
+        .request(builder.body(Full::new(Bytes::copy_from_slice(body))).ok()?)
+        .await
+        .ok()?;
+    let (parts, body) = response.into_parts();
+    Some(Seen {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body: body.collect().await.ok()?.to_bytes(),
+    })
+}
+
+pub async fn send(
+    client: &HttpClient,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Seen {
+    try_send(client, addr, method, path, headers, body)
+        .await
+        .unwrap_or_else(|| panic!("{method} {path} on {addr} failed"))
+}
+
+/// How many times the upstream ran `key` (as forwarded).
+pub async fn calls(client: &HttpClient, upstream: SocketAddr, key: &str) -> u32 {
+    let seen = send(client, upstream, "GET", &format!("/calls?key={key}"), &[], b"").await;
+    String::from_utf8_lossy(&seen.body).parse().unwrap()
+}

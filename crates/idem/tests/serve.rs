@@ -1,0 +1,360 @@
+//! `idem serve` as a separate process in front of an upstream process: what a client of the
+//! gateway sees, what the upstream receives, and what bad input gets.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{calls, client, free_addr, idem, send, start_gateway, start_upstream};
+
+#[test]
+fn upstream_process() {
+    common::upstream_child();
+}
+
+fn sqlite_url(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("idem.db").display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let client = client();
+    let key = [
+        ("idempotency-key", "order-1"),
+        ("content-type", "application/json"),
+    ];
+
+    // First request: runs once, with the key and attempt forwarded.
+    let first = send(&client, addr, "POST", "/echo", &key, br#"{"amount":10}"#).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.json()["key"], "order-1");
+    assert_eq!(first.json()["attempt"], "1");
+    assert_eq!(first.header("set-cookie"), Some("session=abc; HttpOnly"));
+    assert!(first.header("idempotency-key-expires").is_some());
+
+    // The retry: the stored response, without Set-Cookie, and the upstream did not run again.
+    let replay = send(&client, addr, "POST", "/echo", &key, br#"{"amount":10}"#).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("x-upstream"), Some("yes"));
+    assert_eq!(
+        replay.header("set-cookie"),
+        None,
+        "Set-Cookie must not be replayed"
+    );
+    assert_eq!(calls(&client, upstream, "order-1").await, 1);
+
+    // Another payload under the same key: 422, and nothing runs.
+    let reused = send(&client, addr, "POST", "/echo", &key, br#"{"amount":99}"#).await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(reused.json()["type"], "urn:idempotency:problem:key-reused");
+    assert_eq!(calls(&client, upstream, "order-1").await, 1);
+
+    // A duplicate while the first is still running: 409 with Retry-After.
+    let slow_key = [("idempotency-key", "order-2")];
+    let running = {
+        let client = client.clone();
+        tokio::spawn(async move { send(&client, addr, "POST", "/slow?ms=800", &slow_key, b"x").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let conflict = send(&client, addr, "POST", "/slow?ms=800", &slow_key, b"x").await;
+    assert_eq!(conflict.status, 409);
+    assert!(conflict.header("retry-after").is_some());
+    assert_eq!(running.await.unwrap().status, 201);
+    assert_eq!(calls(&client, upstream, "order-2").await, 1);
+
+    // Malformed and duplicated keys: 400.
+    let malformed = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("idempotency-key", "\"unterminated")],
+        b"x",
+    )
+    .await;
+    assert_eq!(malformed.status, 400);
+    assert_eq!(malformed.json()["type"], "urn:idempotency:problem:invalid-key");
+
+    // A 5xx releases the key: the retry runs again and is stored.
+    let flaky = [("idempotency-key", "order-3")];
+    assert_eq!(
+        send(&client, addr, "POST", "/flaky", &flaky, b"x").await.status,
+        503
+    );
+    let retried = send(&client, addr, "POST", "/flaky", &flaky, b"x").await;
+    assert_eq!(retried.status, 201);
+    assert_eq!(retried.json()["calls"], 2);
+    assert_eq!(
+        send(&client, addr, "POST", "/flaky", &flaky, b"x")
+            .await
+            .header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(calls(&client, upstream, "order-3").await, 2);
+
+    // A chunked upstream response within the limit is stored and replayed.
+    let big = [("idempotency-key", "order-4")];
+    let first = send(&client, addr, "POST", "/big?bytes=5000", &big, b"").await;
+    let replay = send(&client, addr, "POST", "/big?bytes=5000", &big, b"").await;
+    assert_eq!((first.body.len(), replay.body.len()), (5000, 5000));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(calls(&client, upstream, "order-4").await, 1);
+
+    // GET is not guarded by default: it passes through untouched.
+    let get = send(
+        &client,
+        addr,
+        "GET",
+        "/calls?key=order-1",
+        &[("idempotency-key", "g")],
+        b"",
+    )
+    .await;
+    assert_eq!(String::from_utf8_lossy(&get.body), "1");
+
+    // The operations CLI sees the records the gateway wrote.
+    let (code, out, err) = idem(&["keys", "get", "order-1", "--store", &store, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let record: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(record["state"], "completed");
+    assert_eq!(record["outcome"]["status"], 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scopes_wait_mode_required_keys_and_body_limits() {
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let addr = free_addr();
+    let _gateway = start_gateway(
+        addr,
+        &[
+            "--upstream",
+            &up,
+            "--store",
+            "memory://",
+            "--scope-header",
+            "Authorization",
+            "--wait",
+            "5s",
+            "--require-key",
+            "--max-body",
+            "1KiB",
+        ],
+        true,
+    )
+    .await;
+    let client = client();
+
+    // Two tenants, one key: two executions, each forwarded with its own scoped key.
+    let alice = [("idempotency-key", "k1"), ("authorization", "Bearer alice")];
+    let bob = [("idempotency-key", "k1"), ("authorization", "Bearer bob")];
+    let a = send(&client, addr, "POST", "/echo", &alice, b"same").await;
+    let b = send(&client, addr, "POST", "/echo", &bob, b"same").await;
+    assert_eq!((a.status, b.status), (201, 201));
+    let (a_key, b_key) = (
+        a.json()["key"].as_str().unwrap().to_owned(),
+        b.json()["key"].as_str().unwrap().to_owned(),
+    );
+    assert_ne!(a_key, b_key);
+    assert!(
+        a_key.ends_with(":k1") && !a_key.contains("alice"),
+        "scoped by a hash, not the secret: {a_key}"
+    );
+    assert_eq!(b.header("idempotent-replayed"), None);
+
+    // Wait mode: a duplicate of a running request waits and gets the replay, not 409.
+    let slow = [("idempotency-key", "k2"), ("authorization", "Bearer alice")];
+    let running = {
+        let client = client.clone();
+        tokio::spawn(async move { send(&client, addr, "POST", "/slow?ms=600", &slow, b"x").await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let waited = send(&client, addr, "POST", "/slow?ms=600", &slow, b"x").await;
+    assert_eq!(waited.status, 201);
+    assert_eq!(waited.header("idempotent-replayed"), Some("true"));
+    assert_eq!(running.await.unwrap().body, waited.body);
+
+    // A key is required: 400 without one.
+    let missing = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("authorization", "Bearer alice")],
+        b"x",
+    )
+    .await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(missing.json()["type"], "urn:idempotency:problem:missing-key");
+
+    // A body over the limit: 413, and the upstream never sees it.
+    let large = vec![b'x'; 4096];
+    let too_large = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("idempotency-key", "k3"), ("authorization", "Bearer alice")],
+        &large,
+    )
+    .await;
+    assert_eq!(too_large.status, 413);
+    assert_eq!(too_large.json()["type"], "urn:idempotency:problem:body-too-large");
+
+    // The gateway's own endpoints.
+    let health = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+    assert_eq!(health.status, 200);
+    let metrics = send(&client, addr, "GET", "/_idem/metrics", &[], b"").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("idempotency_"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_url(&dir);
+    let nowhere = format!("http://{}", free_addr());
+    let addr = free_addr();
+    let gateway = start_gateway(addr, &["--upstream", &nowhere, "--store", &store], true).await;
+    let client = client();
+    let key = [("idempotency-key", "order-9")];
+    let seen = send(&client, addr, "POST", "/echo", &key, b"x").await;
+    assert_eq!(seen.status, 502);
+    assert_eq!(
+        seen.json()["type"],
+        "urn:idempotency:problem:upstream-unreachable"
+    );
+    // Released, not stored: the retry tries the upstream again rather than replaying the 502.
+    let again = send(&client, addr, "POST", "/echo", &key, b"x").await;
+    assert_eq!(again.status, 502);
+    assert_eq!(again.header("idempotent-replayed"), None);
+    drop(gateway);
+    let (code, out, _) = idem(&["keys", "list", "--store", &store]);
+    assert_eq!((code, out.as_str()), (0, "no records\n"));
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let cases: &[(&[&str], i32, &str)] = &[
+        (
+            &["serve", "--upstream", "http://127.0.0.1:1", "--frobnicate"],
+            2,
+            "unexpected argument '--frobnicate'",
+        ),
+        (&["serve"], 2, "--upstream <UPSTREAM>"),
+        (
+            &["serve", "--upstream", "http://127.0.0.1:1", "--lease", "5x"],
+            2,
+            "unknown unit `x`",
+        ),
+        (
+            &["serve", "--upstream", "http://127.0.0.1:1", "--lease", "soon"],
+            2,
+            "`soon` is not a duration",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--max-body",
+                "1 zillion",
+            ],
+            2,
+            "unknown unit `zillion`",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--methods",
+                "POST,FETCH",
+            ],
+            2,
+            "`FETCH` is not an HTTP method",
+        ),
+        (
+            &["serve", "--upstream", "ftp://example.com"],
+            2,
+            "must be an http:// URL",
+        ),
+        (
+            &["serve", "--upstream", "https://example.com"],
+            2,
+            "https upstreams are not supported",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--listen",
+                "localhost",
+            ],
+            2,
+            "invalid socket address",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--store",
+                "mongodb://x",
+            ],
+            1,
+            "mongodb",
+        ),
+        (
+            &["keys", "stats", "--store", "postgres://u:hunter2@127.0.0.1:1/x"],
+            1,
+            "store postgres://u:***@127.0.0.1:1/x",
+        ),
+        (
+            &["keys", "list", "--store", "memory://", "--state", "sleeping"],
+            2,
+            "invalid value 'sleeping'",
+        ),
+        (
+            &["keys", "get", "bad key", "--store", "memory://"],
+            1,
+            "invalid key `bad key`",
+        ),
+        (
+            &["keys", "get", "absent", "--store", "memory://"],
+            1,
+            "no record for key absent",
+        ),
+        (
+            &["inflight", "--older-than=-1m", "--store", "memory://"],
+            2,
+            "not a duration",
+        ),
+        (&["demo", "--requests", "many"], 2, "invalid value 'many'"),
+    ];
+    for (args, code, expected) in cases {
+        let (got, out, err) = idem(args);
+        assert_eq!(got, *code, "{args:?}: stdout {out} stderr {err}");
+        assert!(
+            err.contains(expected),
+            "{args:?}: expected `{expected}` in: {err}"
+        );
+        assert!(!err.contains("hunter2"), "a password was echoed: {err}");
+    }
+    // Environment variables are validated like flags.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--upstream", "http://127.0.0.1:1"])
+        .env("IDEM_RETENTION", "forever")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("`forever` is not a duration"));
+}
