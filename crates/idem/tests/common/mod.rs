@@ -182,19 +182,21 @@ impl Drop for Process {
 
 /// Starts the upstream process; returns it and its address.
 pub fn start_upstream() -> (Process, SocketAddr) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["upstream_process", "--exact", "--nocapture", "--test-threads=1"])
-        .env(UPSTREAM_ENV, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the upstream process");
-    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut process = Process {
+        child: Command::new(std::env::current_exe().unwrap())
+            .args(["upstream_process", "--exact", "--nocapture", "--test-threads=1"])
+            .env(UPSTREAM_ENV, "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the upstream process"),
+    };
+    let stdout = BufReader::new(process.child.stdout.take().unwrap());
     for line in stdout.lines() {
         let line = line.expect("upstream output");
         if let Some(at) = line.find(UPSTREAM_READY) {
             let addr = line[at + UPSTREAM_READY.len()..].trim().parse().unwrap();
-            return (Process { child }, addr);
+            return (process, addr);
         }
     }
     panic!("the upstream process exited before listening");
@@ -227,14 +229,15 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
     let listen_text = listen.to_string();
     let mut all = vec!["serve", "--listen", listen_text.as_str()];
     all.extend_from_slice(args);
-    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(&all)
-        .env("IDEM_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start idem serve");
-    let mut process = Process { child };
+    let mut process = Process {
+        child: Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(&all)
+            .env("IDEM_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start idem serve"),
+    };
     let client = client();
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
