@@ -37,6 +37,9 @@ pub struct Options {
     pub concurrency: usize,
     /// Show the progress bar.
     pub progress: bool,
+    /// Send the storm straight to the upstream, without the gateway: what the clients' retries
+    /// do to the ledger on their own.
+    pub direct: bool,
 }
 
 /// The upstream's ledger: every charge it made, by forwarded key.
@@ -262,8 +265,8 @@ impl Storm {
 /// The demo's outcome.
 #[derive(Debug, Clone)]
 pub struct Report {
-    /// The store the gateway ran on (password redacted).
-    pub store: String,
+    /// The store the gateway ran on (password redacted); `None` without the gateway.
+    pub store: Option<String>,
     /// Logical payments the clients made.
     pub payments: u64,
     /// Requests sent.
@@ -303,6 +306,7 @@ impl Report {
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         json!({
             "store": self.store,
+            "through_gateway": self.store.is_some(),
             "payments": self.payments,
             "requests": self.requests,
             "duplicates": self.duplicates,
@@ -342,11 +346,14 @@ impl Report {
                 format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
             ],
         ];
+        let route = match &self.store {
+            Some(store) => format!("through the gateway on {store}"),
+            None => "straight to the upstream, without the gateway".to_owned(),
+        };
         let mut out = format!(
-            "idem demo: {} payments, {} requests through the gateway on {} in {}\n\n",
+            "idem demo: {} payments, {} requests {route} in {}\n\n",
             self.payments,
             self.requests,
-            self.store,
             format_duration(Duration::from_millis(
                 u64::try_from(self.elapsed.as_millis()).unwrap_or(u64::MAX)
             ))
@@ -406,34 +413,38 @@ pub async fn run(options: Options) -> Result<Report, String> {
             .with_state(Arc::clone(&ledger)),
     )
     .await?;
-    let config = Config {
-        listen: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
-        admin_listen: None,
-        upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
-        store: store_url.clone(),
-        lease: Duration::from_secs(30),
-        retention: Duration::from_secs(86_400),
-        max_body: 1 << 20,
-        max_response: 1 << 20,
-        methods: vec![http::Method::POST],
-        require_key: true,
-        scope_header: Some(http::header::AUTHORIZATION),
-        wait: None,
-        fail_open: false,
-        upstream_timeout: Duration::from_secs(30),
+    let target = if options.direct {
+        upstream
+    } else {
+        let config = Config {
+            listen: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
+            admin_listen: None,
+            upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
+            store: store_url.clone(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(86_400),
+            max_body: 1 << 20,
+            max_response: 1 << 20,
+            methods: vec![http::Method::POST],
+            require_key: true,
+            scope_header: Some(http::header::AUTHORIZATION),
+            wait: None,
+            fail_open: false,
+            upstream_timeout: Duration::from_secs(30),
+        };
+        let store = idempotency::open(&store_url)
+            .await
+            .map_err(|e| format!("store {}: {e}", idempotency::redact_url(&store_url)))?;
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .build_recorder()
+            .handle();
+        let (router, _) = gateway::router(&config, store, metrics);
+        serve(router).await?
     };
-    let store = idempotency::open(&store_url)
-        .await
-        .map_err(|e| format!("store {}: {e}", idempotency::redact_url(&store_url)))?;
-    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .build_recorder()
-        .handle();
-    let (router, _) = gateway::router(&config, store, metrics);
-    let gateway_addr = serve(router).await?;
 
     let storm = Arc::new(Storm {
         client: Client::builder(TokioExecutor::new()).build_http(),
-        gateway: gateway_addr,
+        gateway: target,
         counters: Counters::default(),
     });
     // About 2.6 requests per payment on average (races, duplicates, reuse, retries).
@@ -502,7 +513,7 @@ pub async fn run(options: Options) -> Result<Report, String> {
     let (charges, double_charges) = ledger.charges();
     let requests = counters.requests.load(Ordering::Relaxed);
     Ok(Report {
-        store: idempotency::redact_url(&store_url),
+        store: (!options.direct).then(|| idempotency::redact_url(&store_url)),
         payments: payments as u64,
         requests,
         duplicates: requests.saturating_sub(payments as u64),

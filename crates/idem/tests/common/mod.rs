@@ -67,7 +67,8 @@ fn echo_response(headers: &HeaderMap, key: &str, calls: u32, body: &Bytes) -> Re
         .into_response()
 }
 
-/// `POST /echo`: counts the call and echoes what it got. `POST /slow?ms=N`: the same after N ms.
+/// `POST /echo`: counts the call and echoes what it got. `POST /slow?ms=N`: counts the call,
+/// then answers as `/echo` after N ms.
 /// `POST /flaky`: 503 on a key's first call, then as `/echo`. `POST /big?bytes=N`: a chunked body
 /// of N bytes. `GET /calls?key=K`: how many times K ran.
 fn upstream_app() -> Router {
@@ -86,9 +87,10 @@ fn upstream_app() -> Router {
             "/slow",
             post(
                 |State(calls): State<Calls>, uri: Uri, headers: HeaderMap, body: Bytes| async move {
+                    // Counted on arrival: a call whose gateway dies mid-way has still started.
+                    let (key, n) = count(&calls, &headers);
                     let ms: u64 = query(&uri, "ms").and_then(|v| v.parse().ok()).unwrap_or(500);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
-                    let (key, n) = count(&calls, &headers);
                     echo_response(&headers, &key, n, &body)
                 },
             ),

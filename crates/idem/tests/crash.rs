@@ -1,0 +1,270 @@
+//! `idem serve` killed and restarted, on the SQLite and PostgreSQL stores: completed keys
+//! survive `kill -9`; SIGTERM drains a running request and records it; a request whose gateway
+//! was killed mid-call is protected by its lease, then taken over as attempt 2. And a store that
+//! goes away: `/healthz` fails and requests get 503 until it is back.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{calls, client, free_addr, send, start_gateway, start_upstream, try_send};
+use idempotency_testkit::TcpProxy;
+
+#[test]
+fn upstream_process() {
+    common::upstream_child();
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A key no other run uses (the PostgreSQL table is shared).
+fn unique(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
+/// A completed key survives `kill -9` and a restart: the retry replays.
+async fn completed_keys_survive_kill_9(store: &str) {
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let addr = free_addr();
+    let client = client();
+    let key = unique("done");
+    let headers = [("idempotency-key", key.as_str())];
+    let mut gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
+    let first = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    assert_eq!(first.status, 201);
+    gateway.kill9();
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
+    let replay = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(calls(&client, upstream, &key).await, 1);
+}
+
+/// SIGTERM during a slow upstream call: the gateway stops accepting, lets the call finish,
+/// records it and exits; after a restart the retry replays, and the upstream ran once.
+async fn sigterm_drains_and_records(store: &str) {
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let addr = free_addr();
+    let client = client();
+    let key = unique("drain");
+    let mut gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
+    let running = {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move {
+            send(
+                &client,
+                addr,
+                "POST",
+                "/slow?ms=1500",
+                &[("idempotency-key", &key)],
+                b"pay",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = gateway.terminate(Duration::from_secs(15));
+        (status, gateway)
+    });
+    let first = running.await.unwrap();
+    assert_eq!(
+        first.status, 201,
+        "the in-flight request finished during the drain"
+    );
+    let (status, _gateway) = status.await.unwrap();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "the gateway exits cleanly after draining"
+    );
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
+    let replay = send(
+        &client,
+        addr,
+        "POST",
+        "/slow?ms=1500",
+        &[("idempotency-key", &key)],
+        b"pay",
+    )
+    .await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(calls(&client, upstream, &key).await, 1);
+}
+
+/// `kill -9` mid-call: a retry inside the lease gets 409; once the lease has run out, a retry
+/// takes over, and the upstream sees `Idempotency-Attempt: 2`.
+async fn kill_9_mid_call_then_takeover(store: &str) {
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let addr = free_addr();
+    let client = client();
+    let key = unique("takeover");
+    let args = ["--upstream", up.as_str(), "--store", store, "--lease", "4s"];
+    let mut gateway = start_gateway(addr, &args, true).await;
+    let doomed = {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move {
+            try_send(
+                &client,
+                addr,
+                "POST",
+                "/slow?ms=600",
+                &[("idempotency-key", &key)],
+                b"pay",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let killed_at = Instant::now();
+    gateway.kill9();
+    assert!(doomed.await.unwrap().is_none(), "the client lost its connection");
+    let _gateway = start_gateway(addr, &args, true).await;
+    let retry = send(
+        &client,
+        addr,
+        "POST",
+        "/slow?ms=600",
+        &[("idempotency-key", &key)],
+        b"pay",
+    )
+    .await;
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(3),
+        "the restart took too long to test inside the lease"
+    );
+    assert_eq!(
+        retry.status, 409,
+        "inside the lease, the first attempt may still be running"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let taken_over = loop {
+        let seen = send(
+            &client,
+            addr,
+            "POST",
+            "/slow?ms=600",
+            &[("idempotency-key", &key)],
+            b"pay",
+        )
+        .await;
+        if seen.status != 409 || Instant::now() > deadline {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(taken_over.status, 201);
+    assert_eq!(taken_over.json()["attempt"], "2");
+    // The killed attempt's upstream call started (the gateway died, not the upstream), and so
+    // did the takeover's: the upstream can tell them apart by the attempt number.
+    assert_eq!(calls(&client, upstream, &key).await, 2);
+    let replay = send(
+        &client,
+        addr,
+        "POST",
+        "/slow?ms=600",
+        &[("idempotency-key", &key)],
+        b"pay",
+    )
+    .await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+}
+
+fn sqlite(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("idem.db").display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_completed_keys_survive_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    completed_keys_survive_kill_9(&sqlite(&dir)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_sigterm_drains_and_records() {
+    let dir = tempfile::tempdir().unwrap();
+    sigterm_drains_and_records(&sqlite(&dir)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_kill_9_mid_call_then_takeover() {
+    let dir = tempfile::tempdir().unwrap();
+    kill_9_mid_call_then_takeover(&sqlite(&dir)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_completed_keys_survive_kill_9() {
+    completed_keys_survive_kill_9(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sigterm_drains_and_records() {
+    sigterm_drains_and_records(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_kill_9_mid_call_then_takeover() {
+    kill_9_mid_call_then_takeover(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
+    let url = database_url();
+    let rest = url.split_once("://").unwrap().1;
+    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
+    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
+    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
+    let proxy = TcpProxy::start(server).await.unwrap();
+    let at = if credentials.is_empty() { "" } else { "@" };
+    let store = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
+
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let addr = free_addr();
+    let client = client();
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let key = unique("outage");
+    let headers = [("idempotency-key", key.as_str())];
+
+    proxy.set_down(true);
+    proxy.cut();
+    let health = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+    assert_eq!(health.status, 503);
+    assert_eq!(health.json()["type"], "urn:idempotency:problem:store-unavailable");
+    let refused = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    assert_eq!(refused.status, 503, "fail closed: {:?}", refused.json());
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(
+        calls(&client, upstream, &key).await,
+        0,
+        "nothing ran while the store was away"
+    );
+
+    proxy.set_down(false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let health = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+        if health.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the gateway did not recover");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut accepted = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    // A pooled connection that died in the cut may fail one more request before it is replaced.
+    if accepted.status == 503 {
+        accepted = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    }
+    assert_eq!(accepted.status, 201);
+    assert_eq!(calls(&client, upstream, &key).await, 1);
+}
