@@ -100,6 +100,76 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// The gateway (`idem serve`'s router, in process) in front of the bare handler, against the
+/// handler called directly: same load generator, new keys, each store.
+pub(crate) fn run_gateway(window: Duration, rounds: usize) -> Result<(), String> {
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-server")
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let load_generator = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-client")
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let upstream = server.block_on(serve(handler_router()))?;
+    let stores = server.block_on(stores())?;
+    println!(
+        "\n## Gateway (idem serve) vs the upstream called directly (same load generator, {CALLERS} concurrent callers, keep-alive, new keys)\n"
+    );
+    println!(
+        "| store | gateway req/s | direct req/s | gateway / direct | gateway p50 / p99 (µs) | direct p50 / p99 (µs) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let client: HttpClient =
+        load_generator.block_on(async { Client::builder(TokioExecutor::new()).build_http() });
+    for (index, (name, store)) in stores.into_iter().enumerate() {
+        let config = idem::gateway::Config {
+            listen: upstream,
+            admin_listen: None,
+            upstream: idem::gateway::parse_upstream(&format!("http://{upstream}"))?,
+            store: name.to_owned(),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(120),
+            max_body: 1 << 20,
+            max_response: 1 << 20,
+            methods: vec![http::Method::POST],
+            require_key: false,
+            scope_header: None,
+            wait: None,
+            fail_open: false,
+            upstream_timeout: Duration::from_secs(30),
+        };
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .build_recorder()
+            .handle();
+        let (router, _) = idem::gateway::router(&config, store, metrics);
+        let gateway = server.block_on(serve(router))?;
+        let mut ours = Vec::new();
+        let mut theirs = Vec::new();
+        for round in 0..rounds {
+            let tag = format!("g{index}-r{round}-{}", std::process::id());
+            ours.push(load_generator.block_on(load(&client, gateway, Keys::New, &tag, window))?);
+            theirs.push(load_generator.block_on(load(&client, upstream, Keys::New, &tag, window))?);
+        }
+        let (ours, theirs) = (summarize(&ours), summarize(&theirs));
+        println!(
+            "| {name} | {} | {} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} |",
+            per_second(ours.rate),
+            per_second(theirs.rate),
+            ours.rate / theirs.rate,
+            ours.p50,
+            ours.p99,
+            theirs.p50,
+            theirs.p99,
+        );
+    }
+    Ok(())
+}
+
 fn handler_router() -> Router {
     Router::new().route(
         "/charges",

@@ -6,7 +6,7 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|consumers|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
@@ -29,7 +29,15 @@ struct Settings {
     rounds: usize,
 }
 
-const TARGETS: [&str; 6] = ["memory", "sqlite", "postgres", "redis", "http", "consumers"];
+const TARGETS: [&str; 7] = [
+    "memory",
+    "sqlite",
+    "postgres",
+    "redis",
+    "http",
+    "gateway",
+    "consumers",
+];
 
 fn parse_args() -> Result<Settings, String> {
     let mut settings = Settings {
@@ -76,7 +84,7 @@ fn main() -> ExitCode {
                 eprintln!("idem-bench: {message}");
             }
             eprintln!(
-                "usage: idem-bench [memory|sqlite|postgres|redis|http|consumers|all]... [--seconds S] [--rounds R]"
+                "usage: idem-bench [memory|sqlite|postgres|redis|http|gateway|consumers|all]... [--seconds S] [--rounds R]"
             );
             return if message.is_empty() {
                 ExitCode::SUCCESS
@@ -99,6 +107,7 @@ fn main() -> ExitCode {
             "postgres" => postgres::run(window, settings.rounds),
             "redis" => redis::run(window, settings.rounds),
             "http" => http::run(window, settings.rounds),
+            "gateway" => http::run_gateway(window, settings.rounds),
             "consumers" => consumers::run(window, settings.rounds),
             _ => unreachable!("targets are validated"),
         };
