@@ -5,8 +5,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::{
-    DynStore, Key, ListFilter, Record, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState,
-    Timestamp,
+    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState, Timestamp,
 };
 use serde_json::{Value, json};
 
@@ -208,41 +207,10 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
             scope.as_str()
         ));
     };
-    let Record {
-        attempt,
-        created_at,
-        expires_at,
-        ref fingerprint,
-        ..
-    } = record;
-    let mut value = json!({
-        "scope": scope.as_str(),
-        "key": key.as_str(),
-        "fingerprint": fingerprint.to_string(),
-        "attempt": attempt,
-        "created_at": rfc3339(created_at),
-        "expires_at": rfc3339(expires_at),
-    });
-    match &record.state {
-        RecordState::InFlight {
-            acquired_at,
-            lease_until,
-            ..
-        } => {
-            value["state"] = json!("in_flight");
-            value["acquired_at"] = json!(rfc3339(*acquired_at));
-            value["lease_until"] = json!(rfc3339(*lease_until));
-            value["lease_expired"] = json!(*lease_until <= now());
-        }
-        RecordState::Completed {
-            outcome,
-            completed_at,
-            ..
-        } => {
-            value["state"] = json!("completed");
-            value["completed_at"] = json!(rfc3339(*completed_at));
-            value["outcome"] = outcome_json(outcome.as_bytes());
-        }
+    let mut value = summary_json(&record.summary());
+    value["fingerprint"] = json!(record.fingerprint.to_string());
+    if let RecordState::Completed { outcome, .. } = &record.state {
+        value["outcome"] = outcome_json(outcome.as_bytes());
     }
     if json_out {
         return Ok(value.to_string());

@@ -7,7 +7,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{calls, client, free_addr, send, start_gateway, start_upstream, try_send};
+use std::net::SocketAddr;
+
+use common::{
+    HttpClient, Process, Seen, calls, client, free_addr, send, start_gateway, start_upstream, try_send,
+};
 use idempotency_testkit::TcpProxy;
 
 #[test]
@@ -28,54 +32,95 @@ fn unique(name: &str) -> String {
     format!("{name}-{}-{nanos}", std::process::id())
 }
 
+/// One scenario's upstream process, gateway address, client and key.
+struct Run {
+    _upstream: Process,
+    upstream: SocketAddr,
+    addr: SocketAddr,
+    client: HttpClient,
+    key: String,
+    args: Vec<String>,
+}
+
+impl Run {
+    /// A run whose gateways use `store` and `extra` flags.
+    fn new(name: &str, store: &str, extra: &[&str]) -> Self {
+        let (process, upstream) = start_upstream();
+        let mut args: Vec<String> = ["--upstream", &format!("http://{upstream}"), "--store", store]
+            .iter()
+            .map(|a| (*a).to_owned())
+            .collect();
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        Self {
+            _upstream: process,
+            upstream,
+            addr: free_addr(),
+            client: client(),
+            key: unique(name),
+            args,
+        }
+    }
+
+    /// Starts (or restarts) the gateway.
+    async fn gateway(&self) -> Process {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        start_gateway(self.addr, &args, true).await
+    }
+
+    async fn post(&self, path: &str) -> Seen {
+        send(
+            &self.client,
+            self.addr,
+            "POST",
+            path,
+            &[("idempotency-key", &self.key)],
+            b"pay",
+        )
+        .await
+    }
+
+    /// Sends in the background; `None` if the connection is lost.
+    fn post_in_background(&self, path: &'static str) -> tokio::task::JoinHandle<Option<Seen>> {
+        let (client, addr, key) = (self.client.clone(), self.addr, self.key.clone());
+        tokio::spawn(async move {
+            try_send(&client, addr, "POST", path, &[("idempotency-key", &key)], b"pay").await
+        })
+    }
+
+    async fn upstream_calls(&self) -> u32 {
+        calls(&self.client, self.upstream, &self.key).await
+    }
+}
+
 /// A completed key survives `kill -9` and a restart: the retry replays.
 async fn completed_keys_survive_kill_9(store: &str) {
-    let (_upstream, upstream) = start_upstream();
-    let up = format!("http://{upstream}");
-    let addr = free_addr();
-    let client = client();
-    let key = unique("done");
-    let headers = [("idempotency-key", key.as_str())];
-    let mut gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
-    let first = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    let run = Run::new("done", store, &[]);
+    let mut gateway = run.gateway().await;
+    let first = run.post("/echo").await;
     assert_eq!(first.status, 201);
     gateway.kill9();
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
-    let replay = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    let _gateway = run.gateway().await;
+    let replay = run.post("/echo").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body, first.body);
-    assert_eq!(calls(&client, upstream, &key).await, 1);
+    assert_eq!(run.upstream_calls().await, 1);
 }
 
 /// SIGTERM during a slow upstream call: the gateway stops accepting, lets the call finish,
 /// records it and exits; after a restart the retry replays, and the upstream ran once.
 async fn sigterm_drains_and_records(store: &str) {
-    let (_upstream, upstream) = start_upstream();
-    let up = format!("http://{upstream}");
-    let addr = free_addr();
-    let client = client();
-    let key = unique("drain");
-    let mut gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
-    let running = {
-        let (client, key) = (client.clone(), key.clone());
-        tokio::spawn(async move {
-            send(
-                &client,
-                addr,
-                "POST",
-                "/slow?ms=1500",
-                &[("idempotency-key", &key)],
-                b"pay",
-            )
-            .await
-        })
-    };
+    let run = Run::new("drain", store, &[]);
+    let mut gateway = run.gateway().await;
+    let running = run.post_in_background("/slow?ms=1500");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let status = tokio::task::spawn_blocking(move || {
         let status = gateway.terminate(Duration::from_secs(15));
         (status, gateway)
     });
-    let first = running.await.unwrap();
+    let first = running
+        .await
+        .unwrap()
+        .expect("the in-flight request got its response");
     assert_eq!(
         first.status, 201,
         "the in-flight request finished during the drain"
@@ -86,59 +131,25 @@ async fn sigterm_drains_and_records(store: &str) {
         Some(0),
         "the gateway exits cleanly after draining"
     );
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", store], true).await;
-    let replay = send(
-        &client,
-        addr,
-        "POST",
-        "/slow?ms=1500",
-        &[("idempotency-key", &key)],
-        b"pay",
-    )
-    .await;
+    let _gateway = run.gateway().await;
+    let replay = run.post("/slow?ms=1500").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body, first.body);
-    assert_eq!(calls(&client, upstream, &key).await, 1);
+    assert_eq!(run.upstream_calls().await, 1);
 }
 
 /// `kill -9` mid-call: a retry inside the lease gets 409; once the lease has run out, a retry
 /// takes over, and the upstream sees `Idempotency-Attempt: 2`.
 async fn kill_9_mid_call_then_takeover(store: &str) {
-    let (_upstream, upstream) = start_upstream();
-    let up = format!("http://{upstream}");
-    let addr = free_addr();
-    let client = client();
-    let key = unique("takeover");
-    let args = ["--upstream", up.as_str(), "--store", store, "--lease", "4s"];
-    let mut gateway = start_gateway(addr, &args, true).await;
-    let doomed = {
-        let (client, key) = (client.clone(), key.clone());
-        tokio::spawn(async move {
-            try_send(
-                &client,
-                addr,
-                "POST",
-                "/slow?ms=600",
-                &[("idempotency-key", &key)],
-                b"pay",
-            )
-            .await
-        })
-    };
+    let run = Run::new("takeover", store, &["--lease", "4s"]);
+    let mut gateway = run.gateway().await;
+    let doomed = run.post_in_background("/slow?ms=600");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let killed_at = Instant::now();
     gateway.kill9();
     assert!(doomed.await.unwrap().is_none(), "the client lost its connection");
-    let _gateway = start_gateway(addr, &args, true).await;
-    let retry = send(
-        &client,
-        addr,
-        "POST",
-        "/slow?ms=600",
-        &[("idempotency-key", &key)],
-        b"pay",
-    )
-    .await;
+    let _gateway = run.gateway().await;
+    let retry = run.post("/slow?ms=600").await;
     assert!(
         killed_at.elapsed() < Duration::from_secs(3),
         "the restart took too long to test inside the lease"
@@ -149,15 +160,7 @@ async fn kill_9_mid_call_then_takeover(store: &str) {
     );
     let deadline = Instant::now() + Duration::from_secs(20);
     let taken_over = loop {
-        let seen = send(
-            &client,
-            addr,
-            "POST",
-            "/slow?ms=600",
-            &[("idempotency-key", &key)],
-            b"pay",
-        )
-        .await;
+        let seen = run.post("/slow?ms=600").await;
         if seen.status != 409 || Instant::now() > deadline {
             break seen;
         }
@@ -167,16 +170,8 @@ async fn kill_9_mid_call_then_takeover(store: &str) {
     assert_eq!(taken_over.json()["attempt"], "2");
     // The killed attempt's upstream call started (the gateway died, not the upstream), and so
     // did the takeover's: the upstream can tell them apart by the attempt number.
-    assert_eq!(calls(&client, upstream, &key).await, 2);
-    let replay = send(
-        &client,
-        addr,
-        "POST",
-        "/slow?ms=600",
-        &[("idempotency-key", &key)],
-        b"pay",
-    )
-    .await;
+    assert_eq!(run.upstream_calls().await, 2);
+    let replay = run.post("/slow?ms=600").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
 }
 
@@ -228,24 +223,20 @@ async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
     let at = if credentials.is_empty() { "" } else { "@" };
     let store = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
 
-    let (_upstream, upstream) = start_upstream();
-    let up = format!("http://{upstream}");
-    let addr = free_addr();
-    let client = client();
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
-    let key = unique("outage");
-    let headers = [("idempotency-key", key.as_str())];
+    let run = Run::new("outage", &store, &[]);
+    let _gateway = run.gateway().await;
+    let (client, addr) = (&run.client, run.addr);
 
     proxy.set_down(true);
     proxy.cut();
-    let health = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+    let health = send(client, addr, "GET", "/_idem/healthz", &[], b"").await;
     assert_eq!(health.status, 503);
     assert_eq!(health.json()["type"], "urn:idempotency:problem:store-unavailable");
-    let refused = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    let refused = run.post("/echo").await;
     assert_eq!(refused.status, 503, "fail closed: {:?}", refused.json());
     assert!(refused.header("retry-after").is_some());
     assert_eq!(
-        calls(&client, upstream, &key).await,
+        run.upstream_calls().await,
         0,
         "nothing ran while the store was away"
     );
@@ -253,18 +244,18 @@ async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
     proxy.set_down(false);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let health = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+        let health = send(client, addr, "GET", "/_idem/healthz", &[], b"").await;
         if health.status == 200 {
             break;
         }
         assert!(Instant::now() < deadline, "the gateway did not recover");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let mut accepted = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+    let mut accepted = run.post("/echo").await;
     // A pooled connection that died in the cut may fail one more request before it is replaced.
     if accepted.status == 503 {
-        accepted = send(&client, addr, "POST", "/echo", &headers, b"pay").await;
+        accepted = run.post("/echo").await;
     }
     assert_eq!(accepted.status, 201);
-    assert_eq!(calls(&client, upstream, &key).await, 1);
+    assert_eq!(run.upstream_calls().await, 1);
 }

@@ -42,23 +42,26 @@ enum Keys {
     Replay,
 }
 
+/// The servers' runtime and the load generator's, one worker thread each.
+///
+/// The servers (and the stores' connections) get one worker thread, the load generator the
+/// other: with both in one runtime, work stealing moved tasks between the two cores and the
+/// bare handler's throughput jumped between two levels (about 100k and 210k req/s) from one
+/// window to the next, drowning the layer's cost.
+fn runtimes() -> Result<(tokio::runtime::Runtime, tokio::runtime::Runtime), String> {
+    let runtime = |name: &str| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(name)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    };
+    Ok((runtime("bench-server")?, runtime("bench-client")?))
+}
+
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    // The servers (and the stores' connections) get one worker thread, the load generator the
-    // other: with both in one runtime, work stealing moved tasks between the two cores and the
-    // bare handler's throughput jumped between two levels (about 100k and 210k req/s) from one
-    // window to the next, drowning the layer's cost.
-    let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("bench-server")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let load_generator = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("bench-client")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let (server, load_generator) = runtimes()?;
     let bare = server.block_on(serve(handler_router()))?;
     let stores = server.block_on(stores())?;
     println!(
@@ -103,18 +106,7 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
 /// The gateway (`idem serve`'s router, in process) in front of the bare handler, against the
 /// handler called directly: same load generator, new keys, each store.
 pub(crate) fn run_gateway(window: Duration, rounds: usize) -> Result<(), String> {
-    let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("bench-server")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let load_generator = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("bench-client")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let (server, load_generator) = runtimes()?;
     let upstream = server.block_on(serve(handler_router()))?;
     let stores = server.block_on(stores())?;
     println!(

@@ -13,8 +13,7 @@ use std::time::Duration;
 use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler};
 use idempotency_core::{Key, Outcome, RecordState, Scope, Store};
 use idempotency_postgres::sqlx::PgConnection;
-use idempotency_postgres::{PostgresOptions, PostgresStore, TxAttempt};
-use idempotency_testkit::TcpProxy;
+use idempotency_postgres::{PostgresStore, TxAttempt};
 use sqlx::AssertSqlSafe;
 
 /// A delivered message: the key header, the amount in cents as text, the delivery count.
@@ -288,28 +287,8 @@ async fn a_panicking_handler_leaves_nothing_and_the_redelivery_charges_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_connection_requeues_and_nothing_is_charged_twice() {
     let setup = Setup::new().await;
-    let options = PostgresOptions::from_url(&common::database_url()).unwrap();
-    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = TcpProxy::start(upstream).await.unwrap();
-    let qualified = setup.store.table();
-    let (schema, table) = qualified.split_once('.').unwrap();
-    let mut options = options
-        .schema(schema)
-        .unwrap()
-        .table(table)
-        .unwrap()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_millis(300));
-    options.connect = options
-        .connect
-        .clone()
-        .host("127.0.0.1")
-        .port(proxy.addr().port());
-    let proxied = PostgresStore::connect_with(options).await.unwrap();
+    let proxy = common::start_proxy().await;
+    let proxied = common::proxied(&setup.store, &proxy, 4).await;
     let charger = Charger {
         hold: Duration::from_millis(300),
         ..setup.charger()

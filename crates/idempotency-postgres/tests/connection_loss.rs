@@ -15,7 +15,7 @@ use std::time::Duration;
 use idempotency_core::{
     BeginRequest, Decision, Execution, Fingerprint, Guard, Key, Outcome, RecordState, Recorded, Scope, Store,
 };
-use idempotency_postgres::{PostgresOptions, PostgresStore, TxError, TxExecution};
+use idempotency_postgres::{PostgresStore, TxError, TxExecution};
 use idempotency_testkit::TcpProxy;
 use sqlx::AssertSqlSafe;
 
@@ -28,36 +28,9 @@ struct Run {
     next: Mutex<Vec<Key>>,
 }
 
-/// A store on a table of its own that reaches the server through `proxy`. The pool waits at
-/// most 300 ms for a connection, so an outage shows as errors rather than as waiting.
+/// A store on a table of its own that reaches the server through `proxy`.
 async fn proxied_store(proxy: &TcpProxy) -> PostgresStore {
-    let base = common::fresh_store().await;
-    let table = base.table();
-    let (schema, table) = table.split_once('.').unwrap();
-    let mut options = PostgresOptions::from_url(&common::database_url())
-        .unwrap()
-        .schema(schema)
-        .unwrap()
-        .table(table)
-        .unwrap()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_millis(300));
-    options.connect = options
-        .connect
-        .clone()
-        .host("127.0.0.1")
-        .port(proxy.addr().port());
-    PostgresStore::connect_with(options).await.unwrap()
-}
-
-async fn start_proxy() -> TcpProxy {
-    let options = PostgresOptions::from_url(&common::database_url()).unwrap();
-    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    TcpProxy::start(upstream).await.unwrap()
+    common::proxied(&common::fresh_store().await, proxy, 8).await
 }
 
 /// Takes the server away after 300 ms for 1.5 s, probing the store all the while; returns how
@@ -198,7 +171,7 @@ async fn assert_all_completed_once(run: &Run, keys: &[Key]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_gives_errors_then_correct_results_and_no_duplicates() {
-    let proxy = start_proxy().await;
+    let proxy = common::start_proxy().await;
     let store = proxied_store(&proxy).await;
     // The outage (1.5 s) is shorter than the lease (5 s): an outcome that could not be recorded
     // while the server was away is recorded when it is back, instead of running twice later.
@@ -222,7 +195,7 @@ async fn an_outage_gives_errors_then_correct_results_and_no_duplicates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_in_same_transaction_mode_writes_each_row_once() {
-    let proxy = start_proxy().await;
+    let proxy = common::start_proxy().await;
     let store = proxied_store(&proxy).await;
     let table: Arc<str> = format!("{}_rows", store.table()).into();
     sqlx::raw_sql(AssertSqlSafe(format!("CREATE TABLE {table} (key text NOT NULL)")))

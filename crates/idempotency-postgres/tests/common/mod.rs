@@ -6,6 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresOptions, PostgresStore};
+use idempotency_testkit::TcpProxy;
 
 /// The server the tests use: `DATABASE_URL`, or the loopback default that `scripts/services`
 /// starts.
@@ -55,4 +56,37 @@ async fn drop_old_tables(pool: &sqlx::PgPool, now: u64) {
 fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::Instant::now())
+}
+
+/// A loopback proxy in front of the server, to cut its connections and take it away.
+pub async fn start_proxy() -> TcpProxy {
+    let options = PostgresOptions::from_url(&database_url()).unwrap();
+    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    TcpProxy::start(upstream).await.unwrap()
+}
+
+/// A second store on `store`'s table that reaches the server through `proxy`, with at most
+/// `max_connections`. The pool waits at most 300 ms for a connection, so an outage shows as
+/// errors rather than as waiting.
+pub async fn proxied(store: &PostgresStore, proxy: &TcpProxy, max_connections: u32) -> PostgresStore {
+    let qualified = store.table();
+    let (schema, table) = qualified.split_once('.').unwrap();
+    let mut options = PostgresOptions::from_url(&database_url())
+        .unwrap()
+        .schema(schema)
+        .unwrap()
+        .table(table)
+        .unwrap()
+        .max_connections(max_connections)
+        .acquire_timeout(std::time::Duration::from_millis(300));
+    options.connect = options
+        .connect
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.addr().port());
+    PostgresStore::connect_with(options).await.unwrap()
 }
