@@ -387,6 +387,14 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| format!("serving: {e}"))?;
+    // Requests whose clients went away finish on tasks of their own; let them record too.
+    let limit = config.upstream_timeout + Duration::from_secs(5);
+    if !idempotency_http::wait_for_detached_runs(limit).await {
+        tracing::warn!(
+            left = idempotency_http::detached_runs(),
+            "exiting with requests still running; their leases protect the keys until a retry takes over"
+        );
+    }
     tracing::info!("drained; in-flight requests finished and recorded");
     Ok(())
 }

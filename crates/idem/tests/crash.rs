@@ -112,7 +112,27 @@ async fn sigterm_drains_and_records(store: &str) {
     let run = Run::new("drain", store, &[]);
     let mut gateway = run.gateway().await;
     let running = run.post_in_background("/slow?ms=1500");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A second client gives up after 200 ms: its request goes on without it.
+    let abandoned = unique("abandoned");
+    let gone = {
+        let (client, addr, key) = (run.client.clone(), run.addr, abandoned.clone());
+        tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_millis(200),
+                try_send(
+                    &client,
+                    addr,
+                    "POST",
+                    "/slow?ms=1500",
+                    &[("idempotency-key", &key)],
+                    b"pay",
+                ),
+            )
+            .await
+        })
+    };
+    assert!(gone.await.unwrap().is_err(), "the second client gave up");
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let status = tokio::task::spawn_blocking(move || {
         let status = gateway.terminate(Duration::from_secs(15));
         (status, gateway)
@@ -136,6 +156,22 @@ async fn sigterm_drains_and_records(store: &str) {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body, first.body);
     assert_eq!(run.upstream_calls().await, 1);
+    // The abandoned request was recorded before the exit too: its retry replays.
+    let retry = send(
+        &run.client,
+        run.addr,
+        "POST",
+        "/slow?ms=1500",
+        &[("idempotency-key", &abandoned)],
+        b"pay",
+    )
+    .await;
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        Some("true"),
+        "the abandoned request was not recorded"
+    );
+    assert_eq!(calls(&run.client, run.upstream, &abandoned).await, 1);
 }
 
 /// `kill -9` mid-call: a retry inside the lease gets 409; once the lease has run out, a retry

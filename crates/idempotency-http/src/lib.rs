@@ -62,5 +62,6 @@ pub use layer::{IdempotencyLayer, default_is_final};
 pub use problem::Problem;
 pub use service::{
     IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, IdempotencyKey, IdempotencyService, ResponseFuture,
+    detached_runs, wait_for_detached_runs,
 };
 pub use stored::Stored as StoredOutcome;

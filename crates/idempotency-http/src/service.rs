@@ -5,6 +5,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -236,12 +237,60 @@ impl<T: Send + 'static> Future for DetachOnDrop<T> {
     }
 }
 
+/// Runs moved onto tasks of their own because their requests were dropped, and not yet done.
+static DETACHED: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts a detached run until it is dropped (done, or its task cancelled).
+struct Detached;
+
+impl Detached {
+    fn start() -> Self {
+        DETACHED.fetch_add(1, Ordering::SeqCst);
+        Self
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        DETACHED.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How many guarded runs are finishing on tasks of their own because their clients went away
+/// (in this process, across all layers).
+#[must_use]
+pub fn detached_runs() -> usize {
+    DETACHED.load(Ordering::SeqCst)
+}
+
+/// Waits until no guarded run is finishing on a task of its own, for at most `limit`; returns
+/// whether they all finished. A server that drains on shutdown calls this after its last
+/// connection closed, so that the runs of clients that went away still record their outcomes
+/// before the process exits.
+pub async fn wait_for_detached_runs(limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while detached_runs() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
 impl<T: Send + 'static> Drop for DetachOnDrop<T> {
     fn drop(&mut self) {
         if let Some(future) = self.future.take() {
             match tokio::runtime::Handle::try_current() {
                 // The future is boxed, so moving it to a task does not move what it pinned.
-                Ok(runtime) => drop(runtime.spawn(future)),
+                Ok(runtime) => {
+                    let detached = Detached::start();
+                    drop(runtime.spawn(async move {
+                        let output = future.await;
+                        drop(detached);
+                        output
+                    }));
+                }
                 Err(_) => {
                     tracing::error!("an idempotent request was dropped outside a runtime and cancelled");
                 }
