@@ -358,3 +358,40 @@ fn bad_input_gets_clear_errors() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("`forever` is not a duration"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_can_have_a_listener_of_their_own() {
+    let (_upstream, upstream) = start_upstream();
+    let up = format!("http://{upstream}");
+    let (addr, admin) = (free_addr(), free_addr());
+    let admin_text = admin.to_string();
+    let _gateway = start_gateway(
+        addr,
+        &[
+            "--upstream",
+            &up,
+            "--store",
+            "memory://",
+            "--admin-listen",
+            &admin_text,
+        ],
+        false,
+    )
+    .await;
+    let client = client();
+    let mut health = None;
+    for _ in 0..100 {
+        health = common::try_send(&client, admin, "GET", "/healthz", &[], b"").await;
+        if health.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(health.expect("the admin listener answers").status, 200);
+    let metrics = send(&client, admin, "GET", "/metrics", &[], b"").await;
+    assert_eq!(metrics.status, 200);
+    assert_eq!(metrics.header("content-type"), Some("text/plain; version=0.0.4"));
+    // With an admin listener, the main listener reserves no prefix: everything is proxied.
+    let proxied = send(&client, addr, "GET", "/_idem/healthz", &[], b"").await;
+    assert_eq!(proxied.status, 404, "the upstream answered, not the gateway");
+}
