@@ -108,12 +108,12 @@ async fn completed_keys_survive_kill_9(store: &str) {
     assert_eq!(run.upstream_calls().await, 1);
 }
 
-/// SIGTERM during a slow upstream call: the gateway stops accepting, lets the call finish,
+/// SIGTERM during a slow (3 s) upstream call: the gateway stops accepting, lets the call finish,
 /// records it and exits; after a restart the retry replays, and the upstream ran once.
 async fn sigterm_drains_and_records(store: &str) {
     let run = Run::new("drain", store, &[]);
     let mut gateway = run.gateway().await;
-    let running = run.post_in_background("/slow?ms=1500");
+    let running = run.post_in_background("/slow?ms=3000");
     // A second client gives up after 200 ms: its request goes on without it.
     let abandoned = unique("abandoned");
     let gone = {
@@ -125,7 +125,7 @@ async fn sigterm_drains_and_records(store: &str) {
                     &client,
                     addr,
                     "POST",
-                    "/slow?ms=1500",
+                    "/slow?ms=3000",
                     &[("idempotency-key", &key)],
                     b"pay",
                 ),
@@ -139,6 +139,19 @@ async fn sigterm_drains_and_records(store: &str) {
         let status = gateway.terminate(Duration::from_secs(15));
         (status, gateway)
     });
+    // It stops accepting new connections while the running request is still in progress.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while tokio::net::TcpStream::connect(run.addr).await.is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway kept accepting after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !running.is_finished(),
+        "the running request must still be in progress"
+    );
     let first = running
         .await
         .unwrap()
@@ -154,7 +167,7 @@ async fn sigterm_drains_and_records(store: &str) {
         "the gateway exits cleanly after draining"
     );
     let _gateway = run.gateway().await;
-    let replay = run.post("/slow?ms=1500").await;
+    let replay = run.post("/slow?ms=3000").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body, first.body);
     assert_eq!(run.upstream_calls().await, 1);
@@ -163,7 +176,7 @@ async fn sigterm_drains_and_records(store: &str) {
         &run.client,
         run.addr,
         "POST",
-        "/slow?ms=1500",
+        "/slow?ms=3000",
         &[("idempotency-key", &abandoned)],
         b"pay",
     )
