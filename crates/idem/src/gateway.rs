@@ -13,11 +13,8 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use bytes::BytesMut;
-use futures_util::stream::{self, StreamExt};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
-use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -140,7 +137,6 @@ pub struct Proxy {
     client: Client<HttpConnector, Body>,
     upstream: Uri,
     timeout: Duration,
-    max_response: usize,
 }
 
 impl std::fmt::Debug for Proxy {
@@ -154,7 +150,7 @@ impl std::fmt::Debug for Proxy {
 impl Proxy {
     /// A proxy to `upstream`.
     #[must_use]
-    pub fn new(upstream: Uri, timeout: Duration, max_response: usize) -> Self {
+    pub fn new(upstream: Uri, timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
@@ -162,7 +158,6 @@ impl Proxy {
             client: Client::builder(TokioExecutor::new()).build(connector),
             upstream,
             timeout,
-            max_response,
         }
     }
 
@@ -220,31 +215,7 @@ impl Proxy {
         };
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        Response::from_parts(parts, buffer_up_to(Body::new(body), self.max_response).await)
-    }
-}
-
-/// Reads up to `limit` bytes of `body`. A body that ends within the limit comes back with its
-/// exact length, so that the layer can store it whether or not the upstream sent a
-/// `Content-Length`; a longer one streams on, its first part replayed from memory.
-async fn buffer_up_to(mut body: Body, limit: usize) -> Body {
-    let mut buffered = BytesMut::new();
-    loop {
-        match body.frame().await {
-            None => return Body::from(buffered.freeze()),
-            Some(Err(error)) => {
-                return Body::from_stream(stream::iter([Ok(buffered.freeze()), Err(error)]));
-            }
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    buffered.extend_from_slice(&data);
-                }
-                if buffered.len() > limit {
-                    let head = stream::iter([Ok::<_, axum::Error>(buffered.freeze())]);
-                    return Body::from_stream(head.chain(body.into_data_stream()));
-                }
-            }
-        }
+        Response::from_parts(parts, Body::new(body))
     }
 }
 
@@ -319,6 +290,8 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> (R
         .require_key(config.require_key)
         .max_body(config.max_body)
         .max_response(config.max_response)
+        // The upstream chunks as it likes: store what ends within the limit all the same.
+        .buffer_streamed_responses(true)
         .lease(config.lease)
         .retention(config.retention)
         .fail_open(config.fail_open);
@@ -328,11 +301,9 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> (R
     if let Some(deadline) = config.wait {
         layer = layer.wait(deadline);
     }
-    let proxy = tower::ServiceBuilder::new().layer(layer).service(Proxy::new(
-        config.upstream.clone(),
-        config.upstream_timeout,
-        config.max_response,
-    ));
+    let proxy = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
     let admin = Admin {
         store,
         store_url: idempotency::redact_url(&config.store),

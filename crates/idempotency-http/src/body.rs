@@ -19,7 +19,11 @@ pub struct ResponseBody<B> {
 #[derive(Debug)]
 enum Kind<B> {
     Full(Option<Bytes>),
-    Inner(Pin<Box<B>>),
+    /// The handler's body, after the part of it already read (if any).
+    Inner {
+        prefix: Option<Bytes>,
+        body: Pin<Box<B>>,
+    },
 }
 
 impl<B> ResponseBody<B> {
@@ -29,9 +33,13 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn inner(body: B) -> Self {
+    /// The handler's body, `prefix` (what was read of it already) first.
+    pub(crate) fn inner(prefix: Bytes, body: Pin<Box<B>>) -> Self {
         Self {
-            kind: Kind::Inner(Box::pin(body)),
+            kind: Kind::Inner {
+                prefix: Some(prefix).filter(|b| !b.is_empty()),
+                body,
+            },
         }
     }
 }
@@ -50,24 +58,36 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match &mut self.kind {
             Kind::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            Kind::Inner(body) => body
-                .as_mut()
-                .poll_frame(cx)
-                .map(|f| f.map(|r| r.map_err(Into::into))),
+            Kind::Inner { prefix, body } => match prefix.take() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => body
+                    .as_mut()
+                    .poll_frame(cx)
+                    .map(|f| f.map(|r| r.map_err(Into::into))),
+            },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Full(bytes) => bytes.is_none(),
-            Kind::Inner(body) => body.is_end_stream(),
+            Kind::Inner { prefix, body } => prefix.is_none() && body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
-            Kind::Inner(body) => body.size_hint(),
+            Kind::Inner { prefix, body } => {
+                let read = prefix.as_ref().map_or(0, |b| b.len() as u64);
+                let rest = body.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + read);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + read);
+                }
+                hint
+            }
         }
     }
 }

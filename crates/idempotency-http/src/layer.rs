@@ -21,6 +21,7 @@ pub(crate) struct Config {
     pub(crate) require_key: bool,
     pub(crate) max_body: usize,
     pub(crate) max_response: usize,
+    pub(crate) buffer_streamed: bool,
     pub(crate) scope: ScopeFn,
     pub(crate) fingerprint: FingerprintMode,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
@@ -72,6 +73,7 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
             .field("require_key", &self.config.require_key)
             .field("max_body", &self.config.max_body)
             .field("max_response", &self.config.max_response)
+            .field("buffer_streamed", &self.config.buffer_streamed)
             .field("wait", &self.config.wait)
             .field("fail_open", &self.config.fail_open)
             .finish_non_exhaustive()
@@ -96,6 +98,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
                 require_key: false,
                 max_body: 1 << 20,
                 max_response: 1 << 20,
+                buffer_streamed: false,
                 scope: Arc::new(|_: &Parts| Scope::global()),
                 fingerprint: FingerprintMode::Raw,
                 fingerprint_headers: Vec::new(),
@@ -144,6 +147,17 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     #[must_use]
     pub fn max_response(self, bytes: usize) -> Self {
         self.with(|c| c.max_response = bytes)
+    }
+
+    /// Whether a response body of unknown length (chunked, streamed) is read up to
+    /// [`IdempotencyLayer::max_response`] so that it can be stored when it ends within the
+    /// limit; a longer one is passed through (its first part from memory) and recorded as not
+    /// replayable. Off by default: a streamed response, such as server-sent events, then starts
+    /// flowing at once and is never stored. A proxy, whose upstream chunks whatever it likes,
+    /// turns it on.
+    #[must_use]
+    pub fn buffer_streamed_responses(self, buffer: bool) -> Self {
+        self.with(|c| c.buffer_streamed = buffer)
     }
 
     /// How long a request may run without a heartbeat before a retry may take over (default 60 s).

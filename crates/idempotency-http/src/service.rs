@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, header};
 use http_body::Body;
@@ -137,7 +137,7 @@ fn problem<B>(problem: &Problem) -> Response<ResponseBody<B>> {
 }
 
 fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>> {
-    response.map(ResponseBody::inner)
+    response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
 }
 
 async fn handle<I, S, ReqBody, ResBody>(
@@ -336,33 +336,70 @@ enum Captured<B, E> {
         parts: http::response::Parts,
         body: Bytes,
     },
-    /// A response too large or streamed to store: passed through.
-    Streaming { parts: http::response::Parts, body: B },
+    /// A response too large or streamed to store: passed through, `prefix` (what was read of
+    /// it while trying to store it) first.
+    Streaming {
+        parts: http::response::Parts,
+        prefix: Bytes,
+        body: Pin<Box<B>>,
+    },
     /// The inner service failed.
     Failed(E),
     /// The response body failed while being read.
     BodyFailed,
 }
 
-async fn capture<B, E>(result: Result<Response<B>, E>, max_response: usize) -> Captured<B, E>
+async fn capture<B, E>(result: Result<Response<B>, E>, config: &Config) -> Captured<B, E>
 where
     B: Body<Data = Bytes>,
 {
-    match result {
-        Err(error) => Captured::Failed(error),
-        Ok(response) => {
-            let (parts, body) = response.into_parts();
-            match body.size_hint().exact() {
-                Some(len) if len <= max_response as u64 => match body.collect().await {
-                    Ok(collected) => Captured::Buffered {
-                        parts,
-                        body: collected.to_bytes(),
-                    },
-                    Err(_) => Captured::BodyFailed,
+    let max_response = config.max_response as u64;
+    let (parts, body) = match result {
+        Err(error) => return Captured::Failed(error),
+        Ok(response) => response.into_parts(),
+    };
+    let mut body = Box::pin(body);
+    let hint = body.size_hint();
+    let unknown = match hint.exact() {
+        Some(len) if len <= max_response => {
+            return match body.collect().await {
+                Ok(collected) => Captured::Buffered {
+                    parts,
+                    body: collected.to_bytes(),
                 },
-                _ => Captured::Streaming { parts, body },
-            }
+                Err(_) => Captured::BodyFailed,
+            };
         }
+        Some(_) => false,
+        None => config.buffer_streamed && hint.lower() <= max_response,
+    };
+    if !unknown {
+        return Captured::Streaming {
+            parts,
+            prefix: Bytes::new(),
+            body,
+        };
+    }
+    // Of unknown length: read up to the limit; store it if it ends there.
+    let mut read = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Captured::BodyFailed;
+        };
+        if let Ok(data) = frame.into_data() {
+            read.extend_from_slice(&data);
+        }
+        if read.len() as u64 > max_response {
+            return Captured::Streaming {
+                parts,
+                prefix: read.freeze(),
+                body,
+            };
+        }
+    }
+    Captured::Buffered {
+        parts,
+        body: read.freeze(),
     }
 }
 
@@ -457,7 +494,9 @@ fn respond_executed<B, E>(
 ) -> Result<Response<ResponseBody<B>>, E> {
     let mut response = match captured {
         Captured::Buffered { parts, body } => Response::from_parts(parts, ResponseBody::full(body)),
-        Captured::Streaming { parts, body } => Response::from_parts(parts, ResponseBody::inner(body)),
+        Captured::Streaming { parts, prefix, body } => {
+            Response::from_parts(parts, ResponseBody::inner(prefix, body))
+        }
         Captured::Failed(error) => return Err(error),
         Captured::BodyFailed => return Ok(problem(&Problem::HandlerFailed)),
     };
@@ -504,8 +543,8 @@ where
                         attempt: attempt.number(),
                         recovered: attempt.recovered(),
                     });
-                    let max_response = config.max_response;
-                    async move { capture(inner.call(request).await, max_response).await }
+                    let config = Arc::clone(&config);
+                    async move { capture(inner.call(request).await, &config).await }
                 },
             )
             .await;

@@ -407,6 +407,35 @@ pub async fn unstorable_responses_are_not_replayed(store: DynStore) {
     }
 }
 
+/// With `buffer_streamed_responses`, a streamed response that ends within the limit is stored
+/// and replayed; a longer one reaches the client whole (the part read while trying to store
+/// it first), and its retry gets the "not replayable" problem.
+pub async fn streamed_responses_within_the_limit_are_stored(store: DynStore) {
+    let (addr, counters) = start(store, |l| l.buffer_streamed_responses(true)).await;
+    let http = client();
+    let first = send(&http, addr, "POST", "/stream", &[b"k-s"], &[], b"", false).await;
+    let replay = send(&http, addr, "POST", "/stream", &[b"k-s"], &[], b"", false).await;
+    assert_eq!((first.text().as_str(), replay.text().as_str()), ("abc", "abc"));
+    assert_eq!(replay.headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(counters.stream.load(Ordering::SeqCst), 1);
+
+    let first = send(&http, addr, "POST", "/big-stream", &[b"k-bs"], &[], b"", false).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let expected: Vec<u8> = (0..32_u8).flat_map(|i| vec![b'a' + i % 26; 64 << 10]).collect();
+    assert!(
+        first.body == expected,
+        "the passed-through body differs ({} bytes)",
+        first.body.len()
+    );
+    let retry = send(&http, addr, "POST", "/big-stream", &[b"k-bs"], &[], b"", false).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(
+        retry.problem_type(),
+        "urn:idempotency:problem:outcome-not-replayable"
+    );
+    assert_eq!(counters.big_stream.load(Ordering::SeqCst), 1);
+}
+
 macro_rules! on_stores {
     ($($store:ident),*) => {$(
         mod $store {
@@ -432,6 +461,8 @@ macro_rules! on_stores {
             async fn scopes() { scopes_isolate_principals(common::$store().await).await }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unstorable() { unstorable_responses_are_not_replayed(common::$store().await).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn streamed() { streamed_responses_within_the_limit_are_stored(common::$store().await).await }
         }
     )*};
 }

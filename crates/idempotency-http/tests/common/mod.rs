@@ -32,6 +32,7 @@ pub struct Counters {
     pub flaky: Arc<AtomicUsize>,
     pub big: Arc<AtomicUsize>,
     pub stream: Arc<AtomicUsize>,
+    pub big_stream: Arc<AtomicUsize>,
 }
 
 #[derive(serde::Deserialize)]
@@ -44,7 +45,8 @@ pub struct Delay {
 ///   charge and the key it ran under;
 /// - `POST /flaky?mode=status|panic`: fails once (500 or a panic), then succeeds;
 /// - `POST /big`: a 2 MiB body of known length;
-/// - `POST /stream`: a streamed body;
+/// - `POST /stream`: a streamed body (`abc`);
+/// - `POST /big-stream`: a streamed body of 2 MiB;
 /// - `GET /charges`: a plain read.
 pub fn app(counters: Counters) -> Router {
     Router::new()
@@ -53,6 +55,7 @@ pub fn app(counters: Counters) -> Router {
         .route("/flaky", post(flaky))
         .route("/big", post(big))
         .route("/stream", post(stream))
+        .route("/big-stream", post(big_stream))
         .with_state(counters)
 }
 
@@ -105,6 +108,12 @@ async fn stream(State(counters): State<Counters>) -> Response {
     counters.stream.fetch_add(1, Ordering::SeqCst);
     let chunks = futures_util::stream::iter(["a", "b", "c"].map(|c| Ok::<_, Infallible>(Bytes::from(c))));
     Response::new(Body::from_stream(chunks))
+}
+
+async fn big_stream(State(counters): State<Counters>) -> Response {
+    counters.big_stream.fetch_add(1, Ordering::SeqCst);
+    let chunks = (0..32_u8).map(|i| Ok::<_, Infallible>(Bytes::from(vec![b'a' + i % 26; 64 << 10])));
+    Response::new(Body::from_stream(futures_util::stream::iter(chunks)))
 }
 
 /// Serves `router` on 127.0.0.1:0 until the test ends.
