@@ -79,25 +79,15 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
                 IdempotencyLayer::new(Arc::clone(&store)).retention(Duration::from_secs(120)),
             )))?;
         for keys in [Keys::New, Keys::Replay] {
-            let mut ours = Vec::new();
-            let mut theirs = Vec::new();
-            for round in 0..rounds {
-                let tag = format!("s{index}-r{round}-{}", std::process::id());
-                ours.push(load_generator.block_on(load(&client, layered, keys, &tag, window))?);
-                theirs.push(load_generator.block_on(load(&client, bare, keys, &tag, window))?);
-            }
-            let (ours, theirs) = (summarize(&ours), summarize(&theirs));
-            println!(
-                "| {name} | {} | {} | {} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} |",
-                if keys == Keys::New { "new" } else { "replay" },
-                per_second(ours.rate),
-                per_second(theirs.rate),
-                ours.rate / theirs.rate,
-                ours.p50,
-                ours.p99,
-                theirs.p50,
-                theirs.p99,
-            );
+            let rounds = Alternating {
+                load_generator: &load_generator,
+                client: &client,
+                window,
+                rounds,
+            };
+            let columns = rounds.compare((layered, bare), keys, &format!("s{index}"))?;
+            let keys = if keys == Keys::New { "new" } else { "replay" };
+            println!("| {name} | {keys} | {columns} |");
         }
     }
     Ok(())
@@ -140,24 +130,14 @@ pub(crate) fn run_gateway(window: Duration, rounds: usize) -> Result<(), String>
             .handle();
         let (router, _) = idem::gateway::router(&config, store, metrics);
         let gateway = server.block_on(serve(router))?;
-        let mut ours = Vec::new();
-        let mut theirs = Vec::new();
-        for round in 0..rounds {
-            let tag = format!("g{index}-r{round}-{}", std::process::id());
-            ours.push(load_generator.block_on(load(&client, gateway, Keys::New, &tag, window))?);
-            theirs.push(load_generator.block_on(load(&client, upstream, Keys::New, &tag, window))?);
-        }
-        let (ours, theirs) = (summarize(&ours), summarize(&theirs));
-        println!(
-            "| {name} | {} | {} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} |",
-            per_second(ours.rate),
-            per_second(theirs.rate),
-            ours.rate / theirs.rate,
-            ours.p50,
-            ours.p99,
-            theirs.p50,
-            theirs.p99,
-        );
+        let rounds = Alternating {
+            load_generator: &load_generator,
+            client: &client,
+            window,
+            rounds,
+        };
+        let columns = rounds.compare((gateway, upstream), Keys::New, &format!("g{index}"))?;
+        println!("| {name} | {columns} |");
     }
     Ok(())
 }
@@ -208,6 +188,47 @@ async fn stores() -> Result<Vec<(&'static str, DynStore)>, String> {
         .map_err(|e| format!("Redis at {url}: {e}"))?;
     stores.push(("redis", Arc::new(redis)));
     Ok(stores)
+}
+
+/// Rounds that alternate between two servers under the same load generator.
+struct Alternating<'a> {
+    load_generator: &'a tokio::runtime::Runtime,
+    client: &'a HttpClient,
+    window: Duration,
+    rounds: usize,
+}
+
+impl Alternating<'_> {
+    /// Measures `ours` and `theirs` in alternating rounds; returns the table columns: both
+    /// rates, their ratio, and both p50 / p99.
+    fn compare(
+        &self,
+        (ours, theirs): (SocketAddr, SocketAddr),
+        keys: Keys,
+        tag: &str,
+    ) -> Result<String, String> {
+        let mut measured = (Vec::new(), Vec::new());
+        for round in 0..self.rounds {
+            let tag = format!("{tag}-r{round}-{}", std::process::id());
+            let run = |addr| {
+                self.load_generator
+                    .block_on(load(self.client, addr, keys, &tag, self.window))
+            };
+            measured.0.push(run(ours)?);
+            measured.1.push(run(theirs)?);
+        }
+        let (ours, theirs) = (summarize(&measured.0), summarize(&measured.1));
+        Ok(format!(
+            "{} | {} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0}",
+            per_second(ours.rate),
+            per_second(theirs.rate),
+            ours.rate / theirs.rate,
+            ours.p50,
+            ours.p99,
+            theirs.p50,
+            theirs.p99,
+        ))
+    }
 }
 
 fn summarize(rounds: &[Measured]) -> Measured {
