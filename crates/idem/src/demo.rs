@@ -393,18 +393,14 @@ impl Drop for TempDir {
 /// The store cannot be opened, or a local listener cannot be bound.
 pub async fn run(options: Options) -> Result<Report, String> {
     // A store of its own unless told otherwise, removed afterwards.
-    let temp = match &options.store {
-        Some(_) => None,
+    let (store_url, _temp) = match &options.store {
+        Some(url) => (url.clone(), None),
         None => {
             let dir = std::env::temp_dir().join(format!("idem-demo-{}", std::process::id()));
             std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            Some(TempDir(dir))
+            let url = format!("sqlite://{}", dir.join("idem.db").display());
+            (url, Some(TempDir(dir)))
         }
-    };
-    let store_url = match (&options.store, &temp) {
-        (Some(url), _) => url.clone(),
-        (None, Some(dir)) => format!("sqlite://{}", dir.0.join("idem.db").display()),
-        (None, None) => unreachable!("a temporary directory is made when no store is given"),
     };
     let ledger = Arc::new(Ledger::default());
     let upstream = serve(
