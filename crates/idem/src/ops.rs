@@ -91,7 +91,7 @@ fn summary_json(record: &RecordSummary) -> Value {
             value["state"] = json!("in_flight");
             value["acquired_at"] = json!(rfc3339(*acquired_at));
             value["lease_until"] = json!(rfc3339(*lease_until));
-            value["lease_expired"] = json!(*lease_until <= now());
+            value["lease_expired"] = json!(lease_expired(&record.state));
         }
         SummaryState::Completed {
             completed_at,
@@ -113,7 +113,7 @@ fn summary_row(record: &RecordSummary) -> Vec<String> {
         } => (
             "in-flight",
             *acquired_at,
-            if *lease_until <= now() {
+            if lease_expired(&record.state) {
                 "lease expired".to_owned()
             } else {
                 format!("lease until {}", rfc3339(*lease_until))
@@ -138,7 +138,18 @@ fn summary_row(record: &RecordSummary) -> Vec<String> {
     ]
 }
 
-/// `idem keys list` / `idem inflight`: one page of records.
+/// Records as a table, a row each.
+fn records_table(records: &[RecordSummary]) -> String {
+    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
+    table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows)
+}
+
+/// Whether a record is in flight with its lease run out: a crashed or hung attempt.
+fn lease_expired(state: &SummaryState) -> bool {
+    matches!(state, SummaryState::InFlight { lease_until, .. } if *lease_until <= now())
+}
+
+/// `idem keys list`: one page of records.
 ///
 /// # Errors
 ///
@@ -158,8 +169,7 @@ pub async fn list(store: &DynStore, filter: &ListFilter, json_out: bool) -> Resu
     if records.is_empty() {
         return Ok("no records\n".into());
     }
-    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
-    let mut out = table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows);
+    let mut out = records_table(&records);
     if records.len() == filter.limit {
         let last = &records[records.len() - 1];
         let _ = writeln!(
@@ -349,10 +359,7 @@ pub async fn inflight(
         filter = filter.scope(scope);
     }
     let records = store.list(&filter).await.map_err(|e| e.to_string())?;
-    let stale = records
-        .iter()
-        .filter(|r| matches!(r.state, SummaryState::InFlight { lease_until, .. } if lease_until <= now()))
-        .count();
+    let stale = records.iter().filter(|r| lease_expired(&r.state)).count();
     if json_out {
         return Ok(json!({
             "older_than_ms": u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX),
@@ -367,8 +374,7 @@ pub async fn inflight(
             format_duration(older_than)
         ));
     }
-    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
-    let mut out = table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows);
+    let mut out = records_table(&records);
     let _ = writeln!(
         out,
         "{} in flight for longer than {}, {stale} with an expired lease: their workers crashed or hung, \
