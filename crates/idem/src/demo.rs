@@ -4,7 +4,6 @@
 //! from the upstream's own ledger.
 
 use std::collections::HashMap;
-use std::io::{IsTerminal, Write as _};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,11 +19,29 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::RngExt;
 use serde_json::json;
 
+use idempotency::Backoff;
+
+use crate::error::Error;
 use crate::gateway::{self, Config};
 use crate::units::format_duration;
+
+/// How the demo's clients back off between retries: 20 ms doubling to 320 ms.
+const CLIENT_RETRY: Backoff = Backoff {
+    initial: Duration::from_millis(20),
+    max: Duration::from_millis(320),
+};
+
+/// How long the demo's clients wait for an answer: 100 ms on the first try, as impatient
+/// clients do, doubling on each retry up to 3.2 s, so that a loaded machine slows the storm
+/// down instead of failing payments.
+const CLIENT_TIMEOUT: Backoff = Backoff {
+    initial: Duration::from_millis(100),
+    max: Duration::from_millis(3200),
+};
 
 /// What the demo is asked to do.
 #[derive(Debug, Clone)]
@@ -116,11 +133,13 @@ async fn charge(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
         .into_response()
 }
 
-async fn serve(router: Router) -> Result<SocketAddr, String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| format!("cannot listen on 127.0.0.1: {e}"))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+async fn serve(router: Router) -> Result<SocketAddr, Error> {
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let listener = gateway::bind(any).await?;
+    let addr = listener.local_addr().map_err(|source| Error::Listen {
+        addr: any.to_string(),
+        source,
+    })?;
     tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
@@ -136,7 +155,8 @@ struct Counters {
     timeouts: AtomicU64,
     released: AtomicU64,
     failed_payments: AtomicU64,
-    latencies: Mutex<Vec<Duration>>,
+    /// Latencies of answered requests, in microseconds (3 significant digits).
+    latencies: Mutex<Latencies>,
 }
 
 /// What one request got.
@@ -156,7 +176,7 @@ struct Storm {
 }
 
 impl Storm {
-    async fn send(&self, tenant: &str, key: &str, amount: i64) -> Got {
+    async fn send(&self, tenant: &str, key: &str, amount: i64, try_number: u32) -> Got {
         let body = json!({ "amount_cents": amount, "currency": "EUR" }).to_string();
         let request = http::Request::post(format!("http://{}/charges", self.gateway))
             .header("authorization", tenant)
@@ -168,8 +188,8 @@ impl Storm {
         };
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        // The client gives up after 100 ms, as impatient clients do, and retries.
-        let response = tokio::time::timeout(Duration::from_millis(100), async {
+        // The client gives up after its timeout and retries.
+        let response = tokio::time::timeout(CLIENT_TIMEOUT.delay(try_number), async {
             let response = self.client.request(request).await.ok()?;
             let replayed = response.headers().contains_key("idempotent-replayed");
             let status = response.status();
@@ -209,24 +229,30 @@ impl Storm {
                 .latencies
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(started.elapsed());
+                .record(started.elapsed());
         }
         got
     }
 
-    /// Sends until the payment succeeds (or 20 tries), backing off after conflicts, timeouts
-    /// and 5xx; returns whether it succeeded.
-    async fn until_done(&self, tenant: &str, key: &str, amount: i64) -> bool {
-        for attempt in 0..20_u32 {
-            match self.send(tenant, key, amount).await {
-                Got::Ok => return true,
-                Got::Mismatch => return false,
+    /// Sends until the answer is final (success or mismatch) or 20 tries have gone, backing
+    /// off after conflicts, timeouts and 5xx; returns the last answer.
+    async fn until_final(&self, tenant: &str, key: &str, amount: i64) -> Got {
+        let mut got = Got::Timeout;
+        for try_number in 1..=20_u32 {
+            got = self.send(tenant, key, amount, try_number).await;
+            match got {
+                Got::Ok | Got::Mismatch => break,
                 Got::Conflict | Got::Retryable | Got::Timeout => {
-                    tokio::time::sleep(Duration::from_millis(20 << attempt.min(4))).await;
+                    tokio::time::sleep(CLIENT_RETRY.delay(try_number)).await;
                 }
             }
         }
-        false
+        got
+    }
+
+    /// Sends until the payment succeeds (see `until_final`); returns whether it did.
+    async fn until_done(&self, tenant: &str, key: &str, amount: i64) -> bool {
+        self.until_final(tenant, key, amount).await == Got::Ok
     }
 
     /// One payment, in one of four client behaviours.
@@ -250,7 +276,7 @@ impl Storm {
             // The key reused with another payload: rejected, never charged.
             9..=11 => {
                 let ok = self.until_done(tenant, &key, amount).await;
-                let reused = self.send(tenant, &key, amount + 1).await;
+                let reused = self.until_final(tenant, &key, amount + 1).await;
                 ok && reused == Got::Mismatch
             }
             // Retries after timeouts and transient failures only.
@@ -369,37 +395,55 @@ impl Report {
     }
 }
 
-/// The nearest-rank percentile, `per_mille` in thousandths (500: the median).
-fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) * per_mille.min(1000) + 500) / 1000]
-}
+/// Latencies in an HDR histogram: constant memory however long the storm, quantiles to three
+/// significant digits.
+#[derive(Debug)]
+struct Latencies(hdrhistogram::Histogram<u64>);
 
-/// A directory removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+impl Default for Latencies {
+    fn default() -> Self {
+        // `new` fails only for more than five significant digits.
+        Self(hdrhistogram::Histogram::new(3).expect("three significant digits are valid"))
     }
 }
 
-/// Runs the demo.
+impl Latencies {
+    /// Adds one latency.
+    fn record(&mut self, latency: Duration) {
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX).max(1);
+        // `record` grows the histogram to fit (`saturating_record` would not: it clamps to the
+        // current top, which starts at 2); it fails only past what a histogram can hold.
+        if self.0.record(micros).is_err() {
+            self.0.saturating_record(micros);
+        }
+    }
+
+    /// The latency at `quantile` (0.5: the median); zero when nothing was recorded.
+    fn quantile(&self, quantile: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        Duration::from_micros(self.0.value_at_quantile(quantile))
+    }
+}
+
+/// Runs the demo: the upstream, the gateway in front of it (unless `direct`), the storm, and
+/// the report from the upstream's ledger.
 ///
 /// # Errors
 ///
 /// The store cannot be opened, or a local listener cannot be bound.
-pub async fn run(options: Options) -> Result<Report, String> {
-    // A store of its own unless told otherwise, removed afterwards.
+pub async fn run(options: Options) -> Result<Report, Error> {
+    // A store of its own unless told otherwise, removed when `_temp` is dropped.
     let (store_url, _temp) = match &options.store {
         Some(url) => (url.clone(), None),
         None => {
-            let dir = std::env::temp_dir().join(format!("idem-demo-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            let url = format!("sqlite://{}", dir.join("idem.db").display());
-            (url, Some(TempDir(dir)))
+            let dir = tempfile::Builder::new()
+                .prefix("idem-demo-")
+                .tempdir()
+                .map_err(Error::TempDir)?;
+            let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+            (url, Some(dir))
         }
     };
     let ledger = Arc::new(Ledger::default());
@@ -412,32 +456,8 @@ pub async fn run(options: Options) -> Result<Report, String> {
     let target = if options.direct {
         upstream
     } else {
-        let config = Config {
-            listen: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
-            admin_listen: None,
-            upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
-            store: store_url.clone(),
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(86_400),
-            max_body: 1 << 20,
-            max_response: 1 << 20,
-            methods: vec![http::Method::POST],
-            require_key: true,
-            scope_header: Some(http::header::AUTHORIZATION),
-            wait: None,
-            fail_open: false,
-            upstream_timeout: Duration::from_secs(30),
-        };
-        let store = idempotency::open(&store_url)
-            .await
-            .map_err(|e| format!("store {}: {e}", idempotency::redact_url(&store_url)))?;
-        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .build_recorder()
-            .handle();
-        let (router, _) = gateway::router(&config, store, metrics);
-        serve(router).await?
+        start_gateway(upstream, &store_url).await?
     };
-
     let storm = Arc::new(Storm {
         client: Client::builder(TokioExecutor::new()).build_http(),
         gateway: target,
@@ -446,70 +466,109 @@ pub async fn run(options: Options) -> Result<Report, String> {
     // About 2.6 requests per payment on average (races, duplicates, reuse, retries).
     let payments = (options.requests * 10 / 26).max(1);
     let started = Instant::now();
-    let progress = options.progress.then(|| {
-        let storm = Arc::clone(&storm);
-        let target = options.requests as u64;
-        tokio::spawn(async move {
-            let terminal = std::io::stderr().is_terminal();
-            let mut last_quarter = 0;
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let sent = storm.counters.requests.load(Ordering::Relaxed);
-                let filled = usize::try_from((sent.min(target) * 30) / target.max(1)).unwrap_or(30);
-                if terminal {
-                    eprint!(
-                        "\r[{}{}] {sent}/{target} requests, {} replays, {} conflicts ",
-                        "#".repeat(filled),
-                        "-".repeat(30 - filled),
-                        storm.counters.replays.load(Ordering::Relaxed),
-                        storm.counters.conflicts.load(Ordering::Relaxed)
-                    );
-                    let _ = std::io::stderr().flush();
-                } else if filled / 8 > last_quarter {
-                    last_quarter = filled / 8;
-                    eprintln!(
-                        "[{}{}] {sent}/{target} requests",
-                        "#".repeat(filled),
-                        "-".repeat(30 - filled)
-                    );
-                }
-            }
-        })
-    });
-    let semaphore = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
-    let mut tasks = Vec::with_capacity(payments);
-    for n in 0..payments {
-        let permit = Arc::clone(&semaphore)
-            .acquire_owned()
-            .await
-            .map_err(|e| e.to_string())?;
-        let storm = Arc::clone(&storm);
-        tasks.push(tokio::spawn(async move {
-            storm.payment(n).await;
-            drop(permit);
-        }));
-    }
-    for task in tasks {
-        task.await.map_err(|e| format!("a client task failed: {e}"))?;
-    }
+    let progress = options
+        .progress
+        .then(|| show_progress(Arc::clone(&storm), options.requests as u64));
+    send_storm(&storm, payments, options.concurrency).await?;
     let elapsed = started.elapsed();
     if let Some(progress) = progress {
         progress.abort();
-        if std::io::stderr().is_terminal() {
-            eprintln!();
-        }
     }
+    Ok(report(&storm, &ledger, &options, &store_url, payments, elapsed))
+}
+
+/// The gateway on `store_url` in front of `upstream`, as the README's `idem serve` would run it
+/// for this upstream: keys required, scoped by `Authorization`.
+async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAddr, Error> {
+    let config = Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
+        store: store_url.to_owned(),
+        methods: vec![http::Method::POST],
+        require_key: true,
+        scope_header: Some(http::header::AUTHORIZATION),
+        upstream_timeout: Duration::from_secs(30),
+        ..Config::default()
+    };
+    let store = idempotency::open(store_url)
+        .await
+        .map_err(|e| Error::open(store_url, e))?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .build_recorder()
+        .handle();
+    serve(gateway::router(&config, store, metrics).main).await
+}
+
+/// A progress bar on standard error (drawn only when it is a terminal), updated until aborted.
+fn show_progress(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+    let bar = ProgressBar::with_draw_target(Some(target), ProgressDrawTarget::stderr()).with_style(
+        ProgressStyle::with_template("[{bar:30}] {pos}/{len} requests, {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("#>-"),
+    );
+    tokio::spawn(async move {
+        // Finishes the bar when the task is aborted (the storm is over).
+        let _finish = FinishOnDrop(bar.clone());
+        loop {
+            bar.set_position(storm.counters.requests.load(Ordering::Relaxed).min(target));
+            bar.set_message(format!(
+                "{} replays, {} conflicts",
+                storm.counters.replays.load(Ordering::Relaxed),
+                storm.counters.conflicts.load(Ordering::Relaxed)
+            ));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// Leaves the progress bar as it is, on a line of its own, when dropped.
+struct FinishOnDrop(ProgressBar);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
+}
+
+/// Runs `payments` payments, `concurrency` at a time, and waits for all of them.
+async fn send_storm(storm: &Arc<Storm>, payments: usize, concurrency: usize) -> Result<(), Error> {
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..payments {
+        // The semaphore is never closed: acquiring only waits.
+        let Ok(permit) = Arc::clone(&semaphore).acquire_owned().await else {
+            break;
+        };
+        let storm = Arc::clone(storm);
+        tasks.spawn(async move {
+            storm.payment(n).await;
+            drop(permit);
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done?;
+    }
+    Ok(())
+}
+
+/// The report: the storm's counters and latencies, the ledger's charges.
+fn report(
+    storm: &Storm,
+    ledger: &Ledger,
+    options: &Options,
+    store_url: &str,
+    payments: usize,
+    elapsed: Duration,
+) -> Report {
     let counters = &storm.counters;
-    let mut latencies = counters
+    let latencies = counters
         .latencies
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    latencies.sort();
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let (charges, double_charges) = ledger.charges();
     let requests = counters.requests.load(Ordering::Relaxed);
-    Ok(Report {
-        store: (!options.direct).then(|| idempotency::redact_url(&store_url)),
+    Report {
+        store: (!options.direct).then(|| idempotency::redact_url(store_url)),
         payments: payments as u64,
         requests,
         duplicates: requests.saturating_sub(payments as u64),
@@ -521,9 +580,40 @@ pub async fn run(options: Options) -> Result<Report, String> {
         failed_payments: counters.failed_payments.load(Ordering::Relaxed),
         charges,
         double_charges,
-        p50: percentile(&latencies, 500),
-        p90: percentile(&latencies, 900),
-        p99: percentile(&latencies, 990),
+        p50: latencies.quantile(0.50),
+        p90: latencies.quantile(0.90),
+        p99: latencies.quantile(0.99),
         elapsed,
-    })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_quantiles_keep_three_significant_digits_at_any_size() {
+        let mut latencies = Latencies::default();
+        assert_eq!(latencies.quantile(0.5), Duration::ZERO);
+        for ms in 1..=100 {
+            latencies.record(Duration::from_millis(ms));
+        }
+        latencies.record(Duration::from_secs(30));
+        let near = |got: Duration, want: Duration| got.abs_diff(want) <= want / 500;
+        assert!(
+            near(latencies.quantile(0.5), Duration::from_millis(51)),
+            "{:?}",
+            latencies.quantile(0.5)
+        );
+        assert!(
+            near(latencies.quantile(0.9), Duration::from_millis(91)),
+            "{:?}",
+            latencies.quantile(0.9)
+        );
+        assert!(
+            near(latencies.quantile(1.0), Duration::from_secs(30)),
+            "{:?}",
+            latencies.quantile(1.0)
+        );
+    }
 }

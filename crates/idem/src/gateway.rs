@@ -13,122 +13,310 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, StatusCode, Uri};
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Method, Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotency::{DynStore, Key, Scope};
-use idempotency_http::{IdempotencyKey, IdempotencyLayer};
+use idempotency_http::{DetachedRuns, IdempotencyKey, IdempotencyLayer, Problem, strip_hop_by_hop};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::Service;
 
-/// The header the upstream finds the attempt number in (1, or more after a takeover).
+use crate::error::Error;
+use crate::units;
+
+/// The header the upstream finds the attempt number in (1, or more after a takeover). The
+/// gateway sets it on guarded requests and removes it from all others, so the upstream can
+/// trust it: a client cannot forge it.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 
 /// The prefix of the gateway's own endpoints on the main listener.
 pub const ADMIN_PREFIX: &str = "/_idem";
 
-/// Everything `idem serve` is configured with.
-#[derive(Debug, Clone)]
+/// Everything `idem serve` is configured with: the command line's flags (each also an `IDEM_*`
+/// environment variable) are these fields, so a setting is added in one place. `Default` is the
+/// command line's defaults, with an upstream on `http://127.0.0.1:3000`.
+#[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// Where the gateway listens.
-    pub listen: SocketAddr,
-    /// Where `/metrics` and `/healthz` are served instead of under [`ADMIN_PREFIX`].
-    pub admin_listen: Option<SocketAddr>,
-    /// The upstream's base URL (`http://host:port[/base]`).
+    /// The upstream's base URL (http://host:port[/base]).
+    #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Uri,
-    /// The store URL.
+    /// Where the gateway listens.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// The store: sqlite://PATH, postgres://..., redis://..., redis-cluster://h:p,h:p, memory://
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
-    /// The lease of a running request.
+    /// How long a request may run without a heartbeat before a retry may take over.
+    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = parse_lease)]
     pub lease: Duration,
-    /// How long a completed key replays.
+    /// How long a completed request's response is replayed.
+    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = parse_retention)]
     pub retention: Duration,
-    /// The request body limit.
+    /// The largest request body (413 beyond it).
+    #[arg(long, env = "IDEM_MAX_BODY", default_value = "1MiB", value_parser = parse_limit)]
     pub max_body: usize,
-    /// The stored response limit.
+    /// The largest response that is stored for replay (larger ones pass through, not replayable).
+    #[arg(long, env = "IDEM_MAX_RESPONSE", default_value = "1MiB", value_parser = parse_limit)]
     pub max_response: usize,
-    /// The guarded methods.
+    /// The guarded methods, comma-separated.
+    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',', value_parser = parse_method)]
     pub methods: Vec<Method>,
-    /// Whether guarded requests must carry a key.
+    /// Answer 400 to guarded requests without an Idempotency-Key.
+    #[arg(long, env = "IDEM_REQUIRE_KEY")]
     pub require_key: bool,
-    /// The header whose value (hashed) scopes keys.
+    /// Scope keys by a hash of this header's value (for example Authorization).
+    #[arg(long, env = "IDEM_SCOPE_HEADER", value_parser = parse_header_name)]
     pub scope_header: Option<HeaderName>,
-    /// Wait mode's deadline.
+    /// Wait mode: a duplicate of a running request waits up to this long for its response.
+    #[arg(long, env = "IDEM_WAIT", value_parser = parse_wait)]
     pub wait: Option<Duration>,
-    /// Run requests without the guard when the store is down.
+    /// Forward requests without the guard while the store is unreachable (default: 503).
+    #[arg(long, env = "IDEM_FAIL_OPEN")]
     pub fail_open: bool,
-    /// How long the upstream may take to answer.
+    /// How long the upstream may take to answer (504 after it, and the key is released).
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "60s", value_parser = parse_upstream_timeout)]
     pub upstream_timeout: Duration,
+}
+
+impl Default for Config {
+    /// The defaults clap holds for the flags (nothing is written twice), read without the
+    /// `IDEM_*` environment, with an upstream on `http://127.0.0.1:3000`.
+    fn default() -> Self {
+        use clap::{Args, FromArgMatches};
+        let command = Self::augment_args(clap::Command::new("idem serve")).mut_args(|arg| arg.env(None));
+        command
+            .try_get_matches_from(["idem serve", "--upstream", "http://127.0.0.1:3000"])
+            .and_then(|matches| Self::from_arg_matches(&matches))
+            .expect("the flags' defaults parse (tested)")
+    }
+}
+
+/// Why an upstream URL is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpstreamError {
+    /// Not a URL at all.
+    #[error("`{text}` is not a URL: {reason}")]
+    NotAUrl {
+        /// What was given.
+        text: String,
+        /// The URI parser's message (its error type is not `Clone`).
+        reason: String,
+    },
+    /// An `https://` upstream.
+    #[error("`{0}`: https upstreams are not supported; reach the upstream over http on a private network")]
+    Https(String),
+    /// Any scheme but `http://`.
+    #[error("`{0}`: the upstream must be an http:// URL")]
+    NotHttp(String),
+    /// No host.
+    #[error("`{0}`: the upstream URL has no host")]
+    NoHost(String),
+    /// A query string.
+    #[error("`{0}`: the upstream URL must not have a query")]
+    Query(String),
 }
 
 /// Checks an upstream URL: `http://host[:port][/base]`, no query.
 ///
 /// # Errors
 ///
-/// What is wrong, for the user.
-pub fn parse_upstream(text: &str) -> Result<Uri, String> {
-    let uri: Uri = text.parse().map_err(|e| format!("`{text}` is not a URL: {e}"))?;
+/// An [`UpstreamError`] that says what is wrong.
+pub fn parse_upstream(text: &str) -> Result<Uri, UpstreamError> {
+    let uri: Uri = text
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| UpstreamError::NotAUrl {
+            text: text.into(),
+            reason: e.to_string(),
+        })?;
     match uri.scheme_str() {
         Some("http") => {}
-        Some("https") => {
-            return Err(format!(
-                "`{text}`: https upstreams are not supported; reach the upstream over http on a private network"
-            ));
-        }
-        _ => return Err(format!("`{text}`: the upstream must be an http:// URL")),
+        Some("https") => return Err(UpstreamError::Https(text.into())),
+        _ => return Err(UpstreamError::NotHttp(text.into())),
     }
     if uri.authority().is_none() {
-        return Err(format!("`{text}`: the upstream URL has no host"));
+        return Err(UpstreamError::NoHost(text.into()));
     }
     if uri.query().is_some() {
-        return Err(format!("`{text}`: the upstream URL must not have a query"));
+        return Err(UpstreamError::Query(text.into()));
     }
     Ok(uri)
 }
 
-/// A problem document of the gateway's own (the layer's are in `idempotency_http::Problem`).
-fn problem(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": format!("urn:idempotency:problem:{kind}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
+/// A flag value that is not an HTTP method or header name the gateway accepts, or a duration or
+/// size outside what makes sense for its setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FlagError {
+    /// Not a duration or a size at all.
+    #[error(transparent)]
+    Unit(#[from] units::UnitError),
+    /// A duration or size outside its setting's range.
+    #[error("`{text}` is out of range for {setting}: {why}")]
+    OutOfRange {
+        /// What was given.
+        text: String,
+        /// The setting.
+        setting: &'static str,
+        /// The range, and what goes wrong outside it.
+        why: &'static str,
+    },
+    /// Not one of the standard methods.
+    #[error("`{0}` is not an HTTP method (GET, POST, PUT, PATCH, DELETE, ...)")]
+    Method(String),
+    /// Not a valid header name.
+    #[error("`{0}` is not a header name")]
+    HeaderName(String),
 }
 
-/// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+/// A duration flag within `[min, max]`.
+fn bounded_duration(
+    text: &str,
+    setting: &'static str,
+    (min, max): (Duration, Duration),
+    why: &'static str,
+) -> Result<Duration, FlagError> {
+    let duration = units::parse_duration(text)?;
+    if duration < min || duration > max {
+        return Err(FlagError::OutOfRange {
+            text: text.into(),
+            setting,
+            why,
+        });
+    }
+    Ok(duration)
+}
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+/// `--lease`: 1 s to 24 h. A zero lease lets a concurrent duplicate take a running request over
+/// and run it again; a longer one than a day leaves a crashed request's key blocked for as long.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_lease(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
+    bounded_duration(
+        text,
+        "--lease",
+        range,
+        "from 1s to 24h (a shorter lease lets a duplicate run while the first still runs)",
+    )
+}
+
+/// `--retention`: 1 s to 3650 days. Zero would replay nothing: every retry would run again.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_retention(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_secs(1), Duration::from_secs(3650 * 86_400));
+    bounded_duration(
+        text,
+        "--retention",
+        range,
+        "from 1s to 3650d (with none, every retry runs again)",
+    )
+}
+
+/// `--upstream-timeout`: 100 ms to 24 h. Zero would answer 504 while the upstream runs.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_upstream_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(100), Duration::from_secs(86_400));
+    bounded_duration(text, "--upstream-timeout", range, "from 100ms to 24h")
+}
+
+/// `--wait`: 1 ms to 1 h.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_wait(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(1), Duration::from_secs(3600));
+    bounded_duration(text, "--wait", range, "from 1ms to 1h")
+}
+
+/// `--max-body` and `--max-response`: 1 byte to 1 GiB (bodies are held in memory).
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_limit(text: &str) -> Result<usize, FlagError> {
+    let size = units::parse_size(text)?;
+    if size == 0 || size > 1 << 30 {
+        return Err(FlagError::OutOfRange {
+            text: text.into(),
+            setting: "a size limit",
+            why: "from 1B to 1GiB (bodies are held in memory)",
+        });
     }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
+    Ok(size)
+}
+
+/// A standard HTTP method, in any case.
+///
+/// # Errors
+///
+/// [`FlagError::Method`] for anything else.
+pub fn parse_method(text: &str) -> Result<Method, FlagError> {
+    let upper = text.trim().to_ascii_uppercase();
+    match upper.as_str() {
+        "GET" | "HEAD" | "POST" | "PUT" | "PATCH" | "DELETE" | "OPTIONS" => {
+            Method::from_bytes(upper.as_bytes()).map_err(|_| FlagError::Method(text.into()))
+        }
+        _ => Err(FlagError::Method(text.into())),
     }
+}
+
+/// A header name.
+///
+/// # Errors
+///
+/// [`FlagError::HeaderName`] when it is not one.
+pub fn parse_header_name(text: &str) -> Result<HeaderName, FlagError> {
+    HeaderName::from_bytes(text.trim().as_bytes()).map_err(|_| FlagError::HeaderName(text.into()))
+}
+
+/// A problem document, as the layer writes its own.
+fn problem(problem: &Problem) -> Response {
+    problem.to_response().map(Body::from)
+}
+
+/// The path with its `.` and `..` segments resolved (RFC 3986 §5.2.4), percent-encoded ones
+/// (`%2e%2e`) included, so that a request target can never climb above the upstream's base path:
+/// `..` at the root stays at the root.
+fn remove_dot_segments(path: &str) -> String {
+    let is = |segment: &str, dots: usize| {
+        let decoded = segment.to_ascii_lowercase().replace("%2e", ".");
+        decoded.len() == dots && decoded.bytes().all(|b| b == b'.')
+    };
+    let mut kept: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = path.split('/').skip(1).collect();
+    let last = segments.len().saturating_sub(1);
+    let mut trailing_slash = false;
+    for (i, segment) in segments.iter().enumerate() {
+        if is(segment, 1) {
+            trailing_slash = i == last;
+        } else if is(segment, 2) {
+            kept.pop();
+            trailing_slash = i == last;
+        } else {
+            kept.push(segment);
+            trailing_slash = false;
+        }
+    }
+    let mut out = format!("/{}", kept.join("/"));
+    if trailing_slash && !out.ends_with('/') {
+        out.push('/');
+    }
+    out
 }
 
 /// The proxy behind the layer: forwards a request to the upstream and brings the response back.
@@ -161,26 +349,34 @@ impl Proxy {
         }
     }
 
-    fn target(&self, uri: &Uri) -> Result<Uri, String> {
+    fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
         let base = self.upstream.path().trim_end_matches('/');
-        let path = uri.path_and_query().map_or("/", |p| p.as_str());
+        let path = remove_dot_segments(uri.path());
+        let path = match uri.query() {
+            Some(query) => format!("{path}?{query}"),
+            None => path,
+        };
         Uri::builder()
             .scheme("http")
             .authority(self.upstream.authority().map_or("", |a| a.as_str()))
             .path_and_query(format!("{base}{path}"))
             .build()
-            .map_err(|e| e.to_string())
     }
 
     async fn forward(self, mut request: Request<Body>) -> Response {
         let key = request.extensions().get::<IdempotencyKey>().cloned();
         let target = match self.target(request.uri()) {
             Ok(target) => target,
-            Err(why) => return problem(StatusCode::BAD_REQUEST, "bad-target", "Bad request target", &why),
+            Err(why) => {
+                return problem(&Problem::BadTarget(why.to_string()));
+            }
         };
         *request.uri_mut() = target;
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
+        // Only the gateway says which attempt this is: a client's own value never reaches the
+        // upstream, on guarded requests and on the others alike.
+        headers.remove(IDEMPOTENCY_ATTEMPT);
         if let Some(host) = headers.remove(header::HOST) {
             headers.insert("x-forwarded-host", host);
         }
@@ -194,22 +390,12 @@ impl Proxy {
         let response = match tokio::time::timeout(self.timeout, self.client.request(request)).await {
             Err(_) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
-                return problem(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "upstream-timeout",
-                    "Upstream timed out",
-                    "The upstream did not answer in time; the key was released and the request may be retried.",
-                );
+                return problem(&Problem::UpstreamTimeout);
             }
             Ok(Err(error)) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "unreachable").increment(1);
                 tracing::warn!(%error, upstream = %self.upstream, "upstream unreachable");
-                return problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-unreachable",
-                    "Upstream unreachable",
-                    "The upstream could not be reached; the key was released and the request may be retried.",
-                );
+                return problem(&Problem::UpstreamUnreachable);
             }
             Ok(Ok(response)) => response,
         };
@@ -237,7 +423,8 @@ impl Service<Request<Body>> for Proxy {
 #[derive(Clone)]
 struct Admin {
     store: DynStore,
-    store_url: String,
+    /// The store's kind (its URL scheme): enough for an operator, and no credential can be in it.
+    store_kind: String,
     metrics: PrometheusHandle,
 }
 
@@ -249,20 +436,14 @@ async fn healthz(State(admin): State<Admin>) -> Response {
     };
     match tokio::time::timeout(Duration::from_secs(2), probe).await {
         Ok(Ok(_)) => {
-            axum::Json(serde_json::json!({ "status": "ok", "store": admin.store_url })).into_response()
+            axum::Json(serde_json::json!({ "status": "ok", "store": admin.store_kind })).into_response()
         }
-        Ok(Err(why)) => problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "Store unavailable",
-            &why,
-        ),
-        Err(_) => problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "Store unavailable",
-            "the store did not answer within 2s",
-        ),
+        Ok(Err(why)) => Problem::StoreUnavailable
+            .to_response_with_detail(&why)
+            .map(Body::from),
+        Err(_) => Problem::StoreUnavailable
+            .to_response_with_detail("the store did not answer within 2s")
+            .map(Body::from),
     }
 }
 
@@ -281,9 +462,21 @@ fn admin_router(admin: Admin, prefix: &str) -> Router {
         .with_state(admin)
 }
 
-/// The gateway's router: the layer around the proxy, and the admin endpoints under
-/// [`ADMIN_PREFIX`] unless they have a listener of their own.
-pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> (Router, Option<Router>) {
+/// The gateway's routers and the handle on its layer's detached runs.
+#[derive(Debug)]
+pub struct Routers {
+    /// The layer around the proxy, with the admin endpoints under [`ADMIN_PREFIX`] unless they
+    /// have a listener of their own.
+    pub main: Router,
+    /// The admin endpoints, when `admin_listen` gives them a listener of their own.
+    pub admin: Option<Router>,
+    /// The guarded runs whose clients went away, finishing on tasks of their own: the gateway
+    /// waits for them before it exits.
+    pub detached: DetachedRuns,
+}
+
+/// The gateway's routers: the layer around the proxy, and the admin endpoints.
+pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Routers {
     let mut layer = IdempotencyLayer::new(store.clone())
         .name("gateway")
         .methods(config.methods.iter().cloned())
@@ -301,19 +494,42 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> (R
     if let Some(deadline) = config.wait {
         layer = layer.wait(deadline);
     }
+    let detached = layer.detached_runs();
     let proxy = tower::ServiceBuilder::new()
         .layer(layer)
         .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
     let admin = Admin {
         store,
-        store_url: idempotency::redact_url(&config.store),
+        store_kind: idempotency::registry()
+            .kind(&config.store)
+            .map_or("unknown", |kind| kind.name)
+            .to_owned(),
         metrics,
     };
     let main = Router::new().fallback_service(proxy);
-    match config.admin_listen {
+    let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
+    };
+    Routers {
+        main,
+        admin,
+        detached,
     }
+}
+
+/// A listener on `addr`.
+///
+/// # Errors
+///
+/// [`Error::Listen`] when it cannot be bound.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, Error> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Listen {
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 /// Runs the gateway until `shutdown`, then stops accepting, lets in-flight requests finish
@@ -322,25 +538,22 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> (R
 /// # Errors
 ///
 /// The store cannot be opened, or a listener cannot be bound.
-pub async fn serve(
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), String> {
+pub async fn serve(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
-        .map_err(|e| format!("metrics: {e}"))?;
+        .map_err(Error::Metrics)?;
     let store = idempotency::open(&config.store)
         .await
-        .map_err(|e| format!("store {}: {e}", idempotency::redact_url(&config.store)))?;
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    let (main, admin) = router(&config, store, metrics);
+        .map_err(|e| Error::open(&config.store, e))?;
+    let listener = bind(config.listen).await?;
+    let Routers {
+        main,
+        admin,
+        detached,
+    } = router(&config, store, metrics);
     let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
     if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
-        let admin_listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let admin_listener = bind(addr).await?;
         let stop = shutdown.clone();
         tokio::spawn(async move {
             let _ = axum::serve(admin_listener, admin)
@@ -357,15 +570,58 @@ pub async fn serve(
     axum::serve(listener, main)
         .with_graceful_shutdown(shutdown)
         .await
-        .map_err(|e| format!("serving: {e}"))?;
+        .map_err(Error::Serve)?;
     // Requests whose clients went away finish on tasks of their own; let them record too.
     let limit = config.upstream_timeout + Duration::from_secs(5);
-    if !idempotency_http::wait_for_detached_runs(limit).await {
+    if !detached.wait(limit).await {
         tracing::warn!(
-            left = idempotency_http::detached_runs(),
+            left = detached.count(),
             "exiting with requests still running; their leases protect the keys until a retry takes over"
         );
     }
     tracing::info!("drained; in-flight requests finished and recorded");
     Ok(())
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    #[test]
+    fn the_default_is_the_flags_defaults_whatever_the_environment() {
+        let config = Config::default();
+        assert_eq!(config.listen, SocketAddr::from(([127, 0, 0, 1], 8080)));
+        assert_eq!(config.store, "sqlite://idem.db");
+        assert_eq!(config.lease, Duration::from_secs(30));
+        assert_eq!(config.retention, Duration::from_secs(86_400));
+        assert_eq!((config.max_body, config.max_response), (1 << 20, 1 << 20));
+        assert_eq!(config.methods, vec![Method::POST, Method::PATCH]);
+        assert_eq!(config.upstream_timeout, Duration::from_secs(60));
+        assert!(!config.require_key && !config.fail_open);
+        assert!(config.scope_header.is_none() && config.wait.is_none() && config.admin_listen.is_none());
+        assert_eq!(config.upstream, "http://127.0.0.1:3000");
+    }
+
+    #[test]
+    fn upstreams_and_flags_are_refused_with_the_reason() {
+        assert_eq!(
+            parse_upstream("https://a").unwrap_err().to_string(),
+            "`https://a`: https upstreams are not supported; reach the upstream over http on a private network"
+        );
+        assert!(matches!(
+            parse_upstream("http://a/?q=1"),
+            Err(UpstreamError::Query(_))
+        ));
+        assert!(matches!(
+            parse_upstream("ftp://a"),
+            Err(UpstreamError::NotHttp(_))
+        ));
+        assert!(matches!(
+            parse_upstream("not a url"),
+            Err(UpstreamError::NotAUrl { .. })
+        ));
+        assert_eq!(parse_method("patch"), Ok(Method::PATCH));
+        assert!(parse_method("FETCH").is_err());
+        assert!(parse_header_name("bad header").is_err());
+    }
 }

@@ -4,9 +4,13 @@
 //!   front of any upstream;
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
-//! * [`units`]: human durations and sizes as the flags take them.
+//! * [`units`]: human durations and sizes as the flags take them;
+//! * [`error`]: what can go wrong, as one typed [`Error`].
+
+pub use error::Error;
 
 pub mod demo;
+pub mod error;
 pub mod gateway;
 pub mod ops;
 pub mod units;

@@ -9,35 +9,16 @@ use idempotency::{
 };
 use serde_json::{Value, json};
 
+use crate::error::Error;
 use crate::units::format_duration;
 
-/// A timestamp as RFC 3339 UTC, to the millisecond.
+/// A timestamp as RFC 3339 UTC, to the millisecond. Clamped to years 1970 to 9999, which the
+/// format (and `humantime`, which writes it) can show: a stored time outside them is damaged.
 #[must_use]
 pub fn rfc3339(time: Timestamp) -> String {
-    let since = time
-        .to_system_time()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO);
-    let secs = since.as_secs();
-    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX);
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
+    // 9999-12-31T23:59:59.999Z
+    let last = UNIX_EPOCH + Duration::from_millis(253_402_300_799_999);
+    humantime::format_rfc3339_millis(time.to_system_time().clamp(UNIX_EPOCH, last)).to_string()
 }
 
 fn now() -> Timestamp {
@@ -48,29 +29,25 @@ fn age(since: Timestamp) -> String {
     format_duration(Duration::from_secs(now().since(since).as_secs()))
 }
 
-/// Renders rows as a left-aligned text table with a header.
+/// Renders rows as a left-aligned text table without borders, with a header unless every
+/// header cell is empty.
 #[must_use]
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    let mut table = comfy_table::Table::new();
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled);
+    if header.iter().any(|h| !h.is_empty()) {
+        table.set_header(header.iter().copied());
+    }
     for row in rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
-        }
+        table.add_row(row.iter().map(String::as_str));
     }
     let mut out = String::new();
-    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
-        let mut text = String::new();
-        for (cell, width) in cells.zip(&widths) {
-            let _ = write!(text, "{cell:<width$}  ");
-        }
-        out.push_str(text.trim_end());
+    for line in table.lines() {
+        // The preset pads every cell with a space on each side; the first and last are noise.
+        out.push_str(line.strip_prefix(' ').unwrap_or(&line).trim_end());
         out.push('\n');
-    };
-    if header.iter().any(|h| !h.is_empty()) {
-        line(&mut header.iter().copied());
-    }
-    for row in rows {
-        line(&mut row.iter().map(String::as_str));
     }
     out
 }
@@ -154,8 +131,8 @@ fn lease_expired(state: &SummaryState) -> bool {
 /// # Errors
 ///
 /// The store's error.
-pub async fn list(store: &DynStore, filter: &ListFilter, json_out: bool) -> Result<String, String> {
-    let records = store.list(filter).await.map_err(|e| e.to_string())?;
+pub async fn list(store: &DynStore, filter: &ListFilter, json_out: bool) -> Result<String, Error> {
+    let records = store.list(filter).await?;
     if json_out {
         let next = records
             .last()
@@ -209,13 +186,12 @@ fn outcome_json(bytes: &[u8]) -> Value {
 /// # Errors
 ///
 /// The store's error, or no such record.
-pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> Result<String, String> {
-    let Some(record) = store.get(scope, key).await.map_err(|e| e.to_string())? else {
-        return Err(format!(
-            "no record for key {} in scope {:?}",
-            key.as_str(),
-            scope.as_str()
-        ));
+pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> Result<String, Error> {
+    let Some(record) = store.get(scope, key).await? else {
+        return Err(Error::NoRecord {
+            key: key.as_str().into(),
+            scope: scope.as_str().into(),
+        });
     };
     let mut value = summary_json(&record.summary());
     value["fingerprint"] = json!(record.fingerprint.to_string());
@@ -295,8 +271,8 @@ fn stats_json(stats: &Stats) -> Value {
 /// # Errors
 ///
 /// The store's error.
-pub async fn stats(store: &DynStore, scope: Option<&Scope>, json_out: bool) -> Result<String, String> {
-    let stats = store.stats(scope).await.map_err(|e| e.to_string())?;
+pub async fn stats(store: &DynStore, scope: Option<&Scope>, json_out: bool) -> Result<String, Error> {
+    let stats = store.stats(scope).await?;
     if json_out {
         return Ok(stats_json(&stats).to_string());
     }
@@ -323,10 +299,10 @@ pub async fn stats(store: &DynStore, scope: Option<&Scope>, json_out: bool) -> R
 /// # Errors
 ///
 /// The store's error.
-pub async fn purge(store: &DynStore, batch: u64, json_out: bool) -> Result<String, String> {
+pub async fn purge(store: &DynStore, batch: u64, json_out: bool) -> Result<String, Error> {
     let mut total = 0_u64;
     loop {
-        let deleted = store.purge_expired(batch).await.map_err(|e| e.to_string())?;
+        let deleted = store.purge_expired(batch).await?;
         total += deleted;
         if deleted < batch {
             break;
@@ -350,7 +326,7 @@ pub async fn inflight(
     older_than: Duration,
     limit: usize,
     json_out: bool,
-) -> Result<String, String> {
+) -> Result<String, Error> {
     let mut filter = ListFilter::default()
         .state(StateFilter::InFlight)
         .older_than(older_than)
@@ -358,7 +334,7 @@ pub async fn inflight(
     if let Some(scope) = scope {
         filter = filter.scope(scope);
     }
-    let records = store.list(&filter).await.map_err(|e| e.to_string())?;
+    let records = store.list(&filter).await?;
     let stale = records.iter().filter(|r| lease_expired(&r.state)).count();
     if json_out {
         return Ok(json!({

@@ -1,30 +1,72 @@
 //! Human durations (`2s`, `5m`, `24h`, `1h30m`, `250ms`) and sizes (`1MiB`, `512KiB`, `64kB`,
 //! `1048576`), as the flags and `IDEM_*` variables take them.
+//!
+//! Hand-written on purpose, rather than `humantime` and `parse-size`: the flags set leases and
+//! retentions, where a misread value is a double execution, and those crates read more than we
+//! want to accept. `humantime` takes `1M` as a month and `1m` as a minute, `5 m` and `5min` as five
+//! minutes; `parse-size` takes `1 mb` case-insensitively and rounds `1.5MiB`. This grammar is one
+//! unit set, whole numbers, no spaces inside a duration, and every refusal names the offending
+//! part; the unit tests below pin it.
 
 use std::time::Duration;
+
+/// Why a duration or a size flag is refused; the message is what the user reads.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UnitError {
+    /// Nothing was given.
+    #[error("empty duration (examples: 2s, 5m, 24h, 250ms)")]
+    EmptyDuration,
+    /// Not `<integer><unit>` parts.
+    #[error("`{0}` is not a duration (examples: 2s, 5m, 24h, 250ms)")]
+    NotADuration(String),
+    /// A number without its unit.
+    #[error("`{0}`: a unit is missing (ms, s, m, h or d)")]
+    MissingUnit(String),
+    /// A unit that is not one of the list.
+    #[error("`{text}`: unknown unit `{unit}` ({units})")]
+    UnknownUnit {
+        /// What was given.
+        text: String,
+        /// The unit that is not known.
+        unit: String,
+        /// The units that are.
+        units: &'static str,
+    },
+    /// A number with more digits than fit.
+    #[error("`{0}`: the number is too large")]
+    NumberTooLarge(String),
+    /// A duration longer than `Duration` holds.
+    #[error("`{0}` is too long")]
+    TooLong(String),
+    /// Not `<integer>[unit]`.
+    #[error("`{0}` is not a size (examples: 1MiB, 512KiB, 64kB, 1048576)")]
+    NotASize(String),
+    /// A size larger than this machine's address space.
+    #[error("`{0}` is too large")]
+    TooLarge(String),
+}
 
 /// Parses a duration: one or more `<integer><unit>` parts, units `ms`, `s`, `m`, `h`, `d`.
 ///
 /// # Errors
 ///
-/// What is wrong, for the user.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+/// A [`UnitError`] that says what is wrong.
+pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let trimmed = text.trim();
     if trimmed.is_empty() {
-        return Err("empty duration (examples: 2s, 5m, 24h, 250ms)".into());
+        return Err(UnitError::EmptyDuration);
     }
     let mut total = Duration::ZERO;
     let mut rest = trimmed;
     while !rest.is_empty() {
         let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
         if digits == 0 {
-            return Err(format!(
-                "`{text}` is not a duration (examples: 2s, 5m, 24h, 250ms)"
-            ));
+            return Err(UnitError::NotADuration(text.into()));
         }
         let number: u64 = rest[..digits]
             .parse()
-            .map_err(|_| format!("`{text}`: the number is too large"))?;
+            .map_err(|_| UnitError::NumberTooLarge(text.into()))?;
         rest = &rest[digits..];
         let unit_len = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
         let (unit, tail) = rest.split_at(unit_len);
@@ -34,12 +76,18 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             "m" => Duration::from_secs(number.saturating_mul(60)),
             "h" => Duration::from_secs(number.saturating_mul(3600)),
             "d" => Duration::from_secs(number.saturating_mul(86_400)),
-            "" => return Err(format!("`{text}`: a unit is missing (ms, s, m, h or d)")),
-            other => return Err(format!("`{text}`: unknown unit `{other}` (ms, s, m, h or d)")),
+            "" => return Err(UnitError::MissingUnit(text.into())),
+            other => {
+                return Err(UnitError::UnknownUnit {
+                    text: text.into(),
+                    unit: other.into(),
+                    units: "ms, s, m, h or d",
+                });
+            }
         };
         total = total
             .checked_add(part)
-            .ok_or_else(|| format!("`{text}` is too long"))?;
+            .ok_or_else(|| UnitError::TooLong(text.into()))?;
         rest = tail;
     }
     Ok(total)
@@ -50,18 +98,16 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 ///
 /// # Errors
 ///
-/// What is wrong, for the user.
-pub fn parse_size(text: &str) -> Result<usize, String> {
+/// A [`UnitError`] that says what is wrong.
+pub fn parse_size(text: &str) -> Result<usize, UnitError> {
     let trimmed = text.trim();
     let digits = trimmed.bytes().take_while(u8::is_ascii_digit).count();
     if digits == 0 {
-        return Err(format!(
-            "`{text}` is not a size (examples: 1MiB, 512KiB, 64kB, 1048576)"
-        ));
+        return Err(UnitError::NotASize(text.into()));
     }
     let number: u64 = trimmed[..digits]
         .parse()
-        .map_err(|_| format!("`{text}`: the number is too large"))?;
+        .map_err(|_| UnitError::NumberTooLarge(text.into()))?;
     let multiplier: u64 = match trimmed[digits..].trim() {
         "" | "B" => 1,
         "kB" | "KB" => 1000,
@@ -71,15 +117,17 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         "GB" => 1_000_000_000,
         "GiB" => 1 << 30,
         other => {
-            return Err(format!(
-                "`{text}`: unknown unit `{other}` (B, kB, KiB, MB, MiB, GB, GiB)"
-            ));
+            return Err(UnitError::UnknownUnit {
+                text: text.into(),
+                unit: other.into(),
+                units: "B, kB, KiB, MB, MiB, GB, GiB",
+            });
         }
     };
     number
         .checked_mul(multiplier)
         .and_then(|bytes| usize::try_from(bytes).ok())
-        .ok_or_else(|| format!("`{text}` is too large"))
+        .ok_or_else(|| UnitError::TooLarge(text.into()))
 }
 
 /// Formats a duration the way [`parse_duration`] reads it, for messages.
@@ -120,7 +168,7 @@ mod tests {
             ("5min", "unknown unit `min`"),
             ("99999999999999999999s", "too large"),
         ] {
-            let error = parse_duration(bad).unwrap_err();
+            let error = parse_duration(bad).unwrap_err().to_string();
             assert!(error.contains(why), "{bad:?}: {error}");
         }
     }

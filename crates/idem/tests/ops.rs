@@ -27,27 +27,19 @@ async fn operators_see_and_maintain_the_records() {
     let store = idempotency::open(&url).await.unwrap();
     // A crashed worker: in flight, its lease already over.
     let crashed = request("billing", "stuck-1").lease(Duration::from_millis(200));
-    assert!(matches!(
-        store.begin(&crashed).await.unwrap(),
-        Claim::Acquired { .. }
-    ));
+    assert!(matches!(store.begin(&crashed).await.unwrap(), Claim::Acquired(_)));
     // A running one, with a long lease.
     let running = request("billing", "running-1").lease(Duration::from_secs(600));
-    assert!(matches!(
-        store.begin(&running).await.unwrap(),
-        Claim::Acquired { .. }
-    ));
+    assert!(matches!(store.begin(&running).await.unwrap(), Claim::Acquired(_)));
     // Two completed ones, and one that has already expired.
     for (key, retention) in [("done-1", 3600), ("done-2", 3600), ("gone-1", 0)] {
         let done = request("shipping", key);
-        let Claim::Acquired { token, .. } = store.begin(&done).await.unwrap() else {
+        let Claim::Acquired(held) = store.begin(&done).await.unwrap() else {
             panic!("acquire {key}")
         };
         let completed = store
             .complete(
-                &done.scope,
-                &done.key,
-                token,
+                &held,
                 Outcome::new(format!("outcome of {key}")),
                 Duration::from_secs(retention),
             )

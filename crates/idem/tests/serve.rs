@@ -7,9 +7,34 @@ use std::time::Duration;
 
 use common::{calls, client, free_addr, idem, send, start_gateway, start_upstream};
 
+/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
+/// `--ignored` on this name.
 #[test]
+#[ignore = "helper: the upstream process the gateway tests start"]
 fn upstream_process() {
     common::upstream_child();
+}
+
+/// With a base path on the upstream, `..` segments (plain or percent-encoded) are resolved
+/// before the base is prefixed: no request target leaves the base.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dot_segments_cannot_leave_the_upstream_base_path() {
+    let (_upstream, upstream) = start_upstream();
+    let addr = free_addr();
+    let up = format!("http://{upstream}/api");
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", "memory://"], true).await;
+    let client = client();
+    for (sent, arrived) in [
+        ("/orders/1", "/api/orders/1"),
+        ("/../internal/admin", "/api/internal/admin"),
+        ("/a/../../internal/admin", "/api/internal/admin"),
+        ("/%2e%2e/internal/admin", "/api/internal/admin"),
+        ("/%2E%2e/%2e/internal/./admin/", "/api/internal/admin/"),
+        ("/a/b/..", "/api/a/"),
+    ] {
+        let got = send(&client, addr, "GET", sent, &[], b"").await;
+        assert_eq!(String::from_utf8_lossy(&got.body), arrived, "{sent}");
+    }
 }
 
 fn sqlite_url(dir: &tempfile::TempDir) -> String {
@@ -106,6 +131,23 @@ async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
     assert_eq!((first.body.len(), replay.body.len()), (5000, 5000));
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(calls(&client, upstream, "order-4").await, 1);
+
+    // The gateway's attempt header cannot be forged: an unguarded request's own value is dropped.
+    let forged = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("idempotency-attempt", "7")],
+        b"no key",
+    )
+    .await;
+    assert_eq!(forged.status, 201);
+    assert_eq!(
+        forged.json()["attempt"],
+        "-",
+        "a client's Idempotency-Attempt reached the upstream"
+    );
 
     // GET is not guarded by default: it passes through untouched.
     let get = send(
@@ -242,6 +284,29 @@ async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
 
 #[test]
 fn bad_input_gets_clear_errors() {
+    let up = ["serve", "--upstream", "http://127.0.0.1:1"];
+    let nonsense: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--lease", "0s"], "out of range for --lease"),
+        (
+            vec!["--lease", "18446744073709551615s"],
+            "out of range for --lease",
+        ),
+        (vec!["--retention", "0s"], "out of range for --retention"),
+        (vec!["--retention", "3000000d"], "out of range for --retention"),
+        (
+            vec!["--upstream-timeout", "0s"],
+            "out of range for --upstream-timeout",
+        ),
+        (vec!["--max-body", "0"], "out of range for a size limit"),
+        (vec!["--wait", "0s"], "out of range for --wait"),
+    ];
+    for (flags, expected) in nonsense {
+        let args: Vec<&str> = up.iter().copied().chain(flags.iter().copied()).collect();
+        let (got, _, err) = idem(&args);
+        assert_eq!(got, 2, "{flags:?}: {err}");
+        assert!(err.contains(expected), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"), "{flags:?}: {err}");
+    }
     let cases: &[(&[&str], i32, &str)] = &[
         (
             &["serve", "--upstream", "http://127.0.0.1:1", "--frobnicate"],

@@ -33,6 +33,7 @@ use std::time::Duration;
 mod worker;
 pub use worker::Worker;
 
+use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 use idempotency_consumer::{Delivery, Disposition, Processor};
 use idempotency_core::Key;
 use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
@@ -40,25 +41,37 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 
 /// The header a dead-lettered message carries its reason in.
-pub const DEAD_REASON_HEADER: &str = "Idempotency-Dead-Reason";
+pub const DEAD_REASON_HEADER: &str = idempotency_consumer::DEAD_LETTER_REASON_HEADER;
 
 /// The header that counts deliveries across delayed retries.
 pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
 
 /// A broker operation that failed (connection, channel, or an unconfirmed publish).
-#[derive(Debug)]
-pub struct AmqpError(String);
-
-impl std::fmt::Display for AmqpError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RabbitMQ: {}", self.0)
-    }
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AmqpError {
+    /// The client or the broker reported an error (the connection, the channel, a declaration).
+    #[error("RabbitMQ: {0}")]
+    Broker(#[source] lapin::Error),
+    /// The broker refused a publish (a negative publisher confirm).
+    #[error("RabbitMQ: the broker refused a publish (nack)")]
+    Nacked,
+    /// A settlement (an ack, or a confirmed copy to the retry or dead-letter queue) did not
+    /// finish within [`SETTLE_TIMEOUT`]: the connection is gone or stalled. The broker redelivers
+    /// the message, and the record makes the redelivery a duplicate.
+    #[error("RabbitMQ: a settlement did not finish within {SETTLE_TIMEOUT:?}")]
+    SettleTimeout,
+    /// The connection was lost while consuming.
+    #[error("RabbitMQ: the connection was lost")]
+    Disconnected,
 }
 
-impl std::error::Error for AmqpError {}
+/// How long a settlement may take before it is given up: on a connection that died, an ack or a
+/// publisher confirm may never answer, and a worker waiting for it would never reconnect.
+pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn amqp(error: impl std::fmt::Display) -> AmqpError {
-    AmqpError(error.to_string())
+fn amqp(error: lapin::Error) -> AmqpError {
+    AmqpError::Broker(error)
 }
 
 /// The queues of one consumer; see the [crate docs](crate).
@@ -205,8 +218,9 @@ impl Delivery for AmqpMessage {
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when the settlement could not be confirmed; the message is then redelivered by
-/// the broker, and the record makes it a duplicate.
+/// [`AmqpError`] when the settlement could not be confirmed, or did not finish within
+/// [`SETTLE_TIMEOUT`]; the message is then redelivered by the broker, and the record makes it a
+/// duplicate.
 pub async fn process<P>(
     consumer: &P,
     channel: &Channel,
@@ -218,7 +232,9 @@ where
 {
     let message = AmqpMessage::new(delivery);
     let disposition = consumer.process(&message).await;
-    settle(channel, topology, &message, &disposition).await?;
+    tokio::time::timeout(SETTLE_TIMEOUT, settle(channel, topology, &message, &disposition))
+        .await
+        .map_err(|_| AmqpError::SettleTimeout)??;
     Ok(disposition)
 }
 
@@ -303,7 +319,7 @@ async fn publish_confirmed(
         .await
         .map_err(amqp)?;
     if confirm.is_nack() {
-        return Err(AmqpError("the broker refused a publish (nack)".into()));
+        return Err(AmqpError::Nacked);
     }
     Ok(())
 }
@@ -324,7 +340,7 @@ pub async fn publish(
 ) -> Result<(), AmqpError> {
     let mut headers = FieldTable::default();
     headers.insert(
-        "Idempotency-Key".into(),
+        IDEMPOTENCY_KEY_HEADER.into(),
         AMQPValue::LongString(LongString::from(key.as_str())),
     );
     let properties = BasicProperties::default()

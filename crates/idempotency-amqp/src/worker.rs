@@ -140,9 +140,12 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         let lost = std::sync::Mutex::new(None);
         deliveries
             .take_until(shutdown.clone())
+            // A consumer stream does not always end when the socket drops: watch the connection.
+            .take_until(disconnected(&connection))
             .take_while(|delivery| {
                 if let Err(error) = delivery {
-                    *lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(amqp(error));
+                    *lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some(amqp(error.clone()));
                 }
                 std::future::ready(delivery.is_ok())
             })
@@ -157,6 +160,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 }
             })
             .await;
+        let connected = connection.status().connected();
         let _ = channel.close(200, "consumer stopping".into()).await;
         let _ = connection.close(200, "consumer stopping".into()).await;
         match lost
@@ -164,6 +168,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
         {
             Some(error) => Err(Session::Lost(error)),
+            None if !connected => Err(Session::Lost(AmqpError::Disconnected)),
             None => Ok(()),
         }
     }
@@ -201,4 +206,11 @@ enum Session {
     Refused(AmqpError),
     /// The connection failed or was lost.
     Lost(AmqpError),
+}
+
+/// Resolves once `connection` is no longer connected (lost, errored or closed).
+async fn disconnected(connection: &Connection) {
+    while connection.status().connected() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

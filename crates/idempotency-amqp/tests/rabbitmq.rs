@@ -155,7 +155,7 @@ impl Handler<AmqpMessage> for Charger {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         tokio::time::sleep(self.hold).await;
         if call <= self.fail_first {
-            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+            return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
         }
         *self
             .charges

@@ -18,8 +18,7 @@ use async_nats::jetstream;
 use futures_util::StreamExt;
 use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError, TxConsumer, TxHandler};
 use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
-use idempotency_postgres::sqlx::PgConnection;
-use idempotency_postgres::{PostgresStore, TxAttempt};
+use idempotency_postgres::{PgTransaction, PostgresStore};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
@@ -46,16 +45,16 @@ impl<M: Sync> Handler<M> for Count {
 /// Inserts one row per message, in the record's transaction.
 struct InsertRow(String);
 
-impl<M: Delivery + Sync> TxHandler<M> for InsertRow {
+impl<M: Delivery + Sync> TxHandler<M, PostgresStore> for InsertRow {
     async fn handle(
         &self,
         message: &M,
-        tx: &mut PgConnection,
-        attempt: &TxAttempt,
+        tx: &mut PgTransaction,
+        attempt: &Attempt,
     ) -> Result<Outcome, HandlerError> {
-        insert_row(&mut *tx, &self.0, attempt.key.as_str(), message.payload())
+        insert_row(&mut **tx, &self.0, attempt.key().as_str(), message.payload())
             .await
-            .map_err(HandlerError::Retry)?;
+            .map_err(HandlerError::retry)?;
         Ok(Outcome::empty())
     }
 }
@@ -86,7 +85,7 @@ enum Work {
     /// Insert a row in its own transaction, then ack.
     Insert(sqlx::PgPool, String),
     /// Insert a row in the record's transaction.
-    InTransaction(TxConsumer<InsertRow>),
+    InTransaction(TxConsumer<PostgresStore, InsertRow>),
 }
 
 pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {

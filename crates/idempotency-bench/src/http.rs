@@ -111,24 +111,18 @@ pub(crate) fn run_gateway(window: Duration, rounds: usize) -> Result<(), String>
     for (index, (name, store)) in stores.into_iter().enumerate() {
         let config = idem::gateway::Config {
             listen: upstream,
-            admin_listen: None,
-            upstream: idem::gateway::parse_upstream(&format!("http://{upstream}"))?,
+            upstream: idem::gateway::parse_upstream(&format!("http://{upstream}"))
+                .map_err(|e| e.to_string())?,
             store: name.to_owned(),
-            lease: Duration::from_secs(30),
             retention: Duration::from_secs(120),
-            max_body: 1 << 20,
-            max_response: 1 << 20,
             methods: vec![http::Method::POST],
-            require_key: false,
-            scope_header: None,
-            wait: None,
-            fail_open: false,
             upstream_timeout: Duration::from_secs(30),
+            ..idem::gateway::Config::default()
         };
         let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
             .build_recorder()
             .handle();
-        let (router, _) = idem::gateway::router(&config, store, metrics);
+        let router = idem::gateway::router(&config, store, metrics).main;
         let gateway = server.block_on(serve(router))?;
         let rounds = Alternating {
             load_generator: &load_generator,

@@ -21,98 +21,78 @@ mod sqlite;
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// What to run and for how long.
-#[derive(Debug, Clone)]
+use clap::{Parser, ValueEnum};
+
+/// What to measure, and for how long.
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem-bench",
+    about = "Measures the idempotency toolkit against its bare baselines, side by side in one run."
+)]
 struct Settings {
-    targets: Vec<String>,
+    /// What to measure (default: all of them).
+    #[arg(value_enum)]
+    targets: Vec<Target>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 2.0, value_parser = positive_seconds)]
     seconds: f64,
-    rounds: usize,
+    /// Alternating rounds per figure (the median is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    rounds: u16,
 }
 
-const TARGETS: [&str; 7] = [
-    "memory",
-    "sqlite",
-    "postgres",
-    "redis",
-    "http",
-    "gateway",
-    "consumers",
-];
+/// One figure of the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Target {
+    Memory,
+    Sqlite,
+    Postgres,
+    Redis,
+    Http,
+    Gateway,
+    Consumers,
+    /// Every target, in this order.
+    All,
+}
 
-fn parse_args() -> Result<Settings, String> {
-    let mut settings = Settings {
-        targets: Vec::new(),
-        seconds: 2.0,
-        rounds: 3,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--seconds" => {
-                let value = args.next().ok_or("--seconds needs a value")?;
-                settings.seconds = value
-                    .parse()
-                    .ok()
-                    .filter(|s: &f64| *s > 0.0 && s.is_finite())
-                    .ok_or_else(|| format!("--seconds {value:?}: expected a positive number"))?;
-            }
-            "--rounds" => {
-                let value = args.next().ok_or("--rounds needs a value")?;
-                settings.rounds = value
-                    .parse()
-                    .ok()
-                    .filter(|r| *r > 0)
-                    .ok_or_else(|| format!("--rounds {value:?}: expected a positive integer"))?;
-            }
-            "all" => settings.targets.extend(TARGETS.iter().map(|t| (*t).to_string())),
-            target if TARGETS.contains(&target) => settings.targets.push(target.to_string()),
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    if settings.targets.is_empty() {
-        settings.targets.extend(TARGETS.iter().map(|t| (*t).to_string()));
-    }
-    Ok(settings)
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    text.parse()
+        .ok()
+        .filter(|s: &f64| *s > 0.0 && s.is_finite())
+        .ok_or_else(|| format!("{text:?}: expected a positive number"))
 }
 
 fn main() -> ExitCode {
-    let settings = match parse_args() {
-        Ok(settings) => settings,
-        Err(message) => {
-            if !message.is_empty() {
-                eprintln!("idem-bench: {message}");
-            }
-            eprintln!(
-                "usage: idem-bench [memory|sqlite|postgres|redis|http|gateway|consumers|all]... [--seconds S] [--rounds R]"
-            );
-            return if message.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(2)
-            };
-        }
-    };
+    let settings = Settings::parse();
     let window = Duration::from_secs_f64(settings.seconds);
+    let rounds = usize::from(settings.rounds);
+    let every = Target::value_variants()
+        .iter()
+        .copied()
+        .filter(|t| *t != Target::All);
+    let targets: Vec<Target> = if settings.targets.is_empty() || settings.targets.contains(&Target::All) {
+        every.collect()
+    } else {
+        settings.targets.clone()
+    };
     println!(
         "# idem-bench: {} s per measurement, {} alternating rounds, median reported; {} CPUs",
         settings.seconds,
         settings.rounds,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    for target in &settings.targets {
-        let result = match target.as_str() {
-            "memory" => memory::run(window, settings.rounds),
-            "sqlite" => sqlite::run(window, settings.rounds),
-            "postgres" => postgres::run(window, settings.rounds),
-            "redis" => redis::run(window, settings.rounds),
-            "http" => http::run(window, settings.rounds),
-            "gateway" => http::run_gateway(window, settings.rounds),
-            "consumers" => consumers::run(window, settings.rounds),
-            _ => unreachable!("targets are validated"),
+    for target in targets {
+        let result = match target {
+            Target::Memory => memory::run(window, rounds),
+            Target::Sqlite => sqlite::run(window, rounds),
+            Target::Postgres => postgres::run(window, rounds),
+            Target::Redis => redis::run(window, rounds),
+            Target::Http => http::run(window, rounds),
+            Target::Gateway => http::run_gateway(window, rounds),
+            Target::Consumers | Target::All => consumers::run(window, rounds),
         };
         if let Err(error) = result {
-            eprintln!("idem-bench: {target}: {error}");
+            eprintln!("idem-bench: {target:?}: {error}");
             return ExitCode::FAILURE;
         }
     }

@@ -163,17 +163,11 @@ pub(crate) async fn store_cycle<S: idempotency_core::Store>(
     use idempotency_core::{BeginRequest, Claim, Fingerprint, Outcome};
 
     let request = BeginRequest::new(scope, key, Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO);
-    let Claim::Acquired { token, .. } = store.begin(&request).await.map_err(|e| e.to_string())? else {
+    let Claim::Acquired(held) = store.begin(&request).await.map_err(|e| e.to_string())? else {
         return Err("a cycle did not acquire".into());
     };
     let done = store
-        .complete(
-            &request.scope,
-            &request.key,
-            token,
-            Outcome::empty(),
-            Duration::ZERO,
-        )
+        .complete(&held, Outcome::empty(), Duration::ZERO)
         .await
         .map_err(|e| e.to_string())?;
     if done.is_lease_lost() {

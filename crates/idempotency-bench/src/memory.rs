@@ -68,17 +68,11 @@ fn cycle_for(store: &MemoryStore, thread: usize, window: Duration) -> (u64, Dura
             next += 1;
             request.token = Token::random();
             let cycle = async {
-                let Claim::Acquired { token, .. } = store.begin(request).await.expect("begin") else {
+                let Claim::Acquired(held) = store.begin(request).await.expect("begin") else {
                     panic!("every cycle must acquire")
                 };
                 let done = store
-                    .complete(
-                        &request.scope,
-                        &request.key,
-                        token,
-                        Outcome::empty(),
-                        Duration::ZERO,
-                    )
+                    .complete(&held, Outcome::empty(), Duration::ZERO)
                     .await
                     .expect("complete");
                 assert!(!done.is_lease_lost());

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Fingerprint, Key, Outcome, Scope, Token};
-use idempotency_postgres::{Operation, PostgresOptions, PostgresStore, TxExecution};
+use idempotency_core::{Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Token};
+use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
@@ -151,11 +151,6 @@ async fn measure(
     .await
 }
 
-fn request(scope: &Scope, key: &Key) -> BeginRequest {
-    // Zero retention: the next cycle on this key finds the record expired and claims it anew.
-    BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload")).retention(Duration::ZERO)
-}
-
 /// The store's two statements, bound with the same values, on the same pool.
 async fn raw_cycle(store: &PostgresStore, scope: &Scope, key: &Key) -> Result<(), String> {
     let token = Token::random().to_bytes();
@@ -189,22 +184,38 @@ async fn same_transaction_cycle(
     key: &Key,
 ) -> Result<(), String> {
     let table = Arc::clone(table);
-    let run = store
-        .run_in_transaction(request(scope, key), move |tx, attempt| {
-            Box::pin(async move {
-                sqlx::query(AssertSqlSafe(format!(
-                    "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
-                )))
-                .bind(attempt.key.as_str())
-                .execute(&mut **tx)
-                .await?;
-                Ok::<_, sqlx::Error>(((), Outcome::empty()))
-            })
-        })
+    // Zero retention, as `request`: the next cycle on this key claims it anew.
+    let guard = Guard::new(store.clone()).retention(Duration::ZERO);
+    let policy = |written: &Result<(), sqlx::Error>| match written {
+        Ok(()) => Decision::Complete(Outcome::empty()),
+        Err(_) => Decision::Release,
+    };
+    let run = guard
+        .run_in_transaction(
+            scope.clone(),
+            key.clone(),
+            Fingerprint::of_bytes(b"payload"),
+            policy,
+            move |tx, attempt| {
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(format!(
+                        "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
+                    )))
+                    .bind(attempt.key().as_str())
+                    .execute(&mut **tx)
+                    .await
+                    .map(drop)
+                })
+            },
+        )
         .await
         .map_err(|e| e.to_string())?;
     match run {
-        TxExecution::Executed { .. } => Ok(()),
+        Execution::Executed {
+            value: Ok(()),
+            recorded: Recorded::Completed { .. },
+            ..
+        } => Ok(()),
         other => Err(format!("a same-transaction cycle did not execute: {other:?}")),
     }
 }

@@ -1,4 +1,4 @@
-//! Broker-neutral idempotent message consumption (SPEC §6): what to do with one delivered
+//! Broker-neutral idempotent message consumption ([`guide`]): what to do with one delivered
 //! message, decided by the idempotency record, so that a broker adapter only has to carry the
 //! decision out (ack, nack with a delay, dead-letter).
 //!
@@ -44,7 +44,7 @@
 //!
 //! impl Handler<Message> for SendInvoice {
 //!     async fn handle(&self, message: &Message, _attempt: &Attempt) -> Result<Outcome, HandlerError> {
-//!         // Send the e-mail here; a transient failure would be `Err(HandlerError::Retry(..))`.
+//!         // Send the e-mail here; a transient failure would be `Err(HandlerError::retry(..))`.
 //!         Ok(Outcome::new(format!("sent {} bytes", message.payload.len())))
 //!     }
 //! }
@@ -71,16 +71,22 @@ use std::time::Duration;
 
 use idempotency_core::{
     Attempt, DEFAULT_CONSUMER_RETENTION, Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded,
-    Scope, Store,
+    Scope, Store, StoreError,
 };
 
-#[cfg(feature = "postgres")]
+/// The consumer guide (`docs/CONSUMERS.md`): the ack rules, keys, same-transaction consumers,
+/// the adapters and the metrics.
+#[doc = include_str!("../../../docs/CONSUMERS.md")]
+pub mod guide {}
+
 pub mod transactional;
-#[cfg(feature = "postgres")]
 pub use transactional::{TxConsumer, TxHandler};
 
 /// The header that carries the key by default.
-pub const IDEMPOTENCY_KEY_HEADER: &str = "Idempotency-Key";
+pub use idempotency_core::IDEMPOTENCY_KEY_HEADER;
+
+/// The header a dead-lettered message carries its reason in, on every broker.
+pub const DEAD_LETTER_REASON_HEADER: &str = "Idempotency-Dead-Reason";
 
 /// A delivered message, as a broker adapter presents it.
 pub trait Delivery {
@@ -150,32 +156,8 @@ impl KeySource {
     }
 }
 
-/// How long to wait before a retried delivery: `initial × 2^(deliveries − 1)`, at most `max`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    /// The delay after the first failed delivery (default 1 s).
-    pub initial: Duration,
-    /// The longest delay (default 5 min).
-    pub max: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(300),
-        }
-    }
-}
-
-impl Backoff {
-    /// The delay before redelivering a message delivered `deliveries` times.
-    #[must_use]
-    pub fn delay(&self, deliveries: u32) -> Duration {
-        let doublings = deliveries.saturating_sub(1).min(30);
-        self.initial.saturating_mul(1 << doublings).min(self.max)
-    }
-}
+/// The redelivery backoff: core's one backoff policy.
+pub use idempotency_core::Backoff;
 
 /// What the broker adapter must do with the message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -195,14 +177,46 @@ pub enum Disposition {
     },
 }
 
-/// A handler's failure.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Any error a handler fails with, kept as the source of a [`HandlerError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A handler's failure: what it means for the message, and the error that caused it.
+///
+/// ```
+/// use idempotency_consumer::HandlerError;
+///
+/// let timeout = std::io::Error::new(std::io::ErrorKind::TimedOut, "gateway timed out");
+/// let error = HandlerError::retry(timeout);
+/// assert_eq!(error.to_string(), "gateway timed out");
+/// assert!(HandlerError::fatal("card declined").is_fatal());
+/// ```
+#[derive(Debug, thiserror::Error)]
 pub enum HandlerError {
     /// A transient failure (a timeout, a 503 downstream): release the key and retry later.
-    Retry(String),
+    #[error(transparent)]
+    Retry(BoxError),
     /// A permanent failure (invalid payload, a rejected charge): retrying cannot help;
     /// dead-letter the message.
-    Fatal(String),
+    #[error(transparent)]
+    Fatal(BoxError),
+}
+
+impl HandlerError {
+    /// A transient failure caused by `error` (an error value or a message).
+    pub fn retry(error: impl Into<BoxError>) -> Self {
+        Self::Retry(error.into())
+    }
+
+    /// A permanent failure caused by `error` (an error value or a message).
+    pub fn fatal(error: impl Into<BoxError>) -> Self {
+        Self::Fatal(error.into())
+    }
+
+    /// Whether retrying cannot help.
+    #[must_use]
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Self::Fatal(_))
+    }
 }
 
 /// Handles messages of type `M`; runs at most once per key while its outcome is retained.
@@ -238,6 +252,15 @@ pub trait Processor<M: ?Sized>: Send + Sync {
 impl<M: ?Sized + Sync, P: Processor<M> + ?Sized> Processor<M> for Arc<P> {
     fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send {
         (**self).process(message)
+    }
+}
+
+/// The handler's outcome is recorded when it succeeded; a failure releases the key (or, in a
+/// transaction, rolls everything back).
+fn complete_on_success(result: &Result<Outcome, HandlerError>) -> Decision {
+    match result {
+        Ok(outcome) => Decision::Complete(outcome.clone()),
+        Err(_) => Decision::Release,
     }
 }
 
@@ -306,11 +329,44 @@ impl Rules {
         }
     }
 
+    /// The disposition of a message after the guard ran (or did not run) its handler: the one
+    /// place the ack rules read an [`Execution`], for every kind of consumer.
+    fn settle<V>(
+        &self,
+        run: Result<Execution<Result<V, HandlerError>>, StoreError>,
+        key: &Key,
+        deliveries: u32,
+    ) -> Disposition {
+        match run {
+            Err(error) => self.store_unavailable(&error, deliveries),
+            Ok(Execution::Replayed(_)) => self.duplicate(),
+            Ok(Execution::InFlight { retry_after, .. }) => self.in_flight(retry_after),
+            Ok(Execution::Mismatch) => self.mismatch(key),
+            Ok(Execution::Executed { value, recorded, .. }) => match (value, recorded) {
+                (Ok(_), Recorded::Completed { .. }) => self.executed(),
+                // Another delivery took the key over while this one ran; that delivery's outcome
+                // stands, and this copy of the message is a duplicate.
+                (Ok(_), Recorded::LeaseLost) => self.duplicate(),
+                // The side effect happened but is not recorded (or, impossibly with this
+                // policy, was released): never ack an outcome that is not durable. In a
+                // transaction, nothing committed (or the commit's fate is unknown): the
+                // redelivery runs or replays.
+                (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released)) => {
+                    tracing::error!(consumer = self.name, ?recorded, "outcome not recorded");
+                    self.store_unavailable(&"the outcome could not be recorded", deliveries)
+                }
+                (Err(error), _) => self.failed(error, deliveries),
+            },
+        }
+    }
+
     fn failed(&self, error: HandlerError, deliveries: u32) -> Disposition {
         match error {
             HandlerError::Fatal(reason) => {
                 self.count("dead_lettered");
-                Disposition::DeadLetter { reason }
+                Disposition::DeadLetter {
+                    reason: reason.to_string(),
+                }
             }
             HandlerError::Retry(reason) if deliveries >= self.max_deliveries => {
                 self.count("dead_lettered");
@@ -414,39 +470,16 @@ where
             Err(dead) => return dead,
         };
         let fingerprint = Fingerprint::of_bytes(message.payload());
-        let policy = |result: &Result<Outcome, HandlerError>| match result {
-            Ok(outcome) => Decision::Complete(outcome.clone()),
-            Err(_) => Decision::Release,
-        };
         let run = self
             .guard
             .run(
                 rules.scope.clone(),
                 key.clone(),
                 fingerprint,
-                policy,
+                complete_on_success,
                 |attempt| async move { self.handler.handle(message, &attempt).await },
             )
             .await;
-        let deliveries = message.delivery_count();
-        match run {
-            Err(error) => rules.store_unavailable(&error, deliveries),
-            Ok(Execution::Replayed(_)) => rules.duplicate(),
-            Ok(Execution::InFlight { retry_after, .. }) => rules.in_flight(retry_after),
-            Ok(Execution::Mismatch) => rules.mismatch(&key),
-            Ok(Execution::Executed { value, recorded, .. }) => match (value, recorded) {
-                (Ok(_), Recorded::Completed { .. }) => rules.executed(),
-                // Another delivery took the key over while this one ran; that delivery's outcome
-                // stands, and this copy of the message is a duplicate.
-                (Ok(_), Recorded::LeaseLost) => rules.duplicate(),
-                // The side effect happened but is not recorded (or, impossibly with this
-                // policy, was released): never ack an outcome that is not durable.
-                (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released)) => {
-                    tracing::error!(consumer = rules.name, ?recorded, "outcome not recorded");
-                    rules.store_unavailable(&"the outcome could not be recorded", deliveries)
-                }
-                (Err(error), _) => rules.failed(error, deliveries),
-            },
-        }
+        rules.settle(run, &key, message.delivery_count())
     }
 }

@@ -1,6 +1,6 @@
-//! Same-transaction consumers on the PostgreSQL store.
+//! Same-transaction consumers, on any [`TransactionalStore`] (PostgreSQL today).
 //!
-//! When a message's side effect is a write to the same PostgreSQL database as the record (a
+//! When a message's side effect is a write to the same database as the record (a
 //! charge row, a ledger entry, an outbox row), the handler can write it **in the record's
 //! transaction**: the claim, the business rows and the completion commit together or not at all.
 //! A crash anywhere before the commit leaves nothing behind, and the redelivery runs from
@@ -9,67 +9,70 @@
 //! invisible: a concurrent duplicate waits on the row lock, then replays (or, after a
 //! rollback, runs).
 //!
-//! ```no_run
-//! use idempotency_consumer::{Delivery, HandlerError, Processor, TxConsumer, TxHandler};
-//! use idempotency_core::Outcome;
-//! use idempotency_postgres::sqlx::{self, PgConnection};
-//! use idempotency_postgres::{PostgresStore, TxAttempt};
+//! The consumer is generic over the store, so this crate knows no database; with
+//! `idempotency-postgres` the transaction is its `PgTransaction` and the handler writes with
+//! `sqlx::query(…).execute(&mut **tx)` (that crate's docs show it whole). Here the handler works
+//! on any store whose transaction can record a charge:
+//!
+//! ```
+//! use idempotency_consumer::{Delivery, HandlerError, TxHandler};
+//! use idempotency_core::{Attempt, Outcome, TransactionalStore};
+//!
+//! /// What the handler needs of the transaction.
+//! trait Ledger: Send {
+//!     fn insert_charge(&mut self, key: &str, cents: i64) -> impl Future<Output = std::io::Result<()>> + Send;
+//! }
 //!
 //! struct RecordCharge;
 //!
-//! impl<M: Delivery + Sync> TxHandler<M> for RecordCharge {
-//!     async fn handle(&self, message: &M, tx: &mut PgConnection, attempt: &TxAttempt) -> Result<Outcome, HandlerError> {
+//! impl<M, S> TxHandler<M, S> for RecordCharge
+//! where
+//!     M: Delivery + Sync,
+//!     S: TransactionalStore<Transaction: Ledger>,
+//! {
+//!     async fn handle(&self, message: &M, tx: &mut S::Transaction, attempt: &Attempt) -> Result<Outcome, HandlerError> {
 //!         let cents: i64 = std::str::from_utf8(message.payload())
 //!             .ok()
 //!             .and_then(|text| text.parse().ok())
-//!             .ok_or_else(|| HandlerError::Fatal("the payload is not an amount in cents".into()))?;
-//!         sqlx::query("INSERT INTO charges (key, cents) VALUES ($1, $2)")
-//!             .bind(attempt.key.as_str())
-//!             .bind(cents)
-//!             .execute(&mut *tx)
-//!             .await
-//!             .map_err(|e| HandlerError::Retry(e.to_string()))?;
+//!             .ok_or_else(|| HandlerError::fatal("the payload is not an amount in cents"))?;
+//!         tx.insert_charge(attempt.key().as_str(), cents).await.map_err(HandlerError::retry)?;
 //!         Ok(Outcome::new("charged"))
 //!     }
 //! }
-//!
-//! # async fn example<M: Delivery + Sync>(store: PostgresStore, message: M) {
-//! let consumer = TxConsumer::new("charges", store, RecordCharge);
-//! let disposition = consumer.process(&message).await; // then ack, nack or dead-letter
-//! # let _ = disposition;
-//! # }
+//! // `TxConsumer::new("charges", store, RecordCharge)` then processes deliveries: its rows
+//! // commit with the record, or not at all.
 //! ```
 
 use std::future::Future;
-
-use idempotency_core::{BeginRequest, Fingerprint, Outcome, Token};
-use idempotency_postgres::sqlx::{PgConnection, Postgres, Transaction};
-use idempotency_postgres::{PostgresStore, TxAttempt, TxError, TxExecution, TxOperation};
-
 use std::time::Duration;
 
-use crate::{Backoff, Consumer, Delivery, Disposition, HandlerError, KeySource, Processor};
+use idempotency_core::{Attempt, Fingerprint, Outcome, TransactionalStore, TxOperation};
 
-/// Handles messages of type `M` inside the record's transaction; runs at most once per key
-/// while its outcome is retained, and its writes commit with the record.
-pub trait TxHandler<M: ?Sized>: Send + Sync {
+use crate::{
+    Backoff, Consumer, Delivery, Disposition, HandlerError, KeySource, Processor, complete_on_success,
+};
+
+/// Handles messages of type `M` inside the record's transaction on the store `S` (its
+/// [`TransactionalStore::Transaction`]); runs at most once per key while its outcome is
+/// retained, and its writes commit with the record.
+pub trait TxHandler<M: ?Sized, S: TransactionalStore + ?Sized>: Send + Sync {
     /// Writes the side effect of `message` through `tx` and returns the outcome to keep for
     /// duplicates. On `Err`, everything it wrote is rolled back.
     fn handle(
         &self,
         message: &M,
-        tx: &mut PgConnection,
-        attempt: &TxAttempt,
+        tx: &mut S::Transaction,
+        attempt: &Attempt,
     ) -> impl Future<Output = Result<Outcome, HandlerError>> + Send;
 }
 
 /// A consumer whose handler writes in the record's transaction; see the [module docs](self).
 #[derive(Debug, Clone)]
-pub struct TxConsumer<H> {
-    inner: Consumer<PostgresStore, H>,
+pub struct TxConsumer<S, H> {
+    inner: Consumer<S, H>,
 }
 
-impl<H> TxConsumer<H> {
+impl<S: TransactionalStore, H> TxConsumer<S, H> {
     /// A consumer named `name` whose handler writes in the record's transaction on `store`.
     /// The defaults are those of [`Consumer::new`]; there is no lease to set, since an
     /// uncommitted claim cannot expire under its handler.
@@ -77,7 +80,7 @@ impl<H> TxConsumer<H> {
     /// # Panics
     ///
     /// If `name` is not a valid scope (1 to 255 bytes of visible ASCII).
-    pub fn new(name: &'static str, store: PostgresStore, handler: H) -> Self {
+    pub fn new(name: &'static str, store: S, handler: H) -> Self {
         Self {
             inner: Consumer::new(name, store, handler),
         }
@@ -128,27 +131,23 @@ struct Handle<'a, H, M> {
     message: &'a M,
 }
 
-impl<H, M> TxOperation for Handle<'_, H, M>
+impl<H, M, S> TxOperation<S> for Handle<'_, H, M>
 where
-    H: TxHandler<M>,
+    S: TransactionalStore,
+    H: TxHandler<M, S>,
     M: Sync,
 {
-    type Value = ();
-    type Error = HandlerError;
+    type Value = Result<Outcome, HandlerError>;
 
-    async fn run(
-        self,
-        tx: &mut Transaction<'static, Postgres>,
-        attempt: TxAttempt,
-    ) -> Result<((), Outcome), HandlerError> {
-        let outcome = self.handler.handle(self.message, tx, &attempt).await?;
-        Ok(((), outcome))
+    async fn run(self, tx: &mut S::Transaction, attempt: Attempt) -> Result<Outcome, HandlerError> {
+        self.handler.handle(self.message, tx, &attempt).await
     }
 }
 
-impl<H, M> Processor<M> for TxConsumer<H>
+impl<S, H, M> Processor<M> for TxConsumer<S, H>
 where
-    H: TxHandler<M>,
+    S: TransactionalStore,
+    H: TxHandler<M, S>,
     M: Delivery + Sync,
 {
     async fn process(&self, message: &M) -> Disposition {
@@ -161,28 +160,15 @@ where
             Ok(key) => key,
             Err(dead) => return dead,
         };
-        let request = BeginRequest {
-            scope: rules.scope.clone(),
-            key: key.clone(),
-            fingerprint: Fingerprint::of_bytes(message.payload()),
-            token: Token::random(),
-            lease: guard.lease_duration(),
-            retention: guard.retention_duration(),
-        };
-        let operation = Handle { handler, message };
-        let deliveries = message.delivery_count();
-        match guard
-            .store()
-            .run_operation_in_transaction(request, operation)
-            .await
-        {
-            Ok(TxExecution::Executed { .. }) => rules.executed(),
-            Ok(TxExecution::Replayed(_)) => rules.duplicate(),
-            Ok(TxExecution::InFlight { retry_after, .. }) => rules.in_flight(retry_after),
-            Ok(TxExecution::Mismatch) => rules.mismatch(&key),
-            // Nothing committed, or the commit's fate is unknown: the redelivery runs or replays.
-            Err(TxError::Store(error)) => rules.store_unavailable(&error, deliveries),
-            Err(TxError::Operation(error)) => rules.failed(error, deliveries),
-        }
+        let run = guard
+            .run_operation_in_transaction(
+                rules.scope.clone(),
+                key.clone(),
+                Fingerprint::of_bytes(message.payload()),
+                complete_on_success,
+                Handle { handler, message },
+            )
+            .await;
+        rules.settle(run, &key, message.delivery_count())
     }
 }

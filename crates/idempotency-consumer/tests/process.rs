@@ -1,4 +1,4 @@
-//! The ack rules of SPEC §6, on the reference store with injected faults (Tokio's paused clock
+//! The ack rules of `docs/CONSUMERS.md`, on the reference store with injected faults (Tokio's paused clock
 //! makes leases and backoff instant).
 
 use std::collections::HashMap;
@@ -72,10 +72,10 @@ impl Handler<Message> for Charger {
             tokio::time::sleep(slow).await;
         }
         if self.fatal {
-            return Err(HandlerError::Fatal("card declined".into()));
+            return Err(HandlerError::fatal("card declined"));
         }
         if call <= self.fail_first {
-            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+            return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
         }
         self.charges.lock().unwrap().push(attempt.key().to_string());
         Ok(Outcome::new(format!(

@@ -110,9 +110,47 @@ impl Fingerprint {
     /// The digest as 64 lowercase hex characters.
     #[must_use]
     pub fn to_hex(&self) -> String {
-        let mut out = String::with_capacity(64);
-        crate::key::push_hex(&mut out, &self.0);
-        out
+        hex::encode(self.0)
+    }
+
+    /// The digest from 64 hex characters, as [`Fingerprint::to_hex`] writes them (for stores
+    /// that keep fingerprints as text).
+    ///
+    /// ```
+    /// use idempotency_core::Fingerprint;
+    ///
+    /// let fingerprint = Fingerprint::of_bytes(b"pay 10");
+    /// assert_eq!(Fingerprint::from_hex(&fingerprint.to_hex())?, fingerprint);
+    /// assert!(Fingerprint::from_hex("abc").is_err());
+    /// # Ok::<(), idempotency_core::DecodeError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`DecodeError::Hex`](crate::DecodeError::Hex) when `text` is not 64 hex digits.
+    pub fn from_hex(text: &str) -> Result<Self, crate::DecodeError> {
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(text, &mut digest).map_err(|_| crate::DecodeError::Hex {
+            field: "fingerprint",
+            digits: 64,
+        })?;
+        Ok(Self(digest))
+    }
+
+    /// The digest from its 32 raw bytes (for stores that keep fingerprints as binary).
+    ///
+    /// # Errors
+    ///
+    /// [`DecodeError::Length`](crate::DecodeError::Length) when `bytes` is not 32 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, crate::DecodeError> {
+        bytes
+            .try_into()
+            .map(Self)
+            .map_err(|_| crate::DecodeError::Length {
+                field: "fingerprint",
+                expected: 32,
+                found: bytes.len(),
+            })
     }
 }
 

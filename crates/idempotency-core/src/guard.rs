@@ -24,8 +24,8 @@
 //!
 //! # Observability
 //!
-//! Each run is a `tracing` span `idempotency.run` (scope and key shortened; fields `attempt` and
-//! `result`), each store call inside it a `debug` span `idempotency.store` (field `op`), and the
+//! Each run is a `tracing` span `idempotency.run` (scope and key shortened; fields
+//! `transaction`, `attempt` and `result`), each store call inside it a `debug` span `idempotency.store` (field `op`), and the
 //! guard emits
 //! these `metrics` (all labelled `guard`, the guard's [name](Guard::name)):
 //!
@@ -50,8 +50,9 @@ use futures_util::FutureExt;
 use tracing::Instrument;
 
 use crate::{
-    BeginRequest, Claim, Completed, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced, Fingerprint, Key, Outcome,
-    Scope, Store, StoreError, Timestamp, Token,
+    Backoff, BeginRequest, Claim, Completed, DEFAULT_LEASE, DEFAULT_RETENTION, ErrorKind, Fenced,
+    Fingerprint, Held, InTransaction, Key, Outcome, Scope, Store, StoreError, Timestamp, Token,
+    TransactionalStore, TxFuture, TxOperation,
 };
 
 /// What to record for a finished operation.
@@ -102,6 +103,17 @@ pub struct Attempt {
 }
 
 impl Attempt {
+    /// The attempt that holds `held`.
+    fn of(held: &Held) -> Self {
+        Self {
+            scope: held.scope.clone(),
+            key: held.key.clone(),
+            number: held.attempt,
+            recovered: held.recovered,
+            lease_lost: Arc::default(),
+        }
+    }
+
     /// The scope of the record.
     #[must_use]
     pub fn scope(&self) -> &Scope {
@@ -289,14 +301,7 @@ impl<S: Store> Guard<S> {
         F: FnOnce(Attempt) -> Fut,
         Fut: Future<Output = T>,
     {
-        let span = tracing::info_span!(
-            "idempotency.run",
-            guard = self.name,
-            scope = %scope.redacted(),
-            key = %key.redacted(),
-            attempt = tracing::field::Empty,
-            result = tracing::field::Empty,
-        );
+        let span = self.span(&scope, &key, false);
         self.run_inner(scope, key, fingerprint, policy, operation)
             .instrument(span)
             .await
@@ -315,92 +320,117 @@ impl<S: Store> Guard<S> {
         F: FnOnce(Attempt) -> Fut,
         Fut: Future<Output = T>,
     {
-        let request = BeginRequest {
+        let request = self.request(scope, key, fingerprint);
+        let asked = tokio::time::Instant::now();
+        let claim = self.begin(&request).await?;
+        let held = match self.acquired(claim) {
+            Ok(held) => held,
+            Err(answer) => return Ok(answer),
+        };
+        // Until when this attempt surely holds the lease, by the local clock: the time the last
+        // accepted `begin` or `extend` was *sent*, plus the lease.
+        let held_until = Mutex::new(later(asked, self.lease));
+        let context = Attempt::of(&held);
+        let lease_lost = Arc::clone(&context.lease_lost);
+        let work = AssertUnwindSafe(operation(context)).catch_unwind();
+        let heartbeat = self.heartbeat(&held, &lease_lost, &held_until);
+        let finished = tokio::select! {
+            finished = work => finished,
+            never = heartbeat => match never {},
+        };
+        let value = match finished {
+            Ok(value) => value,
+            Err(panic) => {
+                tracing::Span::current().record("result", "panicked");
+                tracing::error!("operation panicked; releasing the key so a retry can run");
+                let _ = self.release(&held, held_for(&held_until)).await;
+                std::panic::resume_unwind(panic);
+            }
+        };
+        let deadline = held_for(&held_until);
+        let recorded = match policy.decide(&value) {
+            Decision::Complete(outcome) => self.complete(&held, outcome, deadline).await,
+            Decision::Release => self.release(&held, deadline).await,
+        };
+        Ok(self.executed(value, &held, recorded))
+    }
+
+    /// The span of one run (scope and key shortened); `attempt` and `result` are recorded as
+    /// the run goes.
+    fn span(&self, scope: &Scope, key: &Key, transaction: bool) -> tracing::Span {
+        tracing::info_span!(
+            "idempotency.run",
+            guard = self.name,
+            scope = %scope.redacted(),
+            key = %key.redacted(),
+            transaction,
+            attempt = tracing::field::Empty,
+            result = tracing::field::Empty,
+        )
+    }
+
+    /// The request `begin` is asked with: a fresh token and this guard's timings.
+    fn request(&self, scope: Scope, key: Key, fingerprint: Fingerprint) -> BeginRequest {
+        BeginRequest {
             scope,
             key,
             fingerprint,
             token: Token::random(),
             lease: self.lease,
             retention: self.retention,
-        };
-        let span = tracing::Span::current();
-        // A retried `begin` reuses the token, so a first try that took effect but whose reply
-        // was lost is recognised as ours instead of blocking the key for a whole lease.
-        let asked = tokio::time::Instant::now();
-        let claim = self
-            .retrying("begin", Until::Tries(2), || self.store.begin(&request))
-            .await?;
-        let (token, attempt, recovered) = match claim {
-            Claim::Acquired {
-                token,
-                attempt,
-                recovered,
-                ..
-            } => (token, attempt, recovered),
-            Claim::Replay(completed) => {
-                span.record("result", "replayed");
-                metrics::counter!("idempotency_replayed_total", "guard" => self.name).increment(1);
-                return Ok(Execution::Replayed(completed));
-            }
-            Claim::InFlight { attempt, retry_after } => {
-                span.record("result", "in_flight");
-                metrics::counter!("idempotency_in_flight_total", "guard" => self.name).increment(1);
-                return Ok(Execution::InFlight { attempt, retry_after });
-            }
-            Claim::Mismatch => {
-                span.record("result", "mismatch");
-                metrics::counter!("idempotency_mismatch_total", "guard" => self.name).increment(1);
-                return Ok(Execution::Mismatch);
-            }
-        };
-        span.record("attempt", attempt);
-        metrics::counter!(
-            "idempotency_acquired_total",
-            "guard" => self.name,
-            "recovered" => if recovered { "true" } else { "false" },
-        )
-        .increment(1);
-        if recovered {
-            metrics::counter!("idempotency_lease_takeovers_total", "guard" => self.name).increment(1);
-            tracing::warn!(
-                attempt,
-                "took over an expired lease: a previous attempt may have partially run"
-            );
         }
+    }
 
-        // Until when this attempt surely holds the lease, by the local clock: the time the last
-        // accepted `begin` or `extend` was *sent*, plus the lease.
-        let held_until = Mutex::new(asked + self.lease);
-        let lease_lost = Arc::new(AtomicBool::new(false));
-        let context = Attempt {
-            scope: request.scope.clone(),
-            key: request.key.clone(),
-            number: attempt,
-            recovered,
-            lease_lost: Arc::clone(&lease_lost),
-        };
-        let work = AssertUnwindSafe(operation(context)).catch_unwind();
-        let heartbeat = self.heartbeat(&request, token, &lease_lost, &held_until);
-        let finished = tokio::select! {
-            finished = work => finished,
-            never = heartbeat => match never {},
-        };
+    /// `begin`, tried twice while the store fails transiently. The retry reuses the token, so a
+    /// first try that took effect but whose reply was lost is recognised as ours instead of
+    /// blocking the key for a whole lease.
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        self.retrying("begin", Until::Tries(2), || self.store.begin(request))
+            .await
+    }
 
-        let value = match finished {
-            Ok(value) => value,
-            Err(panic) => {
-                span.record("result", "panicked");
-                tracing::error!("operation panicked; releasing the key so a retry can run");
-                let _ = self.release(&request, token, held(&held_until)).await;
-                std::panic::resume_unwind(panic);
+    /// The held record if `claim` acquired it (counted and logged), else the answer for a
+    /// duplicate: the one place both the ordinary and the same-transaction path read a claim.
+    fn acquired<T>(&self, claim: Claim) -> Result<Held, Execution<T>> {
+        let span = tracing::Span::current();
+        let (result, metric, answer) = match claim {
+            Claim::Acquired(held) => {
+                span.record("attempt", held.attempt);
+                metrics::counter!(
+                    "idempotency_acquired_total",
+                    "guard" => self.name,
+                    "recovered" => if held.recovered { "true" } else { "false" },
+                )
+                .increment(1);
+                if held.recovered {
+                    metrics::counter!("idempotency_lease_takeovers_total", "guard" => self.name).increment(1);
+                    tracing::warn!(
+                        attempt = held.attempt,
+                        "took over an expired lease: a previous attempt may have partially run"
+                    );
+                }
+                return Ok(held);
             }
+            Claim::Replay(completed) => (
+                "replayed",
+                "idempotency_replayed_total",
+                Execution::Replayed(completed),
+            ),
+            Claim::InFlight { attempt, retry_after } => (
+                "in_flight",
+                "idempotency_in_flight_total",
+                Execution::InFlight { attempt, retry_after },
+            ),
+            Claim::Mismatch => ("mismatch", "idempotency_mismatch_total", Execution::Mismatch),
         };
-        let deadline = held(&held_until);
-        let recorded = match policy.decide(&value) {
-            Decision::Complete(outcome) => self.complete(&request, token, outcome, deadline).await,
-            Decision::Release => self.release(&request, token, deadline).await,
-        };
-        span.record(
+        span.record("result", result);
+        metrics::counter!(metric, "guard" => self.name).increment(1);
+        Err(answer)
+    }
+
+    /// The answer for an operation that ran, with its outcome's fate on the span.
+    fn executed<T>(&self, value: T, held: &Held, recorded: Recorded) -> Execution<T> {
+        tracing::Span::current().record(
             "result",
             match &recorded {
                 Recorded::Completed { .. } => "completed",
@@ -409,19 +439,18 @@ impl<S: Store> Guard<S> {
                 Recorded::Failed(_) => "settle_failed",
             },
         );
-        Ok(Execution::Executed {
+        Execution::Executed {
             value,
-            attempt,
-            recovered,
+            attempt: held.attempt,
+            recovered: held.recovered,
             recorded,
-        })
+        }
     }
 
     /// Extends the lease every `heartbeat` until dropped; never returns.
     async fn heartbeat(
         &self,
-        request: &BeginRequest,
-        token: Token,
+        held: &Held,
         lease_lost: &AtomicBool,
         held_until: &Mutex<tokio::time::Instant>,
     ) -> std::convert::Infallible {
@@ -435,15 +464,9 @@ impl<S: Store> Guard<S> {
                 continue;
             }
             let sent = tokio::time::Instant::now();
-            match self
-                .timed(
-                    "extend",
-                    self.store.extend(&request.scope, &request.key, token, self.lease),
-                )
-                .await
-            {
+            match self.timed("extend", self.store.extend(held, self.lease)).await {
                 Ok(Fenced::Accepted(_)) => {
-                    *held_until.lock().unwrap_or_else(PoisonError::into_inner) = sent + self.lease;
+                    *held_until.lock().unwrap_or_else(PoisonError::into_inner) = later(sent, self.lease);
                 }
                 Ok(Fenced::LeaseLost) => {
                     lease_lost.store(true, Ordering::Relaxed);
@@ -458,22 +481,10 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    async fn complete(
-        &self,
-        request: &BeginRequest,
-        token: Token,
-        outcome: Outcome,
-        deadline: tokio::time::Instant,
-    ) -> Recorded {
+    async fn complete(&self, held: &Held, outcome: Outcome, deadline: tokio::time::Instant) -> Recorded {
         let result = self
             .retrying("complete", Until::Deadline(deadline), || {
-                self.store.complete(
-                    &request.scope,
-                    &request.key,
-                    token,
-                    outcome.clone(),
-                    self.retention,
-                )
+                self.store.complete(held, outcome.clone(), self.retention)
             })
             .await;
         match result {
@@ -493,16 +504,9 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    async fn release(
-        &self,
-        request: &BeginRequest,
-        token: Token,
-        deadline: tokio::time::Instant,
-    ) -> Recorded {
+    async fn release(&self, held: &Held, deadline: tokio::time::Instant) -> Recorded {
         match self
-            .retrying("release", Until::Deadline(deadline), || {
-                self.store.release(&request.scope, &request.key, token)
-            })
+            .retrying("release", Until::Deadline(deadline), || self.store.release(held))
             .await
         {
             Ok(Fenced::Accepted(())) => Recorded::Released,
@@ -518,8 +522,8 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    /// Calls a store operation again while it fails transiently, with doubling backoff from
-    /// 50 ms (at most 1 s), until `until` says stop. Every operation retried here is safe to
+    /// Calls a store operation again while it fails transiently, with [`STORE_RETRY`]'s backoff
+    /// (50 ms doubling to 1 s), until `until` says stop. Every operation retried here is safe to
     /// repeat: `begin` and `complete` with the same token are accepted again, and a repeated
     /// `release` finds nothing to delete.
     async fn retrying<R, Fut>(
@@ -531,14 +535,13 @@ impl<S: Store> Guard<S> {
     where
         Fut: Future<Output = Result<R, StoreError>>,
     {
-        let mut backoff = Duration::from_millis(50);
         let mut tries = 1;
         loop {
+            let backoff = STORE_RETRY.delay(tries);
             match self.timed(op, call()).await {
                 Err(error) if error.is_retryable() && until.allows(tries, backoff) => {
                     tracing::warn!(%error, tries, "{op} failed; retrying");
                     tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
                     tries += 1;
                 }
                 other => return other,
@@ -570,6 +573,165 @@ impl<S: Store> Guard<S> {
     }
 }
 
+impl<S: TransactionalStore> Guard<S> {
+    /// Runs `operation` at most once per `(scope, key)` inside a transaction of the store, with
+    /// the record claimed and completed in that same transaction; see
+    /// [`transaction`](crate::transaction). The answers are those of [`Guard::run`]: the policy
+    /// decides from the operation's value whether to commit with the outcome
+    /// ([`Recorded::Completed`]) or to roll everything back ([`Recorded::Released`]); a failed
+    /// completion or commit is [`Recorded::Failed`] (rolled back, or a commit whose fate is
+    /// unknown: the retry replays if it did commit). There is no heartbeat: an uncommitted claim
+    /// cannot expire under the operation.
+    ///
+    /// ```no_run
+    /// use idempotency_core::{Decision, Execution, Fingerprint, Guard, Key, Outcome, Scope};
+    /// use idempotency_core::TransactionalStore;
+    ///
+    /// # async fn example<S: TransactionalStore>(guard: Guard<S>) -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = |written: &Result<u64, String>| match written {
+    ///     Ok(rows) => Decision::Complete(Outcome::new(rows.to_string())),
+    ///     Err(_) => Decision::Release, // roll the rows back; a retry runs again
+    /// };
+    /// let run = guard
+    ///     .run_in_transaction(
+    ///         Scope::global(),
+    ///         Key::new("order-7-charge")?,
+    ///         Fingerprint::of_bytes(b"EUR 10"),
+    ///         policy,
+    ///         |_tx, _attempt| Box::pin(async move { Ok(1) /* write the charge row through `_tx` */ }),
+    ///     )
+    ///     .await?;
+    /// assert!(matches!(run, Execution::Executed { .. } | Execution::Replayed(_)));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The store's error when the transaction or the claim fails: the operation did not run,
+    /// and the caller must fail closed.
+    pub async fn run_in_transaction<T, P, F>(
+        &self,
+        scope: Scope,
+        key: Key,
+        fingerprint: Fingerprint,
+        policy: P,
+        operation: F,
+    ) -> Result<Execution<T>, StoreError>
+    where
+        T: Send,
+        P: OutcomePolicy<T>,
+        F: for<'t> FnOnce(&'t mut S::Transaction, Attempt) -> TxFuture<'t, T> + Send + 'static,
+    {
+        self.run_operation_in_transaction(scope, key, fingerprint, policy, InTransaction::new(operation))
+            .await
+    }
+
+    /// [`Guard::run_in_transaction`] for a [`TxOperation`]: an operation that borrows what it
+    /// works on (a delivered message, a request), which a closure returning a boxed future
+    /// cannot hold.
+    ///
+    /// # Errors
+    ///
+    /// As [`Guard::run_in_transaction`].
+    pub async fn run_operation_in_transaction<P, O>(
+        &self,
+        scope: Scope,
+        key: Key,
+        fingerprint: Fingerprint,
+        policy: P,
+        operation: O,
+    ) -> Result<Execution<O::Value>, StoreError>
+    where
+        P: OutcomePolicy<O::Value>,
+        O: TxOperation<S>,
+    {
+        let span = self.span(&scope, &key, true);
+        self.run_in_transaction_inner(scope, key, fingerprint, policy, operation)
+            .instrument(span)
+            .await
+    }
+
+    async fn run_in_transaction_inner<P, O>(
+        &self,
+        scope: Scope,
+        key: Key,
+        fingerprint: Fingerprint,
+        policy: P,
+        operation: O,
+    ) -> Result<Execution<O::Value>, StoreError>
+    where
+        P: OutcomePolicy<O::Value>,
+        O: TxOperation<S>,
+    {
+        let request = self.request(scope, key, fingerprint);
+        let mut tx = self
+            .timed("begin_transaction", self.store.begin_transaction())
+            .await?;
+        let claim = match self.timed("begin", self.store.begin_in(&mut tx, &request)).await {
+            Ok(claim) => claim,
+            Err(error) => {
+                self.store.rollback(tx).await;
+                return Err(error);
+            }
+        };
+        let held = match self.acquired(claim) {
+            Ok(held) => held,
+            Err(answer) => {
+                // Nothing was written.
+                self.store.rollback(tx).await;
+                return Ok(answer);
+            }
+        };
+        // A panic unwinds through here and drops the transaction, which rolls it back.
+        let value = operation.run(&mut tx, Attempt::of(&held)).await;
+        let recorded = match policy.decide(&value) {
+            Decision::Complete(outcome) => self.commit(tx, &held, &outcome).await,
+            Decision::Release => {
+                self.store.rollback(tx).await;
+                Recorded::Released
+            }
+        };
+        Ok(self.executed(value, &held, recorded))
+    }
+
+    /// Writes the completion in `tx` and commits it with the operation's rows.
+    async fn commit(&self, mut tx: S::Transaction, held: &Held, outcome: &Outcome) -> Recorded {
+        let completed = self
+            .timed(
+                "complete",
+                self.store.complete_in(&mut tx, held, outcome, self.retention),
+            )
+            .await;
+        let failed = match completed {
+            Ok(Fenced::Accepted(expires_at)) => {
+                return match self.timed("commit", self.store.commit(tx)).await {
+                    Ok(()) => Recorded::Completed { expires_at },
+                    Err(error) => {
+                        tracing::error!(%error, "commit failed; its fate is unknown, a retry replays if it committed");
+                        Recorded::Failed(error)
+                    }
+                };
+            }
+            // Unreachable while the claim's row lock is held; refuse to commit rather than guess.
+            Ok(Fenced::LeaseLost) => StoreError::new(
+                ErrorKind::Protocol,
+                "the record claimed in this transaction was not there to complete",
+            ),
+            Err(error) => error,
+        };
+        tracing::error!(error = %failed, "could not record the outcome; rolling the transaction back");
+        self.store.rollback(tx).await;
+        Recorded::Failed(failed)
+    }
+}
+
+/// The backoff between tries of a store call that failed transiently.
+const STORE_RETRY: Backoff = Backoff {
+    initial: Duration::from_millis(50),
+    max: Duration::from_secs(1),
+};
+
 /// How long [`Guard::retrying`] keeps trying.
 #[derive(Debug, Clone, Copy)]
 enum Until {
@@ -592,6 +754,14 @@ impl Until {
     }
 }
 
-fn held(held_until: &Mutex<tokio::time::Instant>) -> tokio::time::Instant {
+/// `start + duration`, or about thirty years on when that is past what an `Instant` holds (a
+/// lease of `Duration::MAX`): never a panic.
+fn later(start: tokio::time::Instant, duration: Duration) -> tokio::time::Instant {
+    start
+        .checked_add(duration)
+        .unwrap_or_else(|| start + Duration::from_secs(30 * 365 * 86_400))
+}
+
+fn held_for(held_until: &Mutex<tokio::time::Instant>) -> tokio::time::Instant {
     *held_until.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -32,6 +32,12 @@ pub const MAX_KEY_LEN: usize = 255;
 
 /// Why a key or a scope was rejected.
 ///
+/// The header that carries an idempotency key, on HTTP requests and on messages alike: the HTTP
+/// layer reads it, the consumers read it from message headers by default, and the publishers
+/// set it. (HTTP header names are case-insensitive; broker headers are not, so this is the one
+/// spelling.)
+pub const IDEMPOTENCY_KEY_HEADER: &str = "Idempotency-Key";
+
 /// Positions are byte offsets into the rejected input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -405,11 +411,7 @@ impl std::str::FromStr for Scope {
 }
 
 pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for &byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0x0F)]));
-    }
+    out.push_str(&hex::encode(bytes));
 }
 
 fn push_percent(out: &mut String, byte: u8) {

@@ -17,25 +17,35 @@
 //!        ▼  (until retention expires)                                        attempt + 1, recovered
 //! ```
 //!
-//! See [`machine`] for the full transition table, and [`guard`] for how an operation is run.
+//! See [`machine`] for the full transition table, and [`guard`] for how an operation is run. The
+//! guides are part of these docs: [`guide::protocol`] (keys, the record state machine, leases and
+//! fencing) and [`guide::writing_a_store`] (how a store is built on this crate, and what the
+//! conformance suite demands).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod codec;
 pub mod fingerprint;
 pub mod guard;
+pub mod guide;
 pub mod key;
 pub mod machine;
 mod memory;
 mod record;
+pub mod registry;
 mod store;
 mod time;
+pub mod transaction;
 
+pub use codec::{DecodeError, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
 pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
-pub use key::{Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
+pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
 pub use memory::MemoryStore;
 pub use record::{
     BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,
-    ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
+    Held, ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
 };
+pub use registry::{DynStore, OpenFuture, Registry, StoreKind};
 pub use store::{ErrorKind, Store, StoreAdmin, StoreError, redact_url};
-pub use time::{Clock, ManualClock, SystemClock, Timestamp, duration_millis};
+pub use time::{Backoff, Clock, ManualClock, SystemClock, Timestamp, duration_millis};
+pub use transaction::{InTransaction, TransactionalStore, TxFuture, TxOperation};

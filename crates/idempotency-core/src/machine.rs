@@ -1,4 +1,4 @@
-//! The record state machine as pure functions (SPEC §4).
+//! The record state machine as pure functions ([`crate::guide::protocol`]).
 //!
 //! Each function takes the store time, the record as it is (or `None`), and the operation's
 //! arguments, and returns the answer plus the [`Effect`] the store must apply **atomically with
@@ -27,7 +27,7 @@
 
 use std::time::Duration;
 
-use crate::{BeginRequest, Claim, Completed, Fenced, Outcome, Record, RecordState, Timestamp, Token};
+use crate::{BeginRequest, Claim, Completed, Fenced, Held, Outcome, Record, RecordState, Timestamp, Token};
 
 /// What a store must write after a transition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,12 +64,7 @@ pub fn begin(now: Timestamp, existing: Option<&Record>, request: &BeginRequest) 
                 lease_until,
             },
         };
-        let claim = Claim::Acquired {
-            token: request.token,
-            attempt: 1,
-            recovered: false,
-            lease_until,
-        };
+        let claim = Claim::Acquired(Held::acquired(request, 1, lease_until));
         return (claim, Effect::Put(record));
     };
     if record.fingerprint != request.fingerprint {
@@ -94,12 +89,7 @@ pub fn begin(now: Timestamp, existing: Option<&Record>, request: &BeginRequest) 
             lease_until: held_until,
             ..
         } if *token == request.token => (
-            Claim::Acquired {
-                token: *token,
-                attempt: record.attempt,
-                recovered: record.attempt > 1,
-                lease_until: *held_until,
-            },
+            Claim::Acquired(Held::acquired(request, record.attempt, *held_until)),
             Effect::None,
         ),
         RecordState::InFlight {
@@ -127,12 +117,7 @@ pub fn begin(now: Timestamp, existing: Option<&Record>, request: &BeginRequest) 
                 },
                 ..record.clone()
             };
-            let claim = Claim::Acquired {
-                token: request.token,
-                attempt,
-                recovered: true,
-                lease_until,
-            };
+            let claim = Claim::Acquired(Held::acquired(request, attempt, lease_until));
             (claim, Effect::Put(taken_over))
         }
     }

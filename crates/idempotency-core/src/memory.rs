@@ -18,8 +18,8 @@ use async_trait::async_trait;
 
 use crate::machine::{self, Effect};
 use crate::{
-    BeginRequest, Claim, Clock, Fenced, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats, Store,
-    StoreAdmin, StoreError, SystemClock, Timestamp, Token,
+    BeginRequest, Claim, Clock, DynStore, ErrorKind, Fenced, Held, Key, ListFilter, OpenFuture, Outcome,
+    Record, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, StoreKind, SystemClock, Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -34,11 +34,9 @@ type Address = (Scope, Key);
 /// let store = MemoryStore::new();
 /// let request = BeginRequest::new(Scope::global(), Key::new("order-1")?, Fingerprint::of_bytes(b"pay 10"));
 ///
-/// let Claim::Acquired { token, .. } = store.begin(&request).await? else { unreachable!() };
+/// let Claim::Acquired(held) = store.begin(&request).await? else { unreachable!() };
 /// // ... perform the side effect once ...
-/// let _ = store
-///     .complete(&request.scope, &request.key, token, Outcome::new("charged"), request.retention)
-///     .await?;
+/// let _ = store.complete(&held, Outcome::new("charged"), request.retention).await?;
 ///
 /// // A duplicate (with its own fresh token) gets the stored outcome instead of running again.
 /// let duplicate = request.clone().token(idempotency_core::Token::random());
@@ -68,6 +66,14 @@ struct Shard {
 }
 
 impl MemoryStore {
+    /// The `memory://` URL (nothing survives the process), for a [`Registry`](crate::Registry).
+    pub const KIND: StoreKind = StoreKind {
+        name: "memory",
+        schemes: &["memory"],
+        example: "memory://",
+        open: open_url,
+    };
+
     /// An empty store on the system clock.
     #[must_use]
     pub fn new() -> Self {
@@ -142,6 +148,18 @@ impl MemoryStore {
     }
 }
 
+fn open_url(url: String) -> OpenFuture {
+    Box::pin(async move {
+        if url != "memory://" && url != "memory:" {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("`{url}`: the memory store takes no path or options (use `memory://`)"),
+            ));
+        }
+        Ok(Arc::new(MemoryStore::new()) as DynStore)
+    })
+}
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
@@ -173,30 +191,24 @@ impl Store for MemoryStore {
 
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        Ok(self.transition(scope, key, |now, record| {
-            machine::complete(now, record, token, outcome, retention)
+        Ok(self.transition(&held.scope, &held.key, |now, record| {
+            machine::complete(now, record, held.token, outcome, retention)
         }))
     }
 
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-        Ok(self.transition(scope, key, |now, record| machine::release(now, record, token)))
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        Ok(self.transition(&held.scope, &held.key, |now, record| {
+            machine::release(now, record, held.token)
+        }))
     }
 
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError> {
-        Ok(self.transition(scope, key, |now, record| {
-            machine::extend(now, record, token, lease)
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        Ok(self.transition(&held.scope, &held.key, |now, record| {
+            machine::extend(now, record, held.token, lease)
         }))
     }
 

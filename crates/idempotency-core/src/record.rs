@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Fingerprint, Key, Scope, Timestamp};
+use crate::{DecodeError, Fingerprint, Key, Scope, Timestamp};
 
 /// Default lease: how long an attempt may run without a heartbeat before another caller may take
 /// the key over.
@@ -59,6 +59,51 @@ impl Token {
     #[must_use]
     pub const fn from_bytes(bytes: [u8; 16]) -> Self {
         Self(u128::from_be_bytes(bytes))
+    }
+
+    /// The token from a slice of 16 big-endian bytes, as a store reads it back.
+    ///
+    /// # Errors
+    ///
+    /// [`DecodeError::Length`] when `bytes` is not 16 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, DecodeError> {
+        bytes
+            .try_into()
+            .map(Self::from_bytes)
+            .map_err(|_| DecodeError::Length {
+                field: "token",
+                expected: 16,
+                found: bytes.len(),
+            })
+    }
+
+    /// The token as 32 lowercase hex digits (the same as its `Display`).
+    #[must_use]
+    pub fn to_hex(self) -> String {
+        hex::encode(self.to_bytes())
+    }
+
+    /// The token from 32 hex digits, as [`Token::to_hex`] writes them.
+    ///
+    /// ```
+    /// use idempotency_core::Token;
+    ///
+    /// let token = Token::random();
+    /// assert_eq!(Token::from_hex(&token.to_hex())?, token);
+    /// assert!(Token::from_hex("not hex").is_err());
+    /// # Ok::<(), idempotency_core::DecodeError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`DecodeError::Hex`] when `text` is not 32 hex digits.
+    pub fn from_hex(text: &str) -> Result<Self, DecodeError> {
+        let mut bytes = [0u8; 16];
+        hex::decode_to_slice(text, &mut bytes).map_err(|_| DecodeError::Hex {
+            field: "token",
+            digits: 32,
+        })?;
+        Ok(Self::from_bytes(bytes))
     }
 }
 
@@ -207,22 +252,62 @@ impl BeginRequest {
     }
 }
 
+/// The record an attempt holds: what `begin` hands out when it acquires the key
+/// ([`Claim::Acquired`]) and what `complete`, `release` and `extend` take, so that they always
+/// name the record and the fencing token of the attempt that acquired it.
+///
+/// ```
+/// use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, MemoryStore, Outcome, Scope, Store};
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let store = MemoryStore::new();
+/// let request = BeginRequest::new(Scope::global(), Key::new("order-1")?, Fingerprint::of_bytes(b"pay"));
+/// let Claim::Acquired(held) = store.begin(&request).await? else { unreachable!() };
+/// assert_eq!((held.attempt, held.recovered), (1, false));
+/// let _ = store.complete(&held, Outcome::new("done"), request.retention).await?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// Whose key this is.
+    pub scope: Scope,
+    /// The idempotency key.
+    pub key: Key,
+    /// The fencing token of this attempt.
+    pub token: Token,
+    /// 1 for the first attempt; each lease takeover adds one.
+    pub attempt: u32,
+    /// `true` when a previous attempt's lease expired without completing: it may have
+    /// partially run, so the operation should check for its traces (or be naturally idempotent
+    /// downstream).
+    pub recovered: bool,
+    /// When the lease runs out unless extended (as of the acquisition).
+    pub lease_until: Timestamp,
+}
+
+impl Held {
+    /// The handle of the attempt that `request` acquired as attempt number `attempt` (the
+    /// request's token), for stores that learn only the attempt number and the lease from
+    /// their server.
+    #[must_use]
+    pub fn acquired(request: &BeginRequest, attempt: u32, lease_until: Timestamp) -> Self {
+        Self {
+            scope: request.scope.clone(),
+            key: request.key.clone(),
+            token: request.token,
+            attempt,
+            recovered: attempt > 1,
+            lease_until,
+        }
+    }
+}
+
 /// The answer to `begin`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// The caller holds the record and must run the operation, then `complete` or `release`.
-    Acquired {
-        /// The fencing token to pass to `complete`, `release` and `extend`.
-        token: Token,
-        /// 1 for the first attempt; each lease takeover adds one.
-        attempt: u32,
-        /// `true` when a previous attempt's lease expired without completing: it may have
-        /// partially run, so the operation should check for its traces (or be naturally
-        /// idempotent downstream).
-        recovered: bool,
-        /// When the lease runs out unless extended.
-        lease_until: Timestamp,
-    },
+    /// The caller holds the record and must run the operation, then `complete` or `release`
+    /// it with this handle.
+    Acquired(Held),
     /// Another attempt holds a live lease.
     InFlight {
         /// The attempt number of the holder.

@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    BeginRequest, Claim, Fenced, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats, Timestamp,
-    Token,
+    BeginRequest, Claim, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats,
+    Timestamp,
 };
 
 /// The class of a [`StoreError`], for deciding what to do about it.
@@ -162,22 +162,46 @@ impl StdError for StoreError {
     }
 }
 
-/// A store URL fit for error messages and logs: the password, if any, replaced by `***`.
+/// A store URL fit for error messages and logs: the password in the authority, and the value
+/// of every query parameter that carries a credential (`password`, `sslpassword`, `sslkey`,
+/// tokens, secrets, API keys), replaced by `***`.
 ///
 /// ```
 /// use idempotency_core::redact_url;
 ///
 /// assert_eq!(redact_url("postgres://app:s3cret@db:5432/orders?x=1"), "postgres://app:***@db:5432/orders?x=1");
+/// assert_eq!(redact_url("postgres://db/orders?user=app&password=s3cret"), "postgres://db/orders?user=app&password=***");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
 /// assert_eq!(redact_url("admin:s3cret@db/app"), "admin:***@db/app"); // no scheme
 /// ```
 #[must_use]
 pub fn redact_url(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = redact_authority(base);
+    if let Some(query) = query {
+        out.push('?');
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((name, _)) if is_credential(name) => format!("{name}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out.push_str(&pairs.join("&"));
+    }
+    out
+}
+
+/// The URL without its query, with the password of `user:password@` replaced.
+fn redact_authority(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
         Some((scheme, rest)) => (&url[..scheme.len() + 3], rest),
         None => ("", url),
     };
-    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     match authority.rsplit_once('@') {
         Some((userinfo, host)) => match userinfo.split_once(':') {
             Some((user, _password)) => format!("{scheme}{user}:***@{host}{tail}"),
@@ -187,7 +211,17 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// The record protocol (SPEC §4). All transitions are atomic in the store and timed by the
+/// Whether a query parameter of a store URL carries a credential.
+fn is_credential(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "password", "passwd", "pwd", "secret", "token", "apikey", "api_key", "sslkey",
+    ]
+    .iter()
+    .any(|word| name.contains(word))
+}
+
+/// The record protocol ([`crate::guide::protocol`]). All transitions are atomic in the store and timed by the
 /// store's clock.
 ///
 /// See [`crate::machine`] for the full transition table.
@@ -196,29 +230,21 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// Claims `(scope, key)` for an attempt holding `request.token`, or reports why not.
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError>;
 
-    /// Stores `outcome` and keeps the record for `retention`, if `token` still holds the record.
-    /// The accepted value is the record's expiry.
+    /// Stores `outcome` and keeps the record for `retention`, if `held`'s token still holds the
+    /// record. The accepted value is the record's expiry.
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError>;
 
-    /// Deletes the record if `token` holds it, so a retry may run again.
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError>;
+    /// Deletes the record if `held`'s token holds it, so a retry may run again.
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError>;
 
-    /// Moves the lease to now + `lease` if `token` holds the record (the heartbeat). The accepted
-    /// value is the new end of the lease.
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError>;
+    /// Moves the lease to now + `lease` if `held`'s token holds the record (the heartbeat). The
+    /// accepted value is the new end of the lease.
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError>;
 
     /// The live record at `(scope, key)`, if any (expired records are absent).
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError>;
@@ -245,16 +271,15 @@ macro_rules! forward_store {
             async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
                 (**self).begin(request).await
             }
-            async fn complete(&self, scope: &Scope, key: &Key, token: Token, outcome: Outcome, retention: Duration)
+            async fn complete(&self, held: &Held, outcome: Outcome, retention: Duration)
                 -> Result<Fenced<Timestamp>, StoreError> {
-                (**self).complete(scope, key, token, outcome, retention).await
+                (**self).complete(held, outcome, retention).await
             }
-            async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-                (**self).release(scope, key, token).await
+            async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+                (**self).release(held).await
             }
-            async fn extend(&self, scope: &Scope, key: &Key, token: Token, lease: Duration)
-                -> Result<Fenced<Timestamp>, StoreError> {
-                (**self).extend(scope, key, token, lease).await
+            async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+                (**self).extend(held, lease).await
             }
             async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
                 (**self).get(scope, key).await
@@ -294,5 +319,22 @@ mod tests {
         assert_eq!(redact_url("u:p@h/d"), "u:***@h/d");
         assert_eq!(redact_url("sqlite:///var/lib/a@b.db"), "sqlite:///var/lib/a@b.db");
         assert_eq!(redact_url(""), "");
+    }
+
+    #[test]
+    fn redaction_covers_credentials_in_the_query() {
+        assert_eq!(
+            redact_url("postgres://h/d?user=u&password=p&sslmode=require&sslpassword=q&sslkey=/k.pem"),
+            "postgres://h/d?user=u&password=***&sslmode=require&sslpassword=***&sslkey=***"
+        );
+        assert_eq!(
+            redact_url("postgres://u:p@h/d?PASSWORD=p&auth_token=t&application_name=x"),
+            "postgres://u:***@h/d?PASSWORD=***&auth_token=***&application_name=x"
+        );
+        assert_eq!(
+            redact_url("sqlite://x.db?synchronous=full"),
+            "sqlite://x.db?synchronous=full"
+        );
+        assert_eq!(redact_url("redis://h:1?password"), "redis://h:1?password");
     }
 }

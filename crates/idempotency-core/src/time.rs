@@ -172,3 +172,47 @@ mod tests {
         assert_eq!(a.now().unix_millis(), 7);
     }
 }
+
+/// The one backoff policy of the toolkit: the wait before try number `n` is
+/// `initial × 2^(n − 1)`, at most `max`. The guard retries store calls with it, the consumers
+/// delay redeliveries with it, the RabbitMQ worker reconnects with it.
+///
+/// A function of the try number rather than a stateful iterator (such as `backon`'s), because
+/// a redelivered message carries its delivery count and nothing else: the delay before its
+/// next delivery must be computed from that count alone. The loops use the same function.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::Backoff;
+///
+/// let backoff = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(1) };
+/// assert_eq!(backoff.delay(1), Duration::from_millis(100));
+/// assert_eq!(backoff.delay(3), Duration::from_millis(400));
+/// assert_eq!(backoff.delay(10), Duration::from_secs(1));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The delay after the first failed delivery (default 1 s).
+    pub initial: Duration,
+    /// The longest delay (default 5 min).
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before the try after try number `deliveries` (for a message: before
+    /// redelivering a message delivered `deliveries` times).
+    #[must_use]
+    pub fn delay(&self, deliveries: u32) -> Duration {
+        let doublings = deliveries.saturating_sub(1).min(30);
+        self.initial.saturating_mul(1 << doublings).min(self.max)
+    }
+}

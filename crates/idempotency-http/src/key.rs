@@ -1,10 +1,11 @@
-//! Reading the `Idempotency-Key` header.
+//! Reading the `Idempotency-Key` header, and the key a handler runs under.
 
-use http::HeaderMap;
-use idempotency_core::Key;
+use http::{HeaderMap, HeaderName};
+use idempotency_core::{Key, KeyError, Scope};
 
-/// The header name, lowercase as HTTP/2 requires.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The header name, lowercase as HTTP/2 requires: core's
+/// [`IDEMPOTENCY_KEY_HEADER`](idempotency_core::IDEMPOTENCY_KEY_HEADER) as an HTTP header name.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The key of a request: `Ok(None)` when the header is absent, `Err(why)` when it is malformed.
 ///
@@ -12,28 +13,81 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// with `"` is taken as the key itself, as Stripe-style clients send it (a UUID is not a valid
 /// sf-token, since it may start with a digit). Either way the key must then be 1 to 255 bytes of
 /// visible ASCII. Two `Idempotency-Key` headers are an error: which one is meant is unknowable.
-pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<Key>, String> {
+pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<Key>, KeyHeaderError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
-        return Err("the header appears more than once".into());
+        return Err(KeyHeaderError::Repeated);
     }
     let raw = value.as_bytes();
     if raw.first() == Some(&b'"') {
         let item = sfv::Parser::new(raw)
             .parse_item::<sfv::Item>()
-            .map_err(|e| format!("not a structured-field string: {e}"))?;
+            .map_err(|e| KeyHeaderError::NotString(e.to_string()))?;
         if !item.params.is_empty() {
-            return Err("parameters are not allowed on the key".into());
+            return Err(KeyHeaderError::Parameters);
         }
         match item.bare_item {
-            sfv::BareItem::String(text) => Key::new(text.as_str()).map(Some).map_err(|e| e.to_string()),
-            _ => Err("not a structured-field string".into()),
+            sfv::BareItem::String(text) => Ok(Some(Key::new(text.as_str())?)),
+            _ => Err(KeyHeaderError::NotString("another kind of item".into())),
         }
     } else {
-        Key::from_bytes(raw).map(Some).map_err(|e| e.to_string())
+        Ok(Some(Key::from_bytes(raw)?))
+    }
+}
+
+/// Why an `Idempotency-Key` header is refused (a `400` [`Problem::InvalidKey`](crate::Problem::InvalidKey)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyHeaderError {
+    /// The header appears more than once: which one is meant is unknowable.
+    #[error("the header appears more than once")]
+    Repeated,
+    /// The value starts with `"` but is not an RFC 8941 sf-string (the parser's message: its
+    /// error type is not `Clone`, as a problem document's fields are).
+    #[error("not a structured-field string: {0}")]
+    NotString(String),
+    /// The sf-string carries parameters.
+    #[error("parameters are not allowed on the key")]
+    Parameters,
+    /// The key itself is not 1 to 255 bytes of visible ASCII.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+}
+
+/// What the handler finds in the request's extensions: the key it runs under, to propagate into
+/// the messages it publishes and the calls it makes downstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    /// The scope of the key.
+    pub scope: Scope,
+    /// The key.
+    pub key: Key,
+    /// The attempt number: 1, or more after a previous attempt's lease expired.
+    pub attempt: u32,
+    /// Whether a previous attempt may have partially run.
+    pub recovered: bool,
+}
+
+impl IdempotencyKey {
+    /// The key to put on the messages the handler publishes and the calls it makes downstream
+    /// ([`Key::qualified`]): the same for every retry of this request, different for another
+    /// scope's equal key. A consumer keyed on it runs once per API request, however often the
+    /// client retried and the broker redelivered.
+    ///
+    /// ```
+    /// use idempotency_core::{Key, KeyError, Scope};
+    /// use idempotency_http::IdempotencyKey;
+    ///
+    /// let request = IdempotencyKey { scope: Scope::new("tenant-a")?, key: Key::new("pay-1")?, attempt: 1, recovered: false };
+    /// assert_eq!(request.message_key().as_str(), "tenant-a:pay-1");
+    /// # Ok::<(), idempotency_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn message_key(&self) -> Key {
+        Key::qualified(&self.scope, &self.key)
     }
 }
 
@@ -42,12 +96,21 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
-    fn parse(values: &[&[u8]]) -> Result<Option<Key>, String> {
+    fn parse(values: &[&[u8]]) -> Result<Option<Key>, KeyHeaderError> {
         let mut headers = HeaderMap::new();
         for value in values {
             headers.append(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
         }
         key_from_headers(&headers)
+    }
+
+    #[test]
+    fn the_header_name_is_cores() {
+        assert!(
+            IDEMPOTENCY_KEY
+                .as_str()
+                .eq_ignore_ascii_case(idempotency_core::IDEMPOTENCY_KEY_HEADER)
+        );
     }
 
     #[test]
@@ -80,7 +143,7 @@ mod tests {
             assert!(parse(&[bad]).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
         assert_eq!(
-            parse(&[b"a", b"b"]),
+            parse(&[b"a", b"b"]).map_err(|e| e.to_string()),
             Err("the header appears more than once".into())
         );
     }

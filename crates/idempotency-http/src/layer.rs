@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 use idempotency_core::{FingerprintMode, Guard, Scope, Store};
 use tower::Layer;
 
+use crate::future::DetachedRuns;
 use crate::service::IdempotencyService;
 
 type ScopeFn = Arc<dyn Fn(&Parts) -> Scope + Send + Sync>;
@@ -31,7 +32,7 @@ pub(crate) struct Config {
     pub(crate) allowed_headers: Vec<HeaderName>,
 }
 
-/// The default outcome policy (SPEC §5): 2xx and 4xx are final and stored, except 408, 409, 425
+/// The default outcome policy ([`crate::guide`]): 2xx and 4xx are final and stored, except 408, 409, 425
 /// and 429; 1xx, 3xx and 5xx release the key so that a retry runs again.
 ///
 /// 3xx is released rather than stored because a redirect usually points at a resource whose
@@ -64,6 +65,7 @@ pub fn default_is_final(status: StatusCode) -> bool {
 pub struct IdempotencyLayer<S> {
     guard: Guard<S>,
     config: Arc<Config>,
+    detached: DetachedRuns,
 }
 
 impl<S> fmt::Debug for IdempotencyLayer<S> {
@@ -107,7 +109,27 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
                 fail_open: false,
                 allowed_headers: Vec::new(),
             }),
+            detached: DetachedRuns::default(),
         }
+    }
+
+    /// The runs of this layer (and its clones) that finish on tasks of their own because their
+    /// clients went away; a server waits for them before it exits.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_core::MemoryStore;
+    /// use idempotency_http::IdempotencyLayer;
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new());
+    /// let detached = layer.detached_runs();
+    /// // … serve with `layer` until shutdown, then:
+    /// assert!(detached.wait(Duration::from_secs(30)).await);
+    /// # });
+    /// ```
+    #[must_use]
+    pub fn detached_runs(&self) -> DetachedRuns {
+        self.detached.clone()
     }
 
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
@@ -239,6 +261,11 @@ impl<S: Store + Clone, I> Layer<I> for IdempotencyLayer<S> {
     type Service = IdempotencyService<I, S>;
 
     fn layer(&self, inner: I) -> Self::Service {
-        IdempotencyService::new(inner, self.guard.clone(), Arc::clone(&self.config))
+        IdempotencyService::new(
+            inner,
+            self.guard.clone(),
+            Arc::clone(&self.config),
+            self.detached.clone(),
+        )
     }
 }

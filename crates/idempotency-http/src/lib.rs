@@ -32,7 +32,8 @@
 //! A client that disconnects cannot cancel the handler halfway: if the request's future is
 //! dropped before the guarded run is done, the run moves onto a task of its own and finishes
 //! there, its outcome is stored, and the client's retry gets the replay. (It is polled in place
-//! otherwise, which saves a task switch per request.)
+//! otherwise, which saves a task switch per request.) The layer owns those runs
+//! ([`IdempotencyLayer::detached_runs`]): a server waits for them before it exits.
 //!
 //! Every stored response carries `Idempotency-Key-Expires` (an HTTP-date): retries after that run
 //! again. Hop-by-hop headers are never stored; `Set-Cookie` and other credential headers are not
@@ -49,19 +50,30 @@
 //! Response bodies are stored when their size is known and within the limit; a body of unknown
 //! length (a stream) is passed through as not replayable.
 
+/// The HTTP guide (`docs/HTTP.md`): what a request goes through, keys, fingerprints, outcomes
+/// and the problem documents.
+#[doc = include_str!("../../../docs/HTTP.md")]
+pub mod guide {}
+
 mod body;
+mod capture;
+mod fingerprint;
+mod future;
 mod key;
 mod layer;
+mod policy;
 mod problem;
+mod replay;
 mod service;
 mod stored;
+mod wait;
 
 pub use body::{BoxError, ResponseBody};
-pub use key::IDEMPOTENCY_KEY;
+pub use future::{DetachedRuns, ResponseFuture};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyHeaderError};
 pub use layer::{IdempotencyLayer, default_is_final};
+pub use policy::{HOP_BY_HOP, strip_hop_by_hop};
 pub use problem::Problem;
-pub use service::{
-    IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, IdempotencyKey, IdempotencyService, ResponseFuture,
-    detached_runs, wait_for_detached_runs,
-};
+pub use replay::{IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use service::IdempotencyService;
 pub use stored::Stored as StoredOutcome;

@@ -8,6 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
+use crate::key::KeyHeaderError;
+
 /// An error the layer answers itself, without (or instead of) running the handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -15,7 +17,7 @@ pub enum Problem {
     /// The route requires an `Idempotency-Key` and the request has none (400).
     MissingKey,
     /// The `Idempotency-Key` header is malformed, or appears more than once (400).
-    InvalidKey(String),
+    InvalidKey(KeyHeaderError),
     /// The key was first used with another payload, method or path (422).
     KeyReused,
     /// A request with this key is being processed (409, with `Retry-After`).
@@ -39,6 +41,12 @@ pub enum Problem {
     HandlerFailed,
     /// A stored response could not be decoded (500).
     StoredResponseUnreadable,
+    /// A proxy's upstream could not be reached; the key was released (502).
+    UpstreamUnreachable,
+    /// A proxy's upstream did not answer in time; the key was released (504).
+    UpstreamTimeout,
+    /// A proxy could not make the upstream's request target from the request's (400).
+    BadTarget(String),
 }
 
 impl Problem {
@@ -56,6 +64,9 @@ impl Problem {
             Self::NotReplayable => "urn:idempotency:problem:outcome-not-replayable",
             Self::HandlerFailed => "urn:idempotency:problem:handler-failed",
             Self::StoredResponseUnreadable => "urn:idempotency:problem:stored-response-unreadable",
+            Self::UpstreamUnreachable => "urn:idempotency:problem:upstream-unreachable",
+            Self::UpstreamTimeout => "urn:idempotency:problem:upstream-timeout",
+            Self::BadTarget(_) => "urn:idempotency:problem:bad-target",
         }
     }
 
@@ -63,12 +74,16 @@ impl Problem {
     #[must_use]
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey(_) | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::MissingKey | Self::InvalidKey(_) | Self::BodyUnreadable | Self::BadTarget(_) => {
+                StatusCode::BAD_REQUEST
+            }
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::HandlerFailed | Self::StoredResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+            Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -86,6 +101,9 @@ impl Problem {
             Self::NotReplayable => "Original response cannot be replayed",
             Self::HandlerFailed => "Request handler failed",
             Self::StoredResponseUnreadable => "Stored response unreadable",
+            Self::UpstreamUnreachable => "Upstream unreachable",
+            Self::UpstreamTimeout => "Upstream timed out",
+            Self::BadTarget(_) => "Bad request target",
         }
     }
 
@@ -126,17 +144,33 @@ impl Problem {
             Self::StoredResponseUnreadable => {
                 "The stored response for this Idempotency-Key cannot be read.".into()
             }
+            Self::UpstreamUnreachable => {
+                "The upstream could not be reached; the key was released and the request may be retried."
+                    .into()
+            }
+            Self::UpstreamTimeout => {
+                "The upstream did not answer in time; the key was released and the request may be retried."
+                    .into()
+            }
+            Self::BadTarget(why) => format!("The request target cannot be forwarded: {why}."),
         }
     }
 
     /// The `application/problem+json` response.
     #[must_use]
     pub fn to_response(&self) -> Response<Bytes> {
+        self.to_response_with_detail(&self.detail())
+    }
+
+    /// The `application/problem+json` response with another `detail` (a health check's reason,
+    /// say); the `type`, `title`, status and `Retry-After` stay this problem's.
+    #[must_use]
+    pub fn to_response_with_detail(&self, detail: &str) -> Response<Bytes> {
         let body = serde_json::json!({
             "type": self.type_uri(),
             "title": self.title(),
             "status": self.status().as_u16(),
-            "detail": self.detail(),
+            "detail": detail,
         });
         let mut response = Response::new(Bytes::from(body.to_string()));
         *response.status_mut() = self.status();

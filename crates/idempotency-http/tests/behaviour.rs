@@ -607,3 +607,52 @@ async fn a_dropped_future_still_finishes_and_records() {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
 }
+
+/// Extreme settings do not panic: a lease of `Duration::MAX` (no `Instant` can hold its end), a
+/// retention of three million days (no HTTP-date can show its end), a wait of `Duration::MAX`.
+/// The request runs once, its expiry is advertised as the last HTTP-date, and it replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_durations_neither_panic_nor_run_twice() {
+    let (addr, counters) = start(common::memory().await, |l| {
+        l.lease(Duration::MAX)
+            .retention(Duration::from_secs(3_000_000 * 86_400))
+            .wait(Duration::MAX)
+    })
+    .await;
+    let http = client();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        answers.push(
+            send(
+                &http,
+                addr,
+                "POST",
+                "/charges",
+                &[b"\"k-extreme\""],
+                &[],
+                b"{\"amount\":10}",
+                false,
+            )
+            .await,
+        );
+    }
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    assert_eq!(answers[0].status, StatusCode::CREATED);
+    assert_eq!(answers[1].status, StatusCode::CREATED);
+    assert_eq!(
+        answers[1]
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    for answer in &answers {
+        assert_eq!(
+            answer
+                .headers
+                .get("idempotency-key-expires")
+                .map(|v| v.as_bytes()),
+            Some(&b"Fri, 31 Dec 9999 23:59:59 GMT"[..])
+        );
+    }
+}

@@ -21,11 +21,12 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{HeaderMap, HeaderValue};
 use bytes::Bytes;
+use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 use idempotency_consumer::{Delivery, Disposition, Processor};
 use idempotency_core::Key;
 
 /// The header a dead-lettered message carries its reason in.
-pub const DEAD_REASON_HEADER: &str = "Idempotency-Dead-Reason";
+pub const DEAD_REASON_HEADER: &str = idempotency_consumer::DEAD_LETTER_REASON_HEADER;
 
 /// A JetStream message as a [`Delivery`]: headers, `Nats-Msg-Id` as the message id, the payload,
 /// and the delivery count from the JetStream metadata.
@@ -84,16 +85,20 @@ impl Delivery for NatsMessage {
 /// A failure to reach the server while acknowledging or dead-lettering. The message was not
 /// acknowledged; the server redelivers it after its ack wait, and the record makes that
 /// redelivery a duplicate.
-#[derive(Debug)]
-pub struct SettleError(String);
-
-impl std::fmt::Display for SettleError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "could not settle a JetStream message: {}", self.0)
-    }
+#[derive(Debug, thiserror::Error)]
+#[error("could not settle a JetStream message: {source}")]
+pub struct SettleError {
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
 }
 
-impl std::error::Error for SettleError {}
+impl SettleError {
+    fn new(source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Self {
+            source: source.into(),
+        }
+    }
+}
 
 /// Processes one message with `consumer` and settles it; returns what was done.
 ///
@@ -141,14 +146,13 @@ pub async fn settle(
     message: &NatsMessage,
     disposition: &Disposition,
 ) -> Result<(), SettleError> {
-    let fail = |e: &dyn std::fmt::Display| SettleError(e.to_string());
     match disposition {
-        Disposition::Ack => message.message.double_ack().await.map_err(|e| fail(&e)),
+        Disposition::Ack => message.message.double_ack().await.map_err(SettleError::new),
         Disposition::Nack { after } => message
             .message
             .ack_with(AckKind::Nak(Some(*after)))
             .await
-            .map_err(|e| fail(&e)),
+            .map_err(SettleError::new),
         Disposition::DeadLetter { reason } => {
             let mut headers = message.message.headers.clone().unwrap_or_default();
             // The copy must not carry the original's Nats-Msg-Id: in a stream that holds both
@@ -166,14 +170,14 @@ pub async fn settle(
                     message.message.payload.clone(),
                 )
                 .await
-                .map_err(|e| fail(&e))?
+                .map_err(SettleError::new)?
                 .await
-                .map_err(|e| fail(&e))?;
+                .map_err(SettleError::new)?;
             message
                 .message
                 .ack_with(AckKind::Term)
                 .await
-                .map_err(|e| fail(&e))
+                .map_err(SettleError::new)
         }
     }
 }
@@ -191,12 +195,12 @@ pub async fn publish(
     payload: Bytes,
 ) -> Result<jetstream::publish::PublishAck, SettleError> {
     let mut headers = HeaderMap::new();
-    headers.insert("Idempotency-Key", key.as_str());
+    headers.insert(IDEMPOTENCY_KEY_HEADER, key.as_str());
     headers.insert("Nats-Msg-Id", key.as_str());
     jetstream
         .publish_with_headers(subject.into(), headers, payload)
         .await
-        .map_err(|e| SettleError(e.to_string()))?
+        .map_err(SettleError::new)?
         .await
-        .map_err(|e| SettleError(e.to_string()))
+        .map_err(SettleError::new)
 }

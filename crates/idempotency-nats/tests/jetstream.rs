@@ -122,7 +122,7 @@ impl Handler<NatsMessage> for Charger {
     async fn handle(&self, message: &NatsMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         if call <= self.fail_first {
-            return Err(HandlerError::Retry(format!("gateway timeout on call {call}")));
+            return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
         }
         *self
             .charges

@@ -39,9 +39,9 @@ mod sql;
 mod store;
 pub mod transaction;
 
-pub use options::{Identifier, PostgresOptions};
+pub use options::{Identifier, KIND, PostgresOptions};
 pub use sql::SCHEMA_VERSION;
 /// The sqlx this crate is built on, for same-transaction operations to write through.
 pub use sqlx;
 pub use store::{Operation, PostgresStore};
-pub use transaction::{TxAttempt, TxError, TxExecution, TxFuture, TxOperation};
+pub use transaction::PgTransaction;

@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{ErrorKind, StoreError, redact_url};
+use idempotency_core::{DynStore, ErrorKind, StoreError, StoreKind, redact_url};
 use sqlx::postgres::PgConnectOptions;
 
 /// A SQL identifier the store may interpolate into its statements: 1 to 63 characters of
@@ -205,6 +205,19 @@ impl PostgresOptions {
         format!("{}.{}", self.schema, self.table)
     }
 }
+
+/// `postgres://…` and `postgresql://…` URLs: the store on its default table, created if
+/// missing (see [`PostgresOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
+pub const KIND: StoreKind = StoreKind {
+    name: "postgres",
+    schemes: &["postgres", "postgresql"],
+    example: "postgres://…",
+    open: |url| {
+        Box::pin(
+            async move { Ok(std::sync::Arc::new(crate::PostgresStore::connect(&url).await?) as DynStore) },
+        )
+    },
+};
 
 #[cfg(test)]
 mod tests {

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record, RecordState,
-    RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, SummaryState, Timestamp, Token,
+    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record, RecordParts,
+    RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
     duration_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
@@ -211,21 +211,17 @@ pub(crate) async fn begin_on(
         let claimed: bool = row.try_get(0).map_err(|e| map_error("decode begin", e))?;
         let record = decode_record(&row, 1)?;
         if claimed {
-            let RecordState::InFlight {
-                token, lease_until, ..
-            } = record.state
-            else {
+            let RecordState::InFlight { lease_until, .. } = record.state else {
                 return Err(StoreError::new(
                     ErrorKind::Protocol,
                     "a claimed record is not in flight",
                 ));
             };
-            return Ok(Claim::Acquired {
-                token,
-                attempt: record.attempt,
-                recovered: record.attempt > 1,
+            return Ok(Claim::Acquired(Held::acquired(
+                request,
+                record.attempt,
                 lease_until,
-            });
+            )));
         }
         let now = Timestamp::from_unix_millis(row.try_get(13).map_err(|e| map_error("decode begin", e))?);
         // The server did not claim the record; the model says why (replay, in flight, mismatch,
@@ -248,14 +244,14 @@ pub(crate) async fn begin_on(
 pub(crate) async fn complete_on(
     connection: &mut PgConnection,
     sql: &Statements,
-    (scope, key, token): (&Scope, &Key, Token),
+    held: &Held,
     outcome: &Outcome,
     retention: Duration,
 ) -> Result<Fenced<Timestamp>, StoreError> {
     let expires: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.complete)))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&token.to_bytes()[..])
+        .bind(held.scope.as_str())
+        .bind(held.key.as_str())
+        .bind(&held.token.to_bytes()[..])
         .bind(outcome.as_bytes())
         .bind(duration_millis(retention))
         .fetch_optional(&mut *connection)
@@ -275,28 +271,19 @@ impl Store for PostgresStore {
 
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
         let mut connection = self.acquire().await?;
-        complete_on(
-            &mut connection,
-            &self.sql,
-            (scope, key, token),
-            &outcome,
-            retention,
-        )
-        .await
+        complete_on(&mut connection, &self.sql, held, &outcome, retention).await
     }
 
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .bind(&token.to_bytes()[..])
+            .bind(held.scope.as_str())
+            .bind(held.key.as_str())
+            .bind(&held.token.to_bytes()[..])
             .execute(&self.pool)
             .await
             .map_err(|e| map_error("release", e))?;
@@ -307,17 +294,11 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError> {
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
         let lease_until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .bind(&token.to_bytes()[..])
+            .bind(held.scope.as_str())
+            .bind(held.key.as_str())
+            .bind(&held.token.to_bytes()[..])
             .bind(duration_millis(lease))
             .fetch_optional(&self.pool)
             .await
@@ -390,102 +371,37 @@ impl StoreAdmin for PostgresStore {
     }
 }
 
-fn corrupt(what: &str) -> StoreError {
-    StoreError::new(ErrorKind::Corrupt, format!("records table row has {what}"))
-}
-
-fn decode_common(
-    row: &PgRow,
-    at: usize,
-) -> Result<(Scope, Key, Fingerprint, u32, Timestamp, Timestamp), StoreError> {
+/// The record columns (see `sql::record_columns`) from column `at` to `completed`, then the
+/// state's times starting `times` columns after `at`.
+fn decode_parts(row: &PgRow, at: usize, times: usize) -> Result<RecordParts, StoreError> {
     let read = |e| map_error("decode a record", e);
-    let scope: String = row.try_get(at).map_err(read)?;
-    let key: String = row.try_get(at + 1).map_err(read)?;
     let fingerprint: Vec<u8> = row.try_get(at + 2).map_err(read)?;
     let attempt: i32 = row.try_get(at + 3).map_err(read)?;
-    let created: i64 = row.try_get(at + 4).map_err(read)?;
-    let expires: i64 = row.try_get(at + 5).map_err(read)?;
-    Ok((
-        Scope::new(scope).map_err(|e| corrupt(&format!("an invalid scope ({e})")))?,
-        Key::new(key).map_err(|e| corrupt(&format!("an invalid key ({e})")))?,
-        Fingerprint::from_digest(
-            fingerprint
-                .try_into()
-                .map_err(|_| corrupt("a fingerprint that is not 32 bytes"))?,
-        ),
-        u32::try_from(attempt).map_err(|_| corrupt("a negative attempt"))?,
-        Timestamp::from_unix_millis(created),
-        Timestamp::from_unix_millis(expires),
-    ))
+    Ok(RecordParts {
+        scope: row.try_get(at).map_err(read)?,
+        key: row.try_get(at + 1).map_err(read)?,
+        fingerprint: Fingerprint::from_slice(&fingerprint)?,
+        attempt: attempt.into(),
+        created_at: row.try_get(at + 4).map_err(read)?,
+        expires_at: row.try_get(at + 5).map_err(read)?,
+        completed: row.try_get(at + times - 1).map_err(read)?,
+        acquired_at: row.try_get(at + times).map_err(read)?,
+        lease_until: row.try_get(at + times + 1).map_err(read)?,
+        completed_at: row.try_get(at + times + 2).map_err(read)?,
+    })
 }
 
-/// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
+/// Decodes the record columns starting at column `at`.
 fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
     let read = |e| map_error("decode a record", e);
-    let (scope, key, fingerprint, attempt, created_at, expires_at) = decode_common(row, at)?;
+    let parts = decode_parts(row, at, 8)?;
     let token: Vec<u8> = row.try_get(at + 6).map_err(read)?;
-    let token = Token::from_bytes(
-        token
-            .try_into()
-            .map_err(|_| corrupt("a token that is not 16 bytes"))?,
-    );
-    let completed: bool = row.try_get(at + 7).map_err(read)?;
-    let millis = |i: usize| -> Result<Option<Timestamp>, StoreError> {
-        let ms: Option<i64> = row.try_get(at + i).map_err(read)?;
-        Ok(ms.map(Timestamp::from_unix_millis))
-    };
-    let state = if completed {
-        let outcome: Option<Vec<u8>> = row.try_get(at + 11).map_err(read)?;
-        RecordState::Completed {
-            token,
-            outcome: Outcome::new(outcome.ok_or_else(|| corrupt("completed and no outcome"))?),
-            completed_at: millis(10)?.ok_or_else(|| corrupt("completed and no completed_at"))?,
-        }
-    } else {
-        RecordState::InFlight {
-            token,
-            acquired_at: millis(8)?.ok_or_else(|| corrupt("in flight and no acquired_at"))?,
-            lease_until: millis(9)?.ok_or_else(|| corrupt("in flight and no lease_until"))?,
-        }
-    };
-    Ok(Record {
-        scope,
-        key,
-        fingerprint,
-        attempt,
-        created_at,
-        expires_at,
-        state,
-    })
+    let outcome: Option<Vec<u8>> = row.try_get(at + 11).map_err(read)?;
+    Ok(parts.into_record(Token::from_slice(&token)?, outcome.map(Outcome::new))?)
 }
 
 fn decode_summary(row: &PgRow) -> Result<RecordSummary, StoreError> {
-    let read = |e| map_error("decode a record", e);
-    let (scope, key, fingerprint, attempt, created_at, expires_at) = decode_common(row, 0)?;
-    let completed: bool = row.try_get(6).map_err(read)?;
-    let millis = |i: usize| -> Result<Option<Timestamp>, StoreError> {
-        let ms: Option<i64> = row.try_get(i).map_err(read)?;
-        Ok(ms.map(Timestamp::from_unix_millis))
-    };
-    let state = if completed {
-        let len: Option<i32> = row.try_get(10).map_err(read)?;
-        SummaryState::Completed {
-            completed_at: millis(9)?.ok_or_else(|| corrupt("completed and no completed_at"))?,
-            outcome_len: usize::try_from(len.unwrap_or(0)).unwrap_or(0),
-        }
-    } else {
-        SummaryState::InFlight {
-            acquired_at: millis(7)?.ok_or_else(|| corrupt("in flight and no acquired_at"))?,
-            lease_until: millis(8)?.ok_or_else(|| corrupt("in flight and no lease_until"))?,
-        }
-    };
-    Ok(RecordSummary {
-        scope,
-        key,
-        fingerprint,
-        attempt,
-        created_at,
-        expires_at,
-        state,
-    })
+    let parts = decode_parts(row, 0, 7)?;
+    let len: Option<i32> = row.try_get(10).map_err(|e| map_error("decode a record", e))?;
+    Ok(parts.into_summary(len.map(i64::from))?)
 }

@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency_core::{
-    BeginRequest, Decision, Execution, Fingerprint, Guard, Key, Outcome, RecordState, Recorded, Scope, Store,
+    Decision, Execution, Fingerprint, Guard, Key, Outcome, RecordState, Recorded, Scope, Store,
 };
-use idempotency_postgres::{PostgresStore, TxError, TxExecution};
+use idempotency_postgres::PostgresStore;
 use idempotency_testkit::TcpProxy;
 use sqlx::AssertSqlSafe;
 
@@ -111,35 +111,54 @@ async fn transaction_worker(run: Arc<Run>, table: Arc<str>) {
             return;
         };
         loop {
-            let request = BeginRequest::new(Scope::global(), key.clone(), Fingerprint::of_bytes(b"tx"));
             let table = Arc::clone(&table);
-            let result = run
-                .store
-                .run_in_transaction(request, move |tx, attempt| {
-                    Box::pin(async move {
-                        sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (key) VALUES ($1)")))
-                            .bind(attempt.key.as_str())
-                            .execute(&mut **tx)
-                            .await?;
-                        tokio::time::sleep(Duration::from_millis(40)).await;
-                        Ok::<_, sqlx::Error>(((), Outcome::new(format!("done {}", attempt.key))))
-                    })
-                })
+            let policy = |written: &Result<Outcome, sqlx::Error>| match written {
+                Ok(outcome) => Decision::Complete(outcome.clone()),
+                Err(_) => Decision::Release,
+            };
+            let result = Guard::new(run.store.clone())
+                .run_in_transaction(
+                    Scope::global(),
+                    key.clone(),
+                    Fingerprint::of_bytes(b"tx"),
+                    policy,
+                    move |tx, attempt| {
+                        Box::pin(async move {
+                            sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (key) VALUES ($1)")))
+                                .bind(attempt.key().as_str())
+                                .execute(&mut **tx)
+                                .await?;
+                            tokio::time::sleep(Duration::from_millis(40)).await;
+                            Ok::<_, sqlx::Error>(Outcome::new(format!("done {}", attempt.key())))
+                        })
+                    },
+                )
                 .await;
             match result {
-                Ok(TxExecution::Executed { .. } | TxExecution::Replayed(_)) => break,
-                Ok(other) => panic!("{key}: {other:?}"),
-                Err(TxError::Store(error)) => {
+                Ok(
+                    Execution::Executed {
+                        value: Ok(_),
+                        recorded: Recorded::Completed { .. },
+                        ..
+                    }
+                    | Execution::Replayed(_),
+                ) => break,
+                Ok(Execution::Executed {
+                    recorded: Recorded::Failed(error),
+                    ..
+                })
+                | Err(error) => {
                     assert!(
                         error.is_retryable(),
                         "{key}: a cut connection must be retryable: {error}"
                     );
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                Err(TxError::Operation(_)) => {
+                Ok(Execution::Executed { value: Err(_), .. }) => {
                     // The business insert itself hit the cut connection: rolled back, retry.
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
+                Ok(other) => panic!("{key}: {other:?}"),
             }
         }
     }

@@ -6,8 +6,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Outcome, Scope, Store, Token};
-use idempotency_postgres::{PostgresStore, TxError, TxExecution};
+use idempotency_core::{
+    Attempt, BeginRequest, Claim, Decision, ErrorKind, Execution, Fingerprint, Guard, Held, Key, Outcome,
+    Recorded, Scope, Store, StoreError, Token, TransactionalStore, TxFuture,
+};
+use idempotency_postgres::{PgTransaction, PostgresStore};
 use sqlx::AssertSqlSafe;
 
 /// A business table of the test's own, next to the records table.
@@ -48,33 +51,92 @@ fn request(key: &Key) -> BeginRequest {
     )
 }
 
+/// Why a same-transaction run wrote nothing.
+#[derive(Debug)]
+enum TxError {
+    /// The database failed: nothing committed (or the commit's fate is unknown).
+    Store(StoreError),
+    /// The operation failed; everything was rolled back.
+    Operation(#[allow(dead_code)] sqlx::Error),
+}
+
+/// Runs `operation` through the guard in same-transaction mode with `fingerprint`: a row id
+/// is completed with the id as the outcome, an error rolls back. The answer is the guard's, with
+/// the two ways of writing nothing as errors.
+async fn guarded<F>(
+    store: &PostgresStore,
+    key: &Key,
+    fingerprint: &[u8],
+    operation: F,
+) -> Result<Execution<i64>, TxError>
+where
+    F: for<'t> FnOnce(&'t mut PgTransaction, Attempt) -> TxFuture<'t, Result<i64, sqlx::Error>>
+        + Send
+        + 'static,
+{
+    let policy = |row: &Result<i64, sqlx::Error>| match row {
+        Ok(id) => Decision::Complete(Outcome::new(id.to_string())),
+        Err(_) => Decision::Release,
+    };
+    let request = request(key);
+    let run = Guard::new(store.clone())
+        .run_in_transaction(
+            request.scope,
+            request.key,
+            Fingerprint::of_bytes(fingerprint),
+            policy,
+            operation,
+        )
+        .await
+        .map_err(TxError::Store)?;
+    Ok(match run {
+        Execution::Executed {
+            value,
+            attempt,
+            recovered,
+            recorded,
+        } => match (value, recorded) {
+            (Err(error), _) => return Err(TxError::Operation(error)),
+            (Ok(_), Recorded::Failed(error)) => return Err(TxError::Store(error)),
+            (Ok(id), recorded) => Execution::Executed {
+                value: id,
+                attempt,
+                recovered,
+                recorded,
+            },
+        },
+        Execution::Replayed(done) => Execution::Replayed(done),
+        Execution::InFlight { attempt, retry_after } => Execution::InFlight { attempt, retry_after },
+        Execution::Mismatch => Execution::Mismatch,
+    })
+}
+
 /// The operation every test runs: insert one charge row, store its id as the outcome.
 async fn charge(
     store: &PostgresStore,
     table: Arc<str>,
     key: &Key,
     hold: Duration,
-) -> Result<TxExecution<i64>, TxError<sqlx::Error>> {
-    store
-        .run_in_transaction(request(key), move |tx, attempt| {
-            Box::pin(async move {
-                let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-                    "INSERT INTO {table} (key, cents) VALUES ($1, 1000) RETURNING id"
-                )))
-                .bind(attempt.key.as_str())
-                .fetch_one(&mut **tx)
-                .await?;
-                tokio::time::sleep(hold).await;
-                Ok((id, Outcome::new(id.to_string())))
-            })
+) -> Result<Execution<i64>, TxError> {
+    guarded(store, key, b"EUR 10", move |tx, attempt| {
+        Box::pin(async move {
+            let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "INSERT INTO {table} (key, cents) VALUES ($1, 1000) RETURNING id"
+            )))
+            .bind(attempt.key().as_str())
+            .fetch_one(&mut **tx)
+            .await?;
+            tokio::time::sleep(hold).await;
+            Ok(id)
         })
-        .await
+    })
+    .await
 }
 
-fn outcome_of(run: &TxExecution<i64>) -> String {
+fn outcome_of(run: &Execution<i64>) -> String {
     match run {
-        TxExecution::Executed { value, .. } => value.to_string(),
-        TxExecution::Replayed(done) => String::from_utf8(done.outcome.as_bytes().to_vec()).unwrap(),
+        Execution::Executed { value, .. } => value.to_string(),
+        Execution::Replayed(done) => String::from_utf8(done.outcome.as_bytes().to_vec()).unwrap(),
         other => panic!("unexpected {other:?}"),
     }
 }
@@ -104,7 +166,7 @@ async fn concurrent_deliveries_write_the_business_row_once_and_agree() {
         let mut outcomes = Vec::new();
         for delivery in deliveries {
             let run = delivery.await.unwrap().expect("no delivery may fail");
-            if matches!(run, TxExecution::Executed { .. }) {
+            if matches!(run, Execution::Executed { .. }) {
                 executed += 1;
             }
             outcomes.push(outcome_of(&run));
@@ -127,22 +189,21 @@ async fn an_operation_error_leaves_neither_record_nor_row_and_the_retry_runs() {
     let store = common::fresh_store().await;
     let table = charges_table(&store).await;
     let key = Key::generate();
-    let failed = store
-        .run_in_transaction(request(&key), {
-            let table = Arc::clone(&table);
-            move |tx, attempt| {
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(format!(
-                        "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
-                    )))
-                    .bind(attempt.key.as_str())
-                    .execute(&mut **tx)
-                    .await?;
-                    Err::<(i64, Outcome), _>(sqlx::Error::Protocol("the card was declined".into()))
-                })
-            }
-        })
-        .await;
+    let failed = guarded(&store, &key, b"EUR 10", {
+        let table = Arc::clone(&table);
+        move |tx, attempt| {
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
+                )))
+                .bind(attempt.key().as_str())
+                .execute(&mut **tx)
+                .await?;
+                Err::<i64, _>(sqlx::Error::Protocol("the card was declined".into()))
+            })
+        }
+    })
+    .await;
     assert!(matches!(failed, Err(TxError::Operation(_))), "{failed:?}");
     assert_eq!(
         rows_for(&store, &table, &key).await,
@@ -159,7 +220,7 @@ async fn an_operation_error_leaves_neither_record_nor_row_and_the_retry_runs() {
         .await
         .unwrap();
     assert!(
-        matches!(retried, TxExecution::Executed { attempt: 1, .. }),
+        matches!(retried, Execution::Executed { attempt: 1, .. }),
         "{retried:?}"
     );
     assert_eq!(rows_for(&store, &table, &key).await, 1);
@@ -171,32 +232,31 @@ async fn a_backend_terminated_mid_transaction_leaves_nothing_and_the_retry_succe
     let table = charges_table(&store).await;
     let key = Key::generate();
     let killer = store.pool().clone();
-    let cut = store
-        .run_in_transaction(request(&key), {
-            let table = Arc::clone(&table);
-            move |tx, attempt| {
-                Box::pin(async move {
-                    let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-                        "INSERT INTO {table} (key, cents) VALUES ($1, 1000) RETURNING id"
-                    )))
-                    .bind(attempt.key.as_str())
+    let cut = guarded(&store, &key, b"EUR 10", {
+        let table = Arc::clone(&table);
+        move |tx, attempt| {
+            Box::pin(async move {
+                let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "INSERT INTO {table} (key, cents) VALUES ($1, 1000) RETURNING id"
+                )))
+                .bind(attempt.key().as_str())
+                .fetch_one(&mut **tx)
+                .await?;
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
                     .fetch_one(&mut **tx)
                     .await?;
-                    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-                        .fetch_one(&mut **tx)
-                        .await?;
-                    // Another session kills this transaction's backend after the business write,
-                    // before the completion and the commit.
-                    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-                        .bind(pid)
-                        .fetch_one(&killer)
-                        .await?;
-                    assert!(killed);
-                    Ok::<_, sqlx::Error>((id, Outcome::new(id.to_string())))
-                })
-            }
-        })
-        .await;
+                // Another session kills this transaction's backend after the business write,
+                // before the completion and the commit.
+                let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .fetch_one(&killer)
+                    .await?;
+                assert!(killed);
+                Ok::<_, sqlx::Error>(id)
+            })
+        }
+    })
+    .await;
     match cut {
         Err(TxError::Store(error)) => {
             assert!(
@@ -222,7 +282,7 @@ async fn a_backend_terminated_mid_transaction_leaves_nothing_and_the_retry_succe
         .await
         .unwrap();
     assert!(
-        matches!(retried, TxExecution::Executed { attempt: 1, .. }),
+        matches!(retried, Execution::Executed { attempt: 1, .. }),
         "{retried:?}"
     );
     assert_eq!(rows_for(&store, &table, &key).await, 1);
@@ -235,7 +295,7 @@ async fn a_transaction_the_caller_holds_commits_the_record_with_its_rows() {
 
     let key = Key::generate();
     let mut tx = store.pool().begin().await.unwrap();
-    let Claim::Acquired { token, .. } = store.begin_in(&mut tx, &request(&key)).await.unwrap() else {
+    let Claim::Acquired(held) = store.begin_in(&mut tx, &request(&key)).await.unwrap() else {
         panic!("acquire")
     };
     sqlx::query(AssertSqlSafe(format!(
@@ -247,14 +307,7 @@ async fn a_transaction_the_caller_holds_commits_the_record_with_its_rows() {
     .unwrap();
     let scope = request(&key).scope;
     let done = store
-        .complete_in(
-            &mut tx,
-            &scope,
-            &key,
-            token,
-            &Outcome::new("ok"),
-            Duration::from_secs(3600),
-        )
+        .complete_in(&mut tx, &held, &Outcome::new("ok"), Duration::from_secs(3600))
         .await
         .unwrap();
     assert!(!done.is_lease_lost());
@@ -274,13 +327,13 @@ async fn a_transaction_the_caller_holds_commits_the_record_with_its_rows() {
     let mut tx = store.pool().begin().await.unwrap();
     assert!(matches!(
         store.begin_in(&mut tx, &request(&other)).await.unwrap(),
-        Claim::Acquired { .. }
+        Claim::Acquired(_)
     ));
     tx.rollback().await.unwrap();
     assert_eq!(store.get(&scope, &other).await.unwrap(), None);
     assert!(matches!(
         store.begin(&request(&other)).await.unwrap(),
-        Claim::Acquired { attempt: 1, .. }
+        Claim::Acquired(Held { attempt: 1, .. })
     ));
 }
 
@@ -290,23 +343,17 @@ async fn a_key_held_outside_a_transaction_is_respected() {
     let table = charges_table(&store).await;
     let key = Key::generate();
     let held = request(&key);
-    let Claim::Acquired { token, .. } = store.begin(&held).await.unwrap() else {
+    let Claim::Acquired(holder) = store.begin(&held).await.unwrap() else {
         panic!("acquire")
     };
     let run = charge(&store, Arc::clone(&table), &key, Duration::ZERO)
         .await
         .unwrap();
-    assert!(matches!(run, TxExecution::InFlight { attempt: 1, .. }), "{run:?}");
+    assert!(matches!(run, Execution::InFlight { attempt: 1, .. }), "{run:?}");
     assert_eq!(rows_for(&store, &table, &key).await, 0);
 
     let _ = store
-        .complete(
-            &held.scope,
-            &key,
-            token,
-            Outcome::new("elsewhere"),
-            Duration::from_secs(60),
-        )
+        .complete(&holder, Outcome::new("elsewhere"), Duration::from_secs(60))
         .await
         .unwrap();
     let run = charge(&store, Arc::clone(&table), &key, Duration::ZERO)
@@ -314,12 +361,10 @@ async fn a_key_held_outside_a_transaction_is_respected() {
         .unwrap();
     assert_eq!(outcome_of(&run), "elsewhere");
 
-    let other_payload = BeginRequest::new(held.scope.clone(), key.clone(), Fingerprint::of_bytes(b"EUR 99"));
-    let run = store
-        .run_in_transaction(other_payload, |_tx, _attempt| {
-            Box::pin(async { Ok::<_, sqlx::Error>(((), Outcome::empty())) })
-        })
-        .await
-        .unwrap();
-    assert!(matches!(run, TxExecution::Mismatch), "{run:?}");
+    let run = guarded(&store, &key, b"EUR 99", |_tx, _attempt| {
+        Box::pin(async { Ok::<_, sqlx::Error>(0) })
+    })
+    .await
+    .unwrap();
+    assert!(matches!(run, Execution::Mismatch), "{run:?}");
 }

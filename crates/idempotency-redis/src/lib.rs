@@ -53,7 +53,9 @@
 //! ```
 
 mod error;
+mod options;
 mod scripts;
 mod store;
 
+pub use options::KIND;
 pub use store::{Connection, Operation, RedisStore};

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    BeginRequest, Claim, Completed, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record,
-    RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    duration_millis, redact_url,
+    BeginRequest, Claim, Completed, DecodeError, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter,
+    Outcome, Record, RecordParts, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp,
+    Token, duration_millis, redact_url,
 };
 use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -221,7 +221,7 @@ impl RedisStore {
         let digest = hasher.finalize();
         let mut out = self.scope_prefix(scope);
         out.reserve(32);
-        push_hex(&mut out, &digest[..16]);
+        out.push_str(&hex::encode(&digest[..16]));
         out
     }
 
@@ -229,7 +229,7 @@ impl RedisStore {
     fn scope_prefix(&self, scope: &Scope) -> String {
         let mut out = String::with_capacity(self.prefix.len() + 17 + 32);
         out.push_str(&self.prefix);
-        push_hex(&mut out, &Sha256::digest(scope.as_str())[..8]);
+        out.push_str(&hex::encode(&Sha256::digest(scope.as_str())[..8]));
         out.push(':');
         out
     }
@@ -434,38 +434,6 @@ fn ms(value: &Value) -> Result<Timestamp, StoreError> {
     int(value).map(Timestamp::from_unix_millis)
 }
 
-fn hex_token(value: &Value) -> Result<Token, StoreError> {
-    let hex = text(value)?;
-    u128::from_str_radix(hex, 16)
-        .map(Token::from_u128)
-        .map_err(|_| protocol("a token that is not 32 hex digits"))
-}
-
-fn hex_fingerprint(value: &Value) -> Result<Fingerprint, StoreError> {
-    let hex = text(value)?;
-    let mut digest = [0u8; 32];
-    if hex.len() != 64 {
-        return Err(protocol("a fingerprint that is not 64 hex digits"));
-    }
-    for (i, byte) in digest.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-            .map_err(|_| protocol("a fingerprint with a non-hex digit"))?;
-    }
-    Ok(Fingerprint::from_digest(digest))
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for &byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0x0F)]));
-    }
-}
-
-fn token_hex(token: Token) -> String {
-    format!("{:032x}", token.as_u128())
-}
-
 /// Decodes the `get` script's reply: `None` for an absent or expired record.
 fn decode_get(value: Value) -> Result<Option<(Timestamp, Record)>, StoreError> {
     let fields = array(value)?;
@@ -475,36 +443,29 @@ fn decode_get(value: Value) -> Result<Option<(Timestamp, Record)>, StoreError> {
     if fields.len() != 13 {
         return Err(protocol("a record with the wrong number of fields"));
     }
-    let now = ms(&fields[0])?;
-    let scope = Scope::new(text(&fields[1])?).map_err(|e| protocol(&format!("an invalid scope ({e})")))?;
-    let key = Key::new(text(&fields[2])?).map_err(|e| protocol(&format!("an invalid key ({e})")))?;
-    let token = hex_token(&fields[7])?;
-    let state = match text(&fields[8])? {
-        "f" => RecordState::InFlight {
-            token,
-            acquired_at: ms(&fields[9])?,
-            lease_until: ms(&fields[10])?,
-        },
-        "c" => RecordState::Completed {
-            token,
-            outcome: Outcome::new(bytes(&fields[12])?.unwrap_or_default().to_vec()),
-            completed_at: ms(&fields[11])?,
-        },
-        other => return Err(protocol(&format!("an unknown state {other:?}"))),
+    let optional_ms = |value: &Value| match value {
+        Value::Nil => Ok(None),
+        other => int(other).map(Some),
     };
-    let attempt = u32::try_from(int(&fields[4])?).map_err(|_| protocol("an attempt out of range"))?;
-    Ok(Some((
-        now,
-        Record {
-            scope,
-            key,
-            fingerprint: hex_fingerprint(&fields[3])?,
-            attempt,
-            created_at: ms(&fields[5])?,
-            expires_at: ms(&fields[6])?,
-            state,
+    let parts = RecordParts {
+        scope: text(&fields[1])?.to_owned(),
+        key: text(&fields[2])?.to_owned(),
+        fingerprint: Fingerprint::from_hex(text(&fields[3])?)?,
+        attempt: int(&fields[4])?,
+        created_at: int(&fields[5])?,
+        expires_at: int(&fields[6])?,
+        completed: match text(&fields[8])? {
+            "f" => false,
+            "c" => true,
+            other => return Err(DecodeError::UnknownState(other.to_owned()).into()),
         },
-    )))
+        acquired_at: optional_ms(&fields[9])?,
+        lease_until: optional_ms(&fields[10])?,
+        completed_at: optional_ms(&fields[11])?,
+    };
+    let outcome = Outcome::new(bytes(&fields[12])?.unwrap_or_default().to_vec());
+    let record = parts.into_record(Token::from_hex(text(&fields[7])?)?, Some(outcome))?;
+    Ok(Some((ms(&fields[0])?, record)))
 }
 
 fn attempt_of(value: &Value) -> Result<u32, StoreError> {
@@ -516,7 +477,7 @@ impl Store for RedisStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let key = self.record_key(&request.scope, &request.key);
         let fingerprint = request.fingerprint.to_hex();
-        let token = token_hex(request.token);
+        let token = request.token.to_hex();
         let lease = duration_millis(request.lease).to_string();
         let retention = duration_millis(request.retention).to_string();
         let reply = self
@@ -536,15 +497,11 @@ impl Store for RedisStore {
         let fields = array(reply)?;
         let tag = fields.first().map(text).transpose()?.unwrap_or_default();
         match (tag, fields.len()) {
-            ("acquired", 4) => {
-                let attempt = attempt_of(&fields[1])?;
-                Ok(Claim::Acquired {
-                    token: request.token,
-                    attempt,
-                    recovered: attempt > 1,
-                    lease_until: ms(&fields[2])?,
-                })
-            }
+            ("acquired", 4) => Ok(Claim::Acquired(Held::acquired(
+                request,
+                attempt_of(&fields[1])?,
+                ms(&fields[2])?,
+            ))),
             ("in_flight", 4) => Ok(Claim::InFlight {
                 attempt: attempt_of(&fields[1])?,
                 retry_after: Duration::from_millis(u64::try_from(int(&fields[2])?).unwrap_or(1)),
@@ -562,9 +519,7 @@ impl Store for RedisStore {
 
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
@@ -572,9 +527,9 @@ impl Store for RedisStore {
         let reply = self
             .run(
                 &self.scripts.complete,
-                &self.record_key(scope, key),
+                &self.record_key(&held.scope, &held.key),
                 &[
-                    token_hex(token).as_bytes(),
+                    held.token.to_hex().as_bytes(),
                     outcome.as_bytes(),
                     retention.as_bytes(),
                 ],
@@ -583,12 +538,12 @@ impl Store for RedisStore {
         fenced(reply)
     }
 
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
         let reply = self
             .run(
                 &self.scripts.release,
-                &self.record_key(scope, key),
-                &[token_hex(token).as_bytes()],
+                &self.record_key(&held.scope, &held.key),
+                &[held.token.to_hex().as_bytes()],
             )
             .await?;
         Ok(if int(&reply)? == 1 {
@@ -598,19 +553,13 @@ impl Store for RedisStore {
         })
     }
 
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError> {
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
         let lease = duration_millis(lease).to_string();
         let reply = self
             .run(
                 &self.scripts.extend,
-                &self.record_key(scope, key),
-                &[token_hex(token).as_bytes(), lease.as_bytes()],
+                &self.record_key(&held.scope, &held.key),
+                &[held.token.to_hex().as_bytes(), lease.as_bytes()],
             )
             .await?;
         fenced(reply)

@@ -59,9 +59,7 @@ async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore
         store.get(&scope, &key).await.unwrap_err(),
         store
             .complete(
-                &scope,
-                &key,
-                Token::random(),
+                &idempotency_testkit::held(&scope, &key, Token::random()),
                 Outcome::empty(),
                 std::time::Duration::from_secs(1),
             )

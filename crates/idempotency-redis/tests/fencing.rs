@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use idempotency_core::{
-    BeginRequest, Claim, Decision, Execution, Fenced, Fingerprint, Guard, Key, Outcome, RecordState,
+    BeginRequest, Claim, Decision, Execution, Fenced, Fingerprint, Guard, Held, Key, Outcome, RecordState,
     Recorded, Scope, Store,
 };
 use idempotency_redis::RedisStore;
@@ -21,7 +21,7 @@ async fn stale_worker_cannot_overwrite_or_delete(store: RedisStore) {
         .retention(Duration::from_secs(600));
 
     // Worker A acquires, then stalls past its lease (a GC pause, a slow gateway).
-    let Claim::Acquired { token: stale, .. } = store.begin(&request).await.unwrap() else {
+    let Claim::Acquired(Held { token: stale, .. }) = store.begin(&request).await.unwrap() else {
         panic!("A acquires")
     };
     tokio::time::sleep(Duration::from_millis(450)).await;
@@ -56,9 +56,7 @@ async fn stale_worker_cannot_overwrite_or_delete(store: RedisStore) {
     // A wakes up: storing its result, extending and cleaning up are all refused.
     let late = store
         .complete(
-            &scope,
-            &key,
-            stale,
+            &idempotency_testkit::held(&scope, &key, stale),
             Outcome::new("charged by A"),
             Duration::from_secs(600),
         )
@@ -71,13 +69,19 @@ async fn stale_worker_cannot_overwrite_or_delete(store: RedisStore) {
     );
     assert_eq!(
         store
-            .extend(&scope, &key, stale, Duration::from_secs(30))
+            .extend(
+                &idempotency_testkit::held(&scope, &key, stale),
+                Duration::from_secs(30)
+            )
             .await
             .unwrap(),
         Fenced::LeaseLost
     );
     assert_eq!(
-        store.release(&scope, &key, stale).await.unwrap(),
+        store
+            .release(&idempotency_testkit::held(&scope, &key, stale))
+            .await
+            .unwrap(),
         Fenced::LeaseLost,
         "the stale worker deleted the record"
     );

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Clock, ErrorKind, StoreError, SystemClock, redact_url};
+use idempotency_core::{Clock, DynStore, ErrorKind, StoreError, StoreKind, SystemClock, redact_url};
 
 /// Where the database lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,6 +112,11 @@ impl SqliteOptions {
     ///
     /// Query parameters: `synchronous=full|normal`, `busy_timeout_ms=N`.
     ///
+    /// The path and the parameters are percent-decoded (`sqlite:///srv/my%20data/idem.db` is the
+    /// file `/srv/my data/idem.db`), with the URL crate family's decoders. The split into path
+    /// and query stays hand-written: `sqlite://idem.db` names a file relative to the working
+    /// directory, where a generic URL parser would read `idem.db` as a host.
+    ///
     /// # Errors
     ///
     /// [`ErrorKind::InvalidConfig`] naming what is wrong: another scheme, an empty path, an
@@ -125,18 +130,16 @@ impl SqliteOptions {
             Some((path, query)) => (path, Some(query)),
             None => (rest, None),
         };
-        let mut options = match path {
+        let path = percent_encoding::percent_decode_str(path)
+            .decode_utf8()
+            .map_err(|_| invalid(format!("`{url}`: the path is not UTF-8 once percent-decoded")))?;
+        let mut options = match &*path {
             "" => return Err(invalid(format!("`{url}` names no database file"))),
             ":memory:" => Self::memory(),
             path => Self::file(path),
         };
-        for pair in query
-            .into_iter()
-            .flat_map(|q| q.split('&'))
-            .filter(|p| !p.is_empty())
-        {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            match name {
+        for (name, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+            match &*name {
                 "synchronous" => {
                     options.synchronous = match value.to_ascii_lowercase().as_str() {
                         "full" => Synchronous::Full,
@@ -192,6 +195,15 @@ fn invalid(message: String) -> StoreError {
     StoreError::new(ErrorKind::InvalidConfig, message)
 }
 
+/// `sqlite://PATH` and `sqlite::memory:` URLs (see [`SqliteOptions::from_url`]), for a
+/// [`Registry`](idempotency_core::Registry).
+pub const KIND: StoreKind = StoreKind {
+    name: "sqlite",
+    schemes: &["sqlite"],
+    example: "sqlite://PATH",
+    open: |url| Box::pin(async move { Ok(Arc::new(crate::SqliteStore::open(&url).await?) as DynStore) }),
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +225,16 @@ mod tests {
             assert_eq!(options.location, location, "{url}");
             assert_eq!(options.synchronous, Synchronous::Full, "{url}");
         }
+    }
+
+    #[test]
+    fn decodes_percent_escapes_in_the_path_and_the_parameters() {
+        let options =
+            SqliteOptions::from_url("sqlite:///srv/my%20data/idem%23.db?synchronous=%4Eormal").unwrap();
+        assert_eq!(options.location, Location::File("/srv/my data/idem#.db".into()));
+        assert_eq!(options.synchronous, Synchronous::Normal);
+        let error = SqliteOptions::from_url("sqlite:///srv/%FF.db").unwrap_err();
+        assert!(error.to_string().contains("not UTF-8"), "{error}");
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Key, ListFilter, Outcome, Record,
-    RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, SummaryState,
+    BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record,
+    RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
     Timestamp, Token, duration_millis,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior, params};
@@ -27,13 +27,13 @@ type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 /// clone is dropped.
 ///
 /// ```
-/// use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
+/// use idempotency_core::{BeginRequest, Claim, Fingerprint, Held, Key, Scope, Store};
 /// use idempotency_sqlite::SqliteStore;
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let dir = tempfile::tempdir()?;
 /// let store = SqliteStore::open(&format!("sqlite://{}/idem.db", dir.path().display())).await?;
 /// let request = BeginRequest::new(Scope::global(), Key::new("order-1")?, Fingerprint::of_bytes(b"pay"));
-/// assert!(matches!(store.begin(&request).await?, Claim::Acquired { attempt: 1, .. }));
+/// assert!(matches!(store.begin(&request).await?, Claim::Acquired(Held { attempt: 1, .. })));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }).unwrap();
 /// ```
@@ -213,33 +213,28 @@ impl Store for SqliteStore {
 
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.transition(scope, key, move |now, record| {
+        let token = held.token;
+        self.transition(&held.scope, &held.key, move |now, record| {
             machine::complete(now, record, token, outcome, retention)
         })
         .await
     }
 
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-        self.transition(scope, key, move |now, record| {
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        let token = held.token;
+        self.transition(&held.scope, &held.key, move |now, record| {
             machine::release(now, record, token)
         })
         .await
     }
 
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.transition(scope, key, move |now, record| {
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        let token = held.token;
+        self.transition(&held.scope, &held.key, move |now, record| {
             machine::extend(now, record, token, lease)
         })
         .await
@@ -529,104 +524,37 @@ fn upsert_record(connection: &Connection, record: &Record) -> Result<(), StoreEr
     Ok(())
 }
 
-fn corrupt_row(what: &str) -> StoreError {
-    StoreError::new(ErrorKind::Corrupt, format!("idempotency_records row has {what}"))
+/// The record columns of `SELECT_RECORD` and `LIST`; `at` is the index of `completed` (`LIST`
+/// has no token column before it).
+fn decode_parts(row: &Row<'_>, at: usize) -> Result<RecordParts, StoreError> {
+    let read = |e| map_error("decode a record", e);
+    let fingerprint: Vec<u8> = row.get(2).map_err(read)?;
+    Ok(RecordParts {
+        scope: row.get(0).map_err(read)?,
+        key: row.get(1).map_err(read)?,
+        fingerprint: Fingerprint::from_slice(&fingerprint)?,
+        attempt: row.get(3).map_err(read)?,
+        created_at: row.get(4).map_err(read)?,
+        expires_at: row.get(5).map_err(read)?,
+        completed: row.get(at).map_err(read)?,
+        acquired_at: row.get(at + 1).map_err(read)?,
+        lease_until: row.get(at + 2).map_err(read)?,
+        completed_at: row.get(at + 3).map_err(read)?,
+    })
 }
 
 fn decode_record(row: &Row<'_>) -> Result<Record, StoreError> {
     let read = |e| map_error("decode a record", e);
-    let fingerprint: Vec<u8> = row.get(2).map_err(read)?;
+    let parts = decode_parts(row, 7)?;
     let token: Vec<u8> = row.get(6).map_err(read)?;
-    let token = Token::from_bytes(
-        token
-            .try_into()
-            .map_err(|_| corrupt_row("a token that is not 16 bytes"))?,
-    );
-    let completed: bool = row.get(7).map_err(read)?;
-    let state = if completed {
-        let completed_at: Option<i64> = row.get(10).map_err(read)?;
-        let outcome: Option<Vec<u8>> = row.get(11).map_err(read)?;
-        RecordState::Completed {
-            token,
-            outcome: Outcome::new(outcome.ok_or_else(|| corrupt_row("completed = 1 and no outcome"))?),
-            completed_at: Timestamp::from_unix_millis(
-                completed_at.ok_or_else(|| corrupt_row("completed = 1 and no completed_at"))?,
-            ),
-        }
-    } else {
-        let acquired_at: Option<i64> = row.get(8).map_err(read)?;
-        let lease_until: Option<i64> = row.get(9).map_err(read)?;
-        RecordState::InFlight {
-            token,
-            acquired_at: Timestamp::from_unix_millis(
-                acquired_at.ok_or_else(|| corrupt_row("completed = 0 and no acquired_at"))?,
-            ),
-            lease_until: Timestamp::from_unix_millis(
-                lease_until.ok_or_else(|| corrupt_row("completed = 0 and no lease_until"))?,
-            ),
-        }
-    };
-    Ok(Record {
-        scope: decode_scope(row, 0)?,
-        key: decode_key(row, 1)?,
-        fingerprint: decode_fingerprint(fingerprint)?,
-        attempt: row.get(3).map_err(read)?,
-        created_at: Timestamp::from_unix_millis(row.get(4).map_err(read)?),
-        expires_at: Timestamp::from_unix_millis(row.get(5).map_err(read)?),
-        state,
-    })
+    let outcome: Option<Vec<u8>> = row.get(11).map_err(read)?;
+    Ok(parts.into_record(Token::from_slice(&token)?, outcome.map(Outcome::new))?)
 }
 
 fn decode_summary(row: &Row<'_>) -> Result<RecordSummary, StoreError> {
-    let read = |e| map_error("decode a record", e);
-    let completed: bool = row.get(6).map_err(read)?;
-    let state = if completed {
-        let completed_at: Option<i64> = row.get(9).map_err(read)?;
-        let outcome_len: Option<i64> = row.get(10).map_err(read)?;
-        SummaryState::Completed {
-            completed_at: Timestamp::from_unix_millis(
-                completed_at.ok_or_else(|| corrupt_row("completed = 1 and no completed_at"))?,
-            ),
-            outcome_len: usize::try_from(outcome_len.unwrap_or(0)).unwrap_or(0),
-        }
-    } else {
-        let acquired_at: Option<i64> = row.get(7).map_err(read)?;
-        let lease_until: Option<i64> = row.get(8).map_err(read)?;
-        SummaryState::InFlight {
-            acquired_at: Timestamp::from_unix_millis(
-                acquired_at.ok_or_else(|| corrupt_row("completed = 0 and no acquired_at"))?,
-            ),
-            lease_until: Timestamp::from_unix_millis(
-                lease_until.ok_or_else(|| corrupt_row("completed = 0 and no lease_until"))?,
-            ),
-        }
-    };
-    Ok(RecordSummary {
-        scope: decode_scope(row, 0)?,
-        key: decode_key(row, 1)?,
-        fingerprint: decode_fingerprint(row.get(2).map_err(read)?)?,
-        attempt: row.get(3).map_err(read)?,
-        created_at: Timestamp::from_unix_millis(row.get(4).map_err(read)?),
-        expires_at: Timestamp::from_unix_millis(row.get(5).map_err(read)?),
-        state,
-    })
-}
-
-fn decode_scope(row: &Row<'_>, index: usize) -> Result<Scope, StoreError> {
-    let text: String = row.get(index).map_err(|e| map_error("decode a record", e))?;
-    Scope::new(text).map_err(|e| corrupt_row(&format!("an invalid scope ({e})")))
-}
-
-fn decode_key(row: &Row<'_>, index: usize) -> Result<Key, StoreError> {
-    let text: String = row.get(index).map_err(|e| map_error("decode a record", e))?;
-    Key::new(text).map_err(|e| corrupt_row(&format!("an invalid key ({e})")))
-}
-
-fn decode_fingerprint(bytes: Vec<u8>) -> Result<Fingerprint, StoreError> {
-    let digest: [u8; 32] = bytes
-        .try_into()
-        .map_err(|_| corrupt_row("a fingerprint that is not 32 bytes"))?;
-    Ok(Fingerprint::from_digest(digest))
+    let parts = decode_parts(row, 6)?;
+    let outcome_len = row.get(10).map_err(|e| map_error("decode a record", e))?;
+    Ok(parts.into_summary(outcome_len)?)
 }
 
 /// Classifies a SQLite error; `doing` says what the store was doing.

@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Held, Key, Outcome, Scope, Store};
 use idempotency_sqlite::{SqliteOptions, SqliteStore};
 
 fn url(path: &std::path::Path) -> String {
@@ -81,14 +81,12 @@ async fn a_database_with_damaged_pages_reports_corruption() {
                 Key::new(format!("k{i}")).unwrap(),
                 Fingerprint::of_bytes(b"x"),
             );
-            let Claim::Acquired { token, .. } = store.begin(&request).await.unwrap() else {
+            let Claim::Acquired(Held { token, .. }) = store.begin(&request).await.unwrap() else {
                 panic!()
             };
             let _ = store
                 .complete(
-                    &request.scope,
-                    &request.key,
-                    token,
+                    &idempotency_testkit::held(&request.scope, &request.key, token),
                     Outcome::new(vec![7u8; 200]),
                     request.retention,
                 )
@@ -194,7 +192,7 @@ async fn a_busy_write_lock_is_a_retryable_timeout() {
     assert!(error.is_retryable());
     holder.execute_batch("ROLLBACK").unwrap();
     assert!(
-        matches!(store.begin(&request).await.unwrap(), Claim::Acquired { .. }),
+        matches!(store.begin(&request).await.unwrap(), Claim::Acquired(_)),
         "the store recovers"
     );
 }
@@ -216,8 +214,5 @@ async fn a_panicking_job_does_not_stop_the_store() {
         Key::new("k").unwrap(),
         Fingerprint::of_bytes(b"x"),
     );
-    assert!(matches!(
-        store.begin(&request).await.unwrap(),
-        Claim::Acquired { .. }
-    ));
+    assert!(matches!(store.begin(&request).await.unwrap(), Claim::Acquired(_)));
 }

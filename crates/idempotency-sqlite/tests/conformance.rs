@@ -93,7 +93,7 @@ mod two_connections {
                 .collect();
             let mut acquired = 0;
             for racer in racers {
-                if matches!(racer.await.unwrap(), Claim::Acquired { .. }) {
+                if matches!(racer.await.unwrap(), Claim::Acquired(_)) {
                     acquired += 1;
                 }
             }

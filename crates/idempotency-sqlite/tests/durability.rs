@@ -10,7 +10,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store, Token};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Held, Key, Outcome, Scope, Store, Token};
 use idempotency_sqlite::SqliteStore;
 
 const CHILD_ENV: &str = "IDEMPOTENCY_SQLITE_DURABILITY_CHILD";
@@ -34,23 +34,22 @@ fn in_flight_request() -> BeginRequest {
     .lease(Duration::from_secs(600))
 }
 
-/// Runs only in the child: completes one record, leaves one in flight, says so, then waits to be
-/// killed.
+/// The child's body, not a test of its own: the parent starts this binary with `--ignored` on
+/// this name. It completes one record, leaves one in flight, says so, then waits to be killed.
 #[tokio::test]
+#[ignore = "helper: the child process of a_completed_record_survives_sigkill"]
 async fn child_process() {
     let Ok(url) = std::env::var(CHILD_ENV) else {
         return; // Not the child: nothing to do.
     };
     let store = SqliteStore::open(&url).await.expect("child opens the store");
     let request = completed_request();
-    let Claim::Acquired { token, .. } = store.begin(&request).await.unwrap() else {
+    let Claim::Acquired(Held { token, .. }) = store.begin(&request).await.unwrap() else {
         panic!("acquire")
     };
     let done = store
         .complete(
-            &request.scope,
-            &request.key,
-            token,
+            &idempotency_testkit::held(&request.scope, &request.key, token),
             Outcome::new("charge ch_1 succeeded"),
             request.retention,
         )
@@ -59,7 +58,7 @@ async fn child_process() {
     assert!(!done.is_lease_lost());
     assert!(matches!(
         store.begin(&in_flight_request()).await.unwrap(),
-        Claim::Acquired { .. }
+        Claim::Acquired(_)
     ));
     // The parent kills this process as soon as it reads the line: nothing after `complete`
     // returned (no close, no checkpoint) gets to run.
@@ -76,7 +75,13 @@ async fn a_completed_record_survives_sigkill() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("durable.db").display());
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["child_process", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_process",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, &url)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

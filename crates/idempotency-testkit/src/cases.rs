@@ -1,16 +1,20 @@
-//! The conformance cases. Each is an `async fn(&impl Harness)` that panics on a violation of the
-//! contract; [`crate::conformance_suite!`] turns every one of them into a test.
+//! The conformance cases. Each is a private `async fn(&impl Harness)` that panics on a violation
+//! of the contract, reached through [`Case`]; [`crate::conformance_suite!`] turns every one of
+//! them into a test. The module denies dead code: a case function missing from the one list
+//! ([`crate::__with_cases`]) fails the build instead of silently never running.
 //!
-//! The cases are written against [`idempotency_core::machine`]'s table (SPEC §4) and pass on the
+//! The cases are written against [`idempotency_core::machine`]'s table (`docs/PROTOCOL.md`) and pass on the
 //! in-memory reference store by construction; every other store must pass them unchanged.
+
+#![deny(dead_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Fingerprint, Key, ListFilter, Outcome, RecordState, Scope, StateFilter,
-    Store, StoreAdmin, SummaryState, Token,
+    BeginRequest, Claim, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, RecordState, Scope,
+    StateFilter, Store, StoreAdmin, SummaryState, Token,
 };
 use tokio::sync::Barrier;
 
@@ -59,9 +63,15 @@ impl<S: StoreAdmin + Clone + 'static> Ctx<S> {
 
     async fn acquire(&self, request: &BeginRequest) -> Token {
         match self.begin(request).await {
-            Claim::Acquired { token, .. } => token,
+            Claim::Acquired(Held { token, .. }) => token,
             other => panic!("expected Acquired, got {other:?}"),
         }
+    }
+
+    /// The handle of the attempt holding `token` on `key` (a stale or foreign token is exactly
+    /// what the fencing cases hand to the store).
+    fn held(&self, key: &Key, token: Token) -> Held {
+        held(&self.scope, key, token)
     }
 
     async fn complete(
@@ -71,21 +81,18 @@ impl<S: StoreAdmin + Clone + 'static> Ctx<S> {
         outcome: &'static [u8],
     ) -> Fenced<idempotency_core::Timestamp> {
         self.store
-            .complete(&self.scope, key, token, Outcome::from(outcome), KEEP)
+            .complete(&self.held(key, token), Outcome::from(outcome), KEEP)
             .await
             .expect("complete")
     }
 
     async fn release(&self, key: &Key, token: Token) -> Fenced<()> {
-        self.store
-            .release(&self.scope, key, token)
-            .await
-            .expect("release")
+        self.store.release(&self.held(key, token)).await.expect("release")
     }
 
     async fn extend(&self, key: &Key, token: Token, lease: Duration) -> Fenced<idempotency_core::Timestamp> {
         self.store
-            .extend(&self.scope, key, token, lease)
+            .extend(&self.held(key, token), lease)
             .await
             .expect("extend")
     }
@@ -102,6 +109,21 @@ impl<S: StoreAdmin + Clone + 'static> Ctx<S> {
     }
 }
 
+/// A handle naming `(scope, key)` under `token`, for tests that drive a store's fencing
+/// directly: a stale token, a foreign one, or one whose `begin` reply was lost. Stores read only
+/// the scope, the key and the token of a handle; the other fields are the acquisition's report.
+#[must_use]
+pub fn held(scope: &Scope, key: &Key, token: Token) -> Held {
+    Held {
+        scope: scope.clone(),
+        key: key.clone(),
+        token,
+        attempt: 1,
+        recovered: false,
+        lease_until: idempotency_core::Timestamp::from_unix_millis(0),
+    }
+}
+
 fn fp(n: u8) -> Fingerprint {
     Fingerprint::of_bytes(&[n])
 }
@@ -111,17 +133,17 @@ fn key() -> Key {
 }
 
 /// `begin` on an unknown key acquires attempt 1 with the caller's token.
-pub async fn begin_on_new_key_acquires_attempt_one<H: Harness>(harness: &H) {
+async fn begin_on_new_key_acquires_attempt_one<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let request = ctx.request(&key, 1);
     match ctx.begin(&request).await {
-        Claim::Acquired {
+        Claim::Acquired(Held {
             token,
             attempt,
             recovered,
             ..
-        } => {
+        }) => {
             assert_eq!(token, request.token, "the store must adopt the caller's token");
             assert_eq!(attempt, 1);
             assert!(!recovered);
@@ -140,7 +162,7 @@ pub async fn begin_on_new_key_acquires_attempt_one<H: Harness>(harness: &H) {
 }
 
 /// After `complete`, `begin` replays the stored outcome, attempt and expiry.
-pub async fn begin_after_complete_replays_outcome<H: Harness>(harness: &H) {
+async fn begin_after_complete_replays_outcome<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -162,7 +184,7 @@ pub async fn begin_after_complete_replays_outcome<H: Harness>(harness: &H) {
 
 /// A different fingerprint is a mismatch, on an in-flight and on a completed record, and changes
 /// nothing.
-pub async fn begin_with_other_fingerprint_is_mismatch<H: Harness>(harness: &H) {
+async fn begin_with_other_fingerprint_is_mismatch<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let first = ctx.request(&key, 1);
@@ -179,7 +201,7 @@ pub async fn begin_with_other_fingerprint_is_mismatch<H: Harness>(harness: &H) {
 
 /// The mismatch check comes before the in-flight check: a different payload under a live lease
 /// is a mismatch, not "in flight".
-pub async fn mismatch_is_checked_before_in_flight<H: Harness>(harness: &H) {
+async fn mismatch_is_checked_before_in_flight<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let _ = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -201,7 +223,7 @@ pub async fn mismatch_is_checked_before_in_flight<H: Harness>(harness: &H) {
 
 /// A live lease answers `InFlight` with the holder's attempt and a positive `retry_after` no
 /// longer than the lease.
-pub async fn begin_while_lease_live_is_in_flight<H: Harness>(harness: &H) {
+async fn begin_while_lease_live_is_in_flight<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let _ = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -220,7 +242,7 @@ pub async fn begin_while_lease_live_is_in_flight<H: Harness>(harness: &H) {
 
 /// A retried `begin` with the caller's own token (its first reply was lost) acquires again
 /// instead of reporting its own attempt as in flight, and changes nothing.
-pub async fn begin_retried_with_own_token_acquires_again<H: Harness>(harness: &H) {
+async fn begin_retried_with_own_token_acquires_again<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let request = ctx.request(&key, 1);
@@ -229,11 +251,11 @@ pub async fn begin_retried_with_own_token_acquires_again<H: Harness>(harness: &H
     assert!(
         matches!(
             again,
-            Claim::Acquired {
+            Claim::Acquired(Held {
                 attempt: 1,
                 recovered: false,
                 ..
-            }
+            })
         ),
         "{again:?}"
     );
@@ -248,7 +270,7 @@ pub async fn begin_retried_with_own_token_acquires_again<H: Harness>(harness: &H
 
 /// After the lease expires, the next `begin` takes over: the caller's token, attempt 2,
 /// `recovered: true`.
-pub async fn takeover_after_lease_expiry_is_recovered<H: Harness>(harness: &H) {
+async fn takeover_after_lease_expiry_is_recovered<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let short = ctx.request(&key, 1).lease(ctx.unit() * 2);
@@ -256,12 +278,12 @@ pub async fn takeover_after_lease_expiry_is_recovered<H: Harness>(harness: &H) {
     ctx.time.pass(ctx.unit() * 3).await;
     let takeover = ctx.request(&key, 1);
     match ctx.begin(&takeover).await {
-        Claim::Acquired {
+        Claim::Acquired(Held {
             token,
             attempt,
             recovered,
             ..
-        } => {
+        }) => {
             assert_eq!(token, takeover.token);
             assert_eq!(attempt, 2);
             assert!(recovered);
@@ -280,7 +302,7 @@ pub async fn takeover_after_lease_expiry_is_recovered<H: Harness>(harness: &H) {
 /// The fencing rule: once a lease is taken over, the stale token gets `LeaseLost` from
 /// `complete`, `release` and `extend`, and the newer attempt's record is untouched — before and
 /// after it completes.
-pub async fn stale_token_gets_lease_lost<H: Harness>(harness: &H) {
+async fn stale_token_gets_lease_lost<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let stale = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit() * 2)).await;
@@ -325,7 +347,7 @@ pub async fn stale_token_gets_lease_lost<H: Harness>(harness: &H) {
 }
 
 /// A holder whose lease expired may still complete as long as nobody took over.
-pub async fn complete_after_lease_expiry_without_takeover<H: Harness>(harness: &H) {
+async fn complete_after_lease_expiry_without_takeover<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1).lease(ctx.unit())).await;
@@ -336,7 +358,7 @@ pub async fn complete_after_lease_expiry_without_takeover<H: Harness>(harness: &
 
 /// A retried `complete` with the completing token is accepted again and keeps the first outcome;
 /// another token is refused.
-pub async fn complete_retried_with_same_token_is_accepted<H: Harness>(harness: &H) {
+async fn complete_retried_with_same_token_is_accepted<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -357,7 +379,7 @@ pub async fn complete_retried_with_same_token_is_accepted<H: Harness>(harness: &
 }
 
 /// Operations with a token that never held the record, or on no record at all, are refused.
-pub async fn unknown_token_gets_lease_lost<H: Harness>(harness: &H) {
+async fn unknown_token_gets_lease_lost<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let absent = key();
     assert_eq!(
@@ -386,7 +408,7 @@ pub async fn unknown_token_gets_lease_lost<H: Harness>(harness: &H) {
 }
 
 /// `release` deletes the record: the next `begin` starts over at attempt 1, not recovered.
-pub async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
+async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -395,11 +417,11 @@ pub async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
     assert!(
         matches!(
             ctx.begin(&ctx.request(&key, 2)).await,
-            Claim::Acquired {
+            Claim::Acquired(Held {
                 attempt: 1,
                 recovered: false,
                 ..
-            }
+            })
         ),
         "after a release even another payload may use the key"
     );
@@ -407,7 +429,7 @@ pub async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
 
 /// A record released and created again starts at attempt 1 again, and the first attempt's token
 /// must still be refused: this is why the fencing token is random and not the attempt number.
-pub async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
+async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let old = ctx.acquire(&ctx.request(&key, 1)).await;
@@ -415,7 +437,7 @@ pub async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
     let new = ctx.request(&key, 1);
     assert!(matches!(
         ctx.begin(&new).await,
-        Claim::Acquired { attempt: 1, .. }
+        Claim::Acquired(Held { attempt: 1, .. })
     ));
     assert_eq!(ctx.complete(&key, old, b"old").await, Fenced::LeaseLost);
     assert_eq!(ctx.extend(&key, old, LONG).await, Fenced::LeaseLost);
@@ -431,7 +453,7 @@ pub async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
 ///
 /// With a real clock only the lower bound of a sleep is guaranteed, so every "still live" check
 /// here has several units of margin.
-pub async fn extend_keeps_the_lease_alive<H: Harness>(harness: &H) {
+async fn extend_keeps_the_lease_alive<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let unit = ctx.unit();
@@ -461,24 +483,24 @@ pub async fn extend_keeps_the_lease_alive<H: Harness>(harness: &H) {
     ctx.time.pass(unit * 5).await;
     assert!(matches!(
         ctx.begin(&ctx.request(&key, 1)).await,
-        Claim::Acquired {
+        Claim::Acquired(Held {
             attempt: 2,
             recovered: true,
             ..
-        }
+        })
     ));
 }
 
 /// A completed record expires after its retention: then the key is new again (attempt 1, not
 /// recovered) and `get` no longer returns it.
-pub async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
+async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1)).await;
     let retention = ctx.unit() * 4;
     let done = ctx
         .store
-        .complete(&ctx.scope, &key, token, Outcome::from(&b"x"[..]), retention)
+        .complete(&ctx.held(&key, token), Outcome::from(&b"x"[..]), retention)
         .await
         .unwrap();
     assert!(!done.is_lease_lost());
@@ -488,17 +510,17 @@ pub async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
     assert_eq!(ctx.complete(&key, token, b"y").await, Fenced::LeaseLost);
     assert!(matches!(
         ctx.begin(&ctx.request(&key, 2)).await,
-        Claim::Acquired {
+        Claim::Acquired(Held {
             attempt: 1,
             recovered: false,
             ..
-        }
+        })
     ));
 }
 
 /// An abandoned in-flight record is kept for its retention (so operators see it), then expires
 /// like any other.
-pub async fn abandoned_in_flight_record_expires_after_retention<H: Harness>(harness: &H) {
+async fn abandoned_in_flight_record_expires_after_retention<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let unit = ctx.unit();
@@ -512,16 +534,16 @@ pub async fn abandoned_in_flight_record_expires_after_retention<H: Harness>(harn
     assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
     assert!(matches!(
         ctx.begin(&ctx.request(&key, 1)).await,
-        Claim::Acquired {
+        Claim::Acquired(Held {
             attempt: 1,
             recovered: false,
             ..
-        }
+        })
     ));
 }
 
 /// `get` shows the record in each state.
-pub async fn get_reports_each_state<H: Harness>(harness: &H) {
+async fn get_reports_each_state<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
@@ -558,7 +580,7 @@ pub async fn get_reports_each_state<H: Harness>(harness: &H) {
 }
 
 /// Outcomes are stored byte for byte: empty, every byte value, and a 1 MiB body.
-pub async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
+async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let every_byte: Vec<u8> = (0..=255u8).cycle().take(4096).collect();
     let large: Vec<u8> = (0..(1 << 20))
@@ -570,7 +592,7 @@ pub async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
         let outcome = Outcome::new(Bytes::from(body.clone()));
         let done = ctx
             .store
-            .complete(&ctx.scope, &key, token, outcome, KEEP)
+            .complete(&ctx.held(&key, token), outcome, KEEP)
             .await
             .unwrap();
         assert!(!done.is_lease_lost());
@@ -586,7 +608,7 @@ pub async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
 }
 
 /// The same key in two scopes is two records: neither sees the other's state or outcome.
-pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
+async fn scopes_isolate_keys<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let other = Scope::new(format!("{}-other", ctx.scope)).unwrap();
     let key = key();
@@ -597,7 +619,7 @@ pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
     assert!(
         matches!(
             ctx.store.begin(&theirs).await.unwrap(),
-            Claim::Acquired { attempt: 1, .. }
+            Claim::Acquired(Held { attempt: 1, .. })
         ),
         "a key in another scope must be independent (not in flight, not a mismatch)"
     );
@@ -611,7 +633,7 @@ pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
     ));
     assert_eq!(
         ctx.store
-            .complete(&other, &key, token, Outcome::from(&b"x"[..]), KEEP)
+            .complete(&held(&other, &key, token), Outcome::from(&b"x"[..]), KEEP)
             .await
             .unwrap(),
         Fenced::LeaseLost,
@@ -619,7 +641,11 @@ pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
     );
     let _ = ctx
         .store
-        .complete(&other, &key, theirs.token, Outcome::from(&b"theirs"[..]), KEEP)
+        .complete(
+            &held(&other, &key, theirs.token),
+            Outcome::from(&b"theirs"[..]),
+            KEEP,
+        )
         .await
         .unwrap();
     let Claim::Replay(mine) = ctx.begin(&ctx.request(&key, 1)).await else {
@@ -633,7 +659,7 @@ pub async fn scopes_isolate_keys<H: Harness>(harness: &H) {
 }
 
 /// `purge_expired` deletes expired records, at most `limit` per call, and nothing live.
-pub async fn purge_expired_deletes_only_expired<H: Harness>(harness: &H) {
+async fn purge_expired_deletes_only_expired<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     ctx.purge_all().await;
     let unit = ctx.unit();
@@ -644,7 +670,7 @@ pub async fn purge_expired_deletes_only_expired<H: Harness>(harness: &H) {
         let retention = if n < 3 { unit } else { KEEP };
         let _ = ctx
             .store
-            .complete(&ctx.scope, &key, token, Outcome::empty(), retention)
+            .complete(&held(&ctx.scope, &key, token), Outcome::empty(), retention)
             .await
             .unwrap();
         if n >= 3 {
@@ -702,7 +728,7 @@ pub async fn purge_expired_deletes_only_expired<H: Harness>(harness: &H) {
 
 /// `stats` counts by state and reports the age of the oldest in-flight attempt and the stale
 /// leases.
-pub async fn stats_report_oldest_in_flight_age<H: Harness>(harness: &H) {
+async fn stats_report_oldest_in_flight_age<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let unit = ctx.unit();
     assert_eq!(
@@ -737,7 +763,7 @@ pub async fn stats_report_oldest_in_flight_age<H: Harness>(harness: &H) {
 }
 
 /// `list` filters by scope, state and age, orders by `(scope, key)`, and pages with `after`.
-pub async fn list_filters_orders_and_pages<H: Harness>(harness: &H) {
+async fn list_filters_orders_and_pages<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let unit = ctx.unit();
     let keys: Vec<Key> = (0..6).map(|i| Key::new(format!("k{i}")).unwrap()).collect();
@@ -828,7 +854,7 @@ async fn race_once<S: Store + Clone + 'static>(store: &S, request: &BeginRequest
 
 /// 64 concurrent `begin`s on one new key: exactly one `Acquired`, 63 `InFlight`; then 64
 /// concurrent duplicates after completion all replay. Repeated [`RACE_ROUNDS`] times.
-pub async fn race_64_begins_exactly_one_acquires<H: Harness>(harness: &H) {
+async fn race_64_begins_exactly_one_acquires<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     for round in 0..RACE_ROUNDS {
         let key = key();
@@ -836,9 +862,9 @@ pub async fn race_64_begins_exactly_one_acquires<H: Harness>(harness: &H) {
         let winners: Vec<Token> = claims
             .iter()
             .filter_map(|claim| match claim {
-                Claim::Acquired {
+                Claim::Acquired(Held {
                     token, attempt: 1, ..
-                } => Some(*token),
+                }) => Some(*token),
                 _ => None,
             })
             .collect();
@@ -866,7 +892,7 @@ pub async fn race_64_begins_exactly_one_acquires<H: Harness>(harness: &H) {
 }
 
 /// 64 concurrent `begin`s on an expired lease: exactly one takes over.
-pub async fn race_64_begins_on_expired_lease_exactly_one_takes_over<H: Harness>(harness: &H) {
+async fn race_64_begins_on_expired_lease_exactly_one_takes_over<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let rounds = if ctx.time.is_exact() { RACE_ROUNDS } else { 10 };
     let mut keys = Vec::new();
@@ -883,11 +909,11 @@ pub async fn race_64_begins_on_expired_lease_exactly_one_takes_over<H: Harness>(
             .filter(|c| {
                 matches!(
                     c,
-                    Claim::Acquired {
+                    Claim::Acquired(Held {
                         attempt: 2,
                         recovered: true,
                         ..
-                    }
+                    })
                 )
             })
             .count();
@@ -905,7 +931,7 @@ pub async fn race_64_begins_on_expired_lease_exactly_one_takes_over<H: Harness>(
 
 /// A stale worker's `complete` racing a takeover: whichever the store orders first wins, and the
 /// two answers agree — never both accepted, never a lost result.
-pub async fn race_stale_complete_against_takeover<H: Harness>(harness: &H) {
+async fn race_stale_complete_against_takeover<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let rounds = if ctx.time.is_exact() { 50 } else { 10 };
     let mut held = Vec::new();
@@ -920,7 +946,11 @@ pub async fn race_stale_complete_against_takeover<H: Harness>(harness: &H) {
             let (store, scope, key) = (ctx.store.clone(), ctx.scope.clone(), key.clone());
             tokio::spawn(async move {
                 store
-                    .complete(&scope, &key, stale, Outcome::from(&b"stale"[..]), KEEP)
+                    .complete(
+                        &crate::held(&scope, &key, stale),
+                        Outcome::from(&b"stale"[..]),
+                        KEEP,
+                    )
                     .await
                     .unwrap()
             })
@@ -935,42 +965,51 @@ pub async fn race_stale_complete_against_takeover<H: Harness>(harness: &H) {
             (Fenced::Accepted(_), Claim::Replay(done)) => assert_eq!(done.outcome.as_bytes(), b"stale"),
             (
                 Fenced::LeaseLost,
-                Claim::Acquired {
+                Claim::Acquired(Held {
                     attempt: 2,
                     recovered: true,
                     ..
-                },
+                }),
             ) => {}
             other => panic!("inconsistent race outcome: {other:?}"),
         }
     }
 }
 
+crate::__with_cases!(define_cases!());
+
+/// Defines [`Case`] from the one case list ([`crate::__with_cases`]).
+macro_rules! define_cases {
+    (; $($case:ident),* $(,)?) => {
+        /// One conformance case: a variant per case function of this module, each named after
+        /// the contract it checks.
+        #[allow(non_camel_case_types)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Case {
+            $(
+                #[doc = concat!("`", stringify!($case), "`")]
+                $case,
+            )*
+        }
+
+        impl Case {
+            /// Every case, in the order of the list.
+            pub const ALL: &[Case] = &[$(Case::$case),*];
+
+            /// Runs the case against a fresh store of `harness`; panics on a violation.
+            pub async fn run<H: Harness>(self, harness: &H) {
+                match self {
+                    $(Case::$case => $case(harness).await,)*
+                }
+            }
+        }
+    };
+}
+use define_cases;
+
 /// Calls every case once; used to check a store quickly outside the test harness.
 pub async fn run_all<H: Harness>(harness: &H) {
-    begin_on_new_key_acquires_attempt_one(harness).await;
-    begin_after_complete_replays_outcome(harness).await;
-    begin_with_other_fingerprint_is_mismatch(harness).await;
-    mismatch_is_checked_before_in_flight(harness).await;
-    begin_while_lease_live_is_in_flight(harness).await;
-    begin_retried_with_own_token_acquires_again(harness).await;
-    takeover_after_lease_expiry_is_recovered(harness).await;
-    stale_token_gets_lease_lost(harness).await;
-    complete_after_lease_expiry_without_takeover(harness).await;
-    complete_retried_with_same_token_is_accepted(harness).await;
-    unknown_token_gets_lease_lost(harness).await;
-    release_lets_a_retry_run_again(harness).await;
-    recreated_record_refuses_old_token(harness).await;
-    extend_keeps_the_lease_alive(harness).await;
-    completed_record_expires_after_retention(harness).await;
-    abandoned_in_flight_record_expires_after_retention(harness).await;
-    get_reports_each_state(harness).await;
-    outcomes_round_trip_byte_for_byte(harness).await;
-    scopes_isolate_keys(harness).await;
-    purge_expired_deletes_only_expired(harness).await;
-    stats_report_oldest_in_flight_age(harness).await;
-    list_filters_orders_and_pages(harness).await;
-    race_64_begins_exactly_one_acquires(harness).await;
-    race_64_begins_on_expired_lease_exactly_one_takes_over(harness).await;
-    race_stale_complete_against_takeover(harness).await;
+    for case in Case::ALL {
+        case.run(harness).await;
+    }
 }

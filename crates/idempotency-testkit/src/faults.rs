@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    BeginRequest, Claim, ErrorKind, Fenced, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats,
-    Store, StoreAdmin, StoreError, Timestamp, Token,
+    BeginRequest, Claim, ErrorKind, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope,
+    Stats, Store, StoreAdmin, StoreError, Timestamp,
 };
 
 /// A store operation, for aiming faults.
@@ -149,33 +149,20 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn complete(
         &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
+        held: &Held,
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.call(
-            Op::Complete,
-            self.inner.complete(scope, key, token, outcome, retention),
-        )
-        .await
-    }
-
-    async fn release(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-        self.call(Op::Release, self.inner.release(scope, key, token))
+        self.call(Op::Complete, self.inner.complete(held, outcome, retention))
             .await
     }
 
-    async fn extend(
-        &self,
-        scope: &Scope,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-    ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.call(Op::Extend, self.inner.extend(scope, key, token, lease))
-            .await
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        self.call(Op::Release, self.inner.release(held)).await
+    }
+
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        self.call(Op::Extend, self.inner.extend(held, lease)).await
     }
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Fingerprint, Key, ListFilter, ManualClock, MemoryStore, Outcome, Record,
-    RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, SummaryState, Timestamp, Token,
+    BeginRequest, Claim, Fenced, Fingerprint, Held, Key, ListFilter, ManualClock, MemoryStore, Outcome,
+    Record, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, SummaryState, Timestamp, Token,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -168,28 +168,67 @@ async fn run_case<S: StoreAdmin>(
     case: u64,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
-    let exact = time.is_exact();
-    let scope = Scope::new(format!("model-{}-{case}", Key::generate())).expect("scope");
-    let model_clock = ManualClock::at(time.manual_now().unwrap_or(Timestamp::from_unix_millis(0)));
-    let model = MemoryStore::with_clock(Arc::new(model_clock.clone()));
-    let keys: Vec<Key> = (0..KEYS)
-        .map(|k| Key::new(format!("key-{k}")).expect("key"))
-        .collect();
-    // The token each client last used per key. Clients that never began hold a token nobody has.
-    let mut tokens: HashMap<(usize, usize), Token> = HashMap::new();
-    let unit = Duration::from_secs(10);
-    let lease = |short: bool| if short { unit } else { Duration::from_secs(600) };
-    let retention = |short: bool| {
-        if short {
-            unit * 3
-        } else {
-            Duration::from_secs(7200)
-        }
-    };
-    let norm = Normalizer { exact };
-
+    let mut twin = Twin::new(store, time, case);
     for (step, op) in ops.iter().enumerate() {
-        let context = || format!("step {step}: {op:?}");
+        twin.step(op)
+            .await
+            .map_err(|failure| TestCaseError::fail(format!("step {step}: {op:?}: {failure}")))?;
+    }
+    Ok(())
+}
+
+/// The store under test and the reference model, driven with the same operations on the same
+/// records: every answer of the one must equal the other's (timestamps compared when the
+/// harness controls the clock).
+struct Twin<'s, S> {
+    store: &'s S,
+    time: &'s TimeControl,
+    model: MemoryStore,
+    model_clock: ManualClock,
+    scope: Scope,
+    keys: Vec<Key>,
+    /// The token each client last used per key. Clients that never began hold a token nobody
+    /// has.
+    tokens: HashMap<(usize, usize), Token>,
+    norm: Normalizer,
+}
+
+/// The unit of the model's short leases and retentions.
+const UNIT: Duration = Duration::from_secs(10);
+
+fn lease(short: bool) -> Duration {
+    if short { UNIT } else { Duration::from_secs(600) }
+}
+
+fn retention(short: bool) -> Duration {
+    if short {
+        UNIT * 3
+    } else {
+        Duration::from_secs(7200)
+    }
+}
+
+impl<'s, S: StoreAdmin> Twin<'s, S> {
+    fn new(store: &'s S, time: &'s TimeControl, case: u64) -> Self {
+        let model_clock = ManualClock::at(time.manual_now().unwrap_or(Timestamp::from_unix_millis(0)));
+        Self {
+            store,
+            time,
+            model: MemoryStore::with_clock(Arc::new(model_clock.clone())),
+            model_clock,
+            scope: Scope::new(format!("model-{}-{case}", Key::generate())).expect("scope"),
+            keys: (0..KEYS)
+                .map(|k| Key::new(format!("key-{k}")).expect("key"))
+                .collect(),
+            tokens: HashMap::new(),
+            norm: Normalizer {
+                exact: time.is_exact(),
+            },
+        }
+    }
+
+    /// Runs `op` on both; the failure says how they disagree.
+    async fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match *op {
             Op::Begin {
                 client,
@@ -198,32 +237,12 @@ async fn run_case<S: StoreAdmin>(
                 short_lease,
             } => {
                 let token = Token::random();
-                tokens.insert((client, key), token);
-                let request = BeginRequest::new(scope.clone(), keys[key].clone(), payload_fp(payload))
-                    .token(token)
-                    .lease(lease(short_lease))
-                    .retention(retention(false));
-                let (got, want) = (store.begin(&request).await, model.begin(&request).await);
-                prop_assert_eq!(
-                    norm.claim(store_ok(got)?),
-                    norm.claim(want.expect("model")),
-                    "{}",
-                    context()
-                );
+                self.tokens.insert((client, key), token);
+                self.begin(key, payload, token, lease(short_lease)).await
             }
             Op::RetryBegin { client, key, payload } => {
-                let token = token_of(&mut tokens, client, key);
-                let request = BeginRequest::new(scope.clone(), keys[key].clone(), payload_fp(payload))
-                    .token(token)
-                    .lease(lease(false))
-                    .retention(retention(false));
-                let (got, want) = (store.begin(&request).await, model.begin(&request).await);
-                prop_assert_eq!(
-                    norm.claim(store_ok(got)?),
-                    norm.claim(want.expect("model")),
-                    "{}",
-                    context()
-                );
+                let token = self.token(client, key);
+                self.begin(key, payload, token, lease(false)).await
             }
             Op::Complete {
                 client,
@@ -231,94 +250,124 @@ async fn run_case<S: StoreAdmin>(
                 outcome,
                 short_retention,
             } => {
-                let token = token_of(&mut tokens, client, key);
+                let held = self.held(client, key);
                 let outcome = Outcome::new(vec![outcome; usize::from(outcome % 5)]);
                 let retention = retention(short_retention);
-                let got = store
-                    .complete(&scope, &keys[key], token, outcome.clone(), retention)
-                    .await;
-                let want = model
-                    .complete(&scope, &keys[key], token, outcome, retention)
-                    .await;
+                let got = self.store.complete(&held, outcome.clone(), retention).await;
+                let want = self.model.complete(&held, outcome, retention).await;
                 prop_assert_eq!(
-                    norm.fenced(store_ok(got)?),
-                    norm.fenced(want.expect("model")),
-                    "{}",
-                    context()
+                    self.norm.fenced(store_ok(got)?),
+                    self.norm.fenced(want.expect("model"))
                 );
+                Ok(())
             }
             Op::Release { client, key } => {
-                let token = token_of(&mut tokens, client, key);
-                let got = store.release(&scope, &keys[key], token).await;
-                let want = model.release(&scope, &keys[key], token).await;
-                prop_assert_eq!(store_ok(got)?, want.expect("model"), "{}", context());
+                let held = self.held(client, key);
+                let (got, want) = (self.store.release(&held).await, self.model.release(&held).await);
+                prop_assert_eq!(store_ok(got)?, want.expect("model"));
+                Ok(())
             }
             Op::Extend {
                 client,
                 key,
                 short_lease,
             } => {
-                let token = token_of(&mut tokens, client, key);
-                let got = store.extend(&scope, &keys[key], token, lease(short_lease)).await;
-                let want = model.extend(&scope, &keys[key], token, lease(short_lease)).await;
+                let held = self.held(client, key);
+                let got = self.store.extend(&held, lease(short_lease)).await;
+                let want = self.model.extend(&held, lease(short_lease)).await;
                 prop_assert_eq!(
-                    norm.fenced(store_ok(got)?),
-                    norm.fenced(want.expect("model")),
-                    "{}",
-                    context()
+                    self.norm.fenced(store_ok(got)?),
+                    self.norm.fenced(want.expect("model"))
                 );
+                Ok(())
             }
-            Op::Get { key } => {
-                let got = store.get(&scope, &keys[key]).await;
-                let want = model.get(&scope, &keys[key]).await;
-                prop_assert_eq!(
-                    store_ok(got)?.map(|r| norm.record(r)),
-                    want.expect("model").map(|r| norm.record(r)),
-                    "{}",
-                    context()
-                );
-            }
-            Op::Stats => {
-                let got = store.stats(Some(&scope)).await;
-                let want = model.stats(Some(&scope)).await;
-                let (got, want) = (norm.stats(store_ok(got)?), norm.stats(want.expect("model")));
-                // A purged-or-not expired record is an implementation detail; live counts are not.
-                prop_assert_eq!(
-                    (
-                        got.in_flight,
-                        got.stale_leases,
-                        got.completed,
-                        got.oldest_in_flight
-                    ),
-                    (
-                        want.in_flight,
-                        want.stale_leases,
-                        want.completed,
-                        want.oldest_in_flight
-                    ),
-                    "{}",
-                    context()
-                );
-            }
-            Op::List => {
-                let filter = ListFilter::default().scope(scope.clone());
-                let got = store.list(&filter).await;
-                let want = model.list(&filter).await;
-                let got: Vec<_> = store_ok(got)?.into_iter().map(|s| norm.summary(s)).collect();
-                let want: Vec<_> = want
-                    .expect("model")
-                    .into_iter()
-                    .map(|s| norm.summary(s))
-                    .collect();
-                prop_assert_eq!(got, want, "{}", context());
-            }
+            Op::Get { key } => self.get(key).await,
+            Op::Stats => self.stats().await,
+            Op::List => self.list().await,
             Op::Advance { seconds } => {
-                time.pass(Duration::from_secs(seconds)).await;
-                model_clock.advance(Duration::from_secs(seconds));
+                self.time.pass(Duration::from_secs(seconds)).await;
+                self.model_clock.advance(Duration::from_secs(seconds));
+                Ok(())
             }
         }
     }
-    Ok(())
+
+    fn token(&mut self, client: usize, key: usize) -> Token {
+        token_of(&mut self.tokens, client, key)
+    }
+
+    fn held(&mut self, client: usize, key: usize) -> Held {
+        let token = self.token(client, key);
+        crate::cases::held(&self.scope, &self.keys[key], token)
+    }
+
+    async fn begin(
+        &self,
+        key: usize,
+        payload: u8,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), TestCaseError> {
+        let request = BeginRequest::new(self.scope.clone(), self.keys[key].clone(), payload_fp(payload))
+            .token(token)
+            .lease(lease)
+            .retention(retention(false));
+        let (got, want) = (self.store.begin(&request).await, self.model.begin(&request).await);
+        prop_assert_eq!(
+            self.norm.claim(store_ok(got)?),
+            self.norm.claim(want.expect("model"))
+        );
+        Ok(())
+    }
+
+    async fn get(&self, key: usize) -> Result<(), TestCaseError> {
+        let got = self.store.get(&self.scope, &self.keys[key]).await;
+        let want = self.model.get(&self.scope, &self.keys[key]).await;
+        prop_assert_eq!(
+            store_ok(got)?.map(|r| self.norm.record(r)),
+            want.expect("model").map(|r| self.norm.record(r))
+        );
+        Ok(())
+    }
+
+    async fn stats(&self) -> Result<(), TestCaseError> {
+        let got = self.store.stats(Some(&self.scope)).await;
+        let want = self.model.stats(Some(&self.scope)).await;
+        let (got, want) = (
+            self.norm.stats(store_ok(got)?),
+            self.norm.stats(want.expect("model")),
+        );
+        // A purged-or-not expired record is an implementation detail; live counts are not.
+        prop_assert_eq!(
+            (
+                got.in_flight,
+                got.stale_leases,
+                got.completed,
+                got.oldest_in_flight
+            ),
+            (
+                want.in_flight,
+                want.stale_leases,
+                want.completed,
+                want.oldest_in_flight
+            )
+        );
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<(), TestCaseError> {
+        let filter = ListFilter::default().scope(self.scope.clone());
+        let got = self.store.list(&filter).await;
+        let want = self.model.list(&filter).await;
+        let got: Vec<_> = store_ok(got)?.into_iter().map(|s| self.norm.summary(s)).collect();
+        let want: Vec<_> = want
+            .expect("model")
+            .into_iter()
+            .map(|s| self.norm.summary(s))
+            .collect();
+        prop_assert_eq!(got, want);
+        Ok(())
+    }
 }
 
 /// A store error fails the case (and is shrunk like any other failure).
@@ -350,17 +399,10 @@ impl Normalizer {
 
     fn claim(&self, claim: Claim) -> Claim {
         match claim {
-            Claim::Acquired {
-                token,
-                attempt,
-                recovered,
-                lease_until,
-            } => Claim::Acquired {
-                token,
-                attempt,
-                recovered,
-                lease_until: self.ts(lease_until),
-            },
+            Claim::Acquired(held) => Claim::Acquired(Held {
+                lease_until: self.ts(held.lease_until),
+                ..held
+            }),
             Claim::InFlight { attempt, retry_after } => Claim::InFlight {
                 attempt,
                 retry_after: if self.exact { retry_after } else { Duration::ZERO },

@@ -6,8 +6,9 @@
 //! rejected, and a crashed attempt's lease expires so a retry can take over — fenced, so the
 //! crashed worker can never overwrite the newer result.
 //!
-//! This facade re-exports [`idempotency_core`] (keys, fingerprints, the record state machine,
-//! [`Guard`], [`MemoryStore`]) and, behind features, the stores:
+//! This facade re-exports [`idempotency_core`] by name (keys, fingerprints, the record state
+//! machine, [`Guard`], [`MemoryStore`]) and, behind features, the stores, each of which declares
+//! its own URL schemes ([`registry`]):
 //!
 //! | feature | what |
 //! |---|---|
@@ -36,9 +37,19 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-use std::sync::Arc;
+use std::sync::LazyLock;
 
-pub use idempotency_core::*;
+/// The storage-neutral core, under its own name (everything below is also re-exported here).
+pub use idempotency_core as core;
+pub use idempotency_core::{
+    Attempt, Backoff, BeginRequest, Claim, Clock, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE,
+    DEFAULT_RETENTION, Decision, DecodeError, DynStore, ErrorKind, Execution, Fenced, Fingerprint,
+    FingerprintBuilder, FingerprintError, FingerprintMode, Guard, Held, IDEMPOTENCY_KEY_HEADER,
+    InTransaction, JsonPointer, Key, KeyError, ListFilter, MAX_KEY_LEN, ManualClock, MemoryStore, Outcome,
+    OutcomePolicy, Record, RecordParts, RecordState, RecordSummary, Recorded, Redacted, Registry, Scope,
+    StateFilter, Stats, Store, StoreAdmin, StoreError, StoreKind, SummaryState, SystemClock, Timestamp,
+    Token, TransactionalStore, TxFuture, TxOperation, redact_url,
+};
 
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
@@ -56,10 +67,51 @@ pub use idempotency_redis as redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use idempotency_testkit as testkit;
 
-/// A store chosen at run time, as the `idem` binary and configuration files need.
-pub type DynStore = Arc<dyn StoreAdmin>;
+/// The reason a URL for a store whose feature is off cannot be opened. (With every store
+/// feature on, only the tests use it.)
+#[cfg_attr(
+    all(feature = "sqlite", feature = "postgres", feature = "redis"),
+    allow(unused_macros)
+)]
+macro_rules! not_built {
+    ($feature:literal) => {
+        concat!(
+            "this build has no `",
+            $feature,
+            "` store: enable the `",
+            $feature,
+            "` feature of the `idempotency` crate"
+        )
+    };
+}
 
-/// Opens the store a URL names:
+/// The stores this build opens by URL: the memory store, and one [`StoreKind`] per enabled
+/// store feature. Schemes of stores whose feature is off are named, so that a URL for one gets
+/// "enable the feature" rather than "unknown scheme".
+pub fn registry() -> &'static Registry {
+    static REGISTRY: LazyLock<Registry> = LazyLock::new(|| {
+        let registry = Registry::new().with(MemoryStore::KIND);
+        #[cfg(feature = "sqlite")]
+        let registry = registry.with(sqlite::KIND);
+        #[cfg(not(feature = "sqlite"))]
+        let registry = registry.unavailable(&["sqlite"], not_built!("sqlite"));
+        #[cfg(feature = "postgres")]
+        let registry = registry.with(postgres::KIND);
+        #[cfg(not(feature = "postgres"))]
+        let registry = registry.unavailable(&["postgres", "postgresql"], not_built!("postgres"));
+        #[cfg(feature = "redis")]
+        let registry = registry.with(redis::KIND);
+        #[cfg(not(feature = "redis"))]
+        let registry = registry.unavailable(&["redis", "rediss", "redis-cluster"], not_built!("redis"));
+        registry.unavailable(
+            &["mysql", "mariadb"],
+            "there is no `mysql` store in this version yet",
+        )
+    });
+    &REGISTRY
+}
+
+/// Opens the store a URL names, through [`registry`]:
 ///
 /// * `memory://` — a [`MemoryStore`] (nothing survives the process);
 /// * `sqlite://PATH`, `sqlite::memory:` — the SQLite store (feature `sqlite`);
@@ -73,70 +125,7 @@ pub type DynStore = Arc<dyn StoreAdmin>;
 /// [`ErrorKind::InvalidConfig`] for an unknown scheme, a scheme whose store is not compiled in,
 /// or a malformed URL; otherwise the store's own error when opening fails.
 pub async fn open(url: &str) -> Result<DynStore, StoreError> {
-    let scheme = url.split_once(':').map(|(scheme, _)| scheme).unwrap_or_default();
-    match scheme {
-        "memory" => {
-            if url != "memory://" && url != "memory:" {
-                return Err(StoreError::new(
-                    ErrorKind::InvalidConfig,
-                    format!("`{url}`: the memory store takes no path or options (use `memory://`)"),
-                ));
-            }
-            Ok(Arc::new(MemoryStore::new()))
-        }
-        #[cfg(feature = "sqlite")]
-        "sqlite" => Ok(Arc::new(sqlite::SqliteStore::open(url).await?)),
-        #[cfg(not(feature = "sqlite"))]
-        "sqlite" => Err(not_compiled_in("sqlite")),
-        #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => Ok(Arc::new(postgres::PostgresStore::connect(url).await?)),
-        #[cfg(not(feature = "postgres"))]
-        "postgres" | "postgresql" => Err(not_compiled_in("postgres")),
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" => Ok(Arc::new(redis::RedisStore::connect(url).await?)),
-        #[cfg(feature = "redis")]
-        "redis-cluster" => {
-            let nodes: Vec<String> = url
-                .trim_start_matches("redis-cluster://")
-                .split(',')
-                .filter(|node| !node.is_empty())
-                .map(|node| format!("redis://{node}"))
-                .collect();
-            Ok(Arc::new(redis::RedisStore::connect_cluster(&nodes).await?))
-        }
-        #[cfg(not(feature = "redis"))]
-        "redis" | "rediss" | "redis-cluster" => Err(not_compiled_in("redis")),
-        "mysql" | "mariadb" => Err(StoreError::new(
-            ErrorKind::InvalidConfig,
-            format!(
-                "there is no `{scheme}` store in this version yet (available: memory://, sqlite://, postgres://, redis://)"
-            ),
-        )),
-        "" => Err(StoreError::new(
-            ErrorKind::InvalidConfig,
-            // Without a scheme a password may still be in there (`user:pass@host`).
-            format!(
-                "`{}` is not a store URL (expected memory://, sqlite://PATH, postgres://… or redis://…)",
-                redact_url(url)
-            ),
-        )),
-        other => Err(StoreError::new(
-            ErrorKind::InvalidConfig,
-            format!(
-                "unknown store URL scheme `{other}` (expected memory://, sqlite://PATH, postgres://… or redis://…)"
-            ),
-        )),
-    }
-}
-
-#[cfg(not(all(feature = "sqlite", feature = "postgres", feature = "redis")))]
-fn not_compiled_in(feature: &str) -> StoreError {
-    StoreError::new(
-        ErrorKind::InvalidConfig,
-        format!(
-            "this build has no `{feature}` store: enable the `{feature}` feature of the `idempotency` crate"
-        ),
-    )
+    registry().open(url).await
 }
 
 #[cfg(test)]
@@ -178,10 +167,7 @@ mod tests {
             Key::new("k").unwrap(),
             Fingerprint::of_bytes(b""),
         );
-        assert!(matches!(
-            store.begin(&request).await.unwrap(),
-            Claim::Acquired { .. }
-        ));
+        assert!(matches!(store.begin(&request).await.unwrap(), Claim::Acquired(_)));
         assert!(dir.path().join("idem.db").exists());
         let error = open("sqlite://x.db?bogus=1").await.map(|_| ()).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidConfig);
@@ -201,14 +187,11 @@ mod tests {
             key,
             Fingerprint::of_bytes(b""),
         );
-        assert!(matches!(
-            store.begin(&request).await.unwrap(),
-            Claim::Acquired { .. }
-        ));
-        let _ = store
-            .release(&request.scope, &request.key, request.token)
-            .await
-            .unwrap();
+        let claim = store.begin(&request).await.unwrap();
+        let Claim::Acquired(held) = claim else {
+            panic!("expected Acquired, got {claim:?}")
+        };
+        let _ = store.release(&held).await.unwrap();
     }
 
     #[cfg(feature = "redis")]
@@ -225,26 +208,29 @@ mod tests {
                 Key::generate(),
                 Fingerprint::of_bytes(b""),
             );
-            assert!(
-                matches!(store.begin(&request).await.unwrap(), Claim::Acquired { .. }),
-                "{url}"
-            );
-            let _ = store
-                .release(&request.scope, &request.key, request.token)
-                .await
-                .unwrap();
+            let claim = store.begin(&request).await.unwrap();
+            let Claim::Acquired(held) = claim else {
+                panic!("{url}: expected Acquired, got {claim:?}")
+            };
+            let _ = store.release(&held).await.unwrap();
         }
         let error = open("redis-cluster://").await.map(|_| ()).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{error}");
     }
 
-    #[cfg(not(feature = "sqlite"))]
+    /// Runs in every build: a registry in which a store is declared but not built names the
+    /// feature to enable (the facade's own registry does this for each feature that is off).
     #[tokio::test]
     async fn names_the_missing_feature() {
-        let error = open("sqlite://x.db").await.map(|_| ()).unwrap_err();
+        let registry = Registry::new()
+            .with(MemoryStore::KIND)
+            .unavailable(&["sqlite"], not_built!("sqlite"));
+        let error = registry.open("sqlite://x.db").await.map(|_| ()).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig);
         assert!(
             error.to_string().contains("enable the `sqlite` feature"),
             "{error}"
         );
+        assert!(error.to_string().contains("available: memory://"), "{error}");
     }
 }

@@ -29,10 +29,10 @@ use axum::routing::post;
 use axum::{Extension, Json, Router};
 use idempotency_amqp::AmqpMessage;
 use idempotency_consumer::{Backoff, Delivery, HandlerError, TxConsumer, TxHandler};
-use idempotency_core::{FingerprintMode, Outcome, Store};
+use idempotency_core::{Attempt, FingerprintMode, Outcome, Store};
 use idempotency_http::{IdempotencyKey, IdempotencyLayer};
-use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
-use idempotency_postgres::{PostgresStore, TxAttempt};
+use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
+use idempotency_postgres::{PgTransaction, PostgresStore};
 use lapin::Channel;
 
 /// The queue `payment.initiated` messages go to.
@@ -288,34 +288,34 @@ impl Charger {
     }
 }
 
-impl TxHandler<AmqpMessage> for Charger {
+impl TxHandler<AmqpMessage, PostgresStore> for Charger {
     async fn handle(
         &self,
         message: &AmqpMessage,
-        tx: &mut PgConnection,
-        attempt: &TxAttempt,
+        tx: &mut PgTransaction,
+        attempt: &Attempt,
     ) -> Result<Outcome, HandlerError> {
         let json: serde_json::Value = serde_json::from_slice(message.payload())
-            .map_err(|e| HandlerError::Fatal(format!("payment.initiated is not JSON: {e}")))?;
-        let payment = Payment::from_json(&json).map_err(HandlerError::Fatal)?;
+            .map_err(|e| HandlerError::fatal(format!("payment.initiated is not JSON: {e}")))?;
+        let payment = Payment::from_json(&json).map_err(HandlerError::fatal)?;
         let reference = self
             .gateway
-            .charge(attempt.key.as_str(), &payment.account, payment.amount_cents)
+            .charge(attempt.key().as_str(), &payment.account, payment.amount_cents)
             .await
-            .map_err(|GatewayTimeout| HandlerError::Retry("the payment gateway timed out".into()))?;
+            .map_err(|GatewayTimeout| HandlerError::retry("the payment gateway timed out"))?;
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {} (payment_key, account, amount_cents, currency, gateway_ref)
              VALUES ($1, $2, $3, $4, $5)",
             self.table
         )))
-        .bind(attempt.key.as_str())
+        .bind(attempt.key().as_str())
         .bind(&payment.account)
         .bind(payment.amount_cents)
         .bind(&payment.currency)
         .bind(&reference)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await
-        .map_err(|e| HandlerError::Retry(format!("writing the charge: {e}")))?;
+        .map_err(|e| HandlerError::retry(format!("writing the charge: {e}")))?;
         Ok(Outcome::new(reference))
     }
 }
@@ -323,7 +323,7 @@ impl TxHandler<AmqpMessage> for Charger {
 /// The charger as a same-transaction consumer on `store`: retries after 100 ms doubling to 5 s,
 /// dead-lettered after 8 deliveries.
 #[must_use]
-pub fn charger(store: PostgresStore, charger: Charger) -> TxConsumer<Charger> {
+pub fn charger(store: PostgresStore, charger: Charger) -> TxConsumer<PostgresStore, Charger> {
     TxConsumer::new("payments-charger", store, charger)
         .backoff(Backoff {
             initial: Duration::from_millis(100),

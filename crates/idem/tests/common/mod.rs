@@ -70,7 +70,8 @@ fn echo_response(headers: &HeaderMap, key: &str, calls: u32, body: &Bytes) -> Re
 /// `POST /echo`: counts the call and echoes what it got. `POST /slow?ms=N`: counts the call,
 /// then answers as `/echo` after N ms.
 /// `POST /flaky`: 503 on a key's first call, then as `/echo`. `POST /big?bytes=N`: a chunked body
-/// of N bytes. `GET /calls?key=K`: how many times K ran.
+/// of N bytes. `GET /calls?key=K`: how many times K ran. Anything else: `404` with the path it
+/// arrived at, verbatim.
 fn upstream_app() -> Router {
     let calls: Calls = Arc::default();
     Router::new()
@@ -128,11 +129,13 @@ fn upstream_app() -> Router {
                 n.to_string()
             }),
         )
+        .fallback(|uri: Uri| async move { (StatusCode::NOT_FOUND, uri.path().to_owned()) })
         .with_state(calls)
 }
 
-/// The upstream process's body: serves [`upstream_app`] until killed. Call it from a test named
-/// `upstream_process`; it does nothing unless this binary was started as the upstream.
+/// The upstream process's body: serves [`upstream_app`] until killed. Call it from an ignored
+/// test named `upstream_process`; it does nothing unless this binary was started as the
+/// upstream.
 pub fn upstream_child() {
     if std::env::var(UPSTREAM_ENV).is_err() {
         return;
@@ -186,7 +189,13 @@ impl Drop for Process {
 pub fn start_upstream() -> (Process, SocketAddr) {
     let mut process = Process {
         child: Command::new(std::env::current_exe().unwrap())
-            .args(["upstream_process", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "upstream_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(UPSTREAM_ENV, "1")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

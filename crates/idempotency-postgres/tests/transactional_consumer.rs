@@ -2,7 +2,6 @@
 //! and the completion commit together, so every delivery path (duplicates racing, a failing or
 //! panicking handler, a lost connection) ends with exactly one charge row per key.
 
-#[path = "../../idempotency-postgres/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;
@@ -11,9 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler};
-use idempotency_core::{Key, Outcome, RecordState, Scope, Store};
-use idempotency_postgres::sqlx::PgConnection;
-use idempotency_postgres::{PostgresStore, TxAttempt};
+use idempotency_core::{Attempt, Key, Outcome, RecordState, Scope, Store};
+use idempotency_postgres::{PgTransaction, PostgresStore};
 use sqlx::AssertSqlSafe;
 
 /// A delivered message: the key header, the amount in cents as text, the delivery count.
@@ -67,34 +65,34 @@ struct Charger {
     hold: Duration,
 }
 
-impl TxHandler<Message> for Charger {
+impl TxHandler<Message, PostgresStore> for Charger {
     async fn handle(
         &self,
         message: &Message,
-        tx: &mut PgConnection,
-        attempt: &TxAttempt,
+        tx: &mut PgTransaction,
+        attempt: &Attempt,
     ) -> Result<Outcome, HandlerError> {
         let cents: i64 = message
             .payload
             .parse()
-            .map_err(|_| HandlerError::Fatal(format!("not an amount: {:?}", message.payload)))?;
+            .map_err(|_| HandlerError::fatal(format!("not an amount: {:?}", message.payload)))?;
         let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {} (key, cents) VALUES ($1, $2) RETURNING id",
             self.table
         )))
-        .bind(attempt.key.as_str())
+        .bind(attempt.key().as_str())
         .bind(cents)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut **tx)
         .await
-        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        .map_err(|e| HandlerError::retry(e.to_string()))?;
         tokio::time::sleep(self.hold).await;
         if self.panic_once.swap(false, Ordering::SeqCst) {
             panic!("the handler crashed after writing its row");
         }
         let mut failures = self.failures.lock().unwrap();
-        if let Some(left) = failures.get_mut(attempt.key.as_str()).filter(|left| **left > 0) {
+        if let Some(left) = failures.get_mut(attempt.key().as_str()).filter(|left| **left > 0) {
             *left -= 1;
-            return Err(HandlerError::Retry("the gateway timed out".into()));
+            return Err(HandlerError::retry("the gateway timed out"));
         }
         Ok(Outcome::new(id.to_string()))
     }
@@ -129,7 +127,7 @@ impl Setup {
         }
     }
 
-    fn consumer(&self, store: PostgresStore, charger: Charger) -> TxConsumer<Charger> {
+    fn consumer(&self, store: PostgresStore, charger: Charger) -> TxConsumer<PostgresStore, Charger> {
         TxConsumer::new("tx-payments", store, charger).backoff(Backoff {
             initial: Duration::from_millis(100),
             max: Duration::from_secs(2),

@@ -1,0 +1,90 @@
+//! The guarded run of one request, and the wait for a duplicate's first request to finish (wait
+//! mode) or the `409` that says it is still running.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use idempotency_core::{Execution, Fingerprint, Guard, Key, Scope, Store};
+use tower::Service;
+
+use crate::body::ResponseBody;
+use crate::capture::{Captured, capture, respond_executed};
+use crate::key::IdempotencyKey;
+use crate::layer::Config;
+use crate::policy::decide;
+use crate::problem::Problem;
+use crate::replay::replay;
+use crate::service::{passthrough, problem};
+
+pub(crate) async fn run_guarded<I, S, ReqBody, ResBody>(
+    inner: I,
+    guard: Guard<S>,
+    config: Arc<Config>,
+    scope: Scope,
+    key: Key,
+    fingerprint: Fingerprint,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, I::Error>
+where
+    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    I::Future: Send + 'static,
+    I::Error: Send + 'static,
+    S: Store + Clone + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    // A wait too long for an `Instant` is a wait without a deadline.
+    let deadline = config
+        .wait
+        .and_then(|wait| tokio::time::Instant::now().checked_add(wait));
+    let mut poll = Duration::from_millis(20);
+    // The handler runs at most once, whichever loop iteration acquires the key.
+    let mut pending = Some((inner, request));
+    loop {
+        let run = guard
+            .run(
+                scope.clone(),
+                key.clone(),
+                fingerprint,
+                |captured: &Captured<ResBody, I::Error>| decide(captured, &config),
+                |attempt| {
+                    let (mut inner, mut request) = pending.take().expect("the handler runs at most once");
+                    request.extensions_mut().insert(IdempotencyKey {
+                        scope: attempt.scope().clone(),
+                        key: attempt.key().clone(),
+                        attempt: attempt.number(),
+                        recovered: attempt.recovered(),
+                    });
+                    let config = Arc::clone(&config);
+                    async move { capture(inner.call(request).await, &config).await }
+                },
+            )
+            .await;
+        match run {
+            Ok(Execution::Executed { value, recorded, .. }) => return respond_executed(value, &recorded),
+            Ok(Execution::Replayed(done)) => return Ok(replay(&done)),
+            Ok(Execution::Mismatch) => return Ok(problem(&Problem::KeyReused)),
+            Ok(Execution::InFlight { retry_after, .. }) => {
+                let now = tokio::time::Instant::now();
+                match deadline {
+                    Some(deadline) if now < deadline => {
+                        tokio::time::sleep(poll.min(retry_after).min(deadline - now)).await;
+                        poll = (poll * 2).min(Duration::from_millis(250));
+                    }
+                    _ => return Ok(problem(&Problem::InFlight { retry_after })),
+                }
+            }
+            Err(error) => {
+                if config.fail_open {
+                    tracing::warn!(%error, "idempotency store unavailable; running without it (fail-open)");
+                    let (mut inner, request) = pending.take().expect("the handler has not run");
+                    return inner.call(request).await.map(passthrough);
+                }
+                tracing::warn!(%error, "idempotency store unavailable; refusing the request (fail-closed)");
+                return Ok(problem(&Problem::StoreUnavailable));
+            }
+        }
+    }
+}
