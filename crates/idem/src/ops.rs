@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::{
-    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState, Timestamp,
+    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState,
+    Timestamp, Token,
 };
 use serde_json::{Value, json};
 
@@ -195,8 +196,17 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
     };
     let mut value = summary_json(&record.summary());
     value["fingerprint"] = json!(record.fingerprint.to_string());
-    if let RecordState::Completed { outcome, .. } = &record.state {
-        value["outcome"] = outcome_json(outcome.as_bytes());
+    match &record.state {
+        RecordState::Completed { outcome, .. } => value["outcome"] = outcome_json(outcome.as_bytes()),
+        // A released record is held by no attempt: the last one gave the key up, and the next
+        // request runs again as attempt + 1.
+        RecordState::InFlight { token, .. } => {
+            value["held_by"] = json!(if *token == Token::NONE {
+                "nobody (released)"
+            } else {
+                "an attempt"
+            });
+        }
     }
     if json_out {
         return Ok(value.to_string());
@@ -207,6 +217,7 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
         "key",
         "state",
         "attempt",
+        "held_by",
         "fingerprint",
         "created_at",
         "acquired_at",

@@ -107,7 +107,8 @@ async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
     assert_eq!(malformed.status, 400);
     assert_eq!(malformed.json()["type"], "urn:idempotency:problem:invalid-key");
 
-    // A 5xx releases the key: the retry runs again and is stored.
+    // A 5xx releases the key: the retry runs again, as attempt 2 (the first may have partly
+    // run), and is stored.
     let flaky = [("idempotency-key", "order-3")];
     assert_eq!(
         send(&client, addr, "POST", "/flaky", &flaky, b"x").await.status,
@@ -116,6 +117,11 @@ async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
     let retried = send(&client, addr, "POST", "/flaky", &flaky, b"x").await;
     assert_eq!(retried.status, 201);
     assert_eq!(retried.json()["calls"], 2);
+    assert_eq!(
+        retried.json()["attempt"],
+        "2",
+        "a released key ran again as if it were new"
+    );
     assert_eq!(
         send(&client, addr, "POST", "/flaky", &flaky, b"x")
             .await
@@ -278,8 +284,19 @@ async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
     assert_eq!(again.status, 502);
     assert_eq!(again.header("idempotent-replayed"), None);
     drop(gateway);
-    let (code, out, _) = idem(&["keys", "list", "--store", &store]);
-    assert_eq!((code, out.as_str()), (0, "no records\n"));
+    // The record stays, held by no attempt: the next try is attempt 3.
+    let (code, out, err) = idem(&["keys", "get", "order-9", "--store", &store, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let record: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (
+            record["state"].as_str(),
+            record["attempt"].as_u64(),
+            record["held_by"].as_str()
+        ),
+        (Some("in_flight"), Some(2), Some("nobody (released)")),
+        "{record}"
+    );
 }
 
 #[test]

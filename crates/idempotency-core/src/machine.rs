@@ -18,12 +18,19 @@
 //! | `complete` | in flight with this token (lease expired or not) | completed, kept for `retention` |
 //! | | completed by this token | accepted again, outcome unchanged (a retried `complete`) |
 //! | | anything else | `LeaseLost`, nothing written |
-//! | `release` | in flight with this token | deleted |
+//! | `release` | in flight with this token | kept with its fingerprint and attempt, held by [`Token::NONE`], lease ended now |
 //! | | anything else | `LeaseLost` |
 //! | `extend` | in flight with this token | lease moved to now + lease |
 //! | | anything else | `LeaseLost` |
 //!
-//! An expired record (`now >= expires_at`) is treated as absent by every operation.
+//! An expired record (`now >= expires_at`) is treated as absent by every operation, and
+//! [`Token::NONE`] holds nothing: `complete`, `release` and `extend` with it are `LeaseLost`.
+//!
+//! A released record is an in-flight record whose lease has ended and that no attempt holds: the
+//! next `begin` with the same fingerprint takes it over as attempt + 1 with `recovered`, since
+//! the released attempt may have partly run; another fingerprint is a `Mismatch`; the released
+//! attempt's token is refused from then on. It keeps its expiry, so a key that has run before
+//! never looks new until its retention is over.
 
 use std::time::Duration;
 
@@ -36,8 +43,6 @@ pub enum Effect {
     None,
     /// Insert or replace the record with this one.
     Put(Record),
-    /// Delete the record.
-    Delete,
 }
 
 /// The record if it exists and has not expired at `now`.
@@ -88,7 +93,7 @@ pub fn begin(now: Timestamp, existing: Option<&Record>, request: &BeginRequest) 
             token,
             lease_until: held_until,
             ..
-        } if *token == request.token => (
+        } if *token == request.token && *token != Token::NONE => (
             Claim::Acquired(Held::acquired(request, record.attempt, *held_until)),
             Effect::None,
         ),
@@ -133,7 +138,7 @@ pub fn complete(
 ) -> (Fenced<Timestamp>, Effect) {
     match live(now, existing) {
         Some(record) => match &record.state {
-            RecordState::InFlight { token: held, .. } if *held == token => {
+            RecordState::InFlight { token: held, .. } if *held == token && token != Token::NONE => {
                 let expires_at = now.after(retention);
                 let completed = Record {
                     expires_at,
@@ -157,9 +162,24 @@ pub fn complete(
 
 /// `release`: see the [module table](self).
 pub fn release(now: Timestamp, existing: Option<&Record>, token: Token) -> (Fenced<()>, Effect) {
-    match live(now, existing).map(|record| &record.state) {
-        Some(RecordState::InFlight { token: held, .. }) if *held == token => {
-            (Fenced::Accepted(()), Effect::Delete)
+    let Some(record) = live(now, existing) else {
+        return (Fenced::LeaseLost, Effect::None);
+    };
+    match &record.state {
+        RecordState::InFlight {
+            token: held,
+            acquired_at,
+            ..
+        } if *held == token && token != Token::NONE => {
+            let released = Record {
+                state: RecordState::InFlight {
+                    token: Token::NONE,
+                    acquired_at: *acquired_at,
+                    lease_until: now,
+                },
+                ..record.clone()
+            };
+            (Fenced::Accepted(()), Effect::Put(released))
         }
         _ => (Fenced::LeaseLost, Effect::None),
     }
@@ -178,7 +198,7 @@ pub fn extend(
                 token: held,
                 acquired_at,
                 ..
-            } if *held == token => {
+            } if *held == token && token != Token::NONE => {
                 let lease_until = now.after(lease);
                 let extended = Record {
                     expires_at: record.expires_at.max(lease_until),

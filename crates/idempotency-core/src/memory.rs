@@ -140,9 +140,6 @@ impl MemoryStore {
                     shard.sweep_if_grown(now);
                 }
             }
-            Effect::Delete => {
-                shard.records.remove(&address);
-            }
         }
         answer
     }

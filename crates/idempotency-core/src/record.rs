@@ -21,8 +21,11 @@ pub const DEFAULT_CONSUMER_RETENTION: Duration = Duration::from_secs(7 * 24 * 60
 ///
 /// Only the holder of the current token may `complete`, `release` or `extend` a record, so a
 /// worker whose lease expired and was taken over can neither overwrite the newer attempt's result
-/// nor delete its record. An attempt counter alone cannot fence: a released record that is
+/// nor delete its record. An attempt counter alone cannot fence: a record that expired and is
 /// created again starts counting at 1 again.
+///
+/// A released record is held by [`Token::NONE`], which [`Token::random`] never returns: once an
+/// attempt has released its record, its token is refused like any stale one.
 ///
 /// Callers generate the token ([`Token::random`]) and pass it to `begin`, which makes a retried
 /// `begin` whose reply was lost safe: the store recognises its own token and answers `Acquired`
@@ -31,10 +34,19 @@ pub const DEFAULT_CONSUMER_RETENTION: Duration = Duration::from_secs(7 * 24 * 60
 pub struct Token(u128);
 
 impl Token {
-    /// A fresh token from a cryptographically secure generator.
+    /// The token of no attempt: a released record holds it, so that no attempt can
+    /// `complete`, `release` or `extend` that record until a new `begin` takes it over.
+    pub const NONE: Self = Self(0);
+
+    /// A fresh token from a cryptographically secure generator; never [`Token::NONE`].
     #[must_use]
     pub fn random() -> Self {
-        Self(rand::random())
+        loop {
+            let bits: u128 = rand::random();
+            if bits != 0 {
+                return Self(bits);
+            }
+        }
     }
 
     /// The token with the given bits (for stores that read tokens back).

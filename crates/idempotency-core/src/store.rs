@@ -239,7 +239,10 @@ pub trait Store: Send + Sync + fmt::Debug {
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError>;
 
-    /// Deletes the record if `held`'s token holds it, so a retry may run again.
+    /// Ends `held`'s lease if its token holds the record, so that a retry may run again: the
+    /// record keeps its fingerprint, attempt and expiry, is held by [`Token::NONE`](crate::Token::NONE),
+    /// and the next `begin` takes it over as attempt + 1 with `recovered`
+    /// ([`crate::machine`]).
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError>;
 
     /// Moves the lease to now + `lease` if `held`'s token holds the record (the heartbeat). The

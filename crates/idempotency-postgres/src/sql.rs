@@ -139,9 +139,10 @@ impl Statements {
                 kept = ms("expires_at"),
             )
             .into(),
-            // $1 scope, $2 key, $3 token.
+            // $1 scope, $2 key, $3 token, $4 the token of no attempt. The record stays, its
+            // lease ended: the next begin takes it over as attempt + 1.
             release: format!(
-                "DELETE FROM {t}
+                "UPDATE {t} SET token = $4, lease_until = now()
                  WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()"
             )
             .into(),

@@ -27,7 +27,7 @@ pub enum Operation {
     Begin,
     /// `complete`: `$1` scope, `$2` key, `$3` token, `$4` outcome, `$5` retention ms.
     Complete,
-    /// `release`: `$1` scope, `$2` key, `$3` token.
+    /// `release`: `$1` scope, `$2` key, `$3` token, `$4` [`Token::NONE`].
     Release,
     /// `extend`: `$1` scope, `$2` key, `$3` token, `$4` lease ms.
     Extend,
@@ -248,6 +248,9 @@ pub(crate) async fn complete_on(
     outcome: &Outcome,
     retention: Duration,
 ) -> Result<Fenced<Timestamp>, StoreError> {
+    if held.token == Token::NONE {
+        return Ok(Fenced::LeaseLost);
+    }
     let expires: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.complete)))
         .bind(held.scope.as_str())
         .bind(held.key.as_str())
@@ -280,10 +283,14 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        if held.token == Token::NONE {
+            return Ok(Fenced::LeaseLost);
+        }
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
             .bind(held.scope.as_str())
             .bind(held.key.as_str())
             .bind(&held.token.to_bytes()[..])
+            .bind(&Token::NONE.to_bytes()[..])
             .execute(&self.pool)
             .await
             .map_err(|e| map_error("release", e))?;
@@ -295,6 +302,9 @@ impl Store for PostgresStore {
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        if held.token == Token::NONE {
+            return Ok(Fenced::LeaseLost);
+        }
         let lease_until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
             .bind(held.scope.as_str())
             .bind(held.key.as_str())

@@ -10,7 +10,7 @@
 //!
 //! Every script is safe to run twice (a reply lost on a dropped connection): a repeated `begin` or
 //! `complete` with the same token is answered as the first one was, a repeated `extend` extends
-//! again, a repeated `release` finds nothing to delete.
+//! again, a repeated `release` finds its token gone.
 
 /// Shared prelude: the server's time in ms, integer formatting, and the foreign-value check.
 const PRELUDE: &str = r"
@@ -73,14 +73,15 @@ return {1, expires}
     )
 }
 
-/// `release`: ARGV token. Returns 1 (deleted) or 0.
+/// `release`: ARGV token, the token of no attempt. Returns 1 (released) or 0. The record stays,
+/// held by no attempt and its lease ended: the next `begin` takes it over as attempt + 1.
 pub(crate) fn release() -> String {
     format!(
         "{PRELUDE}{}",
         r"
 local r = redis.call('HMGET', KEYS[1], 't', 'st', 'e')
 if r[1] == false or tonumber(r[3]) <= now or r[1] ~= ARGV[1] or r[2] ~= 'f' then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 't', ARGV[2], 'l', n(now))
 return 1
 "
     )

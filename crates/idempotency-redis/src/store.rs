@@ -78,7 +78,7 @@ pub enum Operation {
     Begin,
     /// `complete`: ARGV token (hex), outcome, retention ms.
     Complete,
-    /// `release`: ARGV token (hex).
+    /// `release`: ARGV token, [`Token::NONE`] (hex).
     Release,
     /// `extend`: ARGV token (hex), lease ms.
     Extend,
@@ -523,6 +523,9 @@ impl Store for RedisStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
+        if held.token == Token::NONE {
+            return Ok(Fenced::LeaseLost);
+        }
         let retention = duration_millis(retention).to_string();
         let reply = self
             .run(
@@ -539,11 +542,14 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        if held.token == Token::NONE {
+            return Ok(Fenced::LeaseLost);
+        }
         let reply = self
             .run(
                 &self.scripts.release,
                 &self.record_key(&held.scope, &held.key),
-                &[held.token.to_hex().as_bytes()],
+                &[held.token.to_hex().as_bytes(), Token::NONE.to_hex().as_bytes()],
             )
             .await?;
         Ok(if int(&reply)? == 1 {
@@ -554,6 +560,9 @@ impl Store for RedisStore {
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        if held.token == Token::NONE {
+            return Ok(Fenced::LeaseLost);
+        }
         let lease = duration_millis(lease).to_string();
         let reply = self
             .run(

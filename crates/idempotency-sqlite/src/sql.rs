@@ -51,9 +51,6 @@ ON CONFLICT (scope, key) DO UPDATE SET
     lease_until = excluded.lease_until, completed_at = excluded.completed_at,
     outcome = excluded.outcome";
 
-/// Deletes one record.
-pub const DELETE_RECORD: &str = "DELETE FROM idempotency_records WHERE scope = ?1 AND key = ?2";
-
 /// Deletes up to `?2` records expired at `?1`.
 pub const PURGE_EXPIRED: &str = "
 DELETE FROM idempotency_records WHERE rowid IN (

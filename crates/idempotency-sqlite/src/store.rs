@@ -187,11 +187,6 @@ impl SqliteStore {
             match effect {
                 Effect::None => {}
                 Effect::Put(record) => upsert_record(&tx, &record)?,
-                Effect::Delete => {
-                    tx.prepare_cached(sql::DELETE_RECORD)
-                        .and_then(|mut statement| statement.execute(params![scope.as_str(), key.as_str()]))
-                        .map_err(|e| map_error("delete a record", e))?;
-                }
             }
             tx.commit().map_err(|e| map_error("commit", e))?;
             Ok(answer)

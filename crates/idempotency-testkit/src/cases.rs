@@ -407,44 +407,73 @@ async fn unknown_token_gets_lease_lost<H: Harness>(harness: &H) {
     assert!(matches!(record.state, RecordState::InFlight { token: held, .. } if held == token));
 }
 
-/// `release` deletes the record: the next `begin` starts over at attempt 1, not recovered.
-async fn release_lets_a_retry_run_again<H: Harness>(harness: &H) {
+/// `release` keeps the record: a key that has run before never looks new. The released
+/// attempt's token is refused from then on; the record keeps its fingerprint (another payload
+/// is a mismatch) and its attempt, so the retry runs as attempt 2 with `recovered`, and the
+/// attempt after the retry's own release as attempt 3.
+async fn release_keeps_the_attempt_count<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let first = ctx.acquire(&ctx.request(&key, 1)).await;
+    assert_eq!(ctx.release(&key, first).await, Fenced::Accepted(()));
+    let released = ctx.store.get(&ctx.scope, &key).await.unwrap().expect("kept");
+    assert_eq!((released.attempt, released.fingerprint), (1, fp(1)));
+    assert!(
+        matches!(released.state, RecordState::InFlight { token, .. } if token == Token::NONE),
+        "held by no attempt: {released:?}"
+    );
+    assert_eq!(ctx.complete(&key, first, b"late").await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&key, first, LONG).await, Fenced::LeaseLost);
+    assert_eq!(ctx.release(&key, first).await, Fenced::LeaseLost);
+    assert_eq!(ctx.begin(&ctx.request(&key, 2)).await, Claim::Mismatch);
+
+    let retry = ctx.request(&key, 1);
+    match ctx.begin(&retry).await {
+        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (2, true)),
+        other => panic!("expected the retry to take over, got {other:?}"),
+    }
+    assert_eq!(ctx.release(&key, retry.token).await, Fenced::Accepted(()));
+    let third = ctx.request(&key, 1);
+    match ctx.begin(&third).await {
+        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (3, true)),
+        other => panic!("expected a third attempt, got {other:?}"),
+    }
+    assert_eq!(ctx.complete(&key, retry.token, b"stale").await, Fenced::LeaseLost);
+    assert!(!ctx.complete(&key, third.token, b"done").await.is_lease_lost());
+}
+
+/// No attempt holds [`Token::NONE`]: on a released record `complete`, `release` and `extend`
+/// with it are refused, and the record is untouched.
+async fn the_token_of_no_attempt_holds_nothing<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
     let token = ctx.acquire(&ctx.request(&key, 1)).await;
     assert_eq!(ctx.release(&key, token).await, Fenced::Accepted(()));
-    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
-    assert!(
-        matches!(
-            ctx.begin(&ctx.request(&key, 2)).await,
-            Claim::Acquired(Held {
-                attempt: 1,
-                recovered: false,
-                ..
-            })
-        ),
-        "after a release even another payload may use the key"
-    );
+    let before = ctx.store.get(&ctx.scope, &key).await.unwrap();
+    assert_eq!(ctx.complete(&key, Token::NONE, b"x").await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&key, Token::NONE, LONG).await, Fenced::LeaseLost);
+    assert_eq!(ctx.release(&key, Token::NONE).await, Fenced::LeaseLost);
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), before);
 }
 
-/// A record released and created again starts at attempt 1 again, and the first attempt's token
-/// must still be refused: this is why the fencing token is random and not the attempt number.
-async fn recreated_record_refuses_old_token<H: Harness>(harness: &H) {
+/// A released record lasts until the retention its attempts gave it; then the key is new again:
+/// attempt 1, any payload.
+async fn released_record_expires_after_retention<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let key = key();
-    let old = ctx.acquire(&ctx.request(&key, 1)).await;
-    assert_eq!(ctx.release(&key, old).await, Fenced::Accepted(()));
-    let new = ctx.request(&key, 1);
-    assert!(matches!(
-        ctx.begin(&new).await,
-        Claim::Acquired(Held { attempt: 1, .. })
-    ));
-    assert_eq!(ctx.complete(&key, old, b"old").await, Fenced::LeaseLost);
-    assert_eq!(ctx.extend(&key, old, LONG).await, Fenced::LeaseLost);
-    assert_eq!(ctx.release(&key, old).await, Fenced::LeaseLost);
-    let record = ctx.store.get(&ctx.scope, &key).await.unwrap().unwrap();
-    assert!(matches!(record.state, RecordState::InFlight { token, .. } if token == new.token));
-    assert!(!ctx.complete(&key, new.token, b"new").await.is_lease_lost());
+    let unit = ctx.unit();
+    let token = ctx
+        .acquire(&ctx.request(&key, 1).lease(unit).retention(unit * 4))
+        .await;
+    assert_eq!(ctx.release(&key, token).await, Fenced::Accepted(()));
+    let stats = ctx.store.stats(Some(&ctx.scope)).await.unwrap();
+    assert_eq!((stats.in_flight, stats.stale_leases), (1, 1), "{stats:?}");
+    ctx.time.pass(unit * 5).await;
+    assert_eq!(ctx.store.get(&ctx.scope, &key).await.unwrap(), None);
+    match ctx.begin(&ctx.request(&key, 2)).await {
+        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (1, false)),
+        other => panic!("expected a new record, got {other:?}"),
+    }
 }
 
 /// `extend` moves the lease to now + lease: a caller arriving after the original lease would

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotency_core::{
-    Clock, Decision, ErrorKind, Execution, Fingerprint, Guard, Key, MemoryStore, Outcome, RecordState,
-    Recorded, Scope, Store, Timestamp,
+    Clock, Decision, ErrorKind, Execution, Fingerprint, Guard, Key, MemoryStore, Outcome, Record,
+    RecordState, Recorded, Scope, Store, Timestamp, Token,
 };
 use idempotency_testkit::FaultyStore;
 use idempotency_testkit::faults::Op;
@@ -119,7 +119,7 @@ async fn a_release_decision_lets_the_retry_run_again() {
         ),
         "{failed:?}"
     );
-    assert_eq!(store.get(&Scope::global(), &key()).await.unwrap(), None);
+    assert_released(&store).await;
     let retried = guard
         .run(Scope::global(), key(), fp("a"), store_ok, |_| async {
             Ok("ok".to_string())
@@ -130,12 +130,32 @@ async fn a_release_decision_lets_the_retry_run_again() {
         matches!(
             retried,
             Execution::Executed {
-                attempt: 1,
+                attempt: 2,
+                recovered: true,
                 recorded: Recorded::Completed { .. },
                 ..
             }
         ),
         "{retried:?}"
+    );
+}
+
+/// The key's record is kept after a release, held by no attempt, with the first attempt's count.
+async fn assert_released(store: &TestStore) {
+    let record = store.get(&Scope::global(), &key()).await.unwrap();
+    assert!(
+        matches!(
+            &record,
+            Some(Record {
+                attempt: 1,
+                state: RecordState::InFlight {
+                    token: Token::NONE,
+                    ..
+                },
+                ..
+            })
+        ),
+        "the key must be released and keep its attempt: {record:?}"
     );
 }
 
@@ -161,11 +181,7 @@ async fn a_panic_releases_the_key_and_keeps_unwinding() {
         joined.is_err_and(|e| e.is_panic()),
         "the panic must reach the caller"
     );
-    assert_eq!(
-        store.get(&Scope::global(), &key()).await.unwrap(),
-        None,
-        "the key must be released"
-    );
+    assert_released(&store).await;
     let retried = guard
         .run(Scope::global(), key(), fp("a"), store_it, |_| async {
             "ok".to_string()
@@ -173,7 +189,14 @@ async fn a_panic_releases_the_key_and_keeps_unwinding() {
         .await
         .unwrap();
     assert!(
-        matches!(retried, Execution::Executed { attempt: 1, .. }),
+        matches!(
+            retried,
+            Execution::Executed {
+                attempt: 2,
+                recovered: true,
+                ..
+            }
+        ),
         "{retried:?}"
     );
 }
