@@ -387,21 +387,81 @@ impl Proxy {
             }
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(key.attempt));
         }
-        let response = match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+        // The timeout covers the whole response, its body included.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
             Err(_) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
+                tracing::warn!(upstream = %self.upstream, "upstream timed out; the outcome is unknown");
                 return problem(&Problem::UpstreamTimeout);
             }
-            Ok(Err(error)) => {
+            // Only a failure to connect proves that nothing was sent: the key may be released.
+            Ok(Err(error)) if error.is_connect() => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "unreachable").increment(1);
                 tracing::warn!(%error, upstream = %self.upstream, "upstream unreachable");
                 return problem(&Problem::UpstreamUnreachable);
+            }
+            // Anything else happened after the request (or part of it) was sent.
+            Ok(Err(error)) => {
+                metrics::counter!("idem_upstream_errors_total", "kind" => "answer_lost").increment(1);
+                tracing::warn!(%error, upstream = %self.upstream, "upstream answer lost; the outcome is unknown");
+                return problem(&Problem::UpstreamAnswerLost);
             }
             Ok(Ok(response)) => response,
         };
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        Response::from_parts(parts, Body::new(body))
+        Response::from_parts(parts, Body::new(UpstreamBody::new(body, deadline)))
+    }
+}
+
+/// The upstream's response body, bounded by the upstream timeout: it fails with
+/// [`Problem::UpstreamTimeout`] when the deadline passes before its end, and with
+/// [`Problem::UpstreamAnswerLost`] when the upstream breaks it off, so that the layer answers
+/// with the problem and keeps the key in flight (the upstream ran).
+struct UpstreamBody {
+    inner: hyper::body::Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl UpstreamBody {
+    fn new(inner: hyper::body::Incoming, deadline: tokio::time::Instant) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        }
+    }
+}
+
+impl hyper::body::Body for UpstreamBody {
+    type Data = bytes::Bytes;
+    type Error = Problem;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Problem>>> {
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
+            tracing::warn!("the upstream's response body did not end within the upstream timeout");
+            return Poll::Ready(Some(Err(Problem::UpstreamTimeout)));
+        }
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Err(error))) => {
+                metrics::counter!("idem_upstream_errors_total", "kind" => "answer_lost").increment(1);
+                tracing::warn!(%error, "the upstream broke its response body off");
+                Poll::Ready(Some(Err(Problem::UpstreamAnswerLost)))
+            }
+            other => other.map_err(|_| Problem::UpstreamAnswerLost),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

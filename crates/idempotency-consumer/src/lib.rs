@@ -348,10 +348,10 @@ impl Rules {
                 // stands, and this copy of the message is a duplicate.
                 (Ok(_), Recorded::LeaseLost) => self.duplicate(),
                 // The side effect happened but is not recorded (or, impossibly with this
-                // policy, was released): never ack an outcome that is not durable. In a
+                // policy, was released or left unknown): never ack an outcome that is not durable. In a
                 // transaction, nothing committed (or the commit's fate is unknown): the
                 // redelivery runs or replays.
-                (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released)) => {
+                (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released | Recorded::Unknown)) => {
                     tracing::error!(consumer = self.name, ?recorded, "outcome not recorded");
                     self.store_unavailable(&"the outcome could not be recorded", deliveries)
                 }

@@ -10,8 +10,9 @@
 //!    its lease. If the heartbeat learns the lease was lost (another attempt took over), the
 //!    [`Attempt`] handed to the operation says so; the operation is not cancelled halfway.
 //! 3. Ask the [`OutcomePolicy`] whether the value is final: `complete` with the encoded outcome,
-//!    or `release` so that a retry runs again. A panic releases the record and then resumes
-//!    unwinding. Transient store errors while settling are retried with backoff for as long as
+//!    `release` so that a retry runs again, or leave the record in flight when the outcome is
+//!    unknown ([`Decision::Unknown`]: the retry waits for the lease to end, then runs again as a
+//!    recovered attempt). A panic releases the record and then resumes unwinding. Transient store errors while settling are retried with backoff for as long as
 //!    the attempt still holds its lease: the operation has run, and giving up early would let a
 //!    retry run it again once the lease expires.
 //!
@@ -37,6 +38,7 @@
 //! | `idempotency_mismatch_total` | counter | keys reused with another payload |
 //! | `idempotency_lease_takeovers_total` | counter | expired leases taken over |
 //! | `idempotency_lease_lost_total` | counter | `complete`/`release`/`extend` refused for a stale token (`op` label) |
+//! | `idempotency_outcome_unknown_total` | counter | operations whose outcome is unknown, left in flight until their lease ends |
 //! | `idempotency_store_errors_total` | counter | failed store calls (`op`, `kind` labels) |
 //! | `idempotency_store_duration_seconds` | histogram | store call latency (`op` label) |
 
@@ -60,8 +62,20 @@ use crate::{
 pub enum Decision {
     /// The result is final: store this outcome and replay it to duplicates.
     Complete(Outcome),
-    /// The result is not final (a transient failure): delete the record so a retry runs again.
+    /// The result is not final, and the operation surely did not take effect, or may be run
+    /// again (a transient failure): release the record so that a retry runs again, as attempt
+    /// + 1 with `recovered`.
     Release,
+    /// Whether the operation took effect is unknown: the request reached a remote system and
+    /// its answer was lost (a dropped connection, a timeout, a truncated reply). Nothing is
+    /// recorded and the record stays in flight until its lease ends, so that a retry does not
+    /// run it again while the remote system may still be working on it; the first retry after
+    /// that runs again as attempt + 1 with `recovered`, and should look for the first attempt's
+    /// traces (or pass the key on, so that the remote system deduplicates).
+    ///
+    /// In [`Guard::run_in_transaction`] the transaction rolls back as for [`Decision::Release`]:
+    /// what the operation wrote through it is undone with the claim.
+    Unknown,
 }
 
 /// Decides, from an operation's value, whether it is final ([`Decision::Complete`]) or must be
@@ -162,6 +176,9 @@ pub enum Recorded {
     /// The store failed while settling; the record stays in flight until its lease expires, then
     /// a retry takes over with `recovered: true`.
     Failed(StoreError),
+    /// The outcome is unknown ([`Decision::Unknown`]); the record stays in flight until its
+    /// lease expires, then a retry takes over with `recovered: true`.
+    Unknown,
 }
 
 /// The result of [`Guard::run`].
@@ -351,6 +368,7 @@ impl<S: Store> Guard<S> {
         let recorded = match policy.decide(&value) {
             Decision::Complete(outcome) => self.complete(&held, outcome, deadline).await,
             Decision::Release => self.release(&held, deadline).await,
+            Decision::Unknown => self.unknown(),
         };
         Ok(self.executed(value, &held, recorded))
     }
@@ -437,6 +455,7 @@ impl<S: Store> Guard<S> {
                 Recorded::Released => "released",
                 Recorded::LeaseLost => "lease_lost",
                 Recorded::Failed(_) => "settle_failed",
+                Recorded::Unknown => "outcome_unknown",
             },
         );
         Execution::Executed {
@@ -479,6 +498,15 @@ impl<S: Store> Guard<S> {
                 Err(error) => tracing::warn!(%error, "heartbeat failed"),
             }
         }
+    }
+
+    /// Leaves the record in flight: the heartbeat stops with the run, and the lease runs out.
+    fn unknown(&self) -> Recorded {
+        metrics::counter!("idempotency_outcome_unknown_total", "guard" => self.name).increment(1);
+        tracing::warn!(
+            "the outcome is unknown; the key stays in flight until its lease ends, then a retry runs again as a recovered attempt"
+        );
+        Recorded::Unknown
     }
 
     async fn complete(&self, held: &Held, outcome: Outcome, deadline: tokio::time::Instant) -> Recorded {
@@ -687,7 +715,7 @@ impl<S: TransactionalStore> Guard<S> {
         let value = operation.run(&mut tx, Attempt::of(&held)).await;
         let recorded = match policy.decide(&value) {
             Decision::Complete(outcome) => self.commit(tx, &held, &outcome).await,
-            Decision::Release => {
+            Decision::Release | Decision::Unknown => {
                 self.store.rollback(tx).await;
                 Recorded::Released
             }

@@ -1,14 +1,15 @@
 //! Capturing the handler's response so that it can be stored, and answering with it.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::Response;
+use http::{HeaderValue, Response, header};
 use http_body::Body;
 use http_body_util::BodyExt;
 use idempotency_core::Recorded;
 
-use crate::body::ResponseBody;
+use crate::body::{BoxError, ResponseBody};
 use crate::layer::Config;
 use crate::problem::Problem;
 use crate::replay::{IDEMPOTENCY_KEY_EXPIRES, expires_header};
@@ -31,12 +32,13 @@ pub(crate) enum Captured<B, E> {
     /// The inner service failed.
     Failed(E),
     /// The response body failed while being read.
-    BodyFailed,
+    BodyFailed(BoxError),
 }
 
 pub(crate) async fn capture<B, E>(result: Result<Response<B>, E>, config: &Config) -> Captured<B, E>
 where
     B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
     let max_response = config.max_response as u64;
     let (parts, body) = match result {
@@ -52,7 +54,7 @@ where
                     parts,
                     body: collected.to_bytes(),
                 },
-                Err(_) => Captured::BodyFailed,
+                Err(error) => Captured::BodyFailed(error.into()),
             };
         }
         Some(_) => false,
@@ -68,8 +70,9 @@ where
     // Of unknown length: read up to the limit; store it if it ends there.
     let mut read = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else {
-            return Captured::BodyFailed;
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => return Captured::BodyFailed(error.into()),
         };
         if let Ok(data) = frame.into_data() {
             read.extend_from_slice(&data);
@@ -88,9 +91,12 @@ where
     }
 }
 
+/// The answer to the request that ran: its response, with `Idempotency-Key-Expires` when it was
+/// stored, or `Retry-After: lease` when its outcome is unknown (retries get `409` until then).
 pub(crate) fn respond_executed<B, E>(
     captured: Captured<B, E>,
     recorded: &Recorded,
+    lease: Duration,
 ) -> Result<Response<ResponseBody<B>>, E> {
     let mut response = match captured {
         Captured::Buffered { parts, body } => Response::from_parts(parts, ResponseBody::full(body)),
@@ -98,12 +104,37 @@ pub(crate) fn respond_executed<B, E>(
             Response::from_parts(parts, ResponseBody::inner(prefix, body))
         }
         Captured::Failed(error) => return Err(error),
-        Captured::BodyFailed => return Ok(problem(&Problem::HandlerFailed)),
+        Captured::BodyFailed(error) => {
+            tracing::warn!(error = %error, "the response body failed; the outcome is unknown");
+            problem(&problem_in(&*error).unwrap_or(Problem::OutcomeUnknown))
+        }
     };
-    if let Recorded::Completed { expires_at } = recorded {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENCY_KEY_EXPIRES, expires_header(*expires_at));
+    match recorded {
+        Recorded::Completed { expires_at } => {
+            response
+                .headers_mut()
+                .insert(IDEMPOTENCY_KEY_EXPIRES, expires_header(*expires_at));
+        }
+        Recorded::Unknown => {
+            let seconds = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        }
+        Recorded::Released | Recorded::LeaseLost | Recorded::Failed(_) => {}
     }
     Ok(response)
+}
+
+/// The [`Problem`] a failed body says happened (a proxy's upstream timing out), wherever it is
+/// in the error's chain of sources: a framework may have wrapped it on the way.
+fn problem_in(error: &(dyn std::error::Error + 'static)) -> Option<Problem> {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if let Some(problem) = error.downcast_ref::<Problem>() {
+            return Some(problem.clone());
+        }
+        cause = error.source();
+    }
+    None
 }

@@ -72,7 +72,7 @@ pub use body::{BoxError, ResponseBody};
 pub use future::{DetachedRuns, ResponseFuture};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyHeaderError};
 pub use layer::{IdempotencyLayer, default_is_final};
-pub use policy::{HOP_BY_HOP, strip_hop_by_hop};
+pub use policy::{HOP_BY_HOP, OutcomeUnknown, strip_hop_by_hop};
 pub use problem::Problem;
 pub use replay::{IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use service::IdempotencyService;

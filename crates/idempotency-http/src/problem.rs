@@ -9,6 +9,12 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::key::KeyHeaderError;
+use crate::policy::OutcomeUnknown;
+
+/// What every problem with an unknown outcome adds: why the retry gets `409` for a while.
+const KEPT_IN_FLIGHT: &str = "The Idempotency-Key stays reserved until this attempt's lease ends \
+    (retries get 409 until then; see Retry-After); the first retry after that runs again as a \
+    new attempt, with Idempotency-Attempt raised.";
 
 /// An error the layer answers itself, without (or instead of) running the handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,13 +43,21 @@ pub enum Problem {
     /// The first request's response was too large or streamed, so it was not stored; the request
     /// will not run again (409).
     NotReplayable,
-    /// The handler panicked, or its response body failed; the key was released (500).
+    /// The handler panicked; the key was released (500).
     HandlerFailed,
+    /// The handler answered, but its response body failed before it was complete: whether the
+    /// request took effect is unknown, and the key stays in flight until its lease ends (500).
+    OutcomeUnknown,
     /// A stored response could not be decoded (500).
     StoredResponseUnreadable,
-    /// A proxy's upstream could not be reached; the key was released (502).
+    /// A proxy's upstream could not be reached: nothing was sent, and the key was released (502).
     UpstreamUnreachable,
-    /// A proxy's upstream did not answer in time; the key was released (504).
+    /// A proxy sent the request, but no complete answer came back (the connection dropped, the
+    /// answer was malformed or truncated): the outcome is unknown, and the key stays in flight
+    /// until its lease ends (502).
+    UpstreamAnswerLost,
+    /// A proxy sent the request, but the whole answer did not arrive within its timeout: the
+    /// outcome is unknown, and the key stays in flight until its lease ends (504).
     UpstreamTimeout,
     /// A proxy could not make the upstream's request target from the request's (400).
     BadTarget(String),
@@ -63,8 +77,10 @@ impl Problem {
             Self::BodyUnreadable => "urn:idempotency:problem:body-unreadable",
             Self::NotReplayable => "urn:idempotency:problem:outcome-not-replayable",
             Self::HandlerFailed => "urn:idempotency:problem:handler-failed",
+            Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
             Self::StoredResponseUnreadable => "urn:idempotency:problem:stored-response-unreadable",
             Self::UpstreamUnreachable => "urn:idempotency:problem:upstream-unreachable",
+            Self::UpstreamAnswerLost => "urn:idempotency:problem:upstream-answer-lost",
             Self::UpstreamTimeout => "urn:idempotency:problem:upstream-timeout",
             Self::BadTarget(_) => "urn:idempotency:problem:bad-target",
         }
@@ -81,8 +97,10 @@ impl Problem {
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::HandlerFailed | Self::StoredResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
-            Self::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+            Self::HandlerFailed | Self::OutcomeUnknown | Self::StoredResponseUnreadable => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Self::UpstreamUnreachable | Self::UpstreamAnswerLost => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -100,8 +118,10 @@ impl Problem {
             Self::BodyUnreadable => "Request body unreadable",
             Self::NotReplayable => "Original response cannot be replayed",
             Self::HandlerFailed => "Request handler failed",
+            Self::OutcomeUnknown => "Outcome unknown",
             Self::StoredResponseUnreadable => "Stored response unreadable",
             Self::UpstreamUnreachable => "Upstream unreachable",
+            Self::UpstreamAnswerLost => "Upstream answer lost",
             Self::UpstreamTimeout => "Upstream timed out",
             Self::BadTarget(_) => "Bad request target",
         }
@@ -141,19 +161,37 @@ impl Problem {
                     .into()
             }
             Self::HandlerFailed => "The request failed and was not recorded; it may be retried.".into(),
+            Self::OutcomeUnknown => format!(
+                "The request ran, but its response failed before it was complete: whether it \
+                took effect is unknown. {KEPT_IN_FLIGHT}"
+            ),
             Self::StoredResponseUnreadable => {
                 "The stored response for this Idempotency-Key cannot be read.".into()
             }
-            Self::UpstreamUnreachable => {
-                "The upstream could not be reached; the key was released and the request may be retried."
-                    .into()
-            }
-            Self::UpstreamTimeout => {
-                "The upstream did not answer in time; the key was released and the request may be retried."
-                    .into()
-            }
+            Self::UpstreamUnreachable => "The upstream could not be reached, so nothing was sent to it; the \
+                key was released and the request may be retried."
+                .into(),
+            Self::UpstreamAnswerLost => format!(
+                "The request was sent to the upstream, but no complete answer came back (the \
+                connection dropped, or the answer was malformed or truncated): whether it took \
+                effect is unknown. {KEPT_IN_FLIGHT}"
+            ),
+            Self::UpstreamTimeout => format!(
+                "The request was sent to the upstream, but its whole answer did not arrive within \
+                the upstream timeout: whether it took effect is unknown. {KEPT_IN_FLIGHT}"
+            ),
             Self::BadTarget(why) => format!("The request target cannot be forwarded: {why}."),
         }
+    }
+
+    /// Whether the problem says that the request may have taken effect: its response carries
+    /// [`OutcomeUnknown`], so that the layer keeps the key in flight instead of releasing it.
+    #[must_use]
+    pub fn is_outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            Self::OutcomeUnknown | Self::UpstreamAnswerLost | Self::UpstreamTimeout
+        )
     }
 
     /// The `application/problem+json` response.
@@ -174,6 +212,9 @@ impl Problem {
         });
         let mut response = Response::new(Bytes::from(body.to_string()));
         *response.status_mut() = self.status();
+        if self.is_outcome_unknown() {
+            response.extensions_mut().insert(OutcomeUnknown);
+        }
         response.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
@@ -193,3 +234,14 @@ impl Problem {
         response
     }
 }
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.title(), self.detail())
+    }
+}
+
+/// A problem is also an error: a response body that fails with one (a proxy's upstream timing
+/// out mid-body, say) is answered with that problem instead of the generic
+/// [`Problem::OutcomeUnknown`].
+impl std::error::Error for Problem {}

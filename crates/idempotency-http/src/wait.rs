@@ -10,7 +10,7 @@ use http_body::Body;
 use idempotency_core::{Execution, Fingerprint, Guard, Key, Scope, Store};
 use tower::Service;
 
-use crate::body::ResponseBody;
+use crate::body::{BoxError, ResponseBody};
 use crate::capture::{Captured, capture, respond_executed};
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
@@ -34,6 +34,7 @@ where
     I::Error: Send + 'static,
     S: Store + Clone + 'static,
     ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
 {
     // A wait too long for an `Instant` is a wait without a deadline.
     let deadline = config
@@ -63,7 +64,9 @@ where
             )
             .await;
         match run {
-            Ok(Execution::Executed { value, recorded, .. }) => return respond_executed(value, &recorded),
+            Ok(Execution::Executed { value, recorded, .. }) => {
+                return respond_executed(value, &recorded, guard.lease_duration());
+            }
             Ok(Execution::Replayed(done)) => return Ok(replay(&done)),
             Ok(Execution::Mismatch) => return Ok(problem(&Problem::KeyReused)),
             Ok(Execution::InFlight { retry_after, .. }) => {

@@ -656,3 +656,99 @@ async fn extreme_durations_neither_panic_nor_run_twice() {
         );
     }
 }
+
+/// A response marked `OutcomeUnknown`, a body that breaks off midway and a service error leave
+/// the key in flight: whether the request took effect is unknown, so the retry gets `409` (the
+/// first answer says for how long, in `Retry-After`) instead of running again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_outcomes_keep_the_key_in_flight() {
+    use std::sync::atomic::AtomicU32;
+
+    use axum::body::Body;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use idempotency_core::{Key, RecordState, Scope, Store, Token};
+    use idempotency_http::OutcomeUnknown;
+    use tower::{Layer, ServiceExt};
+
+    let store = common::memory().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let count = |runs: &Arc<AtomicU32>| {
+        let runs = Arc::clone(runs);
+        move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+        }
+    };
+    let (marked, broken) = (count(&runs), count(&runs));
+    let router: Router = Router::new()
+        .route(
+            "/marked",
+            post(move || async move {
+                marked();
+                let mut response = (StatusCode::GATEWAY_TIMEOUT, "the provider timed out").into_response();
+                response.extensions_mut().insert(OutcomeUnknown);
+                response
+            }),
+        )
+        .route(
+            "/broken-body",
+            post(move || async move {
+                broken();
+                let chunks: Vec<Result<&'static str, std::io::Error>> = vec![
+                    Ok("{\"charge\":"),
+                    Err(std::io::Error::other("the handler's stream broke")),
+                ];
+                Response::new(Body::from_stream(futures_util::stream::iter(chunks)))
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(Arc::clone(&store))
+                .lease(Duration::from_secs(7))
+                .buffer_streamed_responses(true),
+        );
+    let addr = serve(router).await;
+    let http = client();
+    for (path, status, problem) in [
+        ("/marked", StatusCode::GATEWAY_TIMEOUT, None),
+        (
+            "/broken-body",
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Some("urn:idempotency:problem:outcome-unknown"),
+        ),
+    ] {
+        let key = format!("k-unknown{}", path.replace('/', "-"));
+        let first = send(&http, addr, "POST", path, &[key.as_bytes()], &[], b"{}", false).await;
+        assert_eq!(first.status, status, "{path}: {}", first.text());
+        if let Some(problem) = problem {
+            assert_eq!(first.problem_type(), problem, "{path}");
+        }
+        assert_eq!(first.headers["retry-after"], "7", "{path}: the lease");
+        let retry = send(&http, addr, "POST", path, &[key.as_bytes()], &[], b"{}", false).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{path}: {}", retry.text());
+        let record = store
+            .get(&Scope::global(), &Key::new(key).unwrap())
+            .await
+            .unwrap()
+            .expect("the record stays");
+        assert!(
+            matches!(record.state, RecordState::InFlight { token, .. } if token != Token::NONE),
+            "{path}: still held, not released: {record:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each handler ran once");
+
+    // A service error says nothing about whether the request took effect either.
+    let failing =
+        IdempotencyLayer::new(Arc::clone(&store)).layer(tower::service_fn(|_: http::Request<Body>| async {
+            Err::<Response, _>(std::io::Error::other("connection reset"))
+        }));
+    let request = || {
+        http::Request::post("/")
+            .header("idempotency-key", "k-service-error")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    assert!(failing.clone().oneshot(request()).await.is_err());
+    let retry = failing.oneshot(request()).await.expect("answered by the layer");
+    assert_eq!(retry.status(), StatusCode::CONFLICT);
+}
