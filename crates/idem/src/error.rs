@@ -48,9 +48,6 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// Serving stopped with an error.
-    #[error("serving: {0}")]
-    Serve(#[source] std::io::Error),
     /// The metrics recorder could not be installed.
     #[error("metrics: {0}")]
     Metrics(#[source] metrics_exporter_prometheus::BuildError),

@@ -24,7 +24,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tower::Service;
 
 use crate::error::Error;
-use crate::units;
+use crate::{server, units};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
 /// gateway sets it on guarded requests and removes it from all others, so the upstream can
@@ -78,9 +78,23 @@ pub struct Config {
     /// Forward requests without the guard while the store is unreachable (default: 503).
     #[arg(long, env = "IDEM_FAIL_OPEN")]
     pub fail_open: bool,
-    /// How long the upstream may take to answer (504 after it, and the key is released).
+    /// How long the upstream may take to answer, body included (504 after it; the outcome is
+    /// unknown, so the key stays in flight until its lease ends).
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "60s", value_parser = parse_upstream_timeout)]
     pub upstream_timeout: Duration,
+    /// How long a client may take to send a request's headers (the connection is closed after).
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_client_timeout)]
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body (408 after it; nothing runs).
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_client_timeout)]
+    pub body_timeout: Duration,
+    /// How many client connections are served at once (more wait to be accepted).
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "512", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections: u32,
+    /// How long shutdown waits for running requests; what still runs after it is abandoned to
+    /// its lease, and a retry takes it over.
+    #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_drain_timeout)]
+    pub drain_timeout: Duration,
 }
 
 impl Default for Config {
@@ -231,6 +245,27 @@ pub fn parse_retention(text: &str) -> Result<Duration, FlagError> {
 pub fn parse_upstream_timeout(text: &str) -> Result<Duration, FlagError> {
     let range = (Duration::from_millis(100), Duration::from_secs(86_400));
     bounded_duration(text, "--upstream-timeout", range, "from 100ms to 24h")
+}
+
+/// `--header-timeout` and `--body-timeout`: 100 ms to 1 h. Without a bound, a client that
+/// never finishes its request holds its connection forever.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_client_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(100), Duration::from_secs(3600));
+    bounded_duration(text, "a client timeout", range, "from 100ms to 1h")
+}
+
+/// `--drain-timeout`: 0 s to 1 h (zero: exit at once on shutdown, abandoning what runs).
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_drain_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::ZERO, Duration::from_secs(3600));
+    bounded_duration(text, "--drain-timeout", range, "from 0s to 1h")
 }
 
 /// `--wait`: 1 ms to 1 h.
@@ -555,7 +590,11 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
         layer = layer.wait(deadline);
     }
     let detached = layer.detached_runs();
+    let body_timeout = config.body_timeout;
     let proxy = tower::ServiceBuilder::new()
+        .map_request(move |request: Request<Body>| {
+            request.map(|body| Body::new(server::BodyDeadline::new(body, body_timeout)))
+        })
         .layer(layer)
         .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
     let admin = Admin {
@@ -612,14 +651,21 @@ pub async fn serve(config: Config, shutdown: impl Future<Output = ()> + Send + '
         detached,
     } = router(&config, store, metrics);
     let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    let limits = server::Limits {
+        header_timeout: config.header_timeout,
+        max_connections: config.max_connections as usize,
+        drain_timeout: config.drain_timeout,
+    };
     if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
         let admin_listener = bind(addr).await?;
         let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let _ = axum::serve(admin_listener, admin)
-                .with_graceful_shutdown(stop)
-                .await;
-        });
+        tokio::spawn(server::serve(
+            admin_listener,
+            admin,
+            limits,
+            DetachedRuns::default(),
+            stop,
+        ));
     }
     tracing::info!(
         listen = %config.listen,
@@ -627,19 +673,9 @@ pub async fn serve(config: Config, shutdown: impl Future<Output = ()> + Send + '
         store = %idempotency::redact_url(&config.store),
         "idem gateway ready"
     );
-    axum::serve(listener, main)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)?;
-    // Requests whose clients went away finish on tasks of their own; let them record too.
-    let limit = config.upstream_timeout + Duration::from_secs(5);
-    if !detached.wait(limit).await {
-        tracing::warn!(
-            left = detached.count(),
-            "exiting with requests still running; their leases protect the keys until a retry takes over"
-        );
+    if server::serve(listener, main, limits, detached, shutdown).await {
+        tracing::info!("drained; in-flight requests finished and recorded");
     }
-    tracing::info!("drained; in-flight requests finished and recorded");
     Ok(())
 }
 

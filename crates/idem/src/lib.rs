@@ -2,6 +2,7 @@
 //!
 //! * [`gateway`]: the idempotency gateway (`idem serve`), a reverse proxy with the HTTP layer in
 //!   front of any upstream;
+//! * [`server`]: the gateway's HTTP/1 server, with the limits untrusted clients need;
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
 //! * [`units`]: human durations and sizes as the flags take them;
@@ -13,4 +14,5 @@ pub mod demo;
 pub mod error;
 pub mod gateway;
 pub mod ops;
+pub mod server;
 pub mod units;

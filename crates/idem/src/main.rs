@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the idempotency gateway in front of an HTTP upstream.
-    Serve(gateway::Config),
+    Serve(Box<gateway::Config>),
     /// Run a payments upstream behind the gateway under a client retry storm, and count double
     /// charges from the upstream's ledger (there are none).
     Demo(DemoArgs),
@@ -203,7 +203,7 @@ async fn shutdown_signal() {
 async fn run(command: Command) -> Result<String, Error> {
     match command {
         Command::Serve(config) => {
-            gateway::serve(config, shutdown_signal()).await?;
+            gateway::serve(*config, shutdown_signal()).await?;
             Ok(String::new())
         }
         Command::Demo(args) => demo(args).await,

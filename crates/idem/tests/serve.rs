@@ -315,6 +315,13 @@ fn bad_input_gets_clear_errors() {
             "out of range for --upstream-timeout",
         ),
         (vec!["--max-body", "0"], "out of range for a size limit"),
+        (
+            vec!["--header-timeout", "0s"],
+            "out of range for a client timeout",
+        ),
+        (vec!["--body-timeout", "2h"], "out of range for a client timeout"),
+        (vec!["--drain-timeout", "2h"], "out of range for --drain-timeout"),
+        (vec!["--max-connections", "0"], "--max-connections"),
         (vec!["--wait", "0s"], "out of range for --wait"),
     ];
     for (flags, expected) in nonsense {

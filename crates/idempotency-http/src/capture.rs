@@ -128,7 +128,7 @@ pub(crate) fn respond_executed<B, E>(
 
 /// The [`Problem`] a failed body says happened (a proxy's upstream timing out), wherever it is
 /// in the error's chain of sources: a framework may have wrapped it on the way.
-fn problem_in(error: &(dyn std::error::Error + 'static)) -> Option<Problem> {
+pub(crate) fn problem_in(error: &(dyn std::error::Error + 'static)) -> Option<Problem> {
     let mut cause = Some(error);
     while let Some(error) = cause {
         if let Some(problem) = error.downcast_ref::<Problem>() {

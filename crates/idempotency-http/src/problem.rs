@@ -40,6 +40,8 @@ pub enum Problem {
     },
     /// The request body could not be read (400).
     BodyUnreadable,
+    /// The request body did not arrive within the server's time limit; nothing ran (408).
+    RequestTimeout,
     /// The first request's response was too large or streamed, so it was not stored; the request
     /// will not run again (409).
     NotReplayable,
@@ -75,6 +77,7 @@ impl Problem {
             Self::StoreUnavailable => "urn:idempotency:problem:store-unavailable",
             Self::BodyTooLarge { .. } => "urn:idempotency:problem:body-too-large",
             Self::BodyUnreadable => "urn:idempotency:problem:body-unreadable",
+            Self::RequestTimeout => "urn:idempotency:problem:request-timeout",
             Self::NotReplayable => "urn:idempotency:problem:outcome-not-replayable",
             Self::HandlerFailed => "urn:idempotency:problem:handler-failed",
             Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
@@ -97,6 +100,7 @@ impl Problem {
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::HandlerFailed | Self::OutcomeUnknown | Self::StoredResponseUnreadable => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -116,6 +120,7 @@ impl Problem {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::BodyUnreadable => "Request body unreadable",
+            Self::RequestTimeout => "Request body too slow",
             Self::NotReplayable => "Original response cannot be replayed",
             Self::HandlerFailed => "Request handler failed",
             Self::OutcomeUnknown => "Outcome unknown",
@@ -154,6 +159,9 @@ impl Problem {
             }
             Self::BodyUnreadable => {
                 "The request body could not be read; the request was not processed.".into()
+            }
+            Self::RequestTimeout => {
+                "The request body did not arrive in time; the request was not processed.".into()
             }
             Self::NotReplayable => {
                 "The first request with this Idempotency-Key was processed, but its response \
@@ -241,7 +249,8 @@ impl std::fmt::Display for Problem {
     }
 }
 
-/// A problem is also an error: a response body that fails with one (a proxy's upstream timing
-/// out mid-body, say) is answered with that problem instead of the generic
-/// [`Problem::OutcomeUnknown`].
+/// A problem is also an error: a body that fails with one is answered with that problem instead
+/// of the generic one, a response body (a proxy's upstream timing out mid-body, say) instead of
+/// [`Problem::OutcomeUnknown`], a request body (a server's read deadline) instead of
+/// [`Problem::BodyUnreadable`].
 impl std::error::Error for Problem {}

@@ -14,6 +14,7 @@ use idempotency_core::{Guard, Store};
 use tower::Service;
 
 use crate::body::{BoxError, ResponseBody};
+use crate::capture::problem_in;
 use crate::fingerprint::fingerprint;
 use crate::future::{DetachOnDrop, DetachedRuns, ResponseFuture};
 use crate::key::key_from_headers;
@@ -142,7 +143,7 @@ where
     let bytes = match Limited::new(body, config.max_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.is::<LengthLimitError>() => return Ok(problem(&too_large)),
-        Err(_) => return Ok(problem(&Problem::BodyUnreadable)),
+        Err(error) => return Ok(problem(&problem_in(&*error).unwrap_or(Problem::BodyUnreadable))),
     };
     let scope = (config.scope)(&parts);
     let fingerprint = fingerprint(&parts, &bytes, &config);

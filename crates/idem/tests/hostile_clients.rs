@@ -1,0 +1,218 @@
+//! `idem serve` against clients that hold its resources: headers or bodies that never finish,
+//! more connections than it should serve, a body far over the limit, and a shutdown while all
+//! of that goes on.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::{calls, client, free_addr, send, start_gateway, start_upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
+/// `--ignored` on this name.
+#[test]
+#[ignore = "helper: the upstream process the gateway tests start"]
+fn upstream_process() {
+    common::upstream_child();
+}
+
+fn sqlite(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("idem.db").display())
+}
+
+/// Reads from `stream` until the peer closes it (or 20 s pass, which fails the test); returns
+/// what was read, or the error that ended the read.
+async fn read_to_close(stream: &mut TcpStream) -> Result<String, std::io::Error> {
+    let mut seen = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut seen)).await;
+    let read = read.expect("the gateway kept the connection open");
+    read.map(|_| String::from_utf8_lossy(&seen).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_headers_and_bodies_are_cut_off_and_nothing_runs() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let flags = [
+        "--upstream",
+        &up,
+        "--store",
+        &store,
+        "--header-timeout",
+        "300ms",
+        "--body-timeout",
+        "300ms",
+    ];
+    let _gateway = start_gateway(addr, &flags, true).await;
+
+    // Headers that never end: the connection is closed.
+    let mut slow_head = TcpStream::connect(addr).await.unwrap();
+    slow_head
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nidempotency-key: slow-head\r\n")
+        .await
+        .unwrap();
+    let _ = read_to_close(&mut slow_head).await;
+
+    // A body that never ends: 408, and the request did not run.
+    let mut slow_body = TcpStream::connect(addr).await.unwrap();
+    slow_body
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nidempotency-key: slow-body\r\ncontent-length: 100\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut slow_body).await.unwrap_or_default();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("urn:idempotency:problem:request-timeout"),
+        "{answer}"
+    );
+    let client = client();
+    assert_eq!(calls(&client, upstream, "slow-body").await, 0);
+    // Nothing was recorded either: the same key with the whole body runs.
+    let whole = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("idempotency-key", "slow-body")],
+        b"x",
+    )
+    .await;
+    assert_eq!(whole.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_gets_its_413_not_a_reset() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let body = vec![b'x'; 2 << 20];
+    for round in 0..5 {
+        // A plain HTTP/1.1 client: it sends the whole body, and only then reads the answer.
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nhost: x\r\nidempotency-key: big-{round}\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let sent = async {
+            stream.write_all(head.as_bytes()).await?;
+            // The gateway has answered by the time the body follows, as it has over a slow link.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stream.write_all(&body).await
+        }
+        .await;
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut answer))
+            .await
+            .expect("the gateway kept the connection open");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            sent.is_ok() && read.is_ok() && answer.starts_with("HTTP/1.1 413"),
+            "round {round}: sent {sent:?}, read {read:?}: {answer}"
+        );
+    }
+    // `Expect: 100-continue` still gets the 413 before any of the body is sent.
+    let mut expecting = TcpStream::connect(addr).await.unwrap();
+    expecting
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\nidempotency-key: big-expect\r\ncontent-length: 2097152\r\nexpect: 100-continue\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0_u8; 12];
+    expecting.read_exact(&mut first).await.unwrap();
+    assert_eq!(&first, b"HTTP/1.1 413");
+    assert_eq!(calls(&client(), upstream, "big-0").await, 0);
+}
+
+/// Opens a connection that has sent half of its headers.
+async fn stalled(addr: SocketAddr) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(b"GET /echo HTTP/1.1\r\n").await.unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_capped() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let flags = ["--upstream", &up, "--store", &store, "--max-connections", "3"];
+    // Not waiting for health: the check's own connection would count.
+    let _gateway = start_gateway(addr, &flags, false).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut held = vec![stalled(addr).await, stalled(addr).await, stalled(addr).await];
+    let client = client();
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            send(
+                &client,
+                addr,
+                "POST",
+                "/echo",
+                &[("idempotency-key", "capped")],
+                b"x",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "a fourth connection was served");
+    drop(held.pop());
+    let answer = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("served once a connection closed")
+        .unwrap();
+    assert_eq!(answer.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_is_bounded_by_the_drain_timeout() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let flags = ["--upstream", &up, "--store", &store, "--drain-timeout", "1s"];
+    let mut gateway = start_gateway(addr, &flags, true).await;
+    let client = client();
+    // An idle keep-alive connection, three stalled clients, and a request the upstream takes
+    // 30 s to answer.
+    assert_eq!(
+        send(&client, addr, "GET", "/calls?key=x", &[], b"").await.status,
+        200
+    );
+    let _stalled = [stalled(addr).await, stalled(addr).await, stalled(addr).await];
+    let slow = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            common::try_send(
+                &client,
+                addr,
+                "POST",
+                "/slow?ms=30000",
+                &[("idempotency-key", "slow")],
+                b"x",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = Instant::now();
+    let status = gateway.terminate(Duration::from_secs(20));
+    assert!(
+        status.is_some(),
+        "still running 20 s after SIGTERM with --drain-timeout 1s"
+    );
+    assert!(slow.await.unwrap().is_none(), "the slow request was abandoned");
+    // The abandoned request's key stays in flight: its lease protects it until a retry takes over.
+    let (code, out, err) = common::idem(&["keys", "get", "slow", "--store", &store, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"in_flight\""), "{out}");
+    eprintln!("exited {:?} after SIGTERM", asked.elapsed());
+}
