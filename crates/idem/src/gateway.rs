@@ -82,6 +82,11 @@ pub struct Config {
     /// unknown, so the key stays in flight until its lease ends).
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "60s", value_parser = parse_upstream_timeout)]
     pub upstream_timeout: Duration,
+    /// The upstream statuses that release the key, so that a retry runs again: classes (`5xx`)
+    /// and codes (`429`), comma-separated, or `none`; every other answer is stored and replayed.
+    /// Stripe's choice, a 5xx is final: `--release-on 408,409,425,429`.
+    #[arg(long, env = "IDEM_RELEASE_ON", default_value = "1xx,3xx,5xx,408,409,425,429", value_parser = parse_status_set)]
+    pub release_on: StatusSet,
     /// How long a client may take to send a request's headers (the connection is closed after).
     #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_client_timeout)]
     pub header_timeout: Duration,
@@ -186,6 +191,56 @@ pub enum FlagError {
     /// Not a valid header name.
     #[error("`{0}` is not a header name")]
     HeaderName(String),
+    /// Not a status class (`5xx`) or code (`429`).
+    #[error("`{0}` is not an HTTP status (100 to 599) or class (1xx to 5xx)")]
+    Status(String),
+}
+
+/// A set of HTTP statuses, as `--release-on` takes it: classes (`5xx`) and single codes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StatusSet {
+    /// Whole classes, by their first digit.
+    classes: Vec<u16>,
+    /// Single codes.
+    codes: Vec<u16>,
+}
+
+impl StatusSet {
+    /// Whether `status` is in the set.
+    #[must_use]
+    pub fn contains(&self, status: http::StatusCode) -> bool {
+        let code = status.as_u16();
+        self.classes.contains(&(code / 100)) || self.codes.contains(&code)
+    }
+}
+
+/// Parses `--release-on`: `none`, or a comma-separated list of classes (`1xx` to `5xx`) and
+/// codes (100 to 599).
+///
+/// # Errors
+///
+/// [`FlagError::Status`] naming the item that is neither.
+pub fn parse_status_set(text: &str) -> Result<StatusSet, FlagError> {
+    let mut set = StatusSet::default();
+    if text.trim().eq_ignore_ascii_case("none") {
+        return Ok(set);
+    }
+    for item in text.split(',').map(str::trim) {
+        let bad = || FlagError::Status(item.to_owned());
+        let lower = item.to_ascii_lowercase();
+        if let Some(class) = lower.strip_suffix("xx") {
+            match class.parse::<u16>() {
+                Ok(class @ 1..=5) if lower.len() == 3 => set.classes.push(class),
+                _ => return Err(bad()),
+            }
+        } else {
+            match item.parse::<u16>() {
+                Ok(code @ 100..=599) if item.len() == 3 => set.codes.push(code),
+                _ => return Err(bad()),
+            }
+        }
+    }
+    Ok(set)
 }
 
 /// A duration flag within `[min, max]`.
@@ -586,6 +641,8 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
     if let Some(name) = &config.scope_header {
         layer = layer.scope_from_header(name.clone());
     }
+    let release_on = config.release_on.clone();
+    layer = layer.final_status(move |status| !release_on.contains(status));
     if let Some(deadline) = config.wait {
         layer = layer.wait(deadline);
     }
@@ -719,5 +776,38 @@ mod config_tests {
         assert_eq!(parse_method("patch"), Ok(Method::PATCH));
         assert!(parse_method("FETCH").is_err());
         assert!(parse_header_name("bad header").is_err());
+    }
+
+    #[test]
+    fn release_on_takes_classes_codes_or_none() {
+        use http::StatusCode;
+        let default = Config::default().release_on;
+        for (code, released) in [(500, true), (503, true), (429, true), (408, true), (302, true)] {
+            assert_eq!(
+                default.contains(StatusCode::from_u16(code).unwrap()),
+                released,
+                "{code}"
+            );
+        }
+        for code in [200, 201, 400, 404, 422] {
+            assert!(!default.contains(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+        let stripe = parse_status_set("408, 409,425,429").unwrap();
+        assert!(!stripe.contains(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(stripe.contains(StatusCode::TOO_MANY_REQUESTS));
+        assert!(
+            !parse_status_set("none")
+                .unwrap()
+                .contains(StatusCode::BAD_GATEWAY)
+        );
+        for bad in ["", "6xx", "0xx", "55xx", "5x", "99", "600", "abc", "429,", "4290"] {
+            assert_eq!(
+                parse_status_set(bad),
+                Err(FlagError::Status(
+                    bad.rsplit(',').next().unwrap().trim().to_owned()
+                )),
+                "{bad}"
+            );
+        }
     }
 }

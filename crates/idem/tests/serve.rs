@@ -299,6 +299,33 @@ async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
     );
 }
 
+/// `--release-on` without `5xx` (Stripe's choice): the upstream's 503 is final and replayed,
+/// and the request does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_policy_is_a_flag() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let flags = [
+        "--upstream",
+        &up,
+        "--store",
+        &store,
+        "--release-on",
+        "408,409,425,429",
+    ];
+    let _gateway = start_gateway(addr, &flags, true).await;
+    let client = client();
+    let key = [("idempotency-key", "stripe-1")];
+    let first = send(&client, addr, "POST", "/flaky", &key, b"x").await;
+    assert_eq!(first.status, 503);
+    let again = send(&client, addr, "POST", "/flaky", &key, b"x").await;
+    assert_eq!(again.status, 503);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(calls(&client, upstream, "stripe-1").await, 1);
+}
+
 #[test]
 fn bad_input_gets_clear_errors() {
     let up = ["serve", "--upstream", "http://127.0.0.1:1"];
@@ -322,6 +349,7 @@ fn bad_input_gets_clear_errors() {
         (vec!["--body-timeout", "2h"], "out of range for a client timeout"),
         (vec!["--drain-timeout", "2h"], "out of range for --drain-timeout"),
         (vec!["--max-connections", "0"], "--max-connections"),
+        (vec!["--release-on", "6xx"], "`6xx` is not an HTTP status"),
         (vec!["--wait", "0s"], "out of range for --wait"),
     ];
     for (flags, expected) in nonsense {

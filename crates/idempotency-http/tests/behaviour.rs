@@ -752,3 +752,95 @@ async fn unknown_outcomes_keep_the_key_in_flight() {
     let retry = failing.oneshot(request()).await.expect("answered by the layer");
     assert_eq!(retry.status(), StatusCode::CONFLICT);
 }
+
+/// The default policy releases 408, 409, 425 and 429 (the retry runs again, as the next attempt)
+/// and stores other 4xx; a custom policy can make a 5xx final, replayed like any stored answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outcome_policy_decides_per_status() {
+    use std::sync::atomic::AtomicU32;
+
+    use axum::extract::Query;
+    use axum::routing::post;
+    use idempotency_http::IdempotencyKey;
+
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        status: u16,
+    }
+    let runs = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |Query(answer): Query<Answer>, axum::Extension(key): axum::Extension<IdempotencyKey>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::IM_A_TEAPOT);
+                (status, format!("attempt {}", key.attempt))
+            }
+        }
+    };
+    let store = common::memory().await;
+    let router: Router = Router::new()
+        .route(
+            "/default",
+            post(handler.clone()).layer(IdempotencyLayer::new(Arc::clone(&store))),
+        )
+        .route(
+            "/stripe",
+            // Stripe's choice: a 5xx is final, and replayed.
+            post(handler).layer(
+                IdempotencyLayer::new(Arc::clone(&store))
+                    .final_status(|status| !matches!(status.as_u16(), 408 | 409 | 425 | 429)),
+            ),
+        );
+    let addr = serve(router).await;
+    let http = client();
+    let twice = |path: String, key: String| {
+        let http = http.clone();
+        async move {
+            let first = send(&http, addr, "POST", &path, &[key.as_bytes()], &[], b"", false).await;
+            let second = send(&http, addr, "POST", &path, &[key.as_bytes()], &[], b"", false).await;
+            (first, second)
+        }
+    };
+    for status in [408_u16, 409, 425, 429, 500, 503] {
+        let before = runs.load(Ordering::SeqCst);
+        let (first, second) = twice(
+            format!("/default?status={status}"),
+            format!("k-released-{status}"),
+        )
+        .await;
+        assert_eq!(first.status.as_u16(), status);
+        assert_eq!(
+            second.text(),
+            "attempt 2",
+            "{status}: the retry runs again as attempt 2"
+        );
+        assert!(second.headers.get("idempotent-replayed").is_none(), "{status}");
+        assert_eq!(runs.load(Ordering::SeqCst) - before, 2, "{status}");
+    }
+    for (path, status) in [
+        ("/default", 422_u16),
+        ("/default", 404),
+        ("/stripe", 500),
+        ("/stripe", 503),
+    ] {
+        let before = runs.load(Ordering::SeqCst);
+        let (first, second) = twice(
+            format!("{path}?status={status}"),
+            format!("k-final{path}-{status}"),
+        )
+        .await;
+        assert_eq!((first.status.as_u16(), second.status.as_u16()), (status, status));
+        assert_eq!(second.headers["idempotent-replayed"], "true", "{path} {status}");
+        assert_eq!(second.text(), "attempt 1", "{path} {status}");
+        assert_eq!(
+            runs.load(Ordering::SeqCst) - before,
+            1,
+            "{path} {status}: stored, not run again"
+        );
+    }
+    // Stripe's choice still releases 429: the client was told to come back.
+    let (_, second) = twice("/stripe?status=429".into(), "k-stripe-429".into()).await;
+    assert_eq!(second.text(), "attempt 2");
+}
