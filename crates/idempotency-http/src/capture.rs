@@ -4,14 +4,14 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderValue, Response, header};
+use http::{Response, header};
 use http_body::Body;
 use http_body_util::BodyExt;
 use idempotency_core::Recorded;
 
 use crate::body::{BoxError, ResponseBody};
 use crate::layer::Config;
-use crate::problem::Problem;
+use crate::problem::{Problem, retry_after_value};
 use crate::replay::{IDEMPOTENCY_KEY_EXPIRES, expires_header};
 use crate::service::problem;
 
@@ -116,10 +116,9 @@ pub(crate) fn respond_executed<B, E>(
                 .insert(IDEMPOTENCY_KEY_EXPIRES, expires_header(*expires_at));
         }
         Recorded::Unknown => {
-            let seconds = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+                .insert(header::RETRY_AFTER, retry_after_value(lease));
         }
         Recorded::Released | Recorded::LeaseLost | Recorded::Failed(_) => {}
     }

@@ -228,19 +228,23 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         let retry_after = match self {
-            Self::InFlight { retry_after } => {
-                Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0))
-            }
-            Self::StoreUnavailable => Some(1),
+            Self::InFlight { retry_after } => Some(*retry_after),
+            Self::StoreUnavailable => Some(Duration::from_secs(1)),
             _ => None,
         };
-        if let Some(seconds) = retry_after {
+        if let Some(after) = retry_after {
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+                .insert(header::RETRY_AFTER, retry_after_value(after));
         }
         response
     }
+}
+
+/// `Retry-After` for `after`: whole seconds rounded up, at least 1.
+pub(crate) fn retry_after_value(after: Duration) -> HeaderValue {
+    let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    HeaderValue::from(seconds.max(1))
 }
 
 impl std::fmt::Display for Problem {
