@@ -47,5 +47,7 @@ pub use record::{
 };
 pub use registry::{DynStore, OpenFuture, Registry, StoreKind};
 pub use store::{ErrorKind, Store, StoreAdmin, StoreError, redact_url};
-pub use time::{Backoff, Clock, ManualClock, SystemClock, Timestamp, duration_millis};
+pub use time::{
+    Backoff, Clock, MAX_DURATION, ManualClock, SystemClock, Timestamp, duration_millis, stored_millis,
+};
 pub use transaction::{InTransaction, TransactionalStore, TxFuture, TxOperation};

@@ -28,10 +28,11 @@ impl Timestamp {
         self.0
     }
 
-    /// This timestamp moved `duration` later (saturating).
+    /// This timestamp moved `duration` later, with `duration` clamped to [`MAX_DURATION`] (as
+    /// every store clamps it) and the sum saturating.
     #[must_use]
     pub fn after(self, duration: Duration) -> Self {
-        Self(self.0.saturating_add(duration_millis(duration)))
+        Self(self.0.saturating_add(stored_millis(duration)))
     }
 
     /// How long after `earlier` this timestamp is; zero when it is not later.
@@ -69,6 +70,21 @@ impl fmt::Debug for Timestamp {
 #[must_use]
 pub fn duration_millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The longest lease or retention a store keeps: 1000 years. Longer durations, up to
+/// `Duration::MAX`, are clamped to it, so that "now + duration" fits every store's time type
+/// (PostgreSQL's `interval` and `timestamptz`, Redis' `PEXPIRE` and its Lua numbers, SQLite's
+/// integers) and every calendar a record's expiry is shown in. Nobody keeps a key longer, and
+/// nobody meant a lease of `u64::MAX` seconds as anything but "as long as possible".
+pub const MAX_DURATION: Duration = Duration::from_secs(1000 * 365 * 86_400);
+
+/// Whole milliseconds in `duration` clamped to [`MAX_DURATION`]: what a store adds to its
+/// clock for a lease or a retention. Stores use this, never [`duration_millis`], for any
+/// duration a caller chose.
+#[must_use]
+pub fn stored_millis(duration: Duration) -> i64 {
+    duration_millis(duration.min(MAX_DURATION))
 }
 
 /// A source of store time for embedded stores.

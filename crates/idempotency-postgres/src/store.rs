@@ -8,7 +8,7 @@ use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
     BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record, RecordParts,
     RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    duration_millis,
+    duration_millis, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -200,8 +200,8 @@ pub(crate) async fn begin_on(
             .bind(request.key.as_str())
             .bind(&request.fingerprint.as_bytes()[..])
             .bind(&request.token.to_bytes()[..])
-            .bind(duration_millis(request.lease))
-            .bind(duration_millis(request.retention))
+            .bind(stored_millis(request.lease))
+            .bind(stored_millis(request.retention))
             .fetch_optional(&mut *connection)
             .await
             .map_err(|e| map_error("begin", e))?;
@@ -256,7 +256,7 @@ pub(crate) async fn complete_on(
         .bind(held.key.as_str())
         .bind(&held.token.to_bytes()[..])
         .bind(outcome.as_bytes())
-        .bind(duration_millis(retention))
+        .bind(stored_millis(retention))
         .fetch_optional(&mut *connection)
         .await
         .map_err(|e| map_error("complete", e))?;
@@ -309,7 +309,7 @@ impl Store for PostgresStore {
             .bind(held.scope.as_str())
             .bind(held.key.as_str())
             .bind(&held.token.to_bytes()[..])
-            .bind(duration_millis(lease))
+            .bind(stored_millis(lease))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| map_error("extend", e))?;

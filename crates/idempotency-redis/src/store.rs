@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use idempotency_core::{
     BeginRequest, Claim, Completed, DecodeError, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter,
     Outcome, Record, RecordParts, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp,
-    Token, duration_millis, redact_url,
+    Token, redact_url, stored_millis,
 };
 use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -478,8 +478,8 @@ impl Store for RedisStore {
         let key = self.record_key(&request.scope, &request.key);
         let fingerprint = request.fingerprint.to_hex();
         let token = request.token.to_hex();
-        let lease = duration_millis(request.lease).to_string();
-        let retention = duration_millis(request.retention).to_string();
+        let lease = stored_millis(request.lease).to_string();
+        let retention = stored_millis(request.retention).to_string();
         let reply = self
             .run(
                 &self.scripts.begin,
@@ -526,7 +526,7 @@ impl Store for RedisStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let retention = duration_millis(retention).to_string();
+        let retention = stored_millis(retention).to_string();
         let reply = self
             .run(
                 &self.scripts.complete,
@@ -563,7 +563,7 @@ impl Store for RedisStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let lease = duration_millis(lease).to_string();
+        let lease = stored_millis(lease).to_string();
         let reply = self
             .run(
                 &self.scripts.extend,

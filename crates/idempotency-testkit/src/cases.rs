@@ -547,6 +547,48 @@ async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
     ));
 }
 
+/// Extreme durations, up to `Duration::MAX`, are clamped to [`idempotency_core::MAX_DURATION`]
+/// by every store: a lease, a retention and a heartbeat that long are accepted, never an error
+/// or a panic, and the record lives on (its expiry far ahead but within the stores' calendars).
+async fn extreme_durations_are_clamped<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let token = ctx
+        .acquire(&ctx.request(&key, 1).lease(Duration::MAX).retention(Duration::MAX))
+        .await;
+    assert!(matches!(
+        ctx.begin(&ctx.request(&key, 1)).await,
+        Claim::InFlight { attempt: 1, .. }
+    ));
+    let Fenced::Accepted(lease_until) = ctx.extend(&key, token, Duration::MAX).await else {
+        panic!("the holder's extend must be accepted");
+    };
+    let record = ctx
+        .store
+        .get(&ctx.scope, &key)
+        .await
+        .unwrap()
+        .expect("the record lives");
+    let century = Duration::from_secs(100 * 365 * 86_400);
+    assert!(lease_until > record.created_at.after(century), "{lease_until:?}");
+    assert!(record.expires_at >= lease_until, "{record:?}");
+    let Fenced::Accepted(expires_at) = ctx
+        .store
+        .complete(&ctx.held(&key, token), Outcome::from(&b"x"[..]), Duration::MAX)
+        .await
+        .expect("complete")
+    else {
+        panic!("the holder's complete must be accepted");
+    };
+    assert!(expires_at > record.created_at.after(century), "{expires_at:?}");
+    let hour = Duration::from_secs(3600);
+    assert!(
+        expires_at.since(record.created_at) <= idempotency_core::MAX_DURATION + hour,
+        "clamped: {expires_at:?}"
+    );
+    assert!(matches!(ctx.begin(&ctx.request(&key, 1)).await, Claim::Replay(_)));
+}
+
 /// An abandoned in-flight record is kept for its retention (so operators see it), then expires
 /// like any other.
 async fn abandoned_in_flight_record_expires_after_retention<H: Harness>(harness: &H) {
