@@ -163,8 +163,14 @@ impl StdError for StoreError {
 }
 
 /// A store URL fit for error messages and logs: the password in the authority, and the value
-/// of every query parameter that carries a credential (`password`, `sslpassword`, `sslkey`,
-/// tokens, secrets, API keys), replaced by `***`.
+/// of every query parameter that carries a credential (`password`, `pass`, `sslpassword`,
+/// `sslkey`, tokens, secrets, API and access keys), replaced by `***`.
+///
+/// The userinfo is taken to end at the **last** `@`, so a password with an unescaped `/`, `?`
+/// or `#` is hidden whole. This errs on the side of hiding: a URL that also has an `@` in its
+/// path or query may show less of its host than it could, never a secret. The URL is not
+/// parsed with a URL parser on purpose: the URLs that most need redacting are the ones a parser
+/// refuses, in the error that says so.
 ///
 /// ```
 /// use idempotency_core::redact_url;
@@ -172,50 +178,62 @@ impl StdError for StoreError {
 /// assert_eq!(redact_url("postgres://app:s3cret@db:5432/orders?x=1"), "postgres://app:***@db:5432/orders?x=1");
 /// assert_eq!(redact_url("postgres://db/orders?user=app&password=s3cret"), "postgres://db/orders?user=app&password=***");
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+/// assert_eq!(redact_url("redis+unix:///run/redis.sock?db=1&pass=s3cret"), "redis+unix:///run/redis.sock?db=1&pass=***");
 /// assert_eq!(redact_url("admin:s3cret@db/app"), "admin:***@db/app"); // no scheme
 /// ```
 #[must_use]
 pub fn redact_url(url: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
-    };
-    let mut out = redact_authority(base);
-    if let Some(query) = query {
-        out.push('?');
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((name, _)) if is_credential(name) => format!("{name}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        out.push_str(&pairs.join("&"));
-    }
-    out
-}
-
-/// The URL without its query, with the password of `user:password@` replaced.
-fn redact_authority(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
         Some((scheme, rest)) => (&url[..scheme.len() + 3], rest),
         None => ("", url),
     };
-    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _password)) => format!("{scheme}{user}:***@{host}{tail}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
+    let mut out = scheme.to_owned();
+    let host_onwards = match rest.rfind('@') {
+        Some(at) => {
+            match rest[..at].split_once(':') {
+                Some((user, _password)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                None => out.push_str(&rest[..at]),
+            }
+            out.push('@');
+            &rest[at + 1..]
+        }
+        None => rest,
+    };
+    match host_onwards.split_once('?') {
+        Some((base, query)) => {
+            out.push_str(base);
+            out.push('?');
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((name, _)) if is_credential(name) => format!("{name}=***"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            out.push_str(&pairs.join("&"));
+        }
+        None => out.push_str(host_onwards),
     }
+    out
 }
 
-/// Whether a query parameter of a store URL carries a credential.
+/// Whether a query parameter of a store URL carries a credential: any name holding one of these
+/// words, in any case (`password`, `sslpassword`, `pass`, `aws_secret_access_key`, `sslkey`,
+/// `auth_token`, ...).
 fn is_credential(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     [
-        "password", "passwd", "pwd", "secret", "token", "apikey", "api_key", "sslkey",
+        "pass",
+        "pwd",
+        "secret",
+        "token",
+        "key",
+        "auth",
+        "credential",
+        "signature",
     ]
     .iter()
     .any(|word| name.contains(word))
@@ -339,5 +357,88 @@ mod tests {
             "sqlite://x.db?synchronous=full"
         );
         assert_eq!(redact_url("redis://h:1?password"), "redis://h:1?password");
+    }
+
+    /// Every URL form each store accepts, with the secret it may carry: the secret never
+    /// survives, and what is not secret stays readable.
+    #[test]
+    fn every_stores_url_forms_lose_their_secrets() {
+        let forms = [
+            // PostgreSQL (sqlx): userinfo, query parameters, Azure-style user@server names, and
+            // passwords with unescaped reserved characters.
+            (
+                "postgres://app:S3CRET@db:5432/orders",
+                "postgres://app:***@db:5432/orders",
+            ),
+            (
+                "postgresql://app:S3CRET@db/orders?sslmode=require",
+                "postgresql://app:***@db/orders?sslmode=require",
+            ),
+            (
+                "postgres://db/orders?user=app&password=S3CRET",
+                "postgres://db/orders?user=app&password=***",
+            ),
+            (
+                "postgres://db/orders?sslpassword=S3CRET&sslkey=/S3CRET.pem",
+                "postgres://db/orders?sslpassword=***&sslkey=***",
+            ),
+            (
+                "postgres://app@srv:S3CRET@db.example/orders",
+                "postgres://app@srv:***@db.example/orders",
+            ),
+            ("postgres://app:S3/CRET@db/orders", "postgres://app:***@db/orders"),
+            ("postgres://app:S3?CRET@db/orders", "postgres://app:***@db/orders"),
+            ("postgres://app:S3@CRET@db/orders", "postgres://app:***@db/orders"),
+            // Redis: a password alone, ACL user and password, TLS, unix sockets, clusters.
+            (
+                "redis://:S3CRET@127.0.0.1:6379/0",
+                "redis://:***@127.0.0.1:6379/0",
+            ),
+            (
+                "redis://app:S3CRET@127.0.0.1:6379",
+                "redis://app:***@127.0.0.1:6379",
+            ),
+            (
+                "rediss://app:S3CRET@cache.example:6380/2",
+                "rediss://app:***@cache.example:6380/2",
+            ),
+            (
+                "redis+unix:///run/redis.sock?db=1&user=app&pass=S3CRET",
+                "redis+unix:///run/redis.sock?db=1&user=app&pass=***",
+            ),
+            (
+                "unix:///run/redis.sock?pass=S3CRET",
+                "unix:///run/redis.sock?pass=***",
+            ),
+            (
+                "redis-cluster://:S3CRET@h1:7000,h2:7001",
+                "redis-cluster://:***@h1:7000,h2:7001",
+            ),
+            (
+                "redis-cluster://:S3CRET@h1:7000,:S3CRET@h2:7001",
+                "redis-cluster://:***@h2:7001",
+            ),
+            // SQLite: paths, which may hold `@` and `:`, and options; no credentials to hide.
+            ("sqlite://idem.db", "sqlite://idem.db"),
+            (
+                "sqlite:///var/lib/idem/a@b.db?mode=rwc",
+                "sqlite:///var/lib/idem/a@b.db?mode=rwc",
+            ),
+            ("sqlite::memory:", "sqlite::memory:"),
+            ("memory://", "memory://"),
+            // MySQL and DynamoDB, as their stores will take them.
+            (
+                "mysql://root:S3CRET@127.0.0.1:3306/test?ssl-key=/S3CRET.pem",
+                "mysql://root:***@127.0.0.1:3306/test?ssl-key=***",
+            ),
+            (
+                "dynamodb://idem?region=eu-west-1&aws_access_key_id=AK&aws_secret_access_key=S3CRET",
+                "dynamodb://idem?region=eu-west-1&aws_access_key_id=***&aws_secret_access_key=***",
+            ),
+        ];
+        for (url, redacted) in forms {
+            assert_eq!(redact_url(url), redacted, "{url}");
+            assert!(!redact_url(url).contains("S3"), "{url}");
+        }
     }
 }
