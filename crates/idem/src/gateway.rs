@@ -18,7 +18,7 @@ use http::{Method, Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotency::{DynStore, Key, Scope};
+use idempotency::{DynStore, Key, Scope, ScopeSecret};
 use idempotency_http::{DetachedRuns, IdempotencyKey, IdempotencyLayer, Problem, strip_hop_by_hop};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::Service;
@@ -69,9 +69,13 @@ pub struct Config {
     /// Answer 400 to guarded requests without an Idempotency-Key.
     #[arg(long, env = "IDEM_REQUIRE_KEY")]
     pub require_key: bool,
-    /// Scope keys by a hash of this header's value (for example Authorization).
+    /// Scope keys by a keyed hash of this header's value (for example Authorization).
     #[arg(long, env = "IDEM_SCOPE_HEADER", value_parser = parse_header_name)]
     pub scope_header: Option<HeaderName>,
+    /// The secret (16 bytes or more) the scope hash is keyed with; every gateway on one store
+    /// needs the same. Without it, the first gateway generates one and keeps it in the store.
+    #[arg(long, env = "IDEM_SCOPE_SECRET", hide_env_values = true, value_parser = SecretParser)]
+    pub scope_secret: Option<ScopeSecret>,
     /// Wait mode: a duplicate of a running request waits up to this long for its response.
     #[arg(long, env = "IDEM_WAIT", value_parser = parse_wait)]
     pub wait: Option<Duration>,
@@ -194,6 +198,42 @@ pub enum FlagError {
     /// Not a status class (`5xx`) or code (`429`).
     #[error("`{0}` is not an HTTP status (100 to 599) or class (1xx to 5xx)")]
     Status(String),
+    /// A scope secret that is too short (the value itself is never echoed).
+    #[error("--scope-secret: {0}")]
+    ScopeSecret(#[from] idempotency::SecretError),
+}
+
+/// `--scope-secret`: 16 bytes or more.
+///
+/// # Errors
+///
+/// [`FlagError::ScopeSecret`], which does not repeat the value.
+pub fn parse_scope_secret(text: &str) -> Result<ScopeSecret, FlagError> {
+    Ok(ScopeSecret::new(text.as_bytes())?)
+}
+
+/// Parses `--scope-secret` with [`parse_scope_secret`]. A plain `value_parser` function's
+/// error would make clap print "invalid value '<the secret>'": this one's error names the flag
+/// and the reason only.
+#[derive(Debug, Clone, Copy)]
+struct SecretParser;
+
+impl clap::builder::TypedValueParser for SecretParser {
+    type Value = ScopeSecret;
+
+    fn parse_ref(
+        &self,
+        _command: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<ScopeSecret, clap::Error> {
+        let refuse =
+            |why: String| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{why}\n"));
+        let text = value
+            .to_str()
+            .ok_or_else(|| refuse("--scope-secret: not valid UTF-8".into()))?;
+        parse_scope_secret(text).map_err(|e| refuse(e.to_string()))
+    }
 }
 
 /// A set of HTTP statuses, as `--release-on` takes it: classes (`5xx`) and single codes.
@@ -639,7 +679,10 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
         .retention(config.retention)
         .fail_open(config.fail_open);
     if let Some(name) = &config.scope_header {
-        layer = layer.scope_from_header(name.clone());
+        // `serve` fills the secret in from the store when the flag is absent; a router built
+        // without one (a test) gets a fresh secret of its own.
+        let secret = config.scope_secret.clone().unwrap_or_else(ScopeSecret::generate);
+        layer = layer.scope_from_header(name.clone(), secret);
     }
     let release_on = config.release_on.clone();
     layer = layer.final_status(move |status| !release_on.contains(status));
@@ -694,13 +737,22 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, Error> {
 /// # Errors
 ///
 /// The store cannot be opened, or a listener cannot be bound.
-pub async fn serve(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
+pub async fn serve(
+    mut config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
     let store = idempotency::open(&config.store)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
+    if config.scope_header.is_some() && config.scope_secret.is_none() {
+        let secret = ScopeSecret::kept_in(&*store)
+            .await
+            .map_err(|e| Error::open(&config.store, e))?;
+        config.scope_secret = Some(secret);
+    }
     let listener = bind(config.listen).await?;
     let Routers {
         main,

@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::{
-    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, StateFilter, Stats, SummaryState,
-    Timestamp, Token,
+    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, ScopeSecret, StateFilter, Stats,
+    SummaryState, Timestamp, Token,
 };
 use serde_json::{Value, json};
 
@@ -197,6 +197,10 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
     let mut value = summary_json(&record.summary());
     value["fingerprint"] = json!(record.fingerprint.to_string());
     match &record.state {
+        // The gateway's scope secret: an operator sees that it is there, never what it is.
+        RecordState::Completed { outcome, .. } if (scope.clone(), key.clone()) == ScopeSecret::record() => {
+            value["outcome"] = json!({ "kind": "secret", "text": "(the scope secret, not shown)", "len": outcome.as_bytes().len() });
+        }
         RecordState::Completed { outcome, .. } => value["outcome"] = outcome_json(outcome.as_bytes()),
         // A released record is held by no attempt: the last one gave the key up, and the next
         // request runs again as attempt + 1.

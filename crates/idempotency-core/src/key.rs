@@ -228,8 +228,13 @@ impl Key {
     /// exactly when they share scope and key, so an API retry and a broker redelivery meet at
     /// one idempotency boundary, and two tenants' equal keys stay apart.
     ///
-    /// It is `key` itself in the global scope; otherwise [`Key::composite`] of the scope and
-    /// the key, or, when that exceeds 255 bytes, `sha256:` and the hex SHA-256 of it.
+    /// The encoding is injective, so no caller can make its key name another scope's:
+    /// - in the global scope, the key with `%` and `:` percent-escaped (no `:` is left);
+    /// - in any other scope, the escaped scope, `:`, and the escaped key (exactly one `:`);
+    /// - when that exceeds 255 bytes, `sha256::` and the hex SHA-256 of it (two `:`).
+    ///
+    /// A key without `%` and `:` (a UUID, a ULID) therefore reaches the global scope's
+    /// downstream unchanged.
     ///
     /// ```
     /// use idempotency_core::{Key, Scope};
@@ -237,32 +242,34 @@ impl Key {
     /// let key = Key::new("order-7")?;
     /// assert_eq!(Key::qualified(&Scope::global(), &key), key);
     /// assert_eq!(Key::qualified(&Scope::new("tenant-a")?, &key).as_str(), "tenant-a:order-7");
+    /// // A client in the global scope cannot send what tenant-a's request forwards.
+    /// let forged = Key::new("tenant-a:order-7")?;
+    /// assert_eq!(Key::qualified(&Scope::global(), &forged).as_str(), "tenant-a%3Aorder-7");
     /// let long = Key::qualified(&Scope::digest(b"Bearer secret"), &Key::new("k".repeat(255))?);
-    /// assert!(long.as_str().starts_with("sha256:"));
+    /// assert!(long.as_str().starts_with("sha256::"));
     /// # Ok::<(), idempotency_core::KeyError>(())
     /// ```
     #[must_use]
     pub fn qualified(scope: &Scope, key: &Self) -> Self {
-        if scope.as_str().is_empty() {
-            return key.clone();
-        }
-        let mut text = String::new();
-        for (index, part) in [scope.as_str(), key.as_str()].into_iter().enumerate() {
-            if index > 0 {
-                text.push(':');
-            }
+        let escape = |text: &mut String, part: &str| {
             for &byte in part.as_bytes() {
                 match byte {
-                    b'%' | b':' => push_percent(&mut text, byte),
+                    b'%' | b':' => push_percent(text, byte),
                     _ => text.push(char::from(byte)),
                 }
             }
+        };
+        let mut text = String::new();
+        if !scope.as_str().is_empty() {
+            escape(&mut text, scope.as_str());
+            text.push(':');
         }
+        escape(&mut text, key.as_str());
         if text.len() <= MAX_KEY_LEN {
             return Self(Arc::from(text));
         }
-        let mut hashed = String::with_capacity(7 + 64);
-        hashed.push_str("sha256:");
+        let mut hashed = String::with_capacity(8 + 64);
+        hashed.push_str("sha256::");
         push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
         Self(Arc::from(hashed))
     }
@@ -522,18 +529,62 @@ mod tests {
         assert_ne!(q("a:b", "c"), q("a", "b:c"));
         assert_ne!(q("a", "b"), q("b", "a"));
         assert_eq!(q("t", "50%").as_str(), "t:50%25");
+        assert_eq!(q("", "a:b").as_str(), "a%3Ab");
         // 100 + 1 + 154 = 255 bytes fits; one more byte is hashed.
         assert_eq!(q(&"s".repeat(100), &"k".repeat(154)).as_str().len(), 255);
         let hashed = q(&"s".repeat(100), &"k".repeat(155));
-        assert_eq!(hashed.as_str().len(), 7 + 64);
+        assert_eq!(hashed.as_str().len(), 8 + 64);
         assert_ne!(hashed, q(&"s".repeat(100), &"k".repeat(156)));
-        for key in [q("a:b", "c"), hashed, q(&"%".repeat(85), "x")] {
+        for key in [
+            q("a:b", "c"),
+            hashed,
+            q(&"%".repeat(85), "x"),
+            q("", &":".repeat(255)),
+        ] {
             assert_eq!(
                 Key::new(key.as_str()).unwrap(),
                 key,
                 "a qualified key is a valid key"
             );
         }
+    }
+
+    /// Every scope and key over an alphabet of the characters that matter (the separator, the
+    /// escape, hex digits) up to three bytes long, and the long forms that are hashed: no two
+    /// (scope, key) pairs share a qualified key. A global-scope client sending
+    /// `<alice's scope>:order-1` is one of them.
+    #[test]
+    fn qualified_keys_are_injective_across_scopes() {
+        let alphabet = ["a", ":", "%", "3", "A"];
+        let mut words = vec![String::new()];
+        for _ in 0..3 {
+            let longer: Vec<String> = words
+                .iter()
+                .filter(|w| w.len() == words.last().map_or(0, String::len))
+                .flat_map(|w| alphabet.iter().map(move |c| format!("{w}{c}")))
+                .collect();
+            words.extend(longer);
+        }
+        let long: Vec<String> = ["s", ":", "sha256:"]
+            .iter()
+            .map(|prefix| format!("{prefix}{}", "x".repeat(240)))
+            .collect();
+        let mut seen = std::collections::HashMap::new();
+        for scope in words.iter().chain(&long) {
+            for key in words.iter().chain(&long).filter(|k| !k.is_empty()) {
+                let qualified = Key::qualified(&Scope::new(scope).unwrap(), &Key::new(key).unwrap());
+                if let Some(first) = seen.insert(qualified.clone(), (scope.clone(), key.clone())) {
+                    panic!("{first:?} and {:?} both give {qualified:?}", (scope, key));
+                }
+            }
+        }
+        assert!(seen.len() > 20_000, "{}", seen.len());
+        let alice = Scope::digest(b"Bearer alice");
+        let forged = Key::new(format!("{alice}:order-1")).unwrap();
+        assert_ne!(
+            Key::qualified(&Scope::global(), &forged),
+            Key::qualified(&alice, &Key::new("order-1").unwrap())
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //!                                                             │ extend (heartbeat)  │ lease expired +
 //!                         complete(token, outcome) ◀──────────┤                     │ begin by another
 //!   Completed { outcome } ◀────────────────────────────────────┘                     ▼
-//!        │  begin → Replay                           release(token) → none   takeover: new token,
+//!        │  begin → Replay                 release(token) → held by nobody   takeover: new token,
 //!        ▼  (until retention expires)                                        attempt + 1, recovered
 //! ```
 //!
@@ -32,6 +32,7 @@ pub mod machine;
 mod memory;
 mod record;
 pub mod registry;
+pub mod secret;
 mod store;
 mod time;
 pub mod transaction;
@@ -46,6 +47,7 @@ pub use record::{
     Held, ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
 };
 pub use registry::{DynStore, OpenFuture, Registry, StoreKind};
+pub use secret::{ScopeSecret, SecretError};
 pub use store::{ErrorKind, Store, StoreAdmin, StoreError, redact_url};
 pub use time::{
     Backoff, Clock, MAX_DURATION, ManualClock, SystemClock, Timestamp, duration_millis, stored_millis,

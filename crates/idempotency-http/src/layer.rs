@@ -1,12 +1,14 @@
 //! The layer and its configuration.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::header::{AUTHORIZATION, PROXY_AUTHORIZATION};
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
-use idempotency_core::{FingerprintMode, Guard, Scope, Store};
+use idempotency_core::{FingerprintMode, Guard, Scope, ScopeSecret, Store};
 use tower::Layer;
 
 use crate::future::DetachedRuns;
@@ -50,16 +52,17 @@ pub fn default_is_final(status: StatusCode) -> bool {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotency_core::MemoryStore;
+/// use idempotency_core::{MemoryStore, ScopeSecret};
 /// use idempotency_http::IdempotencyLayer;
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
 ///     .require_key(true)
 ///     .max_body(64 * 1024)
 ///     .retention(Duration::from_secs(24 * 3600))
-///     .scope_from_header(http::header::AUTHORIZATION)
+///     .scope_from_header(http::header::AUTHORIZATION, ScopeSecret::new("from your configuration")?)
 ///     .wait(Duration::from_secs(5));
 /// # let _ = layer;
+/// # Ok::<(), idempotency_core::SecretError>(())
 /// ```
 #[derive(Clone)]
 pub struct IdempotencyLayer<S> {
@@ -204,12 +207,24 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
         self.with(|c| c.scope = Arc::new(scope))
     }
 
-    /// Scopes by a header's value, hashed (for example `Authorization`); requests without the
-    /// header share the global scope.
+    /// Scopes by a header's value (for example `Authorization`): the scope is an HMAC-SHA256
+    /// of the value under `secret`, so neither the store nor the downstream that receives
+    /// [`IdempotencyKey::message_key`](crate::IdempotencyKey::message_key) can recover a
+    /// credential from it, not even a weak Basic password. Requests without the header share the
+    /// global scope.
+    ///
+    /// What does not change the principal is normalised first: whitespace around the value,
+    /// and for `Authorization` and `Proxy-Authorization` the scheme's case and the spaces after
+    /// it (`bearer  T` is `Bearer T`). The credential itself is compared byte for byte, so a
+    /// token refresh gives the new token a new scope: a retry must send the credential its first
+    /// try sent.
+    ///
+    /// Every instance serving the same keys needs the same secret: from configuration, or
+    /// [`ScopeSecret::kept_in`] the shared store.
     #[must_use]
-    pub fn scope_from_header(self, name: HeaderName) -> Self {
+    pub fn scope_from_header(self, name: HeaderName, secret: ScopeSecret) -> Self {
         self.scope(move |parts: &Parts| match parts.headers.get(&name) {
-            Some(value) => Scope::digest(value.as_bytes()),
+            Some(value) => secret.scope(&principal(&name, value.as_bytes())),
             None => Scope::global(),
         })
     }
@@ -257,6 +272,26 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     }
 }
 
+/// The part of a credential header's value that names the principal: without surrounding
+/// whitespace, and for the authorization headers with the scheme lowercased and one space after
+/// it. A value without a space is a credential alone (some APIs send a bare token) and keeps its
+/// case: lowercasing it could give two principals one scope.
+fn principal<'a>(name: &HeaderName, value: &'a [u8]) -> Cow<'a, [u8]> {
+    let value = value.trim_ascii();
+    if name != AUTHORIZATION && name != PROXY_AUTHORIZATION {
+        return Cow::Borrowed(value);
+    }
+    match value.iter().position(|&b| b == b' ' || b == b'\t') {
+        Some(end) => {
+            let mut normal = value[..end].to_ascii_lowercase();
+            normal.push(b' ');
+            normal.extend_from_slice(value[end..].trim_ascii_start());
+            Cow::Owned(normal)
+        }
+        None => Cow::Borrowed(value),
+    }
+}
+
 impl<S: Store + Clone, I> Layer<I> for IdempotencyLayer<S> {
     type Service = IdempotencyService<I, S>;
 
@@ -267,5 +302,24 @@ impl<S: Store + Clone, I> Layer<I> for IdempotencyLayer<S> {
             Arc::clone(&self.config),
             self.detached.clone(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_principal_ignores_what_does_not_name_it() {
+        let auth = |value: &[u8]| principal(&AUTHORIZATION, value).into_owned();
+        assert_eq!(auth(b"Bearer abc"), b"bearer abc");
+        assert_eq!(auth(b"  BEARER \t abc  "), b"bearer abc");
+        assert_eq!(auth(b"basic YWxpY2U6cA=="), b"basic YWxpY2U6cA==");
+        // The credential keeps its case; a bare token keeps it too.
+        assert_ne!(auth(b"Bearer ABC"), auth(b"Bearer abc"));
+        assert_ne!(auth(b"ABC"), auth(b"abc"));
+        assert_eq!(auth(b" ABC "), b"ABC");
+        let api_key = HeaderName::from_static("x-api-key");
+        assert_eq!(principal(&api_key, b" Key One "), &b"Key One"[..]);
     }
 }

@@ -10,12 +10,13 @@ use std::time::Duration;
 use axum::Router;
 use common::{Counters, DynStore, app, client, send, serve};
 use http::StatusCode;
+use idempotency_core::ScopeSecret;
 use idempotency_http::IdempotencyLayer;
 use idempotency_testkit::FaultyStore;
 
 fn layer(store: DynStore) -> IdempotencyLayer<DynStore> {
     IdempotencyLayer::new(store)
-        .scope_from_header(http::header::AUTHORIZATION)
+        .scope_from_header(http::header::AUTHORIZATION, ScopeSecret::generate())
         .max_body(64 * 1024)
 }
 
@@ -378,12 +379,14 @@ pub async fn scopes_isolate_principals(store: DynStore) {
         "POST",
         "/charges",
         &[b"k-shared"],
-        &[("authorization", "Bearer alice")],
+        // The scheme's case and the spaces after it do not change the principal.
+        &[("authorization", "BEARER   alice")],
         b"{}",
         false,
     )
     .await;
     assert_eq!(alice_again.body, alice.body);
+    assert_eq!(alice_again.headers["idempotent-replayed"], "true");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 2);
 }
 

@@ -29,7 +29,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use idempotency_core::FingerprintMode;
+use idempotency_core::{FingerprintMode, ScopeSecret};
 use idempotency_http::{IdempotencyKey, IdempotencyLayer};
 use idempotency_sqlite::SqliteStore;
 
@@ -73,7 +73,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .name("payments")
         .require_key(true)
         .fingerprint(FingerprintMode::CanonicalJson)
-        .scope_from_header(header::AUTHORIZATION)
+        // Generated once and kept in the store, so every instance on it scopes alike.
+        .scope_from_header(header::AUTHORIZATION, ScopeSecret::kept_in(&store).await?)
         .wait(Duration::from_secs(5));
     let emails = IdempotencyLayer::new(store)
         .name("emails")

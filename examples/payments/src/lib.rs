@@ -29,7 +29,7 @@ use axum::routing::post;
 use axum::{Extension, Json, Router};
 use idempotency_amqp::AmqpMessage;
 use idempotency_consumer::{Backoff, Delivery, HandlerError, TxConsumer, TxHandler};
-use idempotency_core::{Attempt, FingerprintMode, Outcome, Store};
+use idempotency_core::{Attempt, FingerprintMode, Outcome, ScopeSecret, Store};
 use idempotency_http::{IdempotencyKey, IdempotencyLayer};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 use idempotency_postgres::{PgTransaction, PostgresStore};
@@ -171,13 +171,14 @@ async fn initiate(
         .into_response()
 }
 
-/// The API: `POST /payments` behind the idempotency layer on `store`.
-pub fn api<S: Store + Clone + 'static>(store: S, publisher: Publisher) -> Router {
+/// The API: `POST /payments` behind the idempotency layer on `store`, keys scoped by the
+/// caller's `Authorization` under `scope_secret` (the same on every instance).
+pub fn api<S: Store + Clone + 'static>(store: S, scope_secret: ScopeSecret, publisher: Publisher) -> Router {
     let layer = IdempotencyLayer::new(store)
         .name("payments-api")
         .require_key(true)
         .fingerprint(FingerprintMode::CanonicalJson)
-        .scope_from_header(header::AUTHORIZATION)
+        .scope_from_header(header::AUTHORIZATION, scope_secret)
         .wait(Duration::from_secs(5));
     Router::new()
         .route("/payments", post(initiate))

@@ -136,6 +136,7 @@ async fn a_retry_storm_and_redeliveries_leave_one_charge_row_per_payment() {
     let addr = listener.local_addr().unwrap();
     let api = payments_example::api(
         store.clone(),
+        idempotency_core::ScopeSecret::generate(),
         Publisher {
             channel: channel.clone(),
             queue: topology.queue.clone(),
