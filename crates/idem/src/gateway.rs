@@ -18,7 +18,9 @@ use http::{Method, Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotency::{DynStore, Key, Scope, ScopeSecret};
+use idempotency::{
+    BeginRequest, Claim, DynStore, Fingerprint, Key, Outcome, Scope, ScopeSecret, Watched, WriteHealth,
+};
 use idempotency_http::{DetachedRuns, IdempotencyKey, IdempotencyLayer, Problem, strip_hop_by_hop};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::Service;
@@ -615,11 +617,38 @@ struct Admin {
     store: DynStore,
     /// The store's kind (its URL scheme): enough for an operator, and no credential can be in it.
     store_kind: String,
+    /// The results of the guarded requests' store writes.
+    health: WriteHealth,
     metrics: PrometheusHandle,
 }
 
+/// One write of a throwaway record (kept for a second), through the watched store: when writes
+/// failed last, a health check tries one, so that a gateway a load balancer took out of
+/// rotation (and that no request reaches) still notices when the store recovers.
+async fn probe_write(store: &DynStore) -> Result<(), String> {
+    let (scope, _) = ScopeSecret::record();
+    let request = BeginRequest::new(scope, Key::generate(), Fingerprint::of_bytes(b"healthz"))
+        .lease(Duration::from_secs(1))
+        .retention(Duration::from_secs(1));
+    match store.begin(&request).await.map_err(|e| e.to_string())? {
+        Claim::Acquired(held) => store
+            .complete(&held, Outcome::from(&b""[..]), Duration::from_secs(1))
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        other => Err(format!("a fresh key was not acquired: {other:?}")),
+    }
+}
+
+/// `200` when the store answers a read and its writes work: the last guarded request's write
+/// worked, or, when it failed, a probe write works now. `503` with what failed otherwise.
 async fn healthz(State(admin): State<Admin>) -> Response {
     let probe = async {
+        if let Some(failure) = admin.health.failure() {
+            probe_write(&admin.store)
+                .await
+                .map_err(|now| format!("{failure}; a probe write failed too: {now}"))?;
+        }
         let scope = Scope::new("idem-healthz").map_err(|e| e.to_string())?;
         let key = Key::new("probe").map_err(|e| e.to_string())?;
         admin.store.get(&scope, &key).await.map_err(|e| e.to_string())
@@ -667,6 +696,9 @@ pub struct Routers {
 
 /// The gateway's routers: the layer around the proxy, and the admin endpoints.
 pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Routers {
+    let watched = Watched::new(store);
+    let health = watched.health();
+    let store: DynStore = std::sync::Arc::new(watched);
     let mut layer = IdempotencyLayer::new(store.clone())
         .name("gateway")
         .methods(config.methods.iter().cloned())
@@ -703,6 +735,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
             .kind(&config.store)
             .map_or("unknown", |kind| kind.name)
             .to_owned(),
+        health,
         metrics,
     };
     let main = Router::new().fallback_service(proxy);

@@ -638,3 +638,45 @@ async fn scopes_are_keyed_shared_and_cannot_be_forged() {
         .scope(b"bearer alice");
     assert_eq!(seen.json()["key"], format!("{expected}:k2"));
 }
+
+/// `/_idem/healthz` reports a store whose reads work and whose writes fail (here SQLite refusing
+/// every write, as on a full disk), and reports it healthy again once writes work, without any
+/// request to prove it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reflects_failing_store_writes() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let client = client();
+    let health = || send(&client, addr, "GET", "/_idem/healthz", &[], b"");
+    assert_eq!(health().await.status, 200);
+
+    let db = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.execute_batch(
+        "CREATE TRIGGER full_disk_insert BEFORE INSERT ON idempotency_records
+             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;
+         CREATE TRIGGER full_disk_update BEFORE UPDATE ON idempotency_records
+             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;",
+    )
+    .unwrap();
+    // Reads still work, so the health check said ok until a write failed.
+    assert_eq!(health().await.status, 200);
+    let refused = send(&client, addr, "POST", "/echo", &[("idempotency-key", "k1")], b"x").await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    let sick = health().await;
+    assert_eq!(sick.status, 503);
+    let detail = sick.json()["detail"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        detail.contains("failed in a row") && detail.contains("disk is full"),
+        "{detail}"
+    );
+
+    db.execute_batch("DROP TRIGGER full_disk_insert; DROP TRIGGER full_disk_update;")
+        .unwrap();
+    assert_eq!(health().await.status, 200, "a probe write works again");
+    let served = send(&client, addr, "POST", "/echo", &[("idempotency-key", "k1")], b"x").await;
+    assert_eq!(served.status, 201);
+}

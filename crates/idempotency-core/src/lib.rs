@@ -27,6 +27,7 @@ pub mod codec;
 pub mod fingerprint;
 pub mod guard;
 pub mod guide;
+pub mod health;
 pub mod key;
 pub mod machine;
 mod memory;
@@ -40,6 +41,7 @@ pub mod transaction;
 pub use codec::{DecodeError, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
 pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
+pub use health::{Watched, WriteFailure, WriteHealth};
 pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
 pub use memory::MemoryStore;
 pub use record::{

@@ -48,8 +48,8 @@ pub use idempotency_core::{
     InTransaction, JsonPointer, Key, KeyError, ListFilter, MAX_DURATION, MAX_KEY_LEN, ManualClock,
     MemoryStore, Outcome, OutcomePolicy, Record, RecordParts, RecordState, RecordSummary, Recorded, Redacted,
     Registry, Scope, ScopeSecret, SecretError, StateFilter, Stats, Store, StoreAdmin, StoreError, StoreKind,
-    SummaryState, SystemClock, Timestamp, Token, TransactionalStore, TxFuture, TxOperation, redact_url,
-    stored_millis,
+    SummaryState, SystemClock, Timestamp, Token, TransactionalStore, TxFuture, TxOperation, Watched,
+    WriteFailure, WriteHealth, redact_url, stored_millis,
 };
 
 #[cfg(feature = "sqlite")]
