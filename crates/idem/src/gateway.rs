@@ -62,6 +62,10 @@ pub struct Config {
     /// The largest request body (413 beyond it).
     #[arg(long, env = "IDEM_MAX_BODY", default_value = "1MiB", value_parser = parse_limit)]
     pub max_body: usize,
+    /// The most memory all guarded request bodies may hold at once (503 beyond it, nothing
+    /// runs); at least --max-body.
+    #[arg(long, env = "IDEM_MAX_BUFFERED", default_value = "128MiB", value_parser = parse_limit)]
+    pub max_buffered: usize,
     /// The largest response that is stored for replay (larger ones pass through, not replayable).
     #[arg(long, env = "IDEM_MAX_RESPONSE", default_value = "1MiB", value_parser = parse_limit)]
     pub max_response: usize,
@@ -106,6 +110,22 @@ pub struct Config {
     /// its lease, and a retry takes it over.
     #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_drain_timeout)]
     pub drain_timeout: Duration,
+}
+
+impl Config {
+    /// The checks that involve more than one flag.
+    ///
+    /// # Errors
+    ///
+    /// [`FlagError::Conflict`] saying which flags and why.
+    pub fn check(&self) -> Result<(), FlagError> {
+        if self.max_buffered < self.max_body {
+            return Err(FlagError::Conflict(
+                "--max-buffered is smaller than --max-body: a body of the largest size allowed could never be buffered",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for Config {
@@ -200,6 +220,9 @@ pub enum FlagError {
     /// Not a status class (`5xx`) or code (`429`).
     #[error("`{0}` is not an HTTP status (100 to 599) or class (1xx to 5xx)")]
     Status(String),
+    /// Flags that contradict each other.
+    #[error("{0}")]
+    Conflict(&'static str),
     /// A scope secret that is too short (the value itself is never echoed).
     #[error("--scope-secret: {0}")]
     ScopeSecret(#[from] idempotency::SecretError),
@@ -704,6 +727,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
         .methods(config.methods.iter().cloned())
         .require_key(config.require_key)
         .max_body(config.max_body)
+        .max_buffered(config.max_buffered)
         .max_response(config.max_response)
         // The upstream chunks as it likes: store what ends within the limit all the same.
         .buffer_streamed_responses(true)

@@ -317,6 +317,11 @@ fn init_logging(command: &Command) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Serve(config) = &cli.command
+        && let Err(conflict) = config.check()
+    {
+        clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{conflict}\n")).exit();
+    }
     init_logging(&cli.command);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,

@@ -216,3 +216,84 @@ async fn shutdown_is_bounded_by_the_drain_timeout() {
     assert!(out.contains("\"in_flight\""), "{out}");
     eprintln!("exited {:?} after SIGTERM", asked.elapsed());
 }
+
+/// Many clients each holding a large unfinished body cannot make the gateway hold more than
+/// `--max-buffered` bytes of bodies: past it, a guarded request gets 503 `overloaded` with
+/// `Retry-After` and does not run; once the held bodies are done, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_bodies_share_one_memory_bound() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
+    let addr = free_addr();
+    let flags = [
+        "--upstream",
+        &up,
+        "--store",
+        &store,
+        "--max-body",
+        "64KiB",
+        "--max-buffered",
+        "100KiB",
+    ];
+    let _gateway = start_gateway(addr, &flags, true).await;
+
+    // Two clients send 40 KiB of a 60 KiB body each and stall: 80 KiB held.
+    let mut holders = Vec::new();
+    for n in 0..2 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nhost: x\r\nidempotency-key: held-{n}\r\ncontent-length: {}\r\n\r\n",
+            60 * 1024
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&[b'a'; 40 * 1024]).await.unwrap();
+        holders.push(stream);
+    }
+    // A third body of 30 KiB would pass 100 KiB: refused, and it did not run.
+    let client = client();
+    let body = vec![b'b'; 30 * 1024];
+    let mut shed = None;
+    for n in 0..100 {
+        let key = format!("third-{n}");
+        let seen = send(
+            &client,
+            addr,
+            "POST",
+            "/echo",
+            &[("idempotency-key", &key)],
+            &body,
+        )
+        .await;
+        if seen.status == 503 {
+            shed = Some((key, seen));
+            break;
+        }
+        // The holders' bytes had not all been read yet, and this one ran: try again.
+        assert_eq!(seen.status, 201);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (key, shed) = shed.expect("a body past the bound was refused");
+    assert_eq!(shed.json()["type"], "urn:idempotency:problem:overloaded");
+    assert_eq!(shed.header("retry-after"), Some("1"));
+    assert_eq!(calls(&client, upstream, &key).await, 0);
+
+    // The holders finish: their requests run, and the refused one runs on retry.
+    for (n, stream) in holders.iter_mut().enumerate() {
+        stream.write_all(&[b'a'; 20 * 1024]).await.unwrap();
+        let mut head = [0_u8; 12];
+        stream.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 201", "holder {n}");
+    }
+    let retried = send(
+        &client,
+        addr,
+        "POST",
+        "/echo",
+        &[("idempotency-key", "third")],
+        &body,
+    )
+    .await;
+    assert_eq!(retried.status, 201);
+    assert_eq!(calls(&client, upstream, "third").await, 1);
+}

@@ -371,6 +371,17 @@ fn bad_input_gets_clear_errors() {
                 "serve",
                 "--upstream",
                 "http://127.0.0.1:1",
+                "--max-buffered",
+                "1KiB",
+            ],
+            2,
+            "--max-buffered is smaller than --max-body",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
                 "--scope-secret",
                 "hunter2",
             ],

@@ -32,6 +32,8 @@ pub(crate) struct Config {
     pub(crate) wait: Option<Duration>,
     pub(crate) fail_open: bool,
     pub(crate) allowed_headers: Vec<HeaderName>,
+    /// The bytes of request bodies all requests through the layer may hold at once.
+    pub(crate) body_budget: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 /// The default outcome policy ([`crate::guide`]): 2xx and 4xx are final and stored, except 408, 409, 425
@@ -111,6 +113,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
                 wait: None,
                 fail_open: false,
                 allowed_headers: Vec::new(),
+                body_budget: None,
             }),
             detached: DetachedRuns::default(),
         }
@@ -254,6 +257,17 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     #[must_use]
     pub fn wait(self, deadline: Duration) -> Self {
         self.with(|c| c.wait = Some(deadline))
+    }
+
+    /// Bounds the memory that guarded request bodies take across all requests through this
+    /// layer (and its clones) together: a request whose body would push the total past `bytes`
+    /// is answered `503` [`Problem::Overloaded`](crate::Problem::Overloaded) with `Retry-After`,
+    /// and nothing runs. Without it (the default), only [`max_body`](Self::max_body) bounds each
+    /// body, and as many connections as the server takes may each hold that much.
+    #[must_use]
+    pub fn max_buffered(self, bytes: usize) -> Self {
+        let permits = bytes.min(tokio::sync::Semaphore::MAX_PERMITS);
+        self.with(|c| c.body_budget = Some(Arc::new(tokio::sync::Semaphore::new(permits))))
     }
 
     /// Fail open: when the store is unreachable, run the handler without idempotency instead of

@@ -63,6 +63,12 @@ pub enum Problem {
     UpstreamTimeout,
     /// A proxy could not make the upstream's request target from the request's (400).
     BadTarget(String),
+    /// The server is at a limit it keeps to stay up (what is named here); nothing ran (503, with
+    /// `Retry-After`).
+    Overloaded {
+        /// Which limit: "request bodies held in memory", "the idempotency store's capacity".
+        what: &'static str,
+    },
 }
 
 impl Problem {
@@ -86,6 +92,7 @@ impl Problem {
             Self::UpstreamAnswerLost => "urn:idempotency:problem:upstream-answer-lost",
             Self::UpstreamTimeout => "urn:idempotency:problem:upstream-timeout",
             Self::BadTarget(_) => "urn:idempotency:problem:bad-target",
+            Self::Overloaded { .. } => "urn:idempotency:problem:overloaded",
         }
     }
 
@@ -98,7 +105,7 @@ impl Problem {
             }
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::HandlerFailed | Self::OutcomeUnknown | Self::StoredResponseUnreadable => {
@@ -129,6 +136,7 @@ impl Problem {
             Self::UpstreamAnswerLost => "Upstream answer lost",
             Self::UpstreamTimeout => "Upstream timed out",
             Self::BadTarget(_) => "Bad request target",
+            Self::Overloaded { .. } => "Too busy",
         }
     }
 
@@ -189,6 +197,9 @@ impl Problem {
                 the upstream timeout: whether it took effect is unknown. {KEPT_IN_FLIGHT}"
             ),
             Self::BadTarget(why) => format!("The request target cannot be forwarded: {why}."),
+            Self::Overloaded { what } => format!(
+                "The server is at its limit of {what}, so the request was not processed. Retry later."
+            ),
         }
     }
 
@@ -229,7 +240,7 @@ impl Problem {
         );
         let retry_after = match self {
             Self::InFlight { retry_after } => Some(*retry_after),
-            Self::StoreUnavailable => Some(Duration::from_secs(1)),
+            Self::StoreUnavailable | Self::Overloaded { .. } => Some(Duration::from_secs(1)),
             _ => None,
         };
         if let Some(after) = retry_after {

@@ -5,12 +5,13 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{Guard, Store};
+use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
 
 use crate::body::{BoxError, ResponseBody};
@@ -100,6 +101,58 @@ pub(crate) fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>>
     response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
 }
 
+/// Reads a guarded request's body: at most `max_body` bytes (`too_large` beyond), each chunk
+/// taken from the layer's body budget when it has one, so that all requests together hold at
+/// most that much; the permit returned holds the body's share until it is dropped.
+async fn read_body<B>(
+    body: B,
+    config: &Config,
+    too_large: Problem,
+) -> Result<(Bytes, Option<OwnedSemaphorePermit>), Problem>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, config.max_body));
+    let mut buffer = BytesMut::new();
+    let mut held: Option<OwnedSemaphorePermit> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            if error.is::<LengthLimitError>() {
+                too_large.clone()
+            } else {
+                problem_in(&*error).unwrap_or(Problem::BodyUnreadable)
+            }
+        })?;
+        let Ok(mut data) = frame.into_data() else {
+            continue;
+        };
+        if let Some(budget) = &config.body_budget {
+            let size = u32::try_from(data.remaining()).unwrap_or(u32::MAX);
+            match Arc::clone(budget).try_acquire_many_owned(size) {
+                Ok(permit) => match &mut held {
+                    Some(held) => held.merge(permit),
+                    None => held = Some(permit),
+                },
+                Err(_) => {
+                    metrics::counter!("idempotency_http_bodies_shed_total").increment(1);
+                    tracing::warn!("request bodies held in memory are at their limit; answering 503");
+                    return Err(Problem::Overloaded {
+                        what: "request bodies held in memory",
+                    });
+                }
+            }
+        }
+        while data.has_remaining() {
+            let chunk = data.chunk();
+            buffer.extend_from_slice(chunk);
+            let read = chunk.len();
+            data.advance(read);
+        }
+    }
+    Ok((buffer.freeze(), held))
+}
+
 async fn handle<I, S, ReqBody, ResBody>(
     mut inner: I,
     guard: Guard<S>,
@@ -140,10 +193,9 @@ where
     if declared.is_some_and(|n| n > config.max_body as u64) {
         return Ok(problem(&too_large));
     }
-    let bytes = match Limited::new(body, config.max_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => return Ok(problem(&too_large)),
-        Err(error) => return Ok(problem(&problem_in(&*error).unwrap_or(Problem::BodyUnreadable))),
+    let (bytes, budget) = match read_body(body, &config, too_large).await {
+        Ok(read) => read,
+        Err(refused) => return Ok(problem(&refused)),
     };
     let scope = (config.scope)(&parts);
     let fingerprint = fingerprint(&parts, &bytes, &config);
@@ -152,15 +204,11 @@ where
     // record its outcome. `DetachOnDrop` polls it here and, only if it is dropped unfinished,
     // moves it onto a task of its own: the guarantee of a spawned task without paying a task
     // switch on every request.
-    let run = AssertUnwindSafe(run_guarded(
-        inner,
-        guard,
-        config,
-        scope,
-        key,
-        fingerprint,
-        request,
-    ))
+    let run = AssertUnwindSafe(async move {
+        // The body's share of the budget is held until the run ends (detached or not).
+        let _budget = budget;
+        run_guarded(inner, guard, config, scope, key, fingerprint, request).await
+    })
     .catch_unwind();
     match DetachOnDrop::new(run, detached).await {
         Ok(result) => result,
