@@ -325,3 +325,73 @@ async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
     assert_eq!(accepted.status, 201);
     assert_eq!(run.upstream_calls().await, 1);
 }
+
+/// The heartbeat storm: PostgreSQL 80 ms away (a round trip through the latency proxy), two
+/// gateway processes with `--lease 2s`, a 6 s upstream, and 256 clients (8 on each of 32 keys)
+/// that retry 50 ms after every 409 or 503. The retries' `begin` calls must not starve the
+/// running requests' heartbeats: every key runs exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_storm_on_a_distant_store_runs_each_key_once() {
+    let url = database_url();
+    let rest = url.split_once("://").unwrap().1;
+    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
+    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
+    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
+    let proxy = TcpProxy::start(server).await.unwrap();
+    proxy.set_latency(Duration::from_millis(40));
+    let at = if credentials.is_empty() { "" } else { "@" };
+    let store = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
+
+    let run = Run::new("storm", &store, &["--lease", "2s"]);
+    let _a = run.gateway().await;
+    let b = free_addr();
+    let args: Vec<&str> = run.args.iter().map(String::as_str).collect();
+    let _b = start_gateway(b, &args, true).await;
+
+    let keys: Vec<String> = (0..32).map(|n| format!("{}-{n}", run.key)).collect();
+    let clients: Vec<_> = (0..256)
+        .map(|n| {
+            let (client, key) = (run.client.clone(), keys[n % keys.len()].clone());
+            let addr = if n % 2 == 0 { run.addr } else { b };
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let mut answers = std::collections::BTreeMap::<u16, u32>::new();
+                loop {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{key}: no answer after 120 s: {answers:?}"
+                    );
+                    let seen = try_send(
+                        &client,
+                        addr,
+                        "POST",
+                        "/slow?ms=6000",
+                        &[("idempotency-key", &key)],
+                        b"pay",
+                    )
+                    .await;
+                    match seen {
+                        Some(seen) if seen.status == 201 => return answers,
+                        Some(seen) => *answers.entry(seen.status).or_default() += 1,
+                        None => *answers.entry(0).or_default() += 1,
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+        })
+        .collect();
+    let mut refused = std::collections::BTreeMap::<u16, u32>::new();
+    for client in clients {
+        for (status, n) in client.await.unwrap() {
+            *refused.entry(status).or_default() += n;
+        }
+    }
+    let mut runs = Vec::new();
+    for key in &keys {
+        runs.push(calls(&run.client, run.upstream, key).await);
+    }
+    assert!(
+        runs.iter().all(|&n| n == 1),
+        "runs per key: {runs:?}; answers before the 201s: {refused:?}"
+    );
+}

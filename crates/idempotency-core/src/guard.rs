@@ -38,6 +38,7 @@
 //! | `idempotency_mismatch_total` | counter | keys reused with another payload |
 //! | `idempotency_lease_takeovers_total` | counter | expired leases taken over |
 //! | `idempotency_lease_lost_total` | counter | `complete`/`release`/`extend` refused for a stale token (`op` label) |
+//! | `idempotency_heartbeat_late_total` | counter | heartbeats answered after the lease they extend ran out (`how`: `after_lease`) or after more than the heartbeat interval (`slow`) |
 //! | `idempotency_outcome_unknown_total` | counter | operations whose outcome is unknown, left in flight until their lease ends |
 //! | `idempotency_store_errors_total` | counter | failed store calls (`op`, `kind` labels) |
 //! | `idempotency_store_duration_seconds` | histogram | store call latency (`op` label) |
@@ -483,7 +484,9 @@ impl<S: Store> Guard<S> {
                 continue;
             }
             let sent = tokio::time::Instant::now();
-            match self.timed("extend", self.store.extend(held, self.lease)).await {
+            let answer = self.timed("extend", self.store.extend(held, self.lease)).await;
+            self.check_late(sent, every, held_for(held_until));
+            match answer {
                 Ok(Fenced::Accepted(_)) => {
                     *held_until.lock().unwrap_or_else(PoisonError::into_inner) = later(sent, self.lease);
                 }
@@ -498,6 +501,30 @@ impl<S: Store> Guard<S> {
                 Err(error) => tracing::warn!(%error, "heartbeat failed"),
             }
         }
+    }
+
+    /// Counts and logs a heartbeat whose answer came late: after the lease it was to extend had
+    /// run out (another attempt could have taken the key over meanwhile), or after longer than
+    /// the heartbeat interval (the margin left is shrinking). Either means the store is too slow
+    /// or too busy for this lease.
+    fn check_late(&self, sent: tokio::time::Instant, every: Duration, held_until: tokio::time::Instant) {
+        let now = tokio::time::Instant::now();
+        let took = now - sent;
+        let how = if now > held_until {
+            "after_lease"
+        } else if took > every {
+            "slow"
+        } else {
+            return;
+        };
+        metrics::counter!("idempotency_heartbeat_late_total", "guard" => self.name, "how" => how)
+            .increment(1);
+        tracing::warn!(
+            took_ms = took.as_millis(),
+            lease_ms = self.lease.as_millis(),
+            how,
+            "a heartbeat came late: the store is too slow or too busy for this lease"
+        );
     }
 
     /// Leaves the record in flight: the heartbeat stops with the run, and the lease runs out.

@@ -29,6 +29,7 @@ pub mod guard;
 pub mod guide;
 pub mod health;
 pub mod key;
+pub mod lanes;
 pub mod machine;
 mod memory;
 mod record;
@@ -43,6 +44,7 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, Fingerp
 pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
 pub use health::{Watched, WriteFailure, WriteHealth};
 pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
+pub use lanes::Lanes;
 pub use memory::MemoryStore;
 pub use record::{
     BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,

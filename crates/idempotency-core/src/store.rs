@@ -38,6 +38,10 @@ pub enum ErrorKind {
     Protocol,
     /// Anything else the backend reported.
     Backend,
+    /// The store is saturated and shed this call to keep capacity for the attempts already
+    /// running (see [`crate::Lanes`]); nothing was done. Come back later: the caller is told to,
+    /// rather than retrying at once and adding to the load.
+    Overloaded,
 }
 
 impl ErrorKind {
@@ -53,6 +57,7 @@ impl ErrorKind {
             Self::Schema => "schema",
             Self::Protocol => "protocol",
             Self::Backend => "backend",
+            Self::Overloaded => "overloaded",
         }
     }
 }
@@ -149,6 +154,7 @@ impl fmt::Display for StoreError {
             ErrorKind::Schema => "store schema error",
             ErrorKind::Protocol => "unexpected data in store",
             ErrorKind::Backend => "store error",
+            ErrorKind::Overloaded => "store overloaded",
         };
         write!(f, "{what}: {}", self.message)
     }

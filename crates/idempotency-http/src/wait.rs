@@ -79,6 +79,15 @@ where
                     _ => return Ok(problem(&Problem::InFlight { retry_after })),
                 }
             }
+            // A saturated store sheds new work to keep its running attempts' leases: never run
+            // without the guard then (that is how the storm would double-execute), and say
+            // "busy", not "unreachable".
+            Err(error) if error.kind() == idempotency_core::ErrorKind::Overloaded => {
+                tracing::warn!(%error, "idempotency store saturated; shedding the request");
+                return Ok(problem(&Problem::Overloaded {
+                    what: "the idempotency store's capacity",
+                }));
+            }
             Err(error) => {
                 if config.fail_open {
                     tracing::warn!(%error, "idempotency store unavailable; running without it (fail-open)");

@@ -17,6 +17,11 @@
 //!   exhausted pool is a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) or
 //!   [`ErrorKind::Timeout`](idempotency_core::ErrorKind), never a wrong answer; the pool
 //!   reconnects by itself when the server is back.
+//! * **Capacity kept for lease-keeping.** `begin` and the reads use at most
+//!   `max_connections - lease_connections` connections at once (a quarter of the pool is kept by
+//!   default), so a storm of retries never delays a running attempt's heartbeat past its lease;
+//!   past that, new work waits at most `acquire_timeout` and is then shed with
+//!   [`ErrorKind::Overloaded`](idempotency_core::ErrorKind) ([`idempotency_core::Lanes`]).
 //!
 //! ```no_run
 //! use idempotency_core::{Guard, StoreAdmin};

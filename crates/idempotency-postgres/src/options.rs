@@ -97,8 +97,14 @@ pub struct PostgresOptions {
     /// The most connections the pool opens (default 16).
     pub max_connections: u32,
     /// How long an operation waits for a free connection before failing with a retryable
-    /// [`ErrorKind::Timeout`] (default 5 s).
+    /// [`ErrorKind::Timeout`] (default 5 s). A `begin` or a read waits at most this long for
+    /// its lane too, then fails with [`ErrorKind::Overloaded`].
     pub acquire_timeout: Duration,
+    /// The connections kept for lease-keeping (`extend`, `complete`, `release`): `begin` and
+    /// the reads use at most `max_connections - lease_connections` at once, so a storm of
+    /// retries never delays a running attempt's heartbeat (default: a quarter of the pool, at
+    /// least 1). See [`idempotency_core::Lanes`].
+    pub lease_connections: u32,
     /// Whether `connect` creates or upgrades the schema (default `true`; turn it off when the
     /// application's role may not run DDL, and run [`crate::PostgresStore::migrate`] from a
     /// deployment step instead).
@@ -116,6 +122,7 @@ impl fmt::Debug for PostgresOptions {
             .field("schema", &self.schema)
             .field("max_connections", &self.max_connections)
             .field("acquire_timeout", &self.acquire_timeout)
+            .field("lease_connections", &self.lease_connections)
             .field("migrate", &self.migrate)
             .finish()
     }
@@ -154,6 +161,7 @@ impl PostgresOptions {
             schema: Identifier("public".into()),
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            lease_connections: 4,
             migrate: true,
         }
     }
@@ -178,10 +186,19 @@ impl PostgresOptions {
         Ok(self)
     }
 
-    /// Sets the pool size.
+    /// Sets the pool size, and keeps a quarter of it (at least 1) for lease-keeping.
     #[must_use]
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
+        self.lease_connections = (self.max_connections / 4).max(1);
+        self
+    }
+
+    /// Sets how many connections are kept for lease-keeping (call after
+    /// [`max_connections`](Self::max_connections)); new work keeps at least one.
+    #[must_use]
+    pub fn lease_connections(mut self, reserved: u32) -> Self {
+        self.lease_connections = reserved;
         self
     }
 

@@ -6,9 +6,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record, RecordParts,
-    RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    duration_millis, stored_millis,
+    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome, Record,
+    RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
+    Timestamp, Token, duration_millis, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -53,6 +53,9 @@ const BEGIN_TRIES: u32 = 8;
 pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Statements>,
+    /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
+    /// connections left for it.
+    lanes: Lanes,
 }
 
 impl PostgresStore {
@@ -90,9 +93,11 @@ impl PostgresStore {
     /// created: call [`PostgresStore::migrate`] if needed).
     #[must_use]
     pub fn from_pool(pool: PgPool, options: &PostgresOptions) -> Self {
+        let connections = pool.options().get_max_connections();
         Self {
             pool,
             sql: Arc::new(Statements::new(&options.schema, &options.table)),
+            lanes: Lanes::new(connections, options.lease_connections, options.acquire_timeout),
         }
     }
 
@@ -268,6 +273,7 @@ pub(crate) async fn complete_on(
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        let _lane = self.lanes.new_work().await?;
         let mut connection = self.acquire().await?;
         begin_on(&mut connection, &self.sql, request).await
     }
@@ -319,6 +325,7 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+        let _lane = self.lanes.new_work().await?;
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.get)))
             .bind(scope.as_str())
             .bind(key.as_str())
@@ -332,6 +339,7 @@ impl Store for PostgresStore {
 #[async_trait]
 impl StoreAdmin for PostgresStore {
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+        let _lane = self.lanes.new_work().await?;
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))
             .bind(scope.map(Scope::as_str))
             .fetch_one(&self.pool)
@@ -358,6 +366,7 @@ impl StoreAdmin for PostgresStore {
             Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
             None => (None, None),
         };
+        let _lane = self.lanes.new_work().await?;
         let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
             .bind(filter.scope.as_ref().map(Scope::as_str))
             .bind(filter.state.map(|state| state == StateFilter::Completed))
@@ -372,6 +381,7 @@ impl StoreAdmin for PostgresStore {
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
+        let _lane = self.lanes.new_work().await?;
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .execute(&self.pool)

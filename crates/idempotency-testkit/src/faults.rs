@@ -48,6 +48,7 @@ struct Plan {
     fail_next: u32,
     lose_next: u32,
     calls: u64,
+    delay: Duration,
 }
 
 enum Fault {
@@ -93,6 +94,12 @@ impl<S> FaultyStore<S> {
         self.with_plan(op, |plan| plan.lose_next += n);
     }
 
+    /// Makes every later call of `op` wait `delay` before it reaches the store, as a slow or
+    /// busy store would (zero: no delay).
+    pub fn delay(&self, op: Op, delay: Duration) {
+        self.with_plan(op, |plan| plan.delay = delay);
+    }
+
     /// How many times `op` was called (failed calls included).
     pub fn calls(&self, op: Op) -> u64 {
         self.with_plan(op, |plan| plan.calls)
@@ -126,6 +133,10 @@ impl<S> FaultyStore<S> {
         op: Op,
         call: impl Future<Output = Result<R, StoreError>>,
     ) -> Result<R, StoreError> {
+        let delay = self.with_plan(op, |plan| plan.delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         match self.next_fault(op) {
             Fault::None => call.await,
             Fault::Fail => Err(injected(op, "refused")),

@@ -1,17 +1,22 @@
-//! A loopback TCP proxy that can cut connections and simulate an outage, for testing what a
-//! store or a consumer does when its server goes away and comes back.
+//! A loopback TCP proxy that can cut connections, simulate an outage and put the server far
+//! away, for testing what a store or a consumer does when its server goes away and comes back,
+//! or answers slowly.
 //!
 //! Point the client at [`TcpProxy::addr`] instead of the server. [`TcpProxy::cut`] drops every
 //! open connection (the client sees its socket closed mid-conversation); [`TcpProxy::set_down`]
-//! also refuses new connections until it is brought back up, as a stopped server would.
+//! also refuses new connections until it is brought back up, as a stopped server would;
+//! [`TcpProxy::set_latency`] delays every byte by a one-way latency in each direction, as a
+//! server in another zone would (the bytes are pipelined, not serialised: throughput stays).
 
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 #[derive(Debug)]
 struct State {
@@ -19,6 +24,8 @@ struct State {
     down: AtomicBool,
     cuts: watch::Sender<u64>,
     accepted: AtomicU64,
+    /// The one-way latency, in microseconds.
+    latency_us: AtomicU64,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -44,6 +51,7 @@ impl TcpProxy {
             down: AtomicBool::new(false),
             cuts: watch::channel(0).0,
             accepted: AtomicU64::new(0),
+            latency_us: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -66,6 +74,13 @@ impl TcpProxy {
         if down {
             self.cut();
         }
+    }
+
+    /// Delays every byte by `one_way` in each direction (a round trip takes twice as long),
+    /// for connections opened from now on. Zero (the default) forwards at once.
+    pub fn set_latency(&self, one_way: Duration) {
+        let micros = u64::try_from(one_way.as_micros()).unwrap_or(u64::MAX);
+        self.state.latency_us.store(micros, Ordering::SeqCst);
     }
 
     /// How many client connections the proxy has accepted (while up).
@@ -94,16 +109,59 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
         state.accepted.fetch_add(1, Ordering::SeqCst);
         let mut cuts = state.cuts.subscribe();
         let upstream = state.upstream;
+        let latency = Duration::from_micros(state.latency_us.load(Ordering::SeqCst));
         tokio::spawn(async move {
             let Ok(mut server) = TcpStream::connect(upstream).await else {
                 return;
             };
             let mut client = client;
-            tokio::select! {
-                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                _ = cuts.changed() => {}
+            if latency.is_zero() {
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    _ = cuts.changed() => {}
+                }
+            } else {
+                let (client_read, client_write) = client.split();
+                let (server_read, server_write) = server.split();
+                tokio::select! {
+                    () = delayed_copy(client_read, server_write, latency) => {}
+                    () = delayed_copy(server_read, client_write, latency) => {}
+                    _ = cuts.changed() => {}
+                }
             }
             // Dropping both sockets closes them: the client sees the server go away.
         });
     }
+}
+
+/// Copies `from` to `to`, each chunk written `latency` after it was read; chunks read meanwhile
+/// queue behind it, so the delay adds to every byte once and throughput is kept. Ends when
+/// either side closes or fails.
+async fn delayed_copy(mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite + Unpin, latency: Duration) {
+    let (queue, mut due) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buffer = vec![0_u8; 64 * 1024];
+        loop {
+            match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    let at = tokio::time::Instant::now() + latency;
+                    if queue.send((at, buffer[..n].to_vec())).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    let write = async move {
+        while let Some((at, bytes)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    // The writer outlives the reader until what was read is delivered.
+    let ((), ()) = tokio::join!(read, write);
 }

@@ -553,3 +553,69 @@ fn metrics_count_each_answer() {
     assert_eq!(count("idempotency_mismatch_total"), 1, "{counters:?}");
     assert_eq!(count("idempotency_store_errors_total"), 0, "{counters:?}");
 }
+
+/// A heartbeat whose answer takes longer than the heartbeat interval, or comes after the lease
+/// it extends ran out, is counted (and logged): the store is too slow for the lease.
+#[test]
+fn late_heartbeats_are_counted() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = FaultyStore::new(MemoryStore::new());
+            // Lease 3 s, a heartbeat every second, each answered after 1.5 s: slow, not yet
+            // past the lease.
+            store.delay(Op::Extend, Duration::from_millis(1500));
+            let guard = Guard::new(store.clone())
+                .name("late")
+                .lease(Duration::from_secs(3))
+                .heartbeat_every(Duration::from_secs(1));
+            guard
+                .run(Scope::global(), key(), fp("a"), store_it, |_| async {
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                    String::new()
+                })
+                .await
+                .unwrap();
+            // Answered after 4 s: past the 3 s lease.
+            store.delay(Op::Extend, Duration::from_secs(4));
+            guard
+                .run(
+                    Scope::global(),
+                    Key::new("late-2").unwrap(),
+                    fp("a"),
+                    store_it,
+                    |_| async {
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                        String::new()
+                    },
+                )
+                .await
+                .unwrap();
+        });
+    });
+    // A snapshot drains the counters: take one, then read both labels from it.
+    let snapshot = snapshotter.snapshot().into_vec();
+    let late = |how: &str| -> u64 {
+        snapshot
+            .iter()
+            .filter(|(key, _, _, _)| {
+                key.key().name() == "idempotency_heartbeat_late_total"
+                    && key.key().labels().any(|l| l.key() == "how" && l.value() == how)
+            })
+            .map(|(_, _, _, value)| match value {
+                DebugValue::Counter(n) => *n,
+                _ => 0,
+            })
+            .sum()
+    };
+    assert_eq!(late("slow"), 1);
+    assert_eq!(late("after_lease"), 1);
+}

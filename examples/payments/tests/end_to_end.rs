@@ -182,7 +182,11 @@ async fn a_retry_storm_and_redeliveries_leave_one_charge_row_per_payment() {
                 }
                 for _retry in 0..2 {
                     let retry = post(&client, addr, tenant, &key, &reordered).await;
-                    assert!(retry.replayed, "a sequential retry must be a replay");
+                    assert!(
+                        retry.replayed,
+                        "a sequential retry must be a replay: {} {}",
+                        retry.status, retry.json
+                    );
                     seen.push(retry);
                 }
                 let ids: HashSet<String> = seen
