@@ -1,7 +1,8 @@
-//! `idem demo`: a sample payments upstream with a ledger, the gateway in front of it on the
-//! embedded SQLite store, and a client storm — retries after timeouts, duplicates, concurrent
-//! races, a key reused with another payload — ending in a table whose double-charge count comes
-//! from the upstream's own ledger.
+//! `idem demo`: a sample payments upstream that charges through a payment provider, the gateway
+//! in front of it on the embedded SQLite store, and a client storm — retries after timeouts,
+//! duplicates, concurrent races, a key reused with another payload — against an upstream that
+//! also fails *after* charging (a 500, a dropped connection). It ends in a table whose
+//! double-charge count comes from the provider's own ledger.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -57,29 +58,84 @@ pub struct Options {
     /// Send the storm straight to the upstream, without the gateway: what the clients' retries
     /// do to the ledger on their own.
     pub direct: bool,
+    /// Whether the upstream passes the forwarded `Idempotency-Key` on to its payment provider
+    /// (the default); turning it off shows the double charges the propagation prevents.
+    pub propagate: bool,
 }
 
-/// The upstream's ledger: every charge it made, by forwarded key.
+/// The payment provider behind the sample upstream. It deduplicates by the idempotency key the
+/// upstream passes it, as real providers do, and its ledger is where double charges are
+/// counted: every charge beyond the first for one order (the key the upstream was called with).
 #[derive(Debug, Default)]
-struct Ledger {
-    charges: Mutex<HashMap<String, Vec<i64>>>,
+struct Provider {
+    /// The provider's idempotency keys it has charged for, and the charge.
+    charged: Mutex<HashMap<String, String>>,
+    /// Charges made per order.
+    orders: Mutex<HashMap<String, u64>>,
+    charges: AtomicU64,
 }
 
-impl Ledger {
-    fn charges(&self) -> (u64, u64) {
-        let charges = self
-            .charges
+impl Provider {
+    /// Charges once per `provider_key`: a key it has seen gets the charge it made then.
+    fn charge(&self, provider_key: &str, order: &str) -> String {
+        let mut charged = self
+            .charged
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let total: usize = charges.values().map(Vec::len).sum();
-        let doubles: usize = charges.values().map(|c| c.len().saturating_sub(1)).sum();
-        (total as u64, doubles as u64)
+        if let Some(charge) = charged.get(provider_key) {
+            return charge.clone();
+        }
+        let charge = format!("ch_{}", self.charges.fetch_add(1, Ordering::Relaxed) + 1);
+        charged.insert(provider_key.to_owned(), charge.clone());
+        *self
+            .orders
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(order.to_owned())
+            .or_default() += 1;
+        charge
+    }
+
+    /// (charges made, charges beyond the first for an order).
+    fn charges(&self) -> (u64, u64) {
+        let orders = self
+            .orders
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let doubles = orders.values().map(|n| n.saturating_sub(1)).sum();
+        (self.charges.load(Ordering::Relaxed), doubles)
     }
 }
 
-/// The sample upstream: `POST /charges` charges once per call; it is slow now and then (client
-/// timeouts) and fails transiently (503) before charging on about 3% of calls.
-async fn charge(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
+/// The sample upstream: a merchant's payments service that charges through the [`Provider`].
+#[derive(Debug, Default)]
+struct Upstream {
+    provider: Provider,
+    /// Whether the upstream passes the `Idempotency-Key` it receives on to the provider, as the
+    /// README tells users to; without it, it makes a fresh key per call, as a naive service
+    /// would.
+    propagate: bool,
+    /// Calls that went as far as charging.
+    executions: AtomicU64,
+    /// Of those, the ones with `Idempotency-Attempt` of 2 or more: the gateway ran the payment
+    /// again after a release or an unknown outcome.
+    re_executions: AtomicU64,
+    /// Calls that charged and then failed: a 500, or a connection dropped before the answer.
+    faults_after_charging: AtomicU64,
+}
+
+/// What the sample upstream does after charging, now and then.
+enum AfterCharging {
+    Answer,
+    Fail,
+    Drop,
+}
+
+/// `POST /charges`: charges once per call through the provider. It is slow now and then (client
+/// timeouts), fails transiently before charging on about 3% of calls (503), and after charging
+/// on about 4%: a 500 (its own bug) or a dropped connection (a crash), so the gateway has to run
+/// the payment again and only the propagated key stands between that and a double charge.
+async fn charge(State(upstream): State<Arc<Upstream>>, headers: HeaderMap, body: Bytes) -> Response {
     let Some(key) = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -97,7 +153,7 @@ async fn charge(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
     let Some(amount) = amount else {
         return (StatusCode::UNPROCESSABLE_ENTITY, "amount_cents is required").into_response();
     };
-    let (latency, fail) = {
+    let (latency, fail_before, after) = {
         let mut rng = rand::rng();
         let slow = rng.random_ratio(1, 10);
         let latency = if slow {
@@ -105,32 +161,57 @@ async fn charge(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
         } else {
             rng.random_range(2..20)
         };
-        (Duration::from_millis(latency), rng.random_ratio(3, 100))
+        let after = match rng.random_range(0..100) {
+            0 | 1 => AfterCharging::Fail,
+            2 | 3 => AfterCharging::Drop,
+            _ => AfterCharging::Answer,
+        };
+        (Duration::from_millis(latency), rng.random_ratio(3, 100), after)
     };
     tokio::time::sleep(latency).await;
-    if fail {
+    if fail_before {
         return (StatusCode::SERVICE_UNAVAILABLE, "card network busy, try again").into_response();
     }
-    let charge_id = {
-        let mut charges = ledger
-            .charges
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entry = charges.entry(key).or_default();
-        entry.push(amount);
-        format!("ch_{}_{}", charges.len(), amount)
-    };
     let attempt = headers
         .get(gateway::IDEMPOTENCY_ATTEMPT)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("1")
         .to_owned();
-    (
-        StatusCode::CREATED,
-        [("set-cookie", "session=upstream-only; HttpOnly")],
-        axum::Json(json!({ "charge_id": charge_id, "amount_cents": amount, "attempt": attempt })),
-    )
-        .into_response()
+    upstream.executions.fetch_add(1, Ordering::Relaxed);
+    if attempt != "1" {
+        upstream.re_executions.fetch_add(1, Ordering::Relaxed);
+    }
+    let provider_key = if upstream.propagate {
+        key.clone()
+    } else {
+        idempotency::Key::generate().as_str().to_owned()
+    };
+    let charge_id = upstream.provider.charge(&provider_key, &key);
+    match after {
+        AfterCharging::Answer => (
+            StatusCode::CREATED,
+            [("set-cookie", "session=upstream-only; HttpOnly")],
+            axum::Json(json!({ "charge_id": charge_id, "amount_cents": amount, "attempt": attempt })),
+        )
+            .into_response(),
+        AfterCharging::Fail => {
+            upstream.faults_after_charging.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "charged, then failed to save the order",
+            )
+                .into_response()
+        }
+        AfterCharging::Drop => {
+            upstream.faults_after_charging.fetch_add(1, Ordering::Relaxed);
+            // The answer's headers go out, then the body breaks off: the connection is cut
+            // before the client learns the outcome, as when the service crashes.
+            let broken = futures_util::stream::once(async {
+                Err::<Bytes, _>(std::io::Error::other("the service crashed after charging"))
+            });
+            (StatusCode::CREATED, axum::body::Body::from_stream(broken)).into_response()
+        }
+    }
 }
 
 async fn serve(router: Router) -> Result<SocketAddr, Error> {
@@ -307,13 +388,23 @@ pub struct Report {
     pub mismatches: u64,
     /// Requests the client gave up on.
     pub client_timeouts: u64,
-    /// `5xx` answers (the key was released; the retry ran again).
+    /// `5xx` answers the clients got and retried: the upstream failed (the key was released),
+    /// or its answer was lost (the key stayed in flight until its lease ended).
     pub released: u64,
     /// Payments that did not succeed within their tries.
     pub failed_payments: u64,
-    /// Charges in the upstream's ledger.
+    /// Whether the upstream passed the forwarded key on to the provider.
+    pub propagated: bool,
+    /// Calls of the upstream that went as far as charging.
+    pub executions: u64,
+    /// Of those, runs the gateway started again (`Idempotency-Attempt` 2 or more) after a
+    /// release or an unknown outcome.
+    pub re_executions: u64,
+    /// Upstream calls that charged and then failed (a 500, a dropped connection).
+    pub faults_after_charging: u64,
+    /// Charges the provider made.
     pub charges: u64,
-    /// Charges beyond the first for a payment, from the ledger.
+    /// Charges beyond the first for one order, from the provider's ledger.
     pub double_charges: u64,
     /// Latency percentiles of answered requests.
     pub p50: Duration,
@@ -340,8 +431,12 @@ impl Report {
             "conflicts": self.conflicts,
             "mismatches_rejected": self.mismatches,
             "client_timeouts": self.client_timeouts,
-            "released_5xx": self.released,
+            "server_errors_retried": self.released,
             "failed_payments": self.failed_payments,
+            "key_propagated": self.propagated,
+            "upstream_executions": self.executions,
+            "re_executions": self.re_executions,
+            "faults_after_charging": self.faults_after_charging,
             "charges": self.charges,
             "double_charges": self.double_charges,
             "latency_ms": { "p50": ms(self.p50), "p90": ms(self.p90), "p99": ms(self.p99) },
@@ -364,9 +459,21 @@ impl Report {
             ],
             vec!["mismatches rejected (422)".into(), self.mismatches.to_string()],
             vec!["client timeouts".into(), self.client_timeouts.to_string()],
-            vec!["upstream 5xx (key released)".into(), self.released.to_string()],
-            vec!["charges made (upstream ledger)".into(), self.charges.to_string()],
-            vec!["DOUBLE CHARGES".into(), self.double_charges.to_string()],
+            vec!["5xx answers (retried)".into(), self.released.to_string()],
+            vec!["upstream executions".into(), self.executions.to_string()],
+            vec![
+                "re-executions (attempt 2+)".into(),
+                self.re_executions.to_string(),
+            ],
+            vec![
+                "upstream faults after charging".into(),
+                self.faults_after_charging.to_string(),
+            ],
+            vec!["provider charges".into(), self.charges.to_string()],
+            vec![
+                "DOUBLE CHARGES (provider ledger)".into(),
+                self.double_charges.to_string(),
+            ],
             vec![
                 "latency p50 / p90 / p99 (ms)".into(),
                 format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
@@ -385,9 +492,16 @@ impl Report {
             ))
         );
         out.push_str(&crate::ops::table(&["", ""], &rows));
+        if !self.propagated {
+            out.push_str(
+                "\nThe upstream did not pass the Idempotency-Key on to the provider: each run after a \
+                 fault charged again. Pass it on, and the provider deduplicates them.\n",
+            );
+        }
         if self.failed_payments > 0 {
             out.push_str(&format!(
-                "\n{} payments did not succeed within 20 tries (the upstream kept failing).\n",
+                "\n{} payments did not get the answer they should within 20 tries (the upstream kept \
+                 failing, or a key reused with another payload was not rejected).\n",
                 self.failed_payments
             ));
         }
@@ -428,7 +542,7 @@ impl Latencies {
 }
 
 /// Runs the demo: the upstream, the gateway in front of it (unless `direct`), the storm, and
-/// the report from the upstream's ledger.
+/// the report from the provider's ledger.
 ///
 /// # Errors
 ///
@@ -446,11 +560,14 @@ pub async fn run(options: Options) -> Result<Report, Error> {
             (url, Some(dir))
         }
     };
-    let ledger = Arc::new(Ledger::default());
+    let service = Arc::new(Upstream {
+        propagate: options.propagate,
+        ..Upstream::default()
+    });
     let upstream = serve(
         Router::new()
             .route("/charges", post(charge))
-            .with_state(Arc::clone(&ledger)),
+            .with_state(Arc::clone(&service)),
     )
     .await?;
     let target = if options.direct {
@@ -474,11 +591,12 @@ pub async fn run(options: Options) -> Result<Report, Error> {
     if let Some(progress) = progress {
         progress.abort();
     }
-    Ok(report(&storm, &ledger, &options, &store_url, payments, elapsed))
+    Ok(report(&storm, &service, &options, &store_url, payments, elapsed))
 }
 
 /// The gateway on `store_url` in front of `upstream`, as the README's `idem serve` would run it
-/// for this upstream: keys required, scoped by `Authorization`.
+/// for this upstream: keys required, scoped by `Authorization`, with a 1 s lease so that a
+/// payment whose answer was lost is taken over within the clients' retries.
 async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAddr, Error> {
     let config = Config {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -488,6 +606,7 @@ async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAd
         require_key: true,
         scope_header: Some(http::header::AUTHORIZATION),
         upstream_timeout: Duration::from_secs(30),
+        lease: Duration::from_secs(1),
         ..Config::default()
     };
     let store = idempotency::open(store_url)
@@ -499,8 +618,39 @@ async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAd
     serve(gateway::router(&config, store, metrics).main).await
 }
 
-/// A progress bar on standard error (drawn only when it is a terminal), updated until aborted.
+/// Progress on standard error until aborted: a bar on a terminal, and elsewhere (a CI log, a
+/// pipe) a line at each quarter, which a log keeps readable.
 fn show_progress(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        show_bar(storm, target)
+    } else {
+        show_quarters(storm, target)
+    }
+}
+
+/// A line on standard error each time another quarter of `target` requests has been sent.
+fn show_quarters(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut shown = 0;
+        loop {
+            let sent = storm.counters.requests.load(Ordering::Relaxed);
+            let quarter = (sent.saturating_mul(4) / target.max(1)).min(4);
+            while shown < quarter {
+                shown += 1;
+                eprintln!(
+                    "idem demo: {}% ({sent}/{target} requests, {} replays, {} conflicts)",
+                    shown * 25,
+                    storm.counters.replays.load(Ordering::Relaxed),
+                    storm.counters.conflicts.load(Ordering::Relaxed)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// A progress bar on standard error, updated until aborted.
+fn show_bar(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
     let bar = ProgressBar::with_draw_target(Some(target), ProgressDrawTarget::stderr()).with_style(
         ProgressStyle::with_template("[{bar:30}] {pos}/{len} requests, {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -551,10 +701,10 @@ async fn send_storm(storm: &Arc<Storm>, payments: usize, concurrency: usize) -> 
     Ok(())
 }
 
-/// The report: the storm's counters and latencies, the ledger's charges.
+/// The report: the storm's counters and latencies, the upstream's and the provider's counts.
 fn report(
     storm: &Storm,
-    ledger: &Ledger,
+    upstream: &Upstream,
     options: &Options,
     store_url: &str,
     payments: usize,
@@ -565,7 +715,7 @@ fn report(
         .latencies
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let (charges, double_charges) = ledger.charges();
+    let (charges, double_charges) = upstream.provider.charges();
     let requests = counters.requests.load(Ordering::Relaxed);
     Report {
         store: (!options.direct).then(|| idempotency::redact_url(store_url)),
@@ -578,6 +728,10 @@ fn report(
         client_timeouts: counters.timeouts.load(Ordering::Relaxed),
         released: counters.released.load(Ordering::Relaxed),
         failed_payments: counters.failed_payments.load(Ordering::Relaxed),
+        propagated: options.propagate,
+        executions: upstream.executions.load(Ordering::Relaxed),
+        re_executions: upstream.re_executions.load(Ordering::Relaxed),
+        faults_after_charging: upstream.faults_after_charging.load(Ordering::Relaxed),
         charges,
         double_charges,
         p50: latencies.quantile(0.50),

@@ -1,6 +1,8 @@
 //! `idem demo` in the test suite, in short mode: no double charges through the gateway, by the
-//! upstream's ledger, cross-checked against the store's records; and, without the gateway, the
-//! same storm double-charges, so the figure is measured, not assumed.
+//! provider's ledger, though the upstream fails after charging and the gateway runs payments
+//! again; cross-checked against the store's records. Without key propagation the same storm
+//! double-charges, and without the gateway the upstream runs retries again, so the figures are
+//! measured, not assumed. The human table and the progress lines are checked too.
 
 mod common;
 
@@ -10,7 +12,8 @@ use common::idem;
 fn the_demo_makes_no_double_charges_and_its_ledger_agrees_with_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite://{}", dir.path().join("demo.db").display());
-    let (code, out, err) = idem(&["demo", "--requests", "400", "--json", "--store", &store]);
+    // 600 requests: about 230 payments, so faults after charging (4% of calls) surely happen.
+    let (code, out, err) = idem(&["demo", "--requests", "600", "--json", "--store", &store]);
     assert_eq!(code, 0, "{out}\n{err}");
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     let payments = report["payments"].as_u64().unwrap();
@@ -26,6 +29,15 @@ fn the_demo_makes_no_double_charges_and_its_ledger_agrees_with_the_store() {
         "the storm sent duplicates: {report}"
     );
     assert!(report["replays"].as_u64().unwrap() > 0, "{report}");
+    // The upstream failed after charging, and the gateway ran those payments again: the key
+    // passed on to the provider is what kept them from charging twice.
+    assert_eq!(report["key_propagated"], true, "{report}");
+    assert!(report["faults_after_charging"].as_u64().unwrap() > 0, "{report}");
+    assert!(report["re_executions"].as_u64().unwrap() > 0, "{report}");
+    assert!(
+        report["upstream_executions"].as_u64().unwrap() > payments,
+        "{report}"
+    );
     assert!(report["mismatches_rejected"].as_u64().unwrap() > 0, "{report}");
     assert!(report["latency_ms"]["p99"].as_f64().unwrap() > 0.0, "{report}");
 
@@ -38,10 +50,73 @@ fn the_demo_makes_no_double_charges_and_its_ledger_agrees_with_the_store() {
 }
 
 #[test]
-fn without_the_gateway_the_same_storm_double_charges() {
+fn without_key_propagation_the_faults_after_charging_double_charge() {
+    let (code, out, err) = idem(&["demo", "--requests", "600", "--json", "--no-key-propagation"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["key_propagated"], false);
+    let doubles = report["double_charges"].as_u64().unwrap();
+    assert!(doubles > 0, "{report}");
+    // Every double is a payment the gateway ran again after a fault that came after charging.
+    assert!(doubles <= report["re_executions"].as_u64().unwrap(), "{report}");
+    assert_eq!(
+        report["charges"].as_u64().unwrap(),
+        report["payments"].as_u64().unwrap() + doubles,
+        "{report}"
+    );
+}
+
+#[test]
+fn without_the_gateway_every_retry_runs_the_upstream_again() {
     let (code, out, err) = idem(&["demo", "--requests", "400", "--json", "--direct"]);
     assert_eq!(code, 0, "{out}\n{err}");
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["through_gateway"], false);
-    assert!(report["double_charges"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["replays"], 0, "{report}");
+    assert_eq!(
+        report["mismatches_rejected"], 0,
+        "nothing rejects a reused key: {report}"
+    );
+    let (executions, payments) = (
+        report["upstream_executions"].as_u64().unwrap(),
+        report["payments"].as_u64().unwrap(),
+    );
+    assert!(executions > payments * 3 / 2, "{report}");
+}
+
+/// What a person running the README's command sees: progress on standard error (a line per
+/// quarter when it is not a terminal), then the table.
+#[test]
+fn the_human_report_has_progress_and_the_table() {
+    let (code, out, err) = idem(&["demo", "--requests", "400"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for quarter in ["25%", "50%", "75%", "100%"] {
+        assert!(
+            err.lines()
+                .any(|line| line.starts_with("idem demo: ") && line.contains(quarter)),
+            "no {quarter} line: {err}"
+        );
+    }
+    assert!(out.starts_with("idem demo: "), "{out}");
+    assert!(out.contains("through the gateway on sqlite://"), "{out}");
+    let row = |name: &str| -> u64 {
+        let line = out
+            .lines()
+            .find(|line| line.starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` row: {out}"));
+        line[name.len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{line}"))
+    };
+    let payments = row("payments");
+    assert!(payments > 0);
+    assert_eq!(row("provider charges"), payments, "{out}");
+    assert_eq!(row("DOUBLE CHARGES (provider ledger)"), 0, "{out}");
+    assert!(row("upstream executions") >= payments, "{out}");
+    assert!(row("re-executions (attempt 2+)") > 0, "{out}");
+    assert!(
+        !err.contains("WARN"),
+        "the demo's expected faults are not logged as warnings: {err}"
+    );
 }
