@@ -33,6 +33,7 @@ use std::time::Duration;
 mod worker;
 pub use worker::Worker;
 
+use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 use idempotency_consumer::{Delivery, Disposition, Processor};
 use idempotency_core::Key;
@@ -161,22 +162,32 @@ fn header_value<'a>(table: &'a FieldTable, name: &str) -> Option<&'a AMQPValue> 
 }
 
 impl AmqpMessage {
-    /// Wraps a delivery. The delivery count is the `x-idempotency-deliveries` header (1 when
-    /// absent), plus one if the broker says this is a redelivery.
+    /// Wraps a delivery. The delivery count is the larger of two counts:
+    /// - the `x-idempotency-deliveries` header (1 when absent), which every requeue path of this
+    ///   crate increments, plus one if the broker says this is a redelivery;
+    /// - on a quorum queue, the broker's own `x-delivery-count` (the redeliveries so far) plus
+    ///   one, which also counts the redeliveries after a worker died before settling.
     #[must_use]
     pub fn new(delivery: lapin::message::Delivery) -> Self {
-        let counted = delivery
-            .properties
-            .headers()
-            .as_ref()
-            .and_then(|h| header_value(h, DELIVERIES_HEADER))
-            .and_then(|v| match v {
-                AMQPValue::LongInt(n) => u32::try_from(*n).ok(),
-                AMQPValue::LongLongInt(n) => u32::try_from(*n).ok(),
-                _ => None,
-            })
-            .unwrap_or(1);
-        let deliveries = counted + u32::from(delivery.redelivered);
+        let number = |name: &str| {
+            delivery
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| header_value(h, name))
+                .and_then(|v| match v {
+                    AMQPValue::ShortInt(n) => u32::try_from(*n).ok(),
+                    AMQPValue::LongInt(n) => u32::try_from(*n).ok(),
+                    AMQPValue::LongLongInt(n) => u32::try_from(*n).ok(),
+                    AMQPValue::LongUInt(n) => Some(*n),
+                    _ => None,
+                })
+        };
+        let counted = number(DELIVERIES_HEADER)
+            .unwrap_or(1)
+            .saturating_add(u32::from(delivery.redelivered));
+        let by_broker = number("x-delivery-count").map_or(0, |n| n.saturating_add(1));
+        let deliveries = counted.max(by_broker);
         Self { delivery, deliveries }
     }
 
@@ -231,7 +242,17 @@ where
     P: Processor<AmqpMessage>,
 {
     let message = AmqpMessage::new(delivery);
-    let disposition = consumer.process(&message).await;
+    // A processor that panics (the consumer core catches its handler's panics; this catches
+    // any other processor's) must not end the worker: the message is retried later.
+    let disposition = std::panic::AssertUnwindSafe(consumer.process(&message))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            tracing::error!(queue = %topology.queue, "the message processor panicked; requeueing");
+            Disposition::Nack {
+                after: Duration::from_secs(1),
+            }
+        });
     tokio::time::timeout(SETTLE_TIMEOUT, settle(channel, topology, &message, &disposition))
         .await
         .map_err(|_| AmqpError::SettleTimeout)??;

@@ -148,10 +148,17 @@ struct Charger {
     fail_first: u32,
     /// How long each call takes.
     hold: Duration,
+    /// The key whose every call panics, and how many calls it got.
+    poison: Option<&'static str>,
+    poison_calls: AtomicU32,
 }
 
 impl Handler<AmqpMessage> for Charger {
     async fn handle(&self, message: &AmqpMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        if self.poison == Some(attempt.key().as_str()) {
+            self.poison_calls.fetch_add(1, Ordering::SeqCst);
+            panic!("poison message: cannot parse the payment");
+        }
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         tokio::time::sleep(self.hold).await;
         if call <= self.fail_first {
@@ -554,5 +561,110 @@ async fn an_expiring_topology_declares_x_expires_on_its_queues() {
     assert!(refused.to_string().contains("x-expires"), "{refused}");
     let again = setup.connection.create_channel().await.unwrap();
     setup.topology.declare(&again).await.unwrap();
+    setup.cleanup().await;
+}
+
+/// A handler that panics on one message every time: the worker keeps consuming the others
+/// throughout (each charged exactly once), and the poison message is dead-lettered with reason
+/// `panic` after exactly `max_deliveries` (4) attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
+    let setup = Setup::new().await;
+    let charger = Arc::new(Charger {
+        hold: Duration::from_millis(5),
+        poison: Some("poison"),
+        ..Charger::default()
+    });
+    let store = FaultyStore::new(MemoryStore::new());
+    setup.publish_copy(Some("poison"), "EUR ??").await;
+    let healthy: Vec<String> = (0..40).map(|i| format!("order-{i}")).collect();
+    for key in &healthy[..20] {
+        setup.publish_copy(Some(key), "EUR 10").await;
+    }
+    let worker = Worker::new(amqp_url(), setup.topology.clone(), consumer(&charger, &store)).prefetch(4);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let poisoned = Arc::clone(&charger);
+    assert!(
+        until(
+            || poisoned.poison_calls.load(Ordering::SeqCst) >= 2,
+            Duration::from_secs(15)
+        )
+        .await,
+        "the poison message was not redelivered"
+    );
+    // More work arrives while the poison message is still being retried.
+    for key in &healthy[20..] {
+        setup.publish_copy(Some(key), "EUR 10").await;
+    }
+    let charged = |charger: &Charger| charger.charges.lock().unwrap().len();
+    assert!(
+        until(|| charged(&charger) == healthy.len(), Duration::from_secs(20)).await,
+        "charged {} of {}",
+        charged(&charger),
+        healthy.len()
+    );
+    let mut dead = Vec::new();
+    for _ in 0..100 {
+        dead = setup.dead_letters().await;
+        if !dead.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!running.is_finished(), "the worker stopped");
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "poison");
+    assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
+    assert!(dead[0].1.contains("cannot parse the payment"), "{dead:?}");
+    assert_eq!(
+        charger.poison_calls.load(Ordering::SeqCst),
+        4,
+        "exactly max_deliveries attempts"
+    );
+    let charges = charger.charges.lock().unwrap().clone();
+    assert!(charges.values().all(|&n| n == 1), "{charges:?}");
+    setup.cleanup().await;
+}
+
+/// A quorum queue's `x-delivery-count` counts the broker's own redeliveries (a worker that died
+/// before settling), which the requeue header cannot see.
+#[tokio::test]
+async fn quorum_queues_delivery_count_is_counted() {
+    let setup = Setup::new().await;
+    let mut headers = FieldTable::default();
+    headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(6));
+    headers.insert("Idempotency-Key".into(), AMQPValue::LongString("k".into()));
+    setup
+        .channel
+        .basic_publish(
+            "".into(),
+            setup.topology.queue.as_str().into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default().with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let got = setup
+        .channel
+        .basic_get(
+            setup.topology.queue.as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the message");
+    assert_eq!(AmqpMessage::new(got.delivery).delivery_count(), 7);
     setup.cleanup().await;
 }

@@ -61,11 +61,15 @@
 //! # Metrics
 //!
 //! `idempotency_consumer_messages_total{consumer, result}` with `result` one of `executed`,
-//! `duplicate`, `in_flight`, `retried`, `dead_lettered`, `store_unavailable`; the guard's own
-//! metrics are labelled with the consumer's name as well.
+//! `duplicate`, `in_flight`, `retried`, `dead_lettered`, `store_unavailable`;
+//! `idempotency_consumer_panics_total{consumer}` counts handler panics (each also counted as
+//! `retried` or `dead_lettered`); the guard's own metrics are labelled with the consumer's name
+//! as well.
 
 use std::fmt;
 use std::future::Future;
+
+use futures_util::FutureExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -199,6 +203,11 @@ pub enum HandlerError {
     /// dead-letter the message.
     #[error(transparent)]
     Fatal(BoxError),
+    /// The handler panicked (the consumer caught it; the key was released). Retried like
+    /// [`HandlerError::Retry`], and dead-lettered with a reason starting `panic:` once the
+    /// message reaches the delivery limit, so a poison message never takes a worker down.
+    #[error("the handler panicked: {0}")]
+    Panicked(String),
 }
 
 impl HandlerError {
@@ -252,6 +261,24 @@ pub trait Processor<M: ?Sized>: Send + Sync {
 impl<M: ?Sized + Sync, P: Processor<M> + ?Sized> Processor<M> for Arc<P> {
     fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send {
         (**self).process(message)
+    }
+}
+
+/// Runs a handler's future, turning a panic into [`HandlerError::Panicked`] with the panic's
+/// message: the guard then releases the key, and the delivery counts as a failed one.
+pub(crate) async fn catching_panics(
+    handle: impl Future<Output = Result<Outcome, HandlerError>>,
+) -> Result<Outcome, HandlerError> {
+    match std::panic::AssertUnwindSafe(handle).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(HandlerError::Panicked(message))
+        }
     }
 }
 
@@ -368,6 +395,23 @@ impl Rules {
                     reason: reason.to_string(),
                 }
             }
+            HandlerError::Panicked(message) => {
+                metrics::counter!("idempotency_consumer_panics_total", "consumer" => self.name).increment(1);
+                tracing::error!(consumer = self.name, deliveries, %message, "the handler panicked");
+                if deliveries >= self.max_deliveries {
+                    self.count("dead_lettered");
+                    Disposition::DeadLetter {
+                        reason: format!(
+                            "panic: the handler panicked on {deliveries} deliveries, the last time with: {message}"
+                        ),
+                    }
+                } else {
+                    self.count("retried");
+                    Disposition::Nack {
+                        after: self.backoff.delay(deliveries),
+                    }
+                }
+            }
             HandlerError::Retry(reason) if deliveries >= self.max_deliveries => {
                 self.count("dead_lettered");
                 Disposition::DeadLetter {
@@ -477,7 +521,7 @@ where
                 key.clone(),
                 fingerprint,
                 complete_on_success,
-                |attempt| async move { self.handler.handle(message, &attempt).await },
+                |attempt| async move { catching_panics(self.handler.handle(message, &attempt)).await },
             )
             .await;
         rules.settle(run, &key, message.delivery_count())

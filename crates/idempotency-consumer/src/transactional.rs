@@ -140,7 +140,7 @@ where
     type Value = Result<Outcome, HandlerError>;
 
     async fn run(self, tx: &mut S::Transaction, attempt: Attempt) -> Result<Outcome, HandlerError> {
-        self.handler.handle(self.message, tx, &attempt).await
+        crate::catching_panics(self.handler.handle(self.message, tx, &attempt)).await
     }
 }
 

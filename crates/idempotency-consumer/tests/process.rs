@@ -63,6 +63,7 @@ struct Charger {
     fail_first: u32,
     fatal: bool,
     slow: Option<Duration>,
+    panics: bool,
 }
 
 impl Handler<Message> for Charger {
@@ -73,6 +74,9 @@ impl Handler<Message> for Charger {
         }
         if self.fatal {
             return Err(HandlerError::fatal("card declined"));
+        }
+        if self.panics {
+            panic!("index out of bounds: the payload has no amount");
         }
         if call <= self.fail_first {
             return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
@@ -299,5 +303,47 @@ async fn an_outcome_that_cannot_be_recorded_is_never_acked() {
         charger.charges.lock().unwrap().len(),
         1,
         "the side effect happened"
+    );
+}
+
+/// A handler that panics is a failed delivery, not a crash: the key is released, the message
+/// is retried with backoff, and at the delivery limit it is dead-lettered with reason `panic:`.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_is_retried_then_dead_lettered_with_reason_panic() {
+    let (consumer, charger, store) = consumer(Charger {
+        panics: true,
+        ..Charger::default()
+    });
+    let consumer = consumer.max_deliveries(3);
+    let mut message = Message::keyed("pay-poison", "EUR ??");
+    for delivery in 1..=2 {
+        assert_eq!(
+            consumer.process(&message).await,
+            Disposition::Nack {
+                after: Duration::from_secs(1 << (delivery - 1))
+            },
+            "delivery {delivery}"
+        );
+        message = message.redelivered();
+    }
+    match consumer.process(&message).await {
+        Disposition::DeadLetter { reason } => {
+            assert!(reason.starts_with("panic:"), "{reason}");
+            assert!(reason.contains("the payload has no amount"), "{reason}");
+        }
+        other => panic!("expected a dead letter, got {other:?}"),
+    }
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 3);
+    // Each panic released the key: nothing is left in flight.
+    let record = idempotency_core::Store::get(
+        &store,
+        &idempotency_core::Scope::new("payments").unwrap(),
+        &Key::new("pay-poison").unwrap(),
+    )
+    .await
+    .unwrap()
+    .expect("a released record is kept");
+    assert!(
+        matches!(record.state, idempotency_core::RecordState::InFlight { token, .. } if token == idempotency_core::Token::NONE)
     );
 }

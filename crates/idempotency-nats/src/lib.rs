@@ -21,6 +21,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{HeaderMap, HeaderValue};
 use bytes::Bytes;
+use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 use idempotency_consumer::{Delivery, Disposition, Processor};
 use idempotency_core::Key;
@@ -118,7 +119,19 @@ where
     P: Processor<NatsMessage>,
 {
     let message = NatsMessage::new(message);
-    let work = consumer.process(&message);
+    // A processor that panics (the consumer core catches its handler's panics; this catches
+    // any other processor's) must not end the consuming task: the message is retried later.
+    let work = async {
+        std::panic::AssertUnwindSafe(consumer.process(&message))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| {
+                tracing::error!("the message processor panicked; requeueing");
+                Disposition::Nack {
+                    after: Duration::from_secs(1),
+                }
+            })
+    };
     let progress = async {
         loop {
             tokio::time::sleep(progress_every).await;

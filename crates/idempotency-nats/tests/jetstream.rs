@@ -1,7 +1,7 @@
 //! Idempotent consumption against the real NATS JetStream server (`NATS_URL`, default
 //! `nats://127.0.0.1:4222`, which `scripts/services` starts): a crash before the ack, a storm of
-//! duplicates across ten consumers, retries with backoff, dead-lettering with reasons, and a
-//! store outage.
+//! duplicates across ten consumers, retries with backoff, dead-lettering with reasons, a
+//! store outage, a poison message, progress acks under a slow handler, and publish dedup.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -116,11 +116,21 @@ struct Charger {
     charges: Mutex<HashMap<String, u32>>,
     calls: AtomicU32,
     fail_first: u32,
+    /// How long each call takes.
+    hold: Duration,
+    /// The key whose every call panics, and how many calls it got.
+    poison: Option<&'static str>,
+    poison_calls: AtomicU32,
 }
 
 impl Handler<NatsMessage> for Charger {
     async fn handle(&self, message: &NatsMessage, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        if self.poison == Some(attempt.key().as_str()) {
+            self.poison_calls.fetch_add(1, Ordering::SeqCst);
+            panic!("poison message: cannot parse the payment");
+        }
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(self.hold).await;
         if call <= self.fail_first {
             return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
         }
@@ -402,5 +412,92 @@ async fn while_the_store_is_down_nothing_is_acked_or_lost() {
     let charges = charger.charges.lock().unwrap().clone();
     assert_eq!(charges.len(), 5);
     assert!(charges.values().all(|n| *n == 1), "{charges:?}");
+    setup.cleanup().await;
+}
+
+/// A handler that panics on one message every time: the worker keeps consuming the others
+/// throughout (each charged exactly once), and the poison message is dead-lettered with reason
+/// `panic` after exactly `max_deliveries` (4) attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
+    let setup = Setup::new().await;
+    let charger = Arc::new(Charger {
+        poison: Some("poison"),
+        ..Charger::default()
+    });
+    let store = FaultyStore::new(MemoryStore::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    publish_copy(&setup.js, &setup.work, Some("poison"), "poison", "EUR ??").await;
+    let healthy: Vec<String> = (0..30).map(|i| format!("order-{i}")).collect();
+    for key in &healthy {
+        publish_copy(&setup.js, &setup.work, Some(key), key, "EUR 10").await;
+    }
+    assert!(until(async || setup.drained().await, Duration::from_secs(20)).await);
+    assert!(!running.is_finished(), "the worker stopped");
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert_eq!(
+        charger.poison_calls.load(Ordering::SeqCst),
+        4,
+        "exactly max_deliveries attempts"
+    );
+    let charges = charger.charges.lock().unwrap().clone();
+    assert_eq!(charges.len(), healthy.len(), "{charges:?}");
+    assert!(charges.values().all(|&n| n == 1), "{charges:?}");
+    let dead = setup.dead_letters(1).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "poison");
+    assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
+    setup.cleanup().await;
+}
+
+/// A handler that runs for 2.5 s, longer than the consumer's 1 s `ack_wait`: the progress acks
+/// sent while it runs keep the server from redelivering it, and it runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_longer_than_ack_wait_runs_once_thanks_to_progress_acks() {
+    let setup = Setup::new().await;
+    let charger = Arc::new(Charger {
+        hold: Duration::from_millis(2500),
+        ..Charger::default()
+    });
+    let store = FaultyStore::new(MemoryStore::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    // Two workers: a redelivery would go to the idle one at once.
+    let first = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    let second = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
+    publish_copy(&setup.js, &setup.work, Some("slow"), "slow", "EUR 10").await;
+    assert!(until(async || setup.drained().await, Duration::from_secs(15)).await);
+    stop.store(true, Ordering::SeqCst);
+    first.await.unwrap();
+    second.await.unwrap();
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 1);
+    // The consumer's delivery sequence counts redeliveries too: one delivery in all. (Without
+    // the progress acks the server redelivers after 1 s; the record keeps that copy from
+    // running, but it is a redelivery all the same.)
+    let mut workers = setup.workers.clone();
+    let info = workers.info().await.unwrap();
+    assert_eq!(
+        info.delivered.consumer_sequence, 1,
+        "redelivered while it ran: {info:?}"
+    );
+    setup.cleanup().await;
+}
+
+/// Two publishes with the same `Nats-Msg-Id` within the stream's duplicate window are one
+/// stream message, as `publish` relies on.
+#[tokio::test]
+async fn publishes_with_one_message_id_make_one_stream_message() {
+    let setup = Setup::new().await;
+    let key = Key::new("publish-once").unwrap();
+    for _ in 0..3 {
+        publish(&setup.js, setup.work.clone(), &key, Bytes::from_static(b"EUR 10"))
+            .await
+            .unwrap();
+    }
+    publish_copy(&setup.js, &setup.work, Some("other"), "other", "EUR 20").await;
+    let mut stream = setup.js.get_stream(&setup.stream).await.unwrap();
+    let info = stream.info().await.unwrap();
+    assert_eq!(info.state.messages, 2, "{:?}", info.state);
     setup.cleanup().await;
 }
