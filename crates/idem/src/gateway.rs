@@ -106,6 +106,11 @@ pub struct Config {
     /// How many client connections are served at once (more wait to be accepted).
     #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "512", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
+    /// How often expired records are purged, in batches of 1000 (`off`: never; the store's
+    /// table then grows until `idem keys purge` runs). Ignored by stores that expire records by
+    /// themselves (Redis).
+    #[arg(long, env = "IDEM_PURGE_EVERY", default_value = "1m", value_parser = parse_purge_every)]
+    pub purge_every: PurgeEvery,
     /// How long shutdown waits for running requests; what still runs after it is abandoned to
     /// its lease, and a retry takes it over.
     #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_drain_timeout)]
@@ -386,6 +391,24 @@ pub fn parse_client_timeout(text: &str) -> Result<Duration, FlagError> {
 pub fn parse_drain_timeout(text: &str) -> Result<Duration, FlagError> {
     let range = (Duration::ZERO, Duration::from_secs(3600));
     bounded_duration(text, "--drain-timeout", range, "from 0s to 1h")
+}
+
+/// `--purge-every`: an interval, or never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeEvery(pub Option<Duration>);
+
+/// `--purge-every`: `off`, or 1 s to 24 h.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_purge_every(text: &str) -> Result<PurgeEvery, FlagError> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(PurgeEvery(None));
+    }
+    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
+    bounded_duration(text, "--purge-every", range, "from 1s to 24h, or off")
+        .map(|every| PurgeEvery(Some(every)))
 }
 
 /// `--wait`: 1 ms to 1 h.
@@ -811,6 +834,15 @@ pub async fn serve(
         config.scope_secret = Some(secret);
     }
     let listener = bind(config.listen).await?;
+    // Expired records are deleted in the background, so the table does not grow without bound.
+    let purging = config.purge_every.0.map(|every| {
+        tokio::spawn(
+            idempotency::Purger::new(store.clone())
+                .every(every)
+                .batch(1000)
+                .run(),
+        )
+    });
     let Routers {
         main,
         admin,
@@ -841,6 +873,9 @@ pub async fn serve(
     );
     if server::serve(listener, main, limits, detached, shutdown).await {
         tracing::info!("drained; in-flight requests finished and recorded");
+    }
+    if let Some(purging) = purging {
+        purging.abort();
     }
     Ok(())
 }

@@ -395,3 +395,78 @@ async fn a_retry_storm_on_a_distant_store_runs_each_key_once() {
         "runs per key: {runs:?}; answers before the 201s: {refused:?}"
     );
 }
+
+/// `idem serve --retention 2s --purge-every 1s`: expired records disappear from the store with
+/// no CLI involved, and the purge never takes a live one: 16 concurrent copies of each of 8
+/// slow requests, racing while the purge runs, run each key once.
+async fn expired_records_are_purged_by_the_gateway(store: &str) {
+    let tenant = unique("purge-tenant");
+    let run = Run::new(
+        "purge",
+        store,
+        &[
+            "--retention",
+            "2s",
+            "--purge-every",
+            "1s",
+            "--scope-header",
+            "x-tenant",
+        ],
+    );
+    let _gateway = run.gateway().await;
+    let keys: Vec<String> = (0..8).map(|n| format!("{}-{n}", run.key)).collect();
+    let racers: Vec<_> = keys
+        .iter()
+        .flat_map(|key| std::iter::repeat_n(key.clone(), 16))
+        .map(|key| {
+            let (client, addr, tenant) = (run.client.clone(), run.addr, tenant.clone());
+            tokio::spawn(async move {
+                let headers = [("idempotency-key", key.as_str()), ("x-tenant", tenant.as_str())];
+                send(&client, addr, "POST", "/slow?ms=1200", &headers, b"pay").await
+            })
+        })
+        .collect();
+    let mut forwarded = std::collections::BTreeSet::new();
+    for racer in racers {
+        let seen = racer.await.unwrap();
+        assert!(matches!(seen.status, 201 | 409), "{seen:?}");
+        if seen.status == 201 {
+            forwarded.insert(seen.json()["key"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(forwarded.len(), keys.len(), "{forwarded:?}");
+    for key in &forwarded {
+        assert_eq!(calls(&run.client, run.upstream, key).await, 1, "{key}");
+    }
+    let scope = forwarded.first().unwrap().split_once(':').unwrap().0.to_owned();
+
+    // Two seconds after completion the records expire; the next purge deletes them.
+    let stats = || {
+        let (code, out, err) = idem(&[
+            "keys", "stats", "--scope", &scope, "--store", &run.store, "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+        ["completed", "in_flight", "expired"].map(|field| stats[field].as_u64().unwrap())
+    };
+    assert_eq!(stats()[0], 8, "the completed records are there first");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut left = stats();
+    while left != [0, 0, 0] && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        left = stats();
+    }
+    assert_eq!(left, [0, 0, 0], "completed, in flight, expired rows left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_expired_records_are_purged_by_the_gateway() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    expired_records_are_purged_by_the_gateway(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_expired_records_are_purged_by_the_gateway() {
+    expired_records_are_purged_by_the_gateway(&database_url()).await;
+}

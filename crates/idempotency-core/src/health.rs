@@ -178,6 +178,10 @@ impl<S: StoreAdmin> StoreAdmin for Watched<S> {
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         self.record(self.inner.purge_expired(limit).await)
     }
+
+    fn expires_by_itself(&self) -> bool {
+        self.inner.expires_by_itself()
+    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ pub mod key;
 pub mod lanes;
 pub mod machine;
 mod memory;
+pub mod purge;
 mod record;
 pub mod registry;
 pub mod secret;
@@ -46,6 +47,7 @@ pub use health::{Watched, WriteFailure, WriteHealth};
 pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
 pub use lanes::Lanes;
 pub use memory::MemoryStore;
+pub use purge::Purger;
 pub use record::{
     BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,
     Held, ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,

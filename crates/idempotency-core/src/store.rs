@@ -289,6 +289,12 @@ pub trait StoreAdmin: Store {
     /// Deletes up to `limit` expired records and returns how many were deleted. Call it in a loop
     /// until it returns less than `limit` to purge everything.
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError>;
+
+    /// Whether the store deletes expired records by itself (Redis' key expiry, DynamoDB's TTL):
+    /// then `purge_expired` has nothing to do, and a [`crate::Purger`] does not run.
+    fn expires_by_itself(&self) -> bool {
+        false
+    }
 }
 
 macro_rules! forward_store {
@@ -323,6 +329,9 @@ macro_rules! forward_store {
             }
             async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
                 (**self).purge_expired(limit).await
+            }
+            fn expires_by_itself(&self) -> bool {
+                (**self).expires_by_itself()
             }
         }
     )*};

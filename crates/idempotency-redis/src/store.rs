@@ -620,4 +620,9 @@ impl StoreAdmin for RedisStore {
     async fn purge_expired(&self, _limit: u64) -> Result<u64, StoreError> {
         Ok(0)
     }
+
+    /// Every record key carries its expiry (`PEXPIREAT`): Redis deletes it by itself.
+    fn expires_by_itself(&self) -> bool {
+        true
+    }
 }
