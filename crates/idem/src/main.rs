@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use idem::{Error, demo, gateway, ops, units};
-use idempotency::{DynStore, Key, ListFilter, Scope, StateFilter};
+use idempotency::{Access, DynStore, Key, ListFilter, Scope, StateFilter};
 
 /// Effectively-once HTTP requests and the operations on their records.
 #[derive(Debug, Parser)]
@@ -176,8 +176,10 @@ fn key(text: &str) -> Result<Key, Error> {
     })
 }
 
-async fn open(args: &StoreArgs) -> Result<DynStore, Error> {
-    idempotency::open(&args.store)
+/// The store of an operations command, opened no further than `access` allows: only `idem
+/// migrate` creates anything.
+async fn open(args: &StoreArgs, access: Access) -> Result<DynStore, Error> {
+    idempotency::open_with(&args.store, access)
         .await
         .map_err(|e| Error::open(&args.store, e))
 }
@@ -215,7 +217,7 @@ async fn run(command: Command) -> Result<String, Error> {
         Command::Inflight(args) => {
             let scope = args.scope.as_deref().map(scope).transpose()?;
             ops::inflight(
-                &open(&args.store).await?,
+                &open(&args.store, Access::ReadOnly).await?,
                 scope,
                 args.older_than,
                 args.limit.max(1),
@@ -224,7 +226,7 @@ async fn run(command: Command) -> Result<String, Error> {
             .await
         }
         Command::Migrate(args) => {
-            let _store = open(&args).await?;
+            let _store = open(&args, Access::Create).await?;
             let url = idempotency::redact_url(&args.store);
             Ok(if args.json {
                 serde_json::json!({ "store": url, "schema": "ready" }).to_string()
@@ -264,19 +266,40 @@ async fn keys(action: KeysCommand) -> Result<String, Error> {
     match action {
         KeysCommand::List(args) => {
             let filter = list_filter(&args)?;
-            ops::list(&open(&args.store).await?, &filter, args.store.json).await
+            ops::list(
+                &open(&args.store, Access::ReadOnly).await?,
+                &filter,
+                args.store.json,
+            )
+            .await
         }
         KeysCommand::Get(args) => {
             let key = key(&args.key)?;
             let scope = scope(&args.scope)?;
-            ops::get(&open(&args.store).await?, &scope, &key, args.store.json).await
+            ops::get(
+                &open(&args.store, Access::ReadOnly).await?,
+                &scope,
+                &key,
+                args.store.json,
+            )
+            .await
         }
         KeysCommand::Stats(args) => {
             let scope = args.scope.as_deref().map(scope).transpose()?;
-            ops::stats(&open(&args.store).await?, scope.as_ref(), args.store.json).await
+            ops::stats(
+                &open(&args.store, Access::ReadOnly).await?,
+                scope.as_ref(),
+                args.store.json,
+            )
+            .await
         }
         KeysCommand::Purge(args) => {
-            ops::purge(&open(&args.store).await?, args.batch.max(1), args.store.json).await
+            ops::purge(
+                &open(&args.store, Access::Existing).await?,
+                args.batch.max(1),
+                args.store.json,
+            )
+            .await
         }
     }
 }

@@ -2,7 +2,7 @@
 //! default, JSON with `--json`.
 
 use std::fmt::Write as _;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use idempotency::{
     DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, ScopeSecret, StateFilter, Stats,
@@ -22,12 +22,8 @@ pub fn rfc3339(time: Timestamp) -> String {
     humantime::format_rfc3339_millis(time.to_system_time().clamp(UNIX_EPOCH, last)).to_string()
 }
 
-fn now() -> Timestamp {
-    Timestamp::from_system_time(SystemTime::now())
-}
-
-fn age(since: Timestamp) -> String {
-    format_duration(Duration::from_secs(now().since(since).as_secs()))
+fn age(since: Timestamp, now: Timestamp) -> String {
+    format_duration(Duration::from_secs(now.since(since).as_secs()))
 }
 
 /// Renders rows as a left-aligned text table without borders, with a header unless every
@@ -53,7 +49,7 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-fn summary_json(record: &RecordSummary) -> Value {
+fn summary_json(record: &RecordSummary, now: Timestamp) -> Value {
     let mut value = json!({
         "scope": record.scope.as_str(),
         "key": record.key.as_str(),
@@ -69,7 +65,7 @@ fn summary_json(record: &RecordSummary) -> Value {
             value["state"] = json!("in_flight");
             value["acquired_at"] = json!(rfc3339(*acquired_at));
             value["lease_until"] = json!(rfc3339(*lease_until));
-            value["lease_expired"] = json!(lease_expired(&record.state));
+            value["lease_expired"] = json!(lease_expired(&record.state, now));
         }
         SummaryState::Completed {
             completed_at,
@@ -83,7 +79,7 @@ fn summary_json(record: &RecordSummary) -> Value {
     value
 }
 
-fn summary_row(record: &RecordSummary) -> Vec<String> {
+fn summary_row(record: &RecordSummary, now: Timestamp) -> Vec<String> {
     let (state, since, note) = match &record.state {
         SummaryState::InFlight {
             acquired_at,
@@ -91,7 +87,7 @@ fn summary_row(record: &RecordSummary) -> Vec<String> {
         } => (
             "in-flight",
             *acquired_at,
-            if lease_expired(&record.state) {
+            if lease_expired(&record.state, now) {
                 "lease expired".to_owned()
             } else {
                 format!("lease until {}", rfc3339(*lease_until))
@@ -111,20 +107,21 @@ fn summary_row(record: &RecordSummary) -> Vec<String> {
         record.key.as_str().to_owned(),
         state.to_owned(),
         record.attempt.to_string(),
-        age(since),
+        age(since, now),
         note,
     ]
 }
 
 /// Records as a table, a row each.
-fn records_table(records: &[RecordSummary]) -> String {
-    let rows: Vec<Vec<String>> = records.iter().map(summary_row).collect();
+fn records_table(records: &[RecordSummary], now: Timestamp) -> String {
+    let rows: Vec<Vec<String>> = records.iter().map(|record| summary_row(record, now)).collect();
     table(&["SCOPE", "KEY", "STATE", "ATTEMPT", "AGE", "NOTE"], &rows)
 }
 
-/// Whether a record is in flight with its lease run out: a crashed or hung attempt.
-fn lease_expired(state: &SummaryState) -> bool {
-    matches!(state, SummaryState::InFlight { lease_until, .. } if *lease_until <= now())
+/// Whether a record is in flight with its lease run out at `now`, the store's time: a crashed
+/// or hung attempt.
+fn lease_expired(state: &SummaryState, now: Timestamp) -> bool {
+    matches!(state, SummaryState::InFlight { lease_until, .. } if *lease_until <= now)
 }
 
 /// `idem keys list`: one page of records.
@@ -134,20 +131,21 @@ fn lease_expired(state: &SummaryState) -> bool {
 /// The store's error.
 pub async fn list(store: &DynStore, filter: &ListFilter, json_out: bool) -> Result<String, Error> {
     let records = store.list(filter).await?;
+    let now = store.now().await?;
     if json_out {
         let next = records
             .last()
             .filter(|_| records.len() == filter.limit)
             .map(|last| json!({ "scope": last.scope.as_str(), "key": last.key.as_str() }));
         return Ok(
-            json!({ "records": records.iter().map(summary_json).collect::<Vec<_>>(), "next_after": next })
+            json!({ "records": records.iter().map(|record| summary_json(record, now)).collect::<Vec<_>>(), "next_after": next })
                 .to_string(),
         );
     }
     if records.is_empty() {
         return Ok("no records\n".into());
     }
-    let mut out = records_table(&records);
+    let mut out = records_table(&records, now);
     if records.len() == filter.limit {
         let last = &records[records.len() - 1];
         let _ = writeln!(
@@ -194,7 +192,7 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
             scope: scope.as_str().into(),
         });
     };
-    let mut value = summary_json(&record.summary());
+    let mut value = summary_json(&record.summary(), store.now().await?);
     value["fingerprint"] = json!(record.fingerprint.to_string());
     match &record.state {
         // The gateway's scope secret: an operator sees that it is there, never what it is.
@@ -350,11 +348,12 @@ pub async fn inflight(
         filter = filter.scope(scope);
     }
     let records = store.list(&filter).await?;
-    let stale = records.iter().filter(|r| lease_expired(&r.state)).count();
+    let now = store.now().await?;
+    let stale = records.iter().filter(|r| lease_expired(&r.state, now)).count();
     if json_out {
         return Ok(json!({
             "older_than_ms": u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX),
-            "records": records.iter().map(summary_json).collect::<Vec<_>>(),
+            "records": records.iter().map(|record| summary_json(record, now)).collect::<Vec<_>>(),
             "stale": stale,
         })
         .to_string());
@@ -365,7 +364,7 @@ pub async fn inflight(
             format_duration(older_than)
         ));
     }
-    let mut out = records_table(&records);
+    let mut out = records_table(&records, now);
     let _ = writeln!(
         out,
         "{} in flight for longer than {}, {stale} with an expired lease: their workers crashed or hung, \
@@ -374,4 +373,41 @@ pub async fn inflight(
         format_duration(older_than)
     );
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::SystemTime;
+
+    use idempotency::{BeginRequest, Claim, Fingerprint, ManualClock, MemoryStore, Store};
+
+    use super::*;
+
+    /// "Stale" is decided by the store's clock. Here the store's clock is an hour behind the
+    /// host's: a lease that the store says runs for another 50 minutes is not stale, although
+    /// the host's clock is past its end.
+    #[tokio::test]
+    async fn stale_leases_are_judged_by_the_stores_clock() {
+        let behind = Timestamp::from_system_time(SystemTime::now() - Duration::from_secs(3600));
+        let clock = Arc::new(ManualClock::at(behind));
+        let store: DynStore = Arc::new(MemoryStore::with_clock(clock.clone()));
+        let request = BeginRequest::new(
+            Scope::global(),
+            Key::new("k").unwrap(),
+            Fingerprint::of_bytes(b""),
+        )
+        .lease(Duration::from_secs(600));
+        assert!(matches!(store.begin(&request).await.unwrap(), Claim::Acquired(_)));
+        clock.advance(Duration::from_secs(60));
+        let report: Value =
+            serde_json::from_str(&inflight(&store, None, Duration::ZERO, 10, true).await.unwrap()).unwrap();
+        assert_eq!(report["stale"], 0, "{report}");
+        assert_eq!(report["records"][0]["lease_expired"], false, "{report}");
+        // Past the lease by the store's clock: stale.
+        clock.advance(Duration::from_secs(600));
+        let report: Value =
+            serde_json::from_str(&inflight(&store, None, Duration::ZERO, 10, true).await.unwrap()).unwrap();
+        assert_eq!(report["stale"], 1, "{report}");
+    }
 }

@@ -133,3 +133,92 @@ async fn operators_see_and_maintain_the_records() {
         "{stats}"
     );
 }
+
+/// The SHA-256 of a file's bytes.
+fn digest(path: &std::path::Path) -> Fingerprint {
+    Fingerprint::of_bytes(&std::fs::read(path).unwrap())
+}
+
+/// The names in a directory.
+fn entries(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The operations commands never create or change a store: another application's SQLite file
+/// is refused and left byte for byte as it was (no table, no pragma, no journal file), a
+/// mistyped path is an error and creates no file, `memory://` is refused, and a PostgreSQL URL
+/// without a database or a database without the table is refused with nothing created.
+#[test]
+fn inspection_never_writes_and_refuses_what_is_not_a_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("app.db");
+    {
+        let app = rusqlite::Connection::open(&other).unwrap();
+        app.execute_batch(
+            "CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT);
+             INSERT INTO users VALUES (1, 'ada');",
+        )
+        .unwrap();
+    }
+    let (before, files) = (digest(&other), entries(dir.path()));
+    let commands: [&[&str]; 5] = [
+        &["keys", "get", "k"],
+        &["keys", "list"],
+        &["keys", "stats"],
+        &["inflight"],
+        &["keys", "purge"],
+    ];
+    let with_store = |command: &[&str], store: &str| -> (i32, String, String) {
+        let mut args = command.to_vec();
+        args.extend(["--store", store]);
+        idem(&args)
+    };
+    let other_url = format!("sqlite://{}", other.display());
+    for command in commands {
+        let (code, out, err) = with_store(command, &other_url);
+        assert_eq!(code, 1, "{command:?}: {out} {err}");
+        assert!(
+            err.contains("is not an idempotency store") && err.contains("left untouched"),
+            "{command:?}: {err}"
+        );
+    }
+    assert_eq!(digest(&other), before, "the other application's file changed");
+    assert_eq!(entries(dir.path()), files, "files appeared next to it");
+
+    let missing = dir.path().join("tpyo.db");
+    let missing_url = format!("sqlite://{}", missing.display());
+    for command in commands {
+        let (code, _, err) = with_store(command, &missing_url);
+        assert_eq!(code, 1, "{command:?}: {err}");
+        assert!(err.contains("does not exist"), "{command:?}: {err}");
+        assert!(!missing.exists(), "{command:?} created the file");
+    }
+
+    for command in commands {
+        let (code, _, err) = with_store(command, "memory://");
+        assert_eq!(code, 1, "{command:?}: {err}");
+        assert!(err.contains("nothing to inspect"), "{command:?}: {err}");
+    }
+
+    let server =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let (base, _database) = server.rsplit_once('/').unwrap();
+    let (code, _, err) = with_store(&["keys", "stats"], base);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("names no database"), "{err}");
+    // A database without the records table (`postgres`, where nothing of ours belongs):
+    // refused twice over, so the first refusal created nothing.
+    for _ in 0..2 {
+        let (code, _, err) = with_store(&["keys", "list"], &format!("{base}/postgres"));
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("has no table") && err.contains("nothing was created"),
+            "{err}"
+        );
+    }
+}

@@ -470,7 +470,7 @@ fn bad_input_gets_clear_errors() {
         (
             &["keys", "get", "absent", "--store", "memory://"],
             1,
-            "no record for key absent",
+            "`memory://` is a store inside one process",
         ),
         (
             &["inflight", "--older-than=-1m", "--store", "memory://"],

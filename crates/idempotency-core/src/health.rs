@@ -182,6 +182,10 @@ impl<S: StoreAdmin> StoreAdmin for Watched<S> {
     fn expires_by_itself(&self) -> bool {
         self.inner.expires_by_itself()
     }
+
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        self.inner.now().await
+    }
 }
 
 #[cfg(test)]

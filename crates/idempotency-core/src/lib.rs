@@ -52,7 +52,7 @@ pub use record::{
     BeginRequest, Claim, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Fenced,
     Held, ListFilter, Outcome, Record, RecordState, RecordSummary, StateFilter, Stats, SummaryState, Token,
 };
-pub use registry::{DynStore, OpenFuture, Registry, StoreKind};
+pub use registry::{Access, DynStore, OpenFuture, Registry, StoreKind};
 pub use secret::{ScopeSecret, SecretError};
 pub use store::{ErrorKind, Store, StoreAdmin, StoreError, redact_url};
 pub use time::{

@@ -18,8 +18,9 @@ use async_trait::async_trait;
 
 use crate::machine::{self, Effect};
 use crate::{
-    BeginRequest, Claim, Clock, DynStore, ErrorKind, Fenced, Held, Key, ListFilter, OpenFuture, Outcome,
-    Record, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, StoreKind, SystemClock, Timestamp,
+    Access, BeginRequest, Claim, Clock, DynStore, ErrorKind, Fenced, Held, Key, ListFilter, OpenFuture,
+    Outcome, Record, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, StoreKind, SystemClock,
+    Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -145,8 +146,16 @@ impl MemoryStore {
     }
 }
 
-fn open_url(url: String) -> OpenFuture {
+fn open_url(url: String, access: Access) -> OpenFuture {
     Box::pin(async move {
+        if access != Access::Create {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                "`memory://` is a store inside one process: opened here it would be a fresh, empty \
+                 one, with nothing to inspect; point the command at the store the gateway or \
+                 service uses (sqlite://, postgres://, redis://)",
+            ));
+        }
         if url != "memory://" && url != "memory:" {
             return Err(StoreError::new(
                 ErrorKind::InvalidConfig,
@@ -225,6 +234,10 @@ impl Store for MemoryStore {
 
 #[async_trait]
 impl StoreAdmin for MemoryStore {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(self.inner.clock.now())
+    }
+
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let now = self.now();
         let mut stats = Stats::default();

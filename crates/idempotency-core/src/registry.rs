@@ -32,6 +32,23 @@ pub type DynStore = Arc<dyn StoreAdmin>;
 /// The future [`StoreKind::open`] returns.
 pub type OpenFuture = Pin<Box<dyn Future<Output = Result<DynStore, StoreError>> + Send>>;
 
+/// What opening a store may do to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Access {
+    /// Create the database, file or table, and create or upgrade the schema, as needed: the
+    /// gateway, `idem migrate`, a service embedding a store.
+    Create,
+    /// Only a store that exists already, whose records may be written (`idem keys purge`):
+    /// a missing database, file or table, or one that is not a store of ours, is an error, and
+    /// the schema is never touched.
+    Existing,
+    /// Only a store that exists already, and nothing is ever written to it (`idem keys get`,
+    /// `list`, `stats`, `idem inflight`): inspection leaves the database byte for byte as it
+    /// was. An in-process store (`memory://`) is refused: there would be nothing to inspect.
+    ReadOnly,
+}
+
 /// A kind of store that URLs can name: its name, its URL schemes and how to open one.
 #[derive(Clone, Copy)]
 pub struct StoreKind {
@@ -41,8 +58,9 @@ pub struct StoreKind {
     pub schemes: &'static [&'static str],
     /// What a URL looks like, for error messages (`sqlite://PATH`).
     pub example: &'static str,
-    /// Opens (connects to, creates) the store a URL of one of `schemes` names.
-    pub open: fn(String) -> OpenFuture,
+    /// Opens (connects to, and with [`Access::Create`] creates) the store a URL of one of
+    /// `schemes` names.
+    pub open: fn(String, Access) -> OpenFuture,
 }
 
 impl fmt::Debug for StoreKind {
@@ -105,8 +123,18 @@ impl Registry {
     /// [`ErrorKind::InvalidConfig`] for a URL without a scheme, an unknown scheme or one this
     /// program cannot open (the message says why); otherwise the store's own error.
     pub async fn open(&self, url: &str) -> Result<DynStore, StoreError> {
+        self.open_with(url, Access::Create).await
+    }
+
+    /// Opens the store `url` names, doing no more to it than `access` allows.
+    ///
+    /// # Errors
+    ///
+    /// As [`Registry::open`]; with [`Access::Existing`] or [`Access::ReadOnly`] also a
+    /// missing store, or one that is not an idempotency store.
+    pub async fn open_with(&self, url: &str, access: Access) -> Result<DynStore, StoreError> {
         if let Some(kind) = self.kind(url) {
-            return (kind.open)(url.to_owned()).await;
+            return (kind.open)(url.to_owned(), access).await;
         }
         let scheme = scheme(url);
         let expected = self.expected();

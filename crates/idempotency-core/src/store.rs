@@ -290,6 +290,14 @@ pub trait StoreAdmin: Store {
     /// until it returns less than `limit` to purge everything.
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError>;
 
+    /// The store's clock now: the time its records' leases and expiries are measured against,
+    /// which operators' tools compare them with (never the tool host's clock, which may be
+    /// skewed). The default is the local system clock, right for stores on it; stores on a
+    /// server clock or a configured [`crate::Clock`] override it.
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(Timestamp::from_system_time(std::time::SystemTime::now()))
+    }
+
     /// Whether the store deletes expired records by itself (Redis' key expiry, DynamoDB's TTL):
     /// then `purge_expired` has nothing to do, and a [`crate::Purger`] does not run.
     fn expires_by_itself(&self) -> bool {
@@ -332,6 +340,9 @@ macro_rules! forward_store {
             }
             fn expires_by_itself(&self) -> bool {
                 (**self).expires_by_itself()
+            }
+            async fn now(&self) -> Result<Timestamp, StoreError> {
+                (**self).now().await
             }
         }
     )*};

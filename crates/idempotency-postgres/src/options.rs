@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{DynStore, ErrorKind, StoreError, StoreKind, redact_url};
+use idempotency_core::{Access, DynStore, ErrorKind, StoreError, StoreKind, redact_url};
 use sqlx::postgres::PgConnectOptions;
 
 /// A SQL identifier the store may interpolate into its statements: 1 to 63 characters of
@@ -109,6 +109,11 @@ pub struct PostgresOptions {
     /// application's role may not run DDL, and run [`crate::PostgresStore::migrate`] from a
     /// deployment step instead).
     pub migrate: bool,
+    /// What connecting may do (default [`Access::Create`]: migrate as `migrate` says). With
+    /// [`Access::Existing`] or [`Access::ReadOnly`] nothing is migrated, a URL without a
+    /// database name or a database without the records table is refused, and read-only
+    /// sessions run with `default_transaction_read_only`.
+    pub access: Access,
 }
 
 impl fmt::Debug for PostgresOptions {
@@ -124,6 +129,7 @@ impl fmt::Debug for PostgresOptions {
             .field("acquire_timeout", &self.acquire_timeout)
             .field("lease_connections", &self.lease_connections)
             .field("migrate", &self.migrate)
+            .field("access", &self.access)
             .finish()
     }
 }
@@ -163,6 +169,7 @@ impl PostgresOptions {
             acquire_timeout: Duration::from_secs(5),
             lease_connections: 4,
             migrate: true,
+            access: Access::Create,
         }
     }
 
@@ -209,6 +216,13 @@ impl PostgresOptions {
         self
     }
 
+    /// Sets what connecting may do.
+    #[must_use]
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+
     /// Sets whether `connect` creates or upgrades the schema.
     #[must_use]
     pub fn migrate(mut self, migrate: bool) -> Self {
@@ -229,10 +243,11 @@ pub const KIND: StoreKind = StoreKind {
     name: "postgres",
     schemes: &["postgres", "postgresql"],
     example: "postgres://…",
-    open: |url| {
-        Box::pin(
-            async move { Ok(std::sync::Arc::new(crate::PostgresStore::connect(&url).await?) as DynStore) },
-        )
+    open: |url, access| {
+        Box::pin(async move {
+            let options = PostgresOptions::from_url(&url)?.access(access);
+            Ok(std::sync::Arc::new(crate::PostgresStore::connect_with(options).await?) as DynStore)
+        })
     },
 };
 

@@ -6,9 +6,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome, Record,
-    RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
-    Timestamp, Token, duration_millis, stored_millis,
+    Access, BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome,
+    Record, RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
+    StoreError, Timestamp, Token, duration_millis, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -76,17 +76,54 @@ impl PostgresStore {
     ///
     /// As [`PostgresStore::connect`].
     pub async fn connect_with(options: PostgresOptions) -> Result<Self, StoreError> {
+        let mut connect = options.connect.clone();
+        if options.access != Access::Create && connect.get_database().is_none() {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                "the PostgreSQL URL names no database (the server would pick the user's own): \
+                 name the database the store lives in, postgres://HOST/DATABASE",
+            ));
+        }
+        if options.access == Access::ReadOnly {
+            connect = connect.options([("default_transaction_read_only", "on")]);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
-            .connect_with(options.connect.clone())
+            .connect_with(connect)
             .await
             .map_err(|e| map_error("connect to PostgreSQL", e))?;
         let store = Self::from_pool(pool, &options);
-        if options.migrate {
+        if options.access != Access::Create {
+            store.check_table().await?;
+        } else if options.migrate {
             store.migrate().await?;
         }
         Ok(store)
+    }
+
+    /// Refuses a database without the records table, reading only.
+    async fn check_table(&self) -> Result<(), StoreError> {
+        let table = self.table();
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(format!("\"{}\".\"{}\"", self.sql.schema, self.sql.table))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| map_error("look for the records table", e))?;
+        if exists {
+            return Ok(());
+        }
+        let database: Option<String> = sqlx::query_scalar("SELECT current_database()::text")
+            .fetch_one(&self.pool)
+            .await
+            .ok();
+        Err(StoreError::new(
+            ErrorKind::Schema,
+            format!(
+                "database {} has no table {table}; nothing was created (`idem migrate` creates it)",
+                database.unwrap_or_else(|| "?".into())
+            ),
+        ))
     }
 
     /// A store on a pool the application already has (no connection is made, no schema is
@@ -338,6 +375,15 @@ impl Store for PostgresStore {
 
 #[async_trait]
 impl StoreAdmin for PostgresStore {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        let _lane = self.lanes.new_work().await?;
+        let millis: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| map_error("read the server's clock", e))?;
+        Ok(Timestamp::from_unix_millis(millis))
+    }
+
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let _lane = self.lanes.new_work().await?;
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))

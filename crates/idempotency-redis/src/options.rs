@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idempotency_core::{DynStore, ErrorKind, OpenFuture, StoreError, StoreKind};
+use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, StoreKind};
 
 use crate::RedisStore;
 
@@ -16,7 +16,9 @@ pub const KIND: StoreKind = StoreKind {
     open: open_url,
 };
 
-fn open_url(url: String) -> OpenFuture {
+/// Redis has no schema to create, and the operations commands only read: every access opens
+/// the same way.
+fn open_url(url: String, _access: Access) -> OpenFuture {
     Box::pin(async move {
         let store = match url.strip_prefix("redis-cluster://") {
             Some(nodes) => RedisStore::connect_cluster(&cluster_nodes(nodes)?).await?,

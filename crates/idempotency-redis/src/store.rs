@@ -597,6 +597,10 @@ fn fenced(reply: Value) -> Result<Fenced<Timestamp>, StoreError> {
 /// cross the network. No index has to be kept consistent.
 #[async_trait]
 impl StoreAdmin for RedisStore {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        self.server_time().await
+    }
+
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let (now, records) = self.all_records(scope).await?;
         let mut stats = Stats::default();

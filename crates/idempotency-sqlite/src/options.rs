@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Clock, DynStore, ErrorKind, StoreError, StoreKind, SystemClock, redact_url};
+use idempotency_core::{Access, Clock, DynStore, ErrorKind, StoreError, StoreKind, SystemClock, redact_url};
 
 /// Where the database lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +69,11 @@ pub struct SqliteOptions {
     /// The store's clock (default: the system clock). Every instance sharing a file must read
     /// the same clock; on one host the system clock is that clock.
     pub clock: Arc<dyn Clock>,
+    /// What opening may do to the file (default [`Access::Create`]). With
+    /// [`Access::ReadOnly`] the file is opened read-only and no pragma that writes is run; with
+    /// it and [`Access::Existing`], a missing file or one that is not a store of ours is refused
+    /// before anything is written.
+    pub access: Access,
 }
 
 impl fmt::Debug for SqliteOptions {
@@ -78,6 +83,7 @@ impl fmt::Debug for SqliteOptions {
             .field("synchronous", &self.synchronous)
             .field("busy_timeout", &self.busy_timeout)
             .field("clock", &self.clock)
+            .field("access", &self.access)
             .finish()
     }
 }
@@ -101,6 +107,7 @@ impl SqliteOptions {
             synchronous: Synchronous::default(),
             busy_timeout: Duration::from_secs(5),
             clock: Arc::new(SystemClock),
+            access: Access::Create,
         }
     }
 
@@ -183,6 +190,13 @@ impl SqliteOptions {
         self
     }
 
+    /// Sets what opening may do to the file.
+    #[must_use]
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+
     /// Sets the clock (tests use a `ManualClock`).
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -201,7 +215,12 @@ pub const KIND: StoreKind = StoreKind {
     name: "sqlite",
     schemes: &["sqlite"],
     example: "sqlite://PATH",
-    open: |url| Box::pin(async move { Ok(Arc::new(crate::SqliteStore::open(&url).await?) as DynStore) }),
+    open: |url, access| {
+        Box::pin(async move {
+            let options = SqliteOptions::from_url(&url)?.access(access);
+            Ok(Arc::new(crate::SqliteStore::open_with(options).await?) as DynStore)
+        })
+    },
 };
 
 #[cfg(test)]

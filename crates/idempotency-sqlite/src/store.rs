@@ -7,9 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record,
-    RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
-    Timestamp, Token, duration_millis,
+    Access, BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome,
+    Record, RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
+    StoreError, Timestamp, Token, duration_millis,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior, params};
 
@@ -247,6 +247,10 @@ impl Store for SqliteStore {
 
 #[async_trait]
 impl StoreAdmin for SqliteStore {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(self.inner.clock.now())
+    }
+
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let scope = scope.cloned();
         self.run(move |connection, clock| {
@@ -344,12 +348,21 @@ fn count(n: i64) -> u64 {
 }
 
 fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
-    let flags =
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let flags = match options.access {
+        Access::Create => OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,
+        Access::Existing => OpenFlags::SQLITE_OPEN_READ_WRITE,
+        _ => OpenFlags::SQLITE_OPEN_READ_ONLY,
+    } | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let connection = match &options.location {
+        Location::Memory if options.access != Access::Create => {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                "a private in-memory database exists only in the process that created it: nothing to inspect",
+            ));
+        }
         Location::Memory => Connection::open_in_memory_with_flags(flags),
         Location::File(path) => {
-            check_file(path)?;
+            check_file(path, options.access)?;
             Connection::open_with_flags(path, flags)
         }
     }
@@ -357,6 +370,13 @@ fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
     connection
         .busy_timeout(options.busy_timeout)
         .map_err(|e| map_error("set the busy timeout", e))?;
+    if options.access != Access::Create {
+        // Before any pragma that writes: the file must be a store of ours, as it is.
+        verify(&connection, &options.location)?;
+        if options.access == Access::ReadOnly {
+            return Ok(connection);
+        }
+    }
     if let Location::File(_) = options.location {
         let mode: String = connection
             .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
@@ -374,23 +394,57 @@ fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
     connection
         .execute_batch(&format!("PRAGMA synchronous = {};", options.synchronous.pragma()))
         .map_err(|e| map_error("set synchronous", e))?;
-    migrate(&connection)?;
+    if options.access == Access::Create {
+        migrate(&connection)?;
+    }
     Ok(connection)
 }
 
-/// Refuses a file marked read-only before SQLite opens it: a process running as root would
-/// otherwise write to it anyway, against its owner's intent.
-fn check_file(path: &std::path::Path) -> Result<(), StoreError> {
+/// Refuses a database that is not an idempotency store of this schema version, reading only.
+fn verify(connection: &Connection, location: &Location) -> Result<(), StoreError> {
+    let version: i64 = connection
+        .query_row("PRAGMA user_version", [], |row| row.get(0))
+        .map_err(|e| map_error("read the schema version", e))?;
+    let application: i64 = connection
+        .query_row("PRAGMA application_id", [], |row| row.get(0))
+        .map_err(|e| map_error("read the application id", e))?;
+    if application == sql::APPLICATION_ID && version == sql::SCHEMA_VERSION {
+        return Ok(());
+    }
+    Err(StoreError::new(
+        ErrorKind::Schema,
+        format!(
+            "{} is not an idempotency store of this version (application_id {application:#x}, \
+             user_version {version}); it was left untouched (`idem migrate` creates a store)",
+            describe(location)
+        ),
+    ))
+}
+
+/// Refuses a file marked read-only before SQLite opens it for writing: a process running as
+/// root would otherwise write to it anyway, against its owner's intent. Unless the store may be
+/// created, a missing file is refused too (SQLite would create an empty one).
+fn check_file(path: &std::path::Path, access: Access) -> Result<(), StoreError> {
     match std::fs::metadata(path) {
         Ok(meta) if meta.is_dir() => Err(StoreError::new(
             ErrorKind::InvalidConfig,
             format!("{} is a directory, not a database file", path.display()),
         )),
-        Ok(meta) if meta.permissions().readonly() => Err(StoreError::new(
+        Ok(meta) if meta.permissions().readonly() && access != Access::ReadOnly => Err(StoreError::new(
             ErrorKind::ReadOnly,
             format!("{} is read-only; the store must write to it", path.display()),
         )),
         Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && access != Access::Create => {
+            Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "{} does not exist (`idem migrate --store sqlite://{}` creates a store there)",
+                    path.display(),
+                    path.display()
+                ),
+            ))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
             match parent {

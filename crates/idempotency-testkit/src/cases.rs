@@ -547,6 +547,34 @@ async fn completed_record_expires_after_retention<H: Harness>(harness: &H) {
     ));
 }
 
+/// `StoreAdmin::now` reads the clock the records are measured by: right after a `begin`, it is
+/// at or after the record's creation and before the end of its lease.
+async fn now_is_the_clock_of_the_records<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let unit = ctx.unit();
+    let _ = ctx.acquire(&ctx.request(&key, 1).lease(unit * 20)).await;
+    let now = ctx.store.now().await.expect("now");
+    let record = ctx
+        .store
+        .get(&ctx.scope, &key)
+        .await
+        .unwrap()
+        .expect("the record");
+    let RecordState::InFlight { lease_until, .. } = record.state else {
+        panic!("in flight: {record:?}");
+    };
+    assert!(
+        now >= record.created_at,
+        "now {now:?} before creation {:?}",
+        record.created_at
+    );
+    assert!(
+        now < lease_until,
+        "now {now:?} after the lease's end {lease_until:?}"
+    );
+}
+
 /// Extreme durations, up to `Duration::MAX`, are clamped to [`idempotency_core::MAX_DURATION`]
 /// by every store: a lease, a retention and a heartbeat that long are accepted, never an error
 /// or a panic, and the record lives on (its expiry far ahead but within the stores' calendars).

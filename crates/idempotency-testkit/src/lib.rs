@@ -105,6 +105,7 @@ macro_rules! __with_cases {
             extend_keeps_the_lease_alive,
             completed_record_expires_after_retention,
             extreme_durations_are_clamped,
+            now_is_the_clock_of_the_records,
             abandoned_in_flight_record_expires_after_retention,
             get_reports_each_state,
             outcomes_round_trip_byte_for_byte,

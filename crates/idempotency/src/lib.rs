@@ -42,9 +42,9 @@ use std::sync::LazyLock;
 /// The storage-neutral core, under its own name (everything below is also re-exported here).
 pub use idempotency_core as core;
 pub use idempotency_core::{
-    Attempt, Backoff, BeginRequest, Claim, Clock, Completed, DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE,
-    DEFAULT_RETENTION, Decision, DecodeError, DynStore, ErrorKind, Execution, Fenced, Fingerprint,
-    FingerprintBuilder, FingerprintError, FingerprintMode, Guard, Held, IDEMPOTENCY_KEY_HEADER,
+    Access, Attempt, Backoff, BeginRequest, Claim, Clock, Completed, DEFAULT_CONSUMER_RETENTION,
+    DEFAULT_LEASE, DEFAULT_RETENTION, Decision, DecodeError, DynStore, ErrorKind, Execution, Fenced,
+    Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, Guard, Held, IDEMPOTENCY_KEY_HEADER,
     InTransaction, JsonPointer, Key, KeyError, Lanes, ListFilter, MAX_DURATION, MAX_KEY_LEN, ManualClock,
     MemoryStore, Outcome, OutcomePolicy, Purger, Record, RecordParts, RecordState, RecordSummary, Recorded,
     Redacted, Registry, Scope, ScopeSecret, SecretError, StateFilter, Stats, Store, StoreAdmin, StoreError,
@@ -127,6 +127,17 @@ pub fn registry() -> &'static Registry {
 /// or a malformed URL; otherwise the store's own error when opening fails.
 pub async fn open(url: &str) -> Result<DynStore, StoreError> {
     registry().open(url).await
+}
+
+/// Opens the store `url` names, doing no more to it than `access` allows: the operations
+/// commands inspect with [`Access::ReadOnly`] and purge with [`Access::Existing`], and neither
+/// ever creates a file, a table or a schema.
+///
+/// # Errors
+///
+/// As [`open`], and a missing store or one that is not an idempotency store.
+pub async fn open_with(url: &str, access: Access) -> Result<DynStore, StoreError> {
+    registry().open_with(url, access).await
 }
 
 #[cfg(test)]
