@@ -35,14 +35,19 @@ pub use worker::Worker;
 
 use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
-use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_consumer::{
+    DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_REASON_HEADER,
+    DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
+};
 use idempotency_core::Key;
-use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 
 /// The header a dead-lettered message carries its reason in.
-pub const DEAD_REASON_HEADER: &str = idempotency_consumer::DEAD_LETTER_REASON_HEADER;
+pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;
 
 /// The header that counts deliveries across delayed retries.
 pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
@@ -225,6 +230,75 @@ impl Delivery for AmqpMessage {
     }
 }
 
+/// Moves up to `limit` messages from the dead-letter queue back to the work queue, after the
+/// cause is fixed; returns how many it moved. Each copy keeps its payload, properties and
+/// `Idempotency-Key`, loses the dead-letter headers and starts its delivery count again; it is
+/// published with a confirm before its dead-letter copy is acked, so nothing is lost (a crash in
+/// between leaves a duplicate, which the record answers without running it twice).
+///
+/// ```no_run
+/// # async fn example(channel: &lapin::Channel) -> Result<(), idempotency_amqp::AmqpError> {
+/// use idempotency_amqp::{Topology, replay_dead_letters};
+/// let moved = replay_dead_letters(channel, &Topology::for_queue("payments"), 100).await?;
+/// println!("{moved} dead letters back on payments");
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// [`AmqpError`] when a publish was not confirmed or an ack failed; what was moved before
+/// stays moved.
+pub async fn replay_dead_letters(
+    channel: &Channel,
+    topology: &Topology,
+    limit: usize,
+) -> Result<usize, AmqpError> {
+    let mut moved = 0;
+    while moved < limit {
+        let Some(message) = channel
+            .basic_get(
+                topology.dead_queue.as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .map_err(amqp)?
+        else {
+            break;
+        };
+        let delivery = message.delivery;
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        let dead = [
+            DEAD_LETTER_REASON_HEADER,
+            DEAD_LETTER_SOURCE_HEADER,
+            DEAD_LETTER_DELIVERIES_HEADER,
+            DEAD_LETTER_AT_HEADER,
+            DELIVERIES_HEADER,
+        ];
+        let kept: Vec<_> = headers
+            .inner()
+            .iter()
+            .filter(|(name, _)| !dead.contains(&name.as_str()))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        headers = FieldTable::default();
+        for (name, value) in kept {
+            headers.insert(name, value);
+        }
+        let properties = delivery.properties.clone().with_headers(headers);
+        publish_confirmed(
+            channel,
+            "",
+            topology.queue.clone(),
+            delivery.data.clone(),
+            properties,
+        )
+        .await?;
+        delivery.ack(BasicAckOptions::default()).await.map_err(amqp)?;
+        moved += 1;
+    }
+    Ok(moved)
+}
+
 /// Processes one delivery with `consumer`, then settles it on `channel`.
 ///
 /// # Errors
@@ -302,10 +376,9 @@ pub async fn settle(
             copy_to(
                 &topology.dead_queue,
                 &|headers| {
-                    headers.insert(
-                        DEAD_REASON_HEADER.into(),
-                        AMQPValue::LongString(reason.as_str().into()),
-                    );
+                    for (name, value) in dead_letter_headers(&topology.queue, message.deliveries, reason) {
+                        headers.insert(name.into(), AMQPValue::LongString(value.as_str().into()));
+                    }
                 },
                 None,
             )

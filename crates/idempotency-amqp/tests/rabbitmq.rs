@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use idempotency_amqp::{AmqpMessage, DEAD_REASON_HEADER, Topology, Worker, process, publish};
+use idempotency_amqp::{
+    AmqpMessage, DEAD_REASON_HEADER, Topology, Worker, process, publish, replay_dead_letters,
+};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_testkit::{FaultyStore, TcpProxy};
@@ -70,8 +72,32 @@ impl Setup {
             .unwrap();
     }
 
-    /// Dead-lettered messages: (key, reason).
-    async fn dead_letters(&self) -> Vec<(String, String)> {
+    /// Puts a dead letter of `key` (payload `EUR ??`) on the dead-letter queue, as the consumer
+    /// would after four failed deliveries (the test reads its own away to inspect it).
+    async fn publish_dead_copy(&self, key: &str) {
+        let mut headers = FieldTable::default();
+        headers.insert("Idempotency-Key".into(), AMQPValue::LongString(key.into()));
+        for (name, value) in idempotency_consumer::dead_letter_headers(&self.topology.queue, 4, "panic: boom")
+        {
+            headers.insert(name.into(), AMQPValue::LongString(value.as_str().into()));
+        }
+        headers.insert("x-idempotency-deliveries".into(), AMQPValue::LongInt(4));
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.topology.dead_queue.as_str().into(),
+                BasicPublishOptions::default(),
+                b"EUR ??",
+                BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Dead-lettered messages: (key, reason, source, deliveries, when).
+    async fn dead_letters(&self) -> Vec<(String, String, String, String, String)> {
         let mut found = Vec::new();
         while let Some(message) = self
             .channel
@@ -89,7 +115,13 @@ impl Setup {
                     .map(|v| String::from_utf8_lossy(v).into_owned())
                     .unwrap_or_default()
             };
-            found.push((text("Idempotency-Key"), text(DEAD_REASON_HEADER)));
+            found.push((
+                text("Idempotency-Key"),
+                text(DEAD_REASON_HEADER),
+                text("Idempotency-Dead-Source"),
+                text("Idempotency-Dead-Deliveries"),
+                text("Idempotency-Dead-At"),
+            ));
         }
         found
     }
@@ -625,6 +657,13 @@ async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
     assert_eq!(dead[0].0, "poison");
     assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
     assert!(dead[0].1.contains("cannot parse the payment"), "{dead:?}");
+    // What an operator needs to look at it and replay it: where from, how often, when.
+    assert_eq!(
+        (dead[0].2.as_str(), dead[0].3.as_str()),
+        (setup.topology.queue.as_str(), "4"),
+        "{dead:?}"
+    );
+    assert!(httpdate::parse_http_date(&dead[0].4).is_ok(), "{dead:?}");
     assert_eq!(
         charger.poison_calls.load(Ordering::SeqCst),
         4,
@@ -632,6 +671,29 @@ async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
     );
     let charges = charger.charges.lock().unwrap().clone();
     assert!(charges.values().all(|&n| n == 1), "{charges:?}");
+
+    // The fix is deployed (the handler no longer panics on it): the dead letter is replayed
+    // to its queue, with a fresh delivery count, and charged once.
+    setup.publish_dead_copy("poison").await;
+    let fixed = Arc::new(Charger::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = setup.worker(consumer(&fixed, &store), Arc::clone(&stop));
+    assert_eq!(
+        replay_dead_letters(&setup.channel, &setup.topology, 10)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(
+        until(
+            || fixed.charges.lock().unwrap().get("poison") == Some(&1),
+            Duration::from_secs(10)
+        )
+        .await
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert!(setup.dead_letters().await.is_empty());
     setup.cleanup().await;
 }
 

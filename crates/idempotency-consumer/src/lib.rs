@@ -92,6 +92,44 @@ pub use idempotency_core::IDEMPOTENCY_KEY_HEADER;
 /// The header a dead-lettered message carries its reason in, on every broker.
 pub const DEAD_LETTER_REASON_HEADER: &str = "Idempotency-Dead-Reason";
 
+/// Where a dead-lettered message was consumed from (the queue, or the subject).
+pub const DEAD_LETTER_SOURCE_HEADER: &str = "Idempotency-Dead-Source";
+
+/// How many times a dead-lettered message had been delivered.
+pub const DEAD_LETTER_DELIVERIES_HEADER: &str = "Idempotency-Dead-Deliveries";
+
+/// When a message was dead-lettered, as an HTTP-date (`Sun, 22 Nov 2026 19:29:42 GMT`).
+pub const DEAD_LETTER_AT_HEADER: &str = "Idempotency-Dead-At";
+
+/// The headers every adapter adds to a dead-lettered copy, so that an operator looking at a
+/// dead-letter queue sees why, from where, after how many deliveries and when, and can replay
+/// the message to its source after a fix: [`DEAD_LETTER_REASON_HEADER`],
+/// [`DEAD_LETTER_SOURCE_HEADER`], [`DEAD_LETTER_DELIVERIES_HEADER`], [`DEAD_LETTER_AT_HEADER`].
+///
+/// ```
+/// use idempotency_consumer::dead_letter_headers;
+///
+/// let headers = dead_letter_headers("payments", 5, "failed 5 deliveries, the last with: timeout");
+/// assert_eq!(headers[0], ("Idempotency-Dead-Reason", "failed 5 deliveries, the last with: timeout".to_owned()));
+/// assert_eq!(headers[1], ("Idempotency-Dead-Source", "payments".to_owned()));
+/// assert_eq!(headers[2], ("Idempotency-Dead-Deliveries", "5".to_owned()));
+/// assert!(headers[3].1.ends_with(" GMT"));
+/// ```
+#[must_use]
+pub fn dead_letter_headers(source: &str, deliveries: u32, reason: &str) -> [(&'static str, String); 4] {
+    // Header values are one line: a multi-line reason (a panic message, say) is folded.
+    let reason = reason.replace(['\r', '\n'], " ");
+    [
+        (DEAD_LETTER_REASON_HEADER, reason),
+        (DEAD_LETTER_SOURCE_HEADER, source.to_owned()),
+        (DEAD_LETTER_DELIVERIES_HEADER, deliveries.to_string()),
+        (
+            DEAD_LETTER_AT_HEADER,
+            httpdate::fmt_http_date(std::time::SystemTime::now()),
+        ),
+    ]
+}
+
 /// A delivered message, as a broker adapter presents it.
 pub trait Delivery {
     /// A header's value (case-sensitive name, as the broker stores it).

@@ -23,11 +23,14 @@ use async_nats::{HeaderMap, HeaderValue};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
-use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_consumer::{
+    DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_REASON_HEADER,
+    DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
+};
 use idempotency_core::Key;
 
 /// The header a dead-lettered message carries its reason in.
-pub const DEAD_REASON_HEADER: &str = idempotency_consumer::DEAD_LETTER_REASON_HEADER;
+pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;
 
 /// A JetStream message as a [`Delivery`]: headers, `Nats-Msg-Id` as the message id, the payload,
 /// and the delivery count from the JetStream metadata.
@@ -174,8 +177,10 @@ pub async fn settle(
             if let Some(id) = headers.get("Nats-Msg-Id").map(|v| format!("dead:{}", v.as_str())) {
                 headers.insert("Nats-Msg-Id", id.as_str());
             }
-            headers.insert(DEAD_REASON_HEADER, reason.as_str());
-            headers.insert("Idempotency-Dead-Subject", message.message.subject.as_str());
+            let source = message.message.subject.as_str();
+            for (name, value) in dead_letter_headers(source, message.delivery_count(), reason) {
+                headers.insert(name, value.as_str());
+            }
             jetstream
                 .publish_with_headers(
                     dead_letter_subject.to_owned(),
@@ -193,6 +198,85 @@ pub async fn settle(
                 .map_err(SettleError::new)
         }
     }
+}
+
+/// Moves up to `limit` dead letters of `stream` on `dead_letter_subject` back to the subject
+/// each was consumed from (its `Idempotency-Dead-Source` header), after the cause is fixed;
+/// returns how many it moved. Each copy keeps its payload and `Idempotency-Key`, loses the
+/// dead-letter headers, and gets a `Nats-Msg-Id` of its own (`replay:<stream sequence>`), so the
+/// stream's duplicate window does not drop it as the original. The dead letter is deleted from
+/// the stream only after the copy is acknowledged: a crash in between leaves a duplicate, which
+/// the record answers without running it twice.
+///
+/// # Errors
+///
+/// [`SettleError`] when the stream cannot be read, a copy was not acknowledged, or a dead letter
+/// has no source; what was moved before stays moved.
+pub async fn replay_dead_letters(
+    jetstream: &jetstream::Context,
+    stream: &str,
+    dead_letter_subject: &str,
+    limit: usize,
+) -> Result<usize, SettleError> {
+    use futures_util::StreamExt;
+
+    let stream = jetstream.get_stream(stream).await.map_err(SettleError::new)?;
+    let reader: jetstream::consumer::PullConsumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            filter_subject: dead_letter_subject.to_owned(),
+            inactive_threshold: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .await
+        .map_err(SettleError::new)?;
+    let mut batch = reader
+        .fetch()
+        .max_messages(limit.max(1))
+        .expires(Duration::from_secs(1))
+        .messages()
+        .await
+        .map_err(SettleError::new)?;
+    let mut moved = 0;
+    while moved < limit {
+        let Some(message) = batch.next().await else { break };
+        let message = message.map_err(SettleError::new)?;
+        let sequence = message.info().map_err(SettleError::new)?.stream_sequence;
+        let original = message.headers.clone().unwrap_or_default();
+        let source = original
+            .get(DEAD_LETTER_SOURCE_HEADER)
+            .map(|v| v.as_str().to_owned())
+            .ok_or_else(|| {
+                SettleError::new(format!(
+                    "dead letter {sequence} has no {DEAD_LETTER_SOURCE_HEADER} header"
+                ))
+            })?;
+        let dead = [
+            DEAD_LETTER_REASON_HEADER,
+            DEAD_LETTER_SOURCE_HEADER,
+            DEAD_LETTER_DELIVERIES_HEADER,
+            DEAD_LETTER_AT_HEADER,
+            "Nats-Msg-Id",
+        ];
+        let mut headers = HeaderMap::new();
+        for (name, values) in original.iter() {
+            if dead.iter().any(|d| d.eq_ignore_ascii_case(name.as_ref())) {
+                continue;
+            }
+            for value in values {
+                headers.append(name.as_ref(), value.as_str());
+            }
+        }
+        headers.insert("Nats-Msg-Id", format!("replay:{sequence}").as_str());
+        jetstream
+            .publish_with_headers(source, headers, message.payload.clone())
+            .await
+            .map_err(SettleError::new)?
+            .await
+            .map_err(SettleError::new)?;
+        stream.delete_message(sequence).await.map_err(SettleError::new)?;
+        moved += 1;
+    }
+    Ok(moved)
 }
 
 /// Publishes `payload` with `key` as both `Idempotency-Key` and `Nats-Msg-Id`, and waits for

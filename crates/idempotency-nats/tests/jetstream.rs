@@ -14,7 +14,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use idempotency_consumer::{Backoff, Consumer, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
-use idempotency_nats::{DEAD_REASON_HEADER, NatsMessage, process, publish};
+use idempotency_nats::{DEAD_REASON_HEADER, NatsMessage, process, publish, replay_dead_letters};
 use idempotency_testkit::FaultyStore;
 
 fn nats_url() -> String {
@@ -66,8 +66,8 @@ impl Setup {
         }
     }
 
-    /// Dead-lettered messages: (key, reason).
-    async fn dead_letters(&self, expected: usize) -> Vec<(String, String)> {
+    /// Dead-lettered messages: (key, reason, source, deliveries, when).
+    async fn dead_letters(&self, expected: usize) -> Vec<(String, String, String, String, String)> {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
         let reader: PullConsumer = stream
             .create_consumer(jetstream::consumer::pull::Config {
@@ -92,7 +92,13 @@ impl Setup {
                     .map(|v| v.as_str().to_owned())
                     .unwrap_or_default()
             };
-            found.push((header("Idempotency-Key"), header(DEAD_REASON_HEADER)));
+            found.push((
+                header("Idempotency-Key"),
+                header(DEAD_REASON_HEADER),
+                header("Idempotency-Dead-Source"),
+                header("Idempotency-Dead-Deliveries"),
+                header("Idempotency-Dead-At"),
+            ));
             message.ack().await.unwrap();
         }
         found
@@ -449,6 +455,33 @@ async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].0, "poison");
     assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
+    // What an operator needs to look at it and replay it: where from, how often, when.
+    assert_eq!(
+        (dead[0].2.as_str(), dead[0].3.as_str()),
+        (setup.work.as_str(), "4"),
+        "{dead:?}"
+    );
+    assert!(httpdate::parse_http_date(&dead[0].4).is_ok(), "{dead:?}");
+
+    // The fix is deployed (the handler no longer panics on it): the dead letter goes back to
+    // its subject and is charged once; the dead-letter subject is empty after.
+    let fixed = Arc::new(Charger::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = worker(&setup, consumer(&fixed, &store), Arc::clone(&stop));
+    let moved = replay_dead_letters(&setup.js, &setup.stream, &setup.dead, 10)
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    assert!(
+        until(
+            async || fixed.charges.lock().unwrap().get("poison") == Some(&1),
+            Duration::from_secs(10)
+        )
+        .await
+    );
+    stop.store(true, Ordering::SeqCst);
+    running.await.unwrap();
+    assert!(setup.dead_letters(1).await.is_empty());
     setup.cleanup().await;
 }
 
