@@ -7,7 +7,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{calls, client, free_addr, send, start_gateway, start_upstream};
+use common::{calls, client, free_addr, metric, send, start_gateway, start_upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -72,6 +72,7 @@ async fn unfinished_headers_and_bodies_are_cut_off_and_nothing_runs() {
     );
     let client = client();
     assert_eq!(calls(&client, upstream, "slow-body").await, 0);
+    assert!(metric(&client, addr, "idem_request_body_timeouts_total", &[]).await >= 1.0);
     // Nothing was recorded either: the same key with the whole body runs.
     let whole = send(
         &client,
@@ -276,6 +277,7 @@ async fn buffered_bodies_share_one_memory_bound() {
     let (key, shed) = shed.expect("a body past the bound was refused");
     assert_eq!(shed.json()["type"], "urn:idempotency:problem:overloaded");
     assert_eq!(shed.header("retry-after"), Some("1"));
+    assert!(metric(&client, addr, "idempotency_http_bodies_shed_total", &[]).await >= 1.0);
     assert_eq!(calls(&client, upstream, &key).await, 0);
 
     // The holders finish: their requests run, and the refused one runs on retry.

@@ -222,3 +222,53 @@ fn inspection_never_writes_and_refuses_what_is_not_a_store() {
         );
     }
 }
+
+/// Every metric the code emits is listed in `docs/OPERATIONS.md`, and the guide lists none that
+/// the code does not emit.
+#[test]
+fn the_operations_guide_lists_every_metric() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let guide = std::fs::read_to_string(root.join("docs/OPERATIONS.md")).unwrap();
+    let mut emitted = std::collections::BTreeSet::new();
+    let mut sources = vec![root.join("crates")];
+    while let Some(path) = sources.pop() {
+        if path.is_dir() {
+            if path.ends_with("tests") || path.ends_with("target") {
+                continue;
+            }
+            sources.extend(
+                std::fs::read_dir(&path)
+                    .unwrap()
+                    .map(|entry| entry.unwrap().path()),
+            );
+            continue;
+        }
+        if path.extension().is_none_or(|ext| ext != "rs") {
+            continue;
+        }
+        // A metric's name is a string literal `idempotency_…` or `idem_…` ending in `_total`
+        // or `_seconds`, in a macro call or in a table of names a macro call reads.
+        let text = std::fs::read_to_string(&path).unwrap();
+        for literal in text.split('"').skip(1).step_by(2) {
+            let named = literal.starts_with("idempotency_") || literal.starts_with("idem_");
+            let metric = literal.ends_with("_total") || literal.ends_with("_seconds");
+            if named && metric && literal.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                emitted.insert(literal.to_owned());
+            }
+        }
+    }
+    assert!(emitted.len() >= 20, "{emitted:?}");
+    for name in &emitted {
+        assert!(
+            guide.contains(&format!("`{name}`")),
+            "{name} is not in docs/OPERATIONS.md"
+        );
+    }
+    for line in guide.lines().filter(|line| line.starts_with("| `")) {
+        let listed = line.trim_start_matches("| `").split('`').next().unwrap();
+        assert!(
+            emitted.contains(listed),
+            "docs/OPERATIONS.md lists {listed}, which nothing emits"
+        );
+    }
+}

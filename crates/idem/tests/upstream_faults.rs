@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{client, free_addr, send, start_gateway};
+use common::{client, free_addr, metric, send, start_gateway};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -190,6 +190,39 @@ async fn a_request_the_upstream_received_is_never_released_and_never_run_twice_a
         let attempts = seen.lock().unwrap()[&key].clone();
         assert_eq!(attempts, ["1", "2"], "{key}: the upstream saw {attempts:?}");
     }
+    // Each fault is counted by kind, and the layer's own metrics carry the gateway's name.
+    let lost = metric(
+        &client,
+        addr,
+        "idem_upstream_errors_total",
+        &[("kind", "answer_lost")],
+    )
+    .await;
+    assert!(lost >= 3.0, "{lost}");
+    let timeouts = metric(
+        &client,
+        addr,
+        "idem_upstream_errors_total",
+        &[("kind", "timeout")],
+    )
+    .await;
+    assert!(timeouts >= 2.0, "{timeouts}");
+    let unknown = metric(
+        &client,
+        addr,
+        "idempotency_outcome_unknown_total",
+        &[("guard", "gateway")],
+    )
+    .await;
+    assert!(unknown >= 5.0, "{unknown}");
+    let takeovers = metric(
+        &client,
+        addr,
+        "idempotency_lease_takeovers_total",
+        &[("guard", "gateway")],
+    )
+    .await;
+    assert!(takeovers >= 5.0, "{takeovers}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,6 +249,16 @@ async fn a_refused_connection_sent_nothing_and_releases_the_key_at_once() {
             .as_str()
             .is_some_and(|d| d.contains("nothing was sent")),
         "{first:?}"
+    );
+    assert_eq!(
+        metric(
+            &client,
+            addr,
+            "idem_upstream_errors_total",
+            &[("kind", "unreachable")]
+        )
+        .await,
+        1.0
     );
     // The upstream comes up: the retry runs at once, as attempt 2 (the key was used before).
     let listener = TcpListener::bind(upstream).await.unwrap();

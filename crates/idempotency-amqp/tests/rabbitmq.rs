@@ -730,3 +730,49 @@ async fn quorum_queues_delivery_count_is_counted() {
     assert_eq!(AmqpMessage::new(got.delivery).delivery_count(), 7);
     setup.cleanup().await;
 }
+
+/// `idempotency_amqp_reconnects_total{queue}` counts a worker's reconnections.
+#[test]
+fn reconnections_are_counted() {
+    let mut queue = String::new();
+    let metrics = idempotency_testkit::recorded::record_metrics(async {
+        let setup = Setup::new().await;
+        queue = setup.topology.queue.clone();
+        let url = amqp_url();
+        let (head, rest) = url.split_once("://").unwrap();
+        let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
+        let (authority, vhost) = rest.split_once('/').unwrap_or((rest, ""));
+        let broker = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
+        let proxy = TcpProxy::start(broker).await.unwrap();
+        let at = if credentials.is_empty() { "" } else { "@" };
+        let proxied = format!(
+            "{head}://{credentials}{at}127.0.0.1:{}/{vhost}",
+            proxy.addr().port()
+        );
+        let charger = Arc::new(Charger::default());
+        let store = FaultyStore::new(MemoryStore::new());
+        let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(async move {
+            worker
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        assert!(until(|| proxy.accepted() >= 1, Duration::from_secs(10)).await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.cut();
+        assert!(
+            until(|| proxy.accepted() >= 2, Duration::from_secs(10)).await,
+            "no reconnection"
+        );
+        stop.send(()).unwrap();
+        running.await.unwrap().unwrap();
+        setup.cleanup().await;
+    });
+    assert!(
+        metrics.counter("idempotency_amqp_reconnects_total", &[("queue", queue.as_str())]) >= 1,
+        "{metrics:?}"
+    );
+}

@@ -347,3 +347,77 @@ async fn a_panicking_handler_is_retried_then_dead_lettered_with_reason_panic() {
         matches!(record.state, idempotency_core::RecordState::InFlight { token, .. } if token == idempotency_core::Token::NONE)
     );
 }
+
+/// Every consumer metric, each provoked by its event, with the consumer's name: every `result`
+/// of `idempotency_consumer_messages_total`, the panics, and the guard's own metrics under the
+/// consumer's name.
+#[test]
+fn every_consumer_metric_moves_when_its_event_happens() {
+    let metrics = idempotency_testkit::recorded::record_metrics_paused(async {
+        let (plain, _, store) = consumer(Charger::default());
+        let message = Message::keyed("pay-1", "EUR 10");
+        assert_eq!(plain.process(&message).await, Disposition::Ack); // executed
+        assert_eq!(plain.process(&message.redelivered()).await, Disposition::Ack); // duplicate
+        store.set_down(true);
+        let down = plain.process(&Message::keyed("pay-2", "EUR 10")).await; // store_unavailable
+        assert!(matches!(down, Disposition::Nack { .. }));
+        store.set_down(false);
+        let missing = plain.process(&Message::default()).await; // dead_lettered
+        assert!(matches!(missing, Disposition::DeadLetter { .. }));
+        let (failing, _, _) = consumer(Charger {
+            fail_first: 1,
+            ..Charger::default()
+        });
+        let retried = failing.process(&Message::keyed("pay-3", "EUR 10")).await; // retried
+        assert!(matches!(retried, Disposition::Nack { .. }));
+        let (panicking, _, _) = consumer(Charger {
+            panics: true,
+            ..Charger::default()
+        });
+        let panicked = panicking.process(&Message::keyed("pay-4", "EUR 10")).await;
+        assert!(matches!(panicked, Disposition::Nack { .. }));
+        // In flight: a slow first delivery holds the key while its copy arrives.
+        let (slow, _, _) = consumer(Charger {
+            slow: Some(Duration::from_secs(5)),
+            ..Charger::default()
+        });
+        let copy = Message::keyed("pay-5", "EUR 10");
+        let (first, second) = tokio::join!(slow.process(&copy), async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            slow.process(&copy.redelivered()).await
+        });
+        assert_eq!(first, Disposition::Ack);
+        assert!(matches!(second, Disposition::Nack { .. }));
+    });
+    let result = |result: &str| {
+        metrics.counter(
+            "idempotency_consumer_messages_total",
+            &[("consumer", "payments"), ("result", result)],
+        )
+    };
+    for (name, expected) in [
+        ("executed", 2),
+        ("duplicate", 1),
+        ("store_unavailable", 1),
+        ("dead_lettered", 1),
+        ("retried", 2),
+        ("in_flight", 1),
+    ] {
+        assert_eq!(result(name), expected, "{name}: {metrics:?}");
+    }
+    assert_eq!(
+        metrics.counter("idempotency_consumer_panics_total", &[("consumer", "payments")]),
+        1
+    );
+    // pay-1, pay-3, pay-4 and pay-5 were acquired; pay-2 met the store down.
+    assert_eq!(
+        metrics.counter("idempotency_acquired_total", &[("guard", "payments")]),
+        4
+    );
+    assert!(
+        metrics.counter(
+            "idempotency_store_errors_total",
+            &[("guard", "payments"), ("op", "begin")]
+        ) >= 1
+    );
+}

@@ -42,6 +42,7 @@ mod harness;
 
 pub mod faults;
 pub mod proxy;
+pub mod recorded;
 
 pub mod cases;
 pub mod model;

@@ -12,6 +12,7 @@ use idempotency_core::{
 };
 use idempotency_testkit::FaultyStore;
 use idempotency_testkit::faults::Op;
+use idempotency_testkit::recorded::record_metrics_paused;
 
 /// Store time that follows Tokio's (pausable) clock.
 #[derive(Debug)]
@@ -505,53 +506,167 @@ async fn a_persistent_complete_failure_is_retried_until_the_lease_ends_then_repo
     );
 }
 
+/// Every metric of the guard, the lanes and the purger, each provoked by its event and
+/// checked with its labels (`docs/OPERATIONS.md` lists them). The late-heartbeat counter has a
+/// test of its own below.
 #[test]
-fn metrics_count_each_answer() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let guard = Guard::new(MemoryStore::new()).name("metrics");
-            let ok = |_: Scope, key: Key, fp: Fingerprint| {
-                let guard = guard.clone();
-                async move {
-                    guard
-                        .run(Scope::global(), key, fp, store_it, |_| async { String::new() })
-                        .await
-                }
-            };
-            ok(Scope::global(), key(), fp("a")).await.unwrap();
-            ok(Scope::global(), key(), fp("a")).await.unwrap();
-            ok(Scope::global(), key(), fp("a")).await.unwrap();
-            ok(Scope::global(), key(), fp("b")).await.unwrap();
+fn every_metric_moves_when_its_event_happens() {
+    let metrics = record_metrics_paused(async {
+        let store = store();
+        let guard = guard(&store).name("metrics");
+        let run = |key: &'static str, payload: &'static str| {
+            let guard = guard.clone();
+            async move {
+                guard
+                    .run(
+                        Scope::global(),
+                        Key::new(key).unwrap(),
+                        fp(payload),
+                        store_it,
+                        |_| async { String::new() },
+                    )
+                    .await
+            }
+        };
+        // Acquired, then replayed, then a mismatch.
+        run("k1", "a").await.unwrap();
+        run("k1", "a").await.unwrap();
+        run("k1", "b").await.unwrap();
+        // In flight: a second run while the first holds the key.
+        let slow = guard.run(
+            Scope::global(),
+            Key::new("k2").unwrap(),
+            fp("a"),
+            store_it,
+            |_| async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                String::new()
+            },
+        );
+        let (first, second) = tokio::join!(slow, async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            run("k2", "a").await
         });
+        assert!(matches!(first.unwrap(), Execution::Executed { .. }));
+        assert!(matches!(second.unwrap(), Execution::InFlight { .. }));
+        // A takeover: an attempt that never finished, its lease over.
+        let abandoned =
+            idempotency_core::BeginRequest::new(Scope::global(), Key::new("k3").unwrap(), fp("a"))
+                .lease(Duration::from_secs(1));
+        assert!(matches!(
+            store.begin(&abandoned).await.unwrap(),
+            idempotency_core::Claim::Acquired(_)
+        ));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        run("k3", "a").await.unwrap();
+        // Lease lost on complete: another attempt takes over while this one runs.
+        let taken = guard
+            .clone()
+            .lease(Duration::from_secs(1))
+            .heartbeat_every(Duration::from_secs(3600))
+            .run(
+                Scope::global(),
+                Key::new("k4").unwrap(),
+                fp("a"),
+                store_it,
+                |_| {
+                    let store = store.clone();
+                    async move {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        let other = idempotency_core::BeginRequest::new(
+                            Scope::global(),
+                            Key::new("k4").unwrap(),
+                            fp("a"),
+                        );
+                        assert!(matches!(
+                            store.begin(&other).await.unwrap(),
+                            idempotency_core::Claim::Acquired(_)
+                        ));
+                        String::new()
+                    }
+                },
+            )
+            .await
+            .unwrap();
+        assert!(matches!(
+            taken,
+            Execution::Executed {
+                recorded: Recorded::LeaseLost,
+                ..
+            }
+        ));
+        // An unknown outcome.
+        let unknown = |_: &String| Decision::Unknown;
+        guard
+            .run(
+                Scope::global(),
+                Key::new("k5").unwrap(),
+                fp("a"),
+                unknown,
+                |_| async { String::new() },
+            )
+            .await
+            .unwrap();
+        // A store error on begin.
+        store.set_down(true);
+        assert!(run("k6", "a").await.is_err());
+        store.set_down(false);
+        // The lanes shed new work that waited too long.
+        let lanes = idempotency_core::Lanes::new(1, 0, Duration::from_millis(10));
+        let _held = lanes.new_work().await.unwrap();
+        assert_eq!(lanes.new_work().await.unwrap_err().kind(), ErrorKind::Overloaded);
+        // The purger deletes expired records, and counts a failed round.
+        tokio::time::sleep(Duration::from_secs(25 * 3600)).await;
+        let purger = idempotency_core::Purger::new(store.clone());
+        assert!(purger.round().await.unwrap() > 0);
+        store.fail_next(Op::Admin, 1);
+        assert!(purger.round().await.is_err());
     });
-    let counters: Vec<(String, u64)> = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter_map(|(key, _, _, value)| match value {
-            DebugValue::Counter(n) => Some((key.key().name().to_string(), n)),
-            _ => None,
-        })
-        .collect();
-    let count = |name: &str| {
-        counters
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v)
-            .sum::<u64>()
+    let guard = [("guard", "metrics")];
+    let count = |name: &str, labels: &[(&str, &str)]| {
+        let mut all = guard.to_vec();
+        all.extend_from_slice(labels);
+        metrics.counter(name, &all)
     };
-    assert_eq!(count("idempotency_acquired_total"), 1, "{counters:?}");
-    assert_eq!(count("idempotency_replayed_total"), 2, "{counters:?}");
-    assert_eq!(count("idempotency_mismatch_total"), 1, "{counters:?}");
-    assert_eq!(count("idempotency_store_errors_total"), 0, "{counters:?}");
+    // k1, k2, k4, k5 acquired anew; k3 taken over.
+    assert_eq!(
+        count("idempotency_acquired_total", &[("recovered", "false")]),
+        4,
+        "{metrics:?}"
+    );
+    assert_eq!(count("idempotency_acquired_total", &[("recovered", "true")]), 1);
+    assert_eq!(count("idempotency_replayed_total", &[]), 1);
+    assert_eq!(count("idempotency_mismatch_total", &[]), 1);
+    assert_eq!(count("idempotency_in_flight_total", &[]), 1);
+    assert_eq!(count("idempotency_lease_takeovers_total", &[]), 1);
+    assert_eq!(count("idempotency_lease_lost_total", &[("op", "complete")]), 1);
+    assert_eq!(count("idempotency_outcome_unknown_total", &[]), 1);
+    // The guard tries a failed begin again before it gives up: each try is counted.
+    assert!(
+        count(
+            "idempotency_store_errors_total",
+            &[("op", "begin"), ("kind", "unavailable")]
+        ) >= 1
+    );
+    assert!(
+        metrics.histogram_count(
+            "idempotency_store_duration_seconds",
+            &[("guard", "metrics"), ("op", "begin")]
+        ) >= 8
+    );
+    assert!(
+        metrics.histogram_count(
+            "idempotency_store_duration_seconds",
+            &[("guard", "metrics"), ("op", "complete")]
+        ) >= 4
+    );
+    assert_eq!(metrics.counter("idempotency_store_shed_total", &[]), 1);
+    assert!(metrics.counter("idempotency_purged_total", &[]) > 0);
+    assert_eq!(
+        metrics.histogram_count("idempotency_purge_duration_seconds", &[]),
+        2
+    );
+    assert_eq!(metrics.counter("idempotency_purge_errors_total", &[]), 1);
 }
 
 /// A heartbeat whose answer takes longer than the heartbeat interval, or comes after the lease

@@ -337,3 +337,25 @@ pub async fn calls(client: &HttpClient, upstream: SocketAddr, key: &str) -> u32 
     let seen = send(client, upstream, "GET", &format!("/calls?key={key}"), &[], b"").await;
     String::from_utf8_lossy(&seen.body).parse().unwrap()
 }
+
+/// The value of one series on the gateway's `/_idem/metrics` (Prometheus text): the sum over
+/// the lines whose name is `name` and whose labels include every `name="value"` of `labels`.
+pub async fn metric(client: &HttpClient, gateway: SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let page = send(client, gateway, "GET", "/_idem/metrics", &[], b"").await;
+    let text = String::from_utf8_lossy(&page.body).into_owned();
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, series_labels) = match series.split_once('{') {
+                Some((n, l)) => (n, l),
+                None => (series, ""),
+            };
+            let wanted = series_name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| series_labels.contains(&format!("{k}=\"{v}\"")));
+            wanted.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}

@@ -1,0 +1,121 @@
+//! Metrics recorded while a test runs, for tests that each metric is emitted, with its labels.
+//!
+//! ```
+//! use idempotency_testkit::recorded::record_metrics;
+//!
+//! let metrics = record_metrics(async {
+//!     metrics::counter!("jobs_total", "kind" => "a").increment(2);
+//! });
+//! assert_eq!(metrics.counter("jobs_total", &[("kind", "a")]), 2);
+//! assert_eq!(metrics.counter("jobs_total", &[("kind", "b")]), 0);
+//! assert!(metrics.names().contains(&"jobs_total".to_owned()));
+//! ```
+
+use std::future::Future;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+/// One recorded series: name, labels, value.
+type Series = (String, Vec<(String, String)>, DebugValue);
+
+/// What a test recorded: every counter and histogram series, by name and labels.
+#[derive(Debug)]
+pub struct Recorded {
+    series: Vec<Series>,
+}
+
+/// Runs `test` to completion on a current-thread runtime (tasks it spawns run on the same
+/// thread, so they record too) with a recorder of its own, and returns what was recorded.
+///
+/// # Panics
+///
+/// If the runtime cannot start, or `test` panics.
+pub fn record_metrics<F: Future>(test: F) -> Recorded {
+    record(test, false)
+}
+
+/// [`record_metrics`] on Tokio's paused clock (timers fire as soon as everything waits), for
+/// tests whose store reads Tokio's clock: leases of minutes pass at once.
+///
+/// # Panics
+///
+/// As [`record_metrics`].
+pub fn record_metrics_paused<F: Future>(test: F) -> Recorded {
+    record(test, true)
+}
+
+fn record<F: Future>(test: F, paused: bool) -> Recorded {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(paused)
+            .build()
+            .expect("a runtime")
+            .block_on(test)
+    });
+    let series = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let key = key.key();
+            let labels = key
+                .labels()
+                .map(|label| (label.key().to_owned(), label.value().to_owned()))
+                .collect();
+            (key.name().to_owned(), labels, value)
+        })
+        .collect();
+    Recorded { series }
+}
+
+impl Recorded {
+    fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&str, &str)],
+    ) -> impl Iterator<Item = &'a DebugValue> {
+        self.series
+            .iter()
+            .filter(move |(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
+            .map(|(_, _, value)| value)
+    }
+
+    /// The sum of the counter `name` over the series carrying every label in `labels`.
+    #[must_use]
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        self.matching(name, labels)
+            .map(|value| match value {
+                DebugValue::Counter(n) => *n,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// How many values the histogram `name` recorded over the series carrying `labels`.
+    #[must_use]
+    pub fn histogram_count(&self, name: &str, labels: &[(&str, &str)]) -> usize {
+        self.matching(name, labels)
+            .map(|value| match value {
+                DebugValue::Histogram(values) => values.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The names of every series recorded, sorted, without repeats.
+    #[must_use]
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.series.iter().map(|(name, _, _)| name.clone()).collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+}
