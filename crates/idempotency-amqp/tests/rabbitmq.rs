@@ -468,10 +468,9 @@ async fn ready(channel: &Channel, queue: &str) -> u32 {
         .message_count()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once() {
-    let setup = Setup::new().await;
-    // amqp://user:pass@HOST:PORT/vhost: the worker reaches HOST:PORT through a proxy.
+/// A proxy in front of the broker, and the broker's URL through it: amqp://user:pass@HOST:PORT/vhost
+/// with HOST:PORT replaced by the proxy's address.
+async fn broker_through_a_proxy() -> (TcpProxy, String) {
     let url = amqp_url();
     let (head, rest) = url.split_once("://").unwrap();
     let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
@@ -483,6 +482,13 @@ async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once()
         "{head}://{credentials}{at}127.0.0.1:{}/{vhost}",
         proxy.addr().port()
     );
+    (proxy, proxied)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once() {
+    let setup = Setup::new().await;
+    let (proxy, proxied) = broker_through_a_proxy().await;
 
     let charger = Arc::new(Charger {
         hold: Duration::from_millis(10),
@@ -738,17 +744,7 @@ fn reconnections_are_counted() {
     let metrics = idempotency_testkit::recorded::record_metrics(async {
         let setup = Setup::new().await;
         queue = setup.topology.queue.clone();
-        let url = amqp_url();
-        let (head, rest) = url.split_once("://").unwrap();
-        let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-        let (authority, vhost) = rest.split_once('/').unwrap_or((rest, ""));
-        let broker = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-        let proxy = TcpProxy::start(broker).await.unwrap();
-        let at = if credentials.is_empty() { "" } else { "@" };
-        let proxied = format!(
-            "{head}://{credentials}{at}127.0.0.1:{}/{vhost}",
-            proxy.addr().port()
-        );
+        let (proxy, proxied) = broker_through_a_proxy().await;
         let charger = Arc::new(Charger::default());
         let store = FaultyStore::new(MemoryStore::new());
         let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store));
