@@ -56,6 +56,11 @@ pub struct Config {
     /// How long a request may run without a heartbeat before a retry may take over.
     #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = parse_lease)]
     pub lease: Duration,
+    /// Do not create or upgrade the store's schema on start: refuse to start on a store that
+    /// `idem migrate` has not prepared (for a role that may not run DDL, or a deployment that
+    /// migrates in a step of its own).
+    #[arg(long, env = "IDEM_NO_MIGRATE")]
+    pub no_migrate: bool,
     /// How long a completed request's response is replayed.
     #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = parse_retention)]
     pub retention: Duration,
@@ -824,7 +829,12 @@ pub async fn serve(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
-    let store = idempotency::open(&config.store)
+    let access = if config.no_migrate {
+        idempotency::Access::Existing
+    } else {
+        idempotency::Access::Create
+    };
+    let store = idempotency::open_with(&config.store, access)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
     if config.scope_header.is_some() && config.scope_secret.is_none() {

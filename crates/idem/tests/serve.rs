@@ -371,6 +371,18 @@ fn bad_input_gets_clear_errors() {
                 "serve",
                 "--upstream",
                 "http://127.0.0.1:1",
+                "--no-migrate",
+                "--store",
+                "sqlite:///nonexistent-dir/x.db",
+            ],
+            1,
+            "does not exist (`idem migrate --store",
+        ),
+        (
+            &[
+                "serve",
+                "--upstream",
+                "http://127.0.0.1:1",
                 "--max-buffered",
                 "1KiB",
             ],
