@@ -15,6 +15,7 @@
 //! | `sqlite` | [`sqlite::SqliteStore`], the embedded durable store (`sqlite://` URLs) |
 //! | `postgres` | [`postgres::PostgresStore`] (`postgres://` URLs), with same-transaction mode |
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
+//! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -67,6 +68,10 @@ pub use idempotency_redis as redis;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use idempotency_testkit as testkit;
+
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use idempotency_kafka as kafka;
 
 /// The reason a URL for a store whose feature is off cannot be opened. (With every store
 /// feature on, only the tests use it.)

@@ -1,0 +1,294 @@
+//! Idempotent Kafka consumption on the broker-neutral consumer core: a message's offset is
+//! committed only after its outcome is recorded, and what would be a nack elsewhere keeps the
+//! partition on the same message.
+//!
+//! This crate is the per-message layer: [`process`] takes one message of a partition through a
+//! [`Processor`] (an [`idempotency_consumer::Consumer`]) and settles it; [`publish`] sends an
+//! event with its `Idempotency-Key` from an idempotent producer. Call `process` for the messages
+//! of one partition one after another (partitions may run concurrently): Kafka's offsets are a
+//! position, so a partition's order is the unit of progress.
+//!
+//! # What each disposition becomes
+//!
+//! Kafka has no per-message nack. [`process`] maps the core's dispositions so that no message is
+//! ever skipped before its outcome is durable:
+//!
+//! | disposition | Kafka |
+//! |---|---|
+//! | `Ack` (executed and recorded, or a duplicate) | commit the offset after it |
+//! | `Nack { after }` (in flight elsewhere, the store down, a handler's `Retry` below the limit, a panic below the limit) | wait `after`, then process **the same message** again: its partition waits, in order |
+//! | `DeadLetter { reason }` (a reused key, no key, `Fatal`, the delivery limit) | produce a copy to the dead-letter topic with the reason, source topic, partition and offset headers, wait for the broker's acknowledgement, then commit past it |
+//!
+//! A consumer that dies after a handler ran and before its commit leaves the offset behind: the
+//! next owner of the partition reads the message again, and the record answers it as a
+//! duplicate without running the handler.
+//!
+//! # Keys
+//!
+//! By default the `Idempotency-Key` header (which the HTTP edge propagates with
+//! `IdempotencyKey::message_key()` and [`publish`] sets). Kafka messages have no message id:
+//! [`KafkaMessage`] offers the record key in its place, so `KeySource::MessageId` keys by the
+//! record key. Never key by topic, partition and offset: a replay after a rebalance has the same
+//! offset, but a producer's retry writes the same event at a new one.
+//!
+//! # Delivery counts
+//!
+//! Kafka does not count deliveries. [`process`] counts the attempts it makes at one message, so
+//! the delivery limit applies within one consumer's run; after a restart or a rebalance, the
+//! count starts again at 1 (the record still makes completed messages duplicates).
+
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use idempotency_consumer::{Delivery, Disposition, Processor, dead_letter_headers};
+use idempotency_core::{IDEMPOTENCY_KEY_HEADER, Key};
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// The header a dead letter carries its source partition in.
+pub const DEAD_PARTITION_HEADER: &str = "Idempotency-Dead-Partition";
+
+/// The header a dead letter carries its source offset in.
+pub const DEAD_OFFSET_HEADER: &str = "Idempotency-Dead-Offset";
+
+/// How long [`publish`] and a dead-letter produce wait for the broker's acknowledgement.
+pub const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A Kafka message as a [`Delivery`].
+#[derive(Debug)]
+pub struct KafkaMessage {
+    message: OwnedMessage,
+    deliveries: u32,
+}
+
+impl KafkaMessage {
+    /// Wraps a message, on its first delivery.
+    #[must_use]
+    pub fn new(message: OwnedMessage) -> Self {
+        Self {
+            message,
+            deliveries: 1,
+        }
+    }
+
+    /// The rdkafka message.
+    #[must_use]
+    pub fn message(&self) -> &OwnedMessage {
+        &self.message
+    }
+}
+
+impl Delivery for KafkaMessage {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        let headers = self.message.headers()?;
+        headers
+            .iter()
+            .find(|header| header.key.eq_ignore_ascii_case(name))
+            .and_then(|header| header.value)
+    }
+
+    /// The record key, as text: Kafka has no message id.
+    fn message_id(&self) -> Option<&str> {
+        self.message.key().and_then(|key| std::str::from_utf8(key).ok())
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.message.payload().unwrap_or_default()
+    }
+
+    fn delivery_count(&self) -> u32 {
+        self.deliveries
+    }
+}
+
+/// Why [`process`] or [`publish`] failed: the broker did not acknowledge a produce or a commit.
+/// The offset was not committed past the message, so it is read again; the record makes that a
+/// duplicate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaAdapterError {
+    /// A produce (an event, or a dead letter) was not acknowledged.
+    #[error("Kafka: a produce to {topic} was not acknowledged: {source}")]
+    Produce {
+        /// The topic.
+        topic: String,
+        /// Why.
+        #[source]
+        source: KafkaError,
+    },
+    /// The offset commit failed.
+    #[error("Kafka: committing offset {offset} of {topic}/{partition} failed: {source}")]
+    Commit {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// The offset after the message.
+        offset: i64,
+        /// Why.
+        #[source]
+        source: KafkaError,
+    },
+}
+
+/// Processes one message with `processor` until it is settled, then commits past it; returns
+/// the final disposition (`Ack` or `DeadLetter`). See the [crate docs](crate) for what each
+/// disposition becomes.
+///
+/// # Errors
+///
+/// [`KafkaAdapterError`] when the dead-letter copy or the commit was not acknowledged: nothing
+/// was committed past the message.
+pub async fn process<P, C>(
+    processor: &P,
+    consumer: &C,
+    producer: &FutureProducer,
+    dead_letter_topic: &str,
+    message: OwnedMessage,
+) -> Result<Disposition, KafkaAdapterError>
+where
+    P: Processor<KafkaMessage>,
+    C: Consumer,
+{
+    let mut message = KafkaMessage::new(message);
+    loop {
+        // A processor that panics (the consumer core catches its handler's panics; this catches
+        // any other processor's) is retried like a nack.
+        let disposition = std::panic::AssertUnwindSafe(processor.process(&message))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| {
+                tracing::error!(topic = message.message.topic(), "the message processor panicked");
+                Disposition::Nack {
+                    after: Duration::from_secs(1),
+                }
+            });
+        match disposition {
+            Disposition::Nack { after } => {
+                // No nack in Kafka: the partition waits on this message, in order.
+                tokio::time::sleep(after).await;
+                message.deliveries = message.deliveries.saturating_add(1);
+            }
+            Disposition::DeadLetter { reason } => {
+                dead_letter(producer, dead_letter_topic, &message, &reason).await?;
+                commit_past(consumer, &message.message)?;
+                return Ok(Disposition::DeadLetter { reason });
+            }
+            Disposition::Ack => {
+                commit_past(consumer, &message.message)?;
+                return Ok(Disposition::Ack);
+            }
+        }
+    }
+}
+
+/// Produces the dead-letter copy of `message` and waits for the acknowledgement.
+async fn dead_letter(
+    producer: &FutureProducer,
+    topic: &str,
+    message: &KafkaMessage,
+    reason: &str,
+) -> Result<(), KafkaAdapterError> {
+    let original = &message.message;
+    let mut headers = OwnedHeaders::new();
+    if let Some(kept) = original.headers() {
+        for header in kept.iter() {
+            headers = headers.insert(Header {
+                key: header.key,
+                value: header.value,
+            });
+        }
+    }
+    let dead = dead_letter_headers(original.topic(), message.deliveries, reason);
+    let partition = original.partition().to_string();
+    let offset = original.offset().to_string();
+    for (name, value) in dead.iter().map(|(name, value)| (*name, value.as_str())).chain([
+        (DEAD_PARTITION_HEADER, partition.as_str()),
+        (DEAD_OFFSET_HEADER, offset.as_str()),
+    ]) {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value),
+        });
+    }
+    let mut record = FutureRecord::to(topic)
+        .payload(original.payload().unwrap_or_default())
+        .headers(headers);
+    if let Some(key) = original.key() {
+        record = record.key(key);
+    }
+    producer
+        .send(record, PRODUCE_TIMEOUT)
+        .await
+        .map(drop)
+        .map_err(|(source, _)| KafkaAdapterError::Produce {
+            topic: topic.to_owned(),
+            source,
+        })
+}
+
+/// Commits the offset after `message` (Kafka commits the next position to read).
+fn commit_past<C: Consumer>(consumer: &C, message: &OwnedMessage) -> Result<(), KafkaAdapterError> {
+    let next = message.offset() + 1;
+    let mut list = TopicPartitionList::new();
+    let failed = |source| KafkaAdapterError::Commit {
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: next,
+        source,
+    };
+    list.add_partition_offset(message.topic(), message.partition(), Offset::Offset(next))
+        .map_err(failed)?;
+    consumer.commit(&list, CommitMode::Sync).map_err(failed)
+}
+
+/// Produces `payload` to `topic` with `key` as the `Idempotency-Key` header and `record_key` as
+/// the message key (the aggregate id, for per-entity ordering), and waits for the broker's
+/// acknowledgement; returns the partition and offset it was written at. Use a producer with
+/// `enable.idempotence=true` ([`idempotent_producer`]): its own retries then never write an
+/// event twice, and a retry of `publish` itself writes a copy the consumer's record answers.
+///
+/// # Errors
+///
+/// [`KafkaAdapterError::Produce`]: publishing again with the same key is safe.
+pub async fn publish(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &Key,
+    record_key: Option<&[u8]>,
+    payload: &[u8],
+) -> Result<(i32, i64), KafkaAdapterError> {
+    let headers = OwnedHeaders::new().insert(Header {
+        key: IDEMPOTENCY_KEY_HEADER,
+        value: Some(key.as_str()),
+    });
+    let mut record = FutureRecord::to(topic).payload(payload).headers(headers);
+    if let Some(record_key) = record_key {
+        record = record.key(record_key);
+    }
+    producer
+        .send(record, PRODUCE_TIMEOUT)
+        .await
+        .map(|delivery| (delivery.partition, delivery.offset))
+        .map_err(|(source, _)| KafkaAdapterError::Produce {
+            topic: topic.to_owned(),
+            source,
+        })
+}
+
+/// An idempotent producer for `bootstrap_servers`: `enable.idempotence=true` (so the client's
+/// own retries never duplicate a write), `acks=all`.
+///
+/// # Errors
+///
+/// The client's error for an invalid configuration.
+pub fn idempotent_producer(bootstrap_servers: &str) -> Result<FutureProducer, KafkaError> {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+}
