@@ -26,6 +26,20 @@ fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// A proxy in front of the test server, and the server's URL through it (the same credentials
+/// and database, the proxy's address).
+async fn postgres_through_a_proxy() -> (TcpProxy, String) {
+    let url = database_url();
+    let rest = url.split_once("://").unwrap().1;
+    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
+    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
+    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
+    let proxy = TcpProxy::start(server).await.unwrap();
+    let at = if credentials.is_empty() { "" } else { "@" };
+    let url = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
+    (proxy, url)
+}
+
 /// A key no other run uses (the PostgreSQL table is shared).
 fn unique(name: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -267,20 +281,11 @@ async fn postgres_kill_9_mid_call_then_takeover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
-    let url = database_url();
-    let rest = url.split_once("://").unwrap().1;
-    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
-    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = TcpProxy::start(server).await.unwrap();
-    let at = if credentials.is_empty() { "" } else { "@" };
+    let (proxy, url) = postgres_through_a_proxy().await;
     // A password given as a query parameter (sqlx takes it; the server here trusts anyway) must
     // appear in no health answer.
-    let then = if database.contains('?') { '&' } else { '?' };
-    let store = format!(
-        "postgres://{credentials}{at}{}/{database}{then}password=hunter2-in-the-query",
-        proxy.addr()
-    );
+    let then = if url.contains('?') { '&' } else { '?' };
+    let store = format!("{url}{then}password=hunter2-in-the-query");
     let no_secret = |body: &[u8]| {
         let text = String::from_utf8_lossy(body);
         assert!(!text.contains("hunter2"), "the store's password leaked: {text}");
@@ -332,15 +337,8 @@ async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
 /// running requests' heartbeats: every key runs exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_storm_on_a_distant_store_runs_each_key_once() {
-    let url = database_url();
-    let rest = url.split_once("://").unwrap().1;
-    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
-    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = TcpProxy::start(server).await.unwrap();
+    let (proxy, store) = postgres_through_a_proxy().await;
     proxy.set_latency(Duration::from_millis(40));
-    let at = if credentials.is_empty() { "" } else { "@" };
-    let store = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
 
     let run = Run::new("storm", &store, &["--lease", "2s"]);
     let _a = run.gateway().await;

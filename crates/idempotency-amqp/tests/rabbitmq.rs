@@ -58,12 +58,18 @@ impl Setup {
         if let Some(key) = key {
             headers.insert("Idempotency-Key".into(), AMQPValue::LongString(key.into()));
         }
+        self.publish_to(&self.topology.queue, headers, payload.as_bytes())
+            .await;
+    }
+
+    /// Publishes `payload` with `headers` to `queue` and waits for the confirm.
+    async fn publish_to(&self, queue: &str, headers: FieldTable, payload: &[u8]) {
         self.channel
             .basic_publish(
                 "".into(),
-                self.topology.queue.as_str().into(),
+                queue.into(),
                 BasicPublishOptions::default(),
-                payload.as_bytes(),
+                payload,
                 BasicProperties::default().with_headers(headers),
             )
             .await
@@ -82,18 +88,8 @@ impl Setup {
             headers.insert(name.into(), AMQPValue::LongString(value.as_str().into()));
         }
         headers.insert("x-idempotency-deliveries".into(), AMQPValue::LongInt(4));
-        self.channel
-            .basic_publish(
-                "".into(),
-                self.topology.dead_queue.as_str().into(),
-                BasicPublishOptions::default(),
-                b"EUR ??",
-                BasicProperties::default().with_headers(headers),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        self.publish_to(&self.topology.dead_queue, headers, b"EUR ??")
+            .await;
     }
 
     /// Dead-lettered messages: (key, reason, source, deliveries, when).
@@ -711,19 +707,7 @@ async fn quorum_queues_delivery_count_is_counted() {
     let mut headers = FieldTable::default();
     headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(6));
     headers.insert("Idempotency-Key".into(), AMQPValue::LongString("k".into()));
-    setup
-        .channel
-        .basic_publish(
-            "".into(),
-            setup.topology.queue.as_str().into(),
-            BasicPublishOptions::default(),
-            b"x",
-            BasicProperties::default().with_headers(headers),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    setup.publish_to(&setup.topology.queue, headers, b"x").await;
     let got = setup
         .channel
         .basic_get(
