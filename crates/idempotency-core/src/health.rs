@@ -6,6 +6,7 @@
 //! (`begin`, `complete`, `release`, `extend`) in a [`WriteHealth`] the health check reads.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -19,12 +20,15 @@ use crate::{
 /// The results of a store's recent writes: shared by a [`Watched`] store and whoever reports
 /// its health.
 #[derive(Debug, Clone, Default)]
-pub struct WriteHealth(Arc<Mutex<State>>);
+pub struct WriteHealth(Arc<State>);
 
 #[derive(Debug, Default)]
 struct State {
+    /// Whether `failing` holds anything: a write that works while nothing failed (the common
+    /// case, on every request's hot path) reads this and takes no lock.
+    any: AtomicBool,
     /// The failures since the last write that worked, and the first and last of them.
-    failing: Option<Failing>,
+    failing: Mutex<Option<Failing>>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,12 +68,19 @@ impl fmt::Display for WriteFailure {
 impl WriteHealth {
     /// Records one write's result: an error adds to the failures, a success clears them.
     pub fn record<T>(&self, result: &Result<T, StoreError>) {
-        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if result.is_ok() && !self.0.any.load(Ordering::Acquire) {
+            return;
+        }
+        let mut failing = self.0.failing.lock().unwrap_or_else(PoisonError::into_inner);
         match result {
-            Ok(_) => state.failing = None,
+            Ok(_) => {
+                *failing = None;
+                self.0.any.store(false, Ordering::Release);
+            }
             Err(error) => {
                 let now = Instant::now();
-                let failing = state.failing.get_or_insert_with(|| Failing {
+                self.0.any.store(true, Ordering::Release);
+                let failing = failing.get_or_insert_with(|| Failing {
                     count: 0,
                     first: now,
                     last: now,
@@ -85,8 +96,8 @@ impl WriteHealth {
     /// The failures since the last write that worked, if the last write failed.
     #[must_use]
     pub fn failure(&self) -> Option<WriteFailure> {
-        let state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        state.failing.as_ref().map(|failing| WriteFailure {
+        let failing = self.0.failing.lock().unwrap_or_else(PoisonError::into_inner);
+        failing.as_ref().map(|failing| WriteFailure {
             count: failing.count,
             since: failing.first.elapsed(),
             last: failing.last.elapsed(),
