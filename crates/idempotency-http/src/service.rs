@@ -114,7 +114,8 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(Limited::new(body, config.max_body));
-    let mut buffer = BytesMut::new();
+    // The chunks as they came: a body of one chunk (the usual case) is handed on uncopied.
+    let mut chunks: Vec<Bytes> = Vec::new();
     let mut held: Option<OwnedSemaphorePermit> = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
@@ -143,14 +144,21 @@ where
                 }
             }
         }
-        while data.has_remaining() {
-            let chunk = data.chunk();
-            buffer.extend_from_slice(chunk);
-            let read = chunk.len();
-            data.advance(read);
-        }
+        let len = data.remaining();
+        chunks.push(data.copy_to_bytes(len));
     }
-    Ok((buffer.freeze(), held))
+    let bytes = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => {
+            let mut buffer = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            for chunk in &chunks {
+                buffer.extend_from_slice(chunk);
+            }
+            buffer.freeze()
+        }
+    };
+    Ok((bytes, held))
 }
 
 async fn handle<I, S, ReqBody, ResBody>(
