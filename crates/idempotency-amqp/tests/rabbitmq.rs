@@ -464,6 +464,24 @@ async fn ready(channel: &Channel, queue: &str) -> u32 {
         .message_count()
 }
 
+/// Runs `worker` on a task of its own until the returned sender is used (or dropped).
+fn spawn_worker(
+    worker: Worker<TestConsumer>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), idempotency_amqp::AmqpError>>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    (stop, running)
+}
+
 /// A proxy in front of the broker, and the broker's URL through it: amqp://user:pass@HOST:PORT/vhost
 /// with HOST:PORT replaced by the proxy's address.
 async fn broker_through_a_proxy() -> (TcpProxy, String) {
@@ -496,14 +514,7 @@ async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once()
         setup.publish_copy(Some(key), "EUR 10").await;
     }
     let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store)).prefetch(8);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, running) = spawn_worker(worker);
     let charged = |charger: &Charger| charger.charges.lock().unwrap().len();
     assert!(until(|| charged(&charger) >= 30, Duration::from_secs(10)).await);
     // The broker goes away with deliveries in flight, and stays away for a second.
@@ -616,14 +627,7 @@ async fn a_poison_message_is_dead_lettered_and_the_worker_keeps_consuming() {
         setup.publish_copy(Some(key), "EUR 10").await;
     }
     let worker = Worker::new(amqp_url(), setup.topology.clone(), consumer(&charger, &store)).prefetch(4);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, running) = spawn_worker(worker);
     let poisoned = Arc::clone(&charger);
     assert!(
         until(
@@ -732,14 +736,7 @@ fn reconnections_are_counted() {
         let charger = Arc::new(Charger::default());
         let store = FaultyStore::new(MemoryStore::new());
         let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store));
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let running = tokio::spawn(async move {
-            worker
-                .run_until(async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let (stop, running) = spawn_worker(worker);
         assert!(until(|| proxy.accepted() >= 1, Duration::from_secs(10)).await);
         tokio::time::sleep(Duration::from_millis(300)).await;
         proxy.cut();
