@@ -39,6 +39,9 @@
 
 use std::time::Duration;
 
+mod worker;
+pub use worker::Worker;
+
 use futures_util::FutureExt;
 use idempotency_consumer::{Delivery, Disposition, Processor, dead_letter_headers};
 use idempotency_core::{IDEMPOTENCY_KEY_HEADER, Key};
@@ -110,6 +113,10 @@ impl Delivery for KafkaMessage {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KafkaAdapterError {
+    /// The client settings are incomplete or refused (no `group.id`, an unknown setting), or
+    /// the worker could not start.
+    #[error("Kafka: {0}")]
+    Config(String),
     /// A produce (an event, or a dead letter) was not acknowledged.
     #[error("Kafka: a produce to {topic} was not acknowledged: {source}")]
     Produce {
@@ -155,18 +162,7 @@ where
 {
     let mut message = KafkaMessage::new(message);
     loop {
-        // A processor that panics (the consumer core catches its handler's panics; this catches
-        // any other processor's) is retried like a nack.
-        let disposition = std::panic::AssertUnwindSafe(processor.process(&message))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|_| {
-                tracing::error!(topic = message.message.topic(), "the message processor panicked");
-                Disposition::Nack {
-                    after: Duration::from_secs(1),
-                }
-            });
-        match disposition {
+        match attempt(processor, &message).await {
             Disposition::Nack { after } => {
                 // No nack in Kafka: the partition waits on this message, in order.
                 tokio::time::sleep(after).await;
@@ -183,6 +179,20 @@ where
             }
         }
     }
+}
+
+/// One attempt at `message`. A processor that panics (the consumer core catches its handler's
+/// panics; this catches any other processor's) is retried like a nack.
+async fn attempt<P: Processor<KafkaMessage>>(processor: &P, message: &KafkaMessage) -> Disposition {
+    std::panic::AssertUnwindSafe(processor.process(message))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            tracing::error!(topic = message.message.topic(), "the message processor panicked");
+            Disposition::Nack {
+                after: Duration::from_secs(1),
+            }
+        })
 }
 
 /// Produces the dead-letter copy of `message` and waits for the acknowledgement.

@@ -1,0 +1,760 @@
+//! A long-lived member of a consumer group: partitions processed concurrently, each in order;
+//! offsets committed in batches, and only up to messages whose outcome is recorded.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use idempotency_consumer::{Backoff, Disposition, Processor};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+use tokio::runtime::Handle;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tracing::Instrument;
+
+use crate::{KafkaAdapterError, KafkaMessage, attempt, dead_letter};
+
+/// How long one poll of the consumer waits for a message; also the longest a shutdown or an
+/// abandoned worker waits to be noticed.
+const POLL: Duration = Duration::from_millis(100);
+
+/// How often the poll thread paces partitions (pause and resume) and considers a commit.
+const HOUSEKEEPING: Duration = Duration::from_millis(20);
+
+/// Client settings the dead-letter producer shares with the consumer: where the brokers are
+/// and how to reach them.
+const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "ssl.", "client."];
+
+/// A member of a Kafka consumer group that processes one topic with a [`Processor`].
+///
+/// - **Order and concurrency**: the messages of one partition are processed one after another,
+///   in order; up to [`partitions_at_once`](Self::partitions_at_once) partitions are processed
+///   at the same time.
+/// - **Commits**: an offset is committed only once every message before it in its partition
+///   has been settled (its outcome recorded, or its dead-letter copy acknowledged), never
+///   ahead. Commits are batched: every [`commit_every`](Self::commit_every) interval or count,
+///   and on every revocation and on shutdown.
+/// - **No nack in Kafka**: a message the core answers with `Nack` (the key in flight in another
+///   consumer, the store unreachable, a handler's `Retry` below the delivery limit) holds its
+///   partition, which retries the same message after the backoff; its later messages wait.
+///   Nothing is ever skipped. A message to dead-letter is produced to the dead-letter topic
+///   (default `<topic>.dead`) and the partition moves on only once the produce is
+///   acknowledged; an unacknowledged one is produced again, with backoff.
+/// - **Rebalances**: on revocation, the revoked partitions stop taking messages, their
+///   running handlers are given [`settle_timeout`](Self::settle_timeout) to finish, what is
+///   settled is committed, and only then are the partitions released. The next owner may read
+///   the rest again; the record makes anything that completed a duplicate. A handler that
+///   outlives the timeout keeps its lease (the core's guard heartbeats it); the next owner
+///   waits on the key and then replays its outcome.
+/// - **Polling**: a thread of the runtime's blocking pool polls the consumer all the time (it
+///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
+///   partition with more than [`max_queued`](Self::max_queued) fetched messages waiting is
+///   paused at the broker until it has drained half of them.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use idempotency_kafka::Worker;
+/// use rdkafka::ClientConfig;
+/// # async fn example<P: idempotency_consumer::Processor<idempotency_kafka::KafkaMessage> + 'static>(
+/// #     processor: P,
+/// #     shutdown: impl Future<Output = ()> + Send,
+/// # ) -> Result<(), idempotency_kafka::KafkaAdapterError> {
+/// let mut config = ClientConfig::new();
+/// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "payments");
+/// let worker = Worker::new(config, "payments", Arc::new(processor)).partitions_at_once(8);
+/// worker.run_until(shutdown).await?; // SIGTERM, say: settle, commit, leave the group
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Metrics
+///
+/// Labelled with the worker's [`name`](Self::name) (`consumer`) and its `topic`:
+/// `idempotency_kafka_messages_total{result}` (`acked`, `retried`, `dead_lettered`),
+/// `idempotency_kafka_commits_total{result}` (`ok`, `failed`),
+/// `idempotency_kafka_rebalances_total{kind}` (`assign`, `revoke`), and the gauges
+/// `idempotency_kafka_commit_lag` (messages settled and not yet committed) and
+/// `idempotency_kafka_paused_partitions` (partitions held on a message being retried).
+pub struct Worker<P> {
+    config: ClientConfig,
+    topic: String,
+    dead_letter_topic: String,
+    processor: Arc<P>,
+    name: Option<String>,
+    options: Options,
+}
+
+/// The worker's tuning.
+#[derive(Debug, Clone)]
+struct Options {
+    partitions_at_once: usize,
+    commit_interval: Duration,
+    commit_count: u64,
+    settle_timeout: Duration,
+    max_queued: usize,
+    dead_letter_backoff: Backoff,
+}
+
+impl<P> fmt::Debug for Worker<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the client settings: they may hold SASL passwords.
+        f.debug_struct("Worker")
+            .field("group", &self.config.get("group.id"))
+            .field("topic", &self.topic)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
+    /// A worker for `topic` with the client settings `config`, which must name the brokers
+    /// (`bootstrap.servers`) and the consumer group (`group.id`), and may hold any other
+    /// librdkafka setting (security, timeouts). The worker sets `enable.auto.commit=false`,
+    /// and `auto.offset.reset=earliest` unless `config` says otherwise: a new group reads
+    /// what is already in the topic rather than losing it.
+    ///
+    /// Defaults: 16 partitions at once, commits every second or every 500 settled messages,
+    /// 30 s for running handlers to settle on a revocation, 1000 fetched messages queued per
+    /// partition, dead-letter topic `<topic>.dead`, name = the group id.
+    pub fn new(config: ClientConfig, topic: impl Into<String>, processor: Arc<P>) -> Self {
+        let topic = topic.into();
+        Self {
+            config,
+            dead_letter_topic: format!("{topic}.dead"),
+            topic,
+            processor,
+            name: None,
+            options: Options {
+                partitions_at_once: 16,
+                commit_interval: Duration::from_secs(1),
+                commit_count: 500,
+                settle_timeout: Duration::from_secs(30),
+                max_queued: 1000,
+                dead_letter_backoff: Backoff {
+                    initial: Duration::from_millis(100),
+                    max: Duration::from_secs(5),
+                },
+            },
+        }
+    }
+
+    /// The name the metrics and logs carry (`consumer`); the group id by default.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Where dead letters go (default `<topic>.dead`).
+    #[must_use]
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = topic.into();
+        self
+    }
+
+    /// How many partitions are processed at the same time (each one in order).
+    #[must_use]
+    pub fn partitions_at_once(mut self, partitions: usize) -> Self {
+        self.options.partitions_at_once = partitions.max(1);
+        self
+    }
+
+    /// Commit at least every `interval`, and as soon as `count` settled messages wait for a
+    /// commit. A crash costs at most the uncommitted messages' redelivery, which the record
+    /// answers without running their handlers again.
+    #[must_use]
+    pub fn commit_every(mut self, interval: Duration, count: u64) -> Self {
+        self.options.commit_interval = interval;
+        self.options.commit_count = count.max(1);
+        self
+    }
+
+    /// How long a revocation or a shutdown waits for running handlers to settle (keep it near
+    /// the consumer's lease, and below the group's `max.poll.interval.ms`).
+    #[must_use]
+    pub fn settle_timeout(mut self, timeout: Duration) -> Self {
+        self.options.settle_timeout = timeout;
+        self
+    }
+
+    /// How many fetched messages may wait in one partition before it is paused at the broker.
+    #[must_use]
+    pub fn max_queued(mut self, messages: usize) -> Self {
+        self.options.max_queued = messages.max(2);
+        self
+    }
+
+    /// Joins the group and consumes until `shutdown` completes; then stops taking messages,
+    /// lets the running handlers settle (up to the settle timeout), commits and leaves the
+    /// group.
+    ///
+    /// Dropping the returned future instead (aborting its task) is a crash: the handlers are
+    /// cancelled and nothing more is committed; the next owner reads the uncommitted messages
+    /// again, and the record answers those that completed.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaAdapterError::Config`] when `config` names no group or the client refuses a
+    /// setting, or the topic cannot be subscribed to. A broker that is down is not an error:
+    /// librdkafka reconnects, and the partitions wait.
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), KafkaAdapterError>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        let config_error = |what: String| KafkaAdapterError::Config(what);
+        let group = self
+            .config
+            .get("group.id")
+            .ok_or_else(|| config_error("the client settings name no consumer group (group.id)".into()))?;
+        let name = self.name.clone().unwrap_or_else(|| group.to_owned());
+        let mut producer_config = ClientConfig::new();
+        for (key, value) in self.config.config_map() {
+            if SHARED_SETTINGS.iter().any(|shared| key.starts_with(shared)) {
+                producer_config.set(key, value);
+            }
+        }
+        let producer: FutureProducer = producer_config
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .create()
+            .map_err(|e| config_error(format!("the dead-letter producer: {e}")))?;
+        let shared = Arc::new(Shared {
+            runtime: Handle::current(),
+            processor: Arc::clone(&self.processor),
+            producer,
+            topic: self.topic.clone(),
+            dead_letter_topic: self.dead_letter_topic.clone(),
+            permits: Semaphore::new(self.options.partitions_at_once),
+            options: self.options.clone(),
+            partitions: Mutex::new(HashMap::new()),
+            abandoned: AtomicBool::new(false),
+            metrics: Metrics::new(&name, &self.topic),
+            name,
+        });
+        let mut config = self.config.clone();
+        config.set("enable.auto.commit", "false");
+        if config.get("auto.offset.reset").is_none() {
+            config.set("auto.offset.reset", "earliest");
+        }
+        let consumer: BaseConsumer<WorkerContext<P>> = config
+            .create_with_context(WorkerContext {
+                shared: Arc::clone(&shared),
+            })
+            .map_err(|e| config_error(format!("the consumer: {e}")))?;
+        consumer
+            .subscribe(&[&self.topic])
+            .map_err(|e| config_error(format!("subscribing to {}: {e}", self.topic)))?;
+        tracing::info!(consumer = %shared.name, topic = %self.topic, "joining the consumer group");
+        let stopping = Arc::new(AtomicBool::new(false));
+        let abandon = Abandon(Some(Arc::clone(&shared)));
+        let mut poller = tokio::task::spawn_blocking({
+            let (shared, stopping) = (Arc::clone(&shared), Arc::clone(&stopping));
+            move || poll(&consumer, &shared, &stopping)
+        });
+        let ended = tokio::select! {
+            () = shutdown => None,
+            ended = &mut poller => Some(ended),
+        };
+        stopping.store(true, Ordering::SeqCst);
+        let ended = match ended {
+            Some(ended) => ended,
+            None => poller.await,
+        };
+        abandon.disarm();
+        ended.map_err(|e| KafkaAdapterError::Config(format!("the worker's poll thread failed: {e}")))
+    }
+}
+
+/// Marks the worker abandoned when `run_until`'s future is dropped before it returned.
+struct Abandon<P: Processor<KafkaMessage> + 'static>(Option<Arc<Shared<P>>>);
+
+impl<P: Processor<KafkaMessage> + 'static> Abandon<P> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<P: Processor<KafkaMessage> + 'static> Drop for Abandon<P> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.take() {
+            shared.abandoned.store(true, Ordering::SeqCst);
+            for task in shared
+                .lock()
+                .values()
+                .filter_map(|partition| partition.task.as_ref())
+            {
+                task.abort();
+            }
+        }
+    }
+}
+
+/// Polls until stopped or abandoned, routing messages to their partitions' tasks; then leaves
+/// the group. Runs on a thread of the blocking pool, where the rebalance callbacks may wait.
+fn poll<P: Processor<KafkaMessage> + 'static>(
+    consumer: &BaseConsumer<WorkerContext<P>>,
+    shared: &Arc<Shared<P>>,
+    stopping: &AtomicBool,
+) {
+    let mut last_commit = Instant::now();
+    let mut last_housekeeping = Instant::now();
+    loop {
+        if shared.abandoned.load(Ordering::SeqCst) {
+            break;
+        }
+        if stopping.load(Ordering::SeqCst) {
+            let all: Vec<_> = shared.lock().drain().collect();
+            shared.settle_and_commit(consumer, all);
+            tracing::info!(consumer = %shared.name, "stopped: settled, committed, leaving the group");
+            break;
+        }
+        match consumer.poll(POLL) {
+            Some(Ok(message)) => shared.route(message.detach()),
+            Some(Err(error)) => tracing::warn!(consumer = %shared.name, %error, "Kafka consumer error"),
+            None => {}
+        }
+        if last_housekeeping.elapsed() >= HOUSEKEEPING {
+            shared.housekeeping(consumer, &mut last_commit);
+            last_housekeeping = Instant::now();
+        }
+    }
+    // Dropping the consumer (by the caller) closes it: the group is told, and the revocation
+    // callback finds nothing left to settle.
+}
+
+/// The consumer's callbacks: partitions get a task on assignment and are settled and
+/// committed on revocation.
+struct WorkerContext<P: Processor<KafkaMessage> + 'static> {
+    shared: Arc<Shared<P>>,
+}
+
+impl<P: Processor<KafkaMessage> + 'static> ClientContext for WorkerContext<P> {}
+
+impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(list) = rebalance {
+            self.shared.metrics.revoked.increment(1);
+            let revoked: Vec<_> = {
+                let mut partitions = self.shared.lock();
+                list.elements()
+                    .iter()
+                    .filter(|element| element.topic() == self.shared.topic)
+                    .filter_map(|element| partitions.remove_entry(&element.partition()))
+                    .collect()
+            };
+            tracing::info!(consumer = %self.shared.name, partitions = revoked.len(), "partitions revoked");
+            self.shared.settle_and_commit(consumer, revoked);
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(list) => {
+                self.shared.metrics.assigned.increment(1);
+                let partitions: Vec<i32> = list
+                    .elements()
+                    .iter()
+                    .filter(|element| element.topic() == self.shared.topic)
+                    .map(|element| element.partition())
+                    .collect();
+                tracing::info!(consumer = %self.shared.name, ?partitions, "partitions assigned");
+                Shared::assign(&self.shared, &partitions);
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(error) => {
+                tracing::warn!(consumer = %self.shared.name, %error, "rebalance failed");
+            }
+        }
+    }
+}
+
+/// What the poll thread, the callbacks and the partition tasks share.
+struct Shared<P> {
+    runtime: Handle,
+    processor: Arc<P>,
+    producer: FutureProducer,
+    name: String,
+    topic: String,
+    dead_letter_topic: String,
+    options: Options,
+    permits: Semaphore,
+    partitions: Mutex<HashMap<i32, Partition>>,
+    abandoned: AtomicBool,
+    metrics: Metrics,
+}
+
+/// An assigned partition, as the poll thread sees it.
+struct Partition {
+    messages: mpsc::UnboundedSender<OwnedMessage>,
+    progress: Arc<Progress>,
+    /// The last offset committed (the next to read), or -1.
+    committed: i64,
+    stop: watch::Sender<bool>,
+    /// The partition's task; taken when it is awaited.
+    task: Option<tokio::task::JoinHandle<()>>,
+    paused: bool,
+}
+
+/// What a partition's task reports to the poll thread.
+struct Progress {
+    /// Messages routed to the task and not yet taken up.
+    queued: AtomicUsize,
+    /// The offset after the last settled message (what to commit), or -1.
+    settled: AtomicI64,
+    /// Messages settled since the last commit.
+    uncommitted: AtomicU64,
+}
+
+/// The worker's metrics, labelled once.
+struct Metrics {
+    acked: metrics::Counter,
+    retried: metrics::Counter,
+    dead_lettered: metrics::Counter,
+    commits_ok: metrics::Counter,
+    commits_failed: metrics::Counter,
+    assigned: metrics::Counter,
+    revoked: metrics::Counter,
+    commit_lag: metrics::Gauge,
+    paused: metrics::Gauge,
+}
+
+impl Metrics {
+    fn new(name: &str, topic: &str) -> Self {
+        let labels = [("consumer", name.to_owned()), ("topic", topic.to_owned())];
+        let messages = |result: &'static str| {
+            let mut labels = labels.to_vec();
+            labels.push(("result", result.to_owned()));
+            metrics::counter!("idempotency_kafka_messages_total", &labels)
+        };
+        let commits = |result: &'static str| {
+            let mut labels = labels.to_vec();
+            labels.push(("result", result.to_owned()));
+            metrics::counter!("idempotency_kafka_commits_total", &labels)
+        };
+        let rebalances = |kind: &'static str| {
+            let mut labels = labels.to_vec();
+            labels.push(("kind", kind.to_owned()));
+            metrics::counter!("idempotency_kafka_rebalances_total", &labels)
+        };
+        Self {
+            acked: messages("acked"),
+            retried: messages("retried"),
+            dead_lettered: messages("dead_lettered"),
+            commits_ok: commits("ok"),
+            commits_failed: commits("failed"),
+            assigned: rebalances("assign"),
+            revoked: rebalances("revoke"),
+            commit_lag: metrics::gauge!("idempotency_kafka_commit_lag", &labels),
+            paused: metrics::gauge!("idempotency_kafka_paused_partitions", &labels),
+        }
+    }
+}
+
+impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<i32, Partition>> {
+        self.partitions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts a task for each newly assigned partition.
+    fn assign(this: &Arc<Self>, assigned: &[i32]) {
+        let mut partitions = this.lock();
+        for &partition in assigned {
+            if partitions.contains_key(&partition) {
+                continue;
+            }
+            let (messages, receiver) = mpsc::unbounded_channel();
+            let (stop, stopped) = watch::channel(false);
+            let progress = Arc::new(Progress {
+                queued: AtomicUsize::new(0),
+                settled: AtomicI64::new(-1),
+                uncommitted: AtomicU64::new(0),
+            });
+            let task = this.runtime.spawn(Arc::clone(this).run_partition(
+                partition,
+                receiver,
+                Arc::clone(&progress),
+                stopped,
+            ));
+            partitions.insert(
+                partition,
+                Partition {
+                    messages,
+                    progress,
+                    committed: -1,
+                    stop,
+                    task: Some(task),
+                    paused: false,
+                },
+            );
+        }
+    }
+
+    /// Hands a fetched message to its partition's task.
+    fn route(&self, message: OwnedMessage) {
+        let partitions = self.lock();
+        match partitions.get(&message.partition()) {
+            Some(state) if message.topic() == self.topic => {
+                state.progress.queued.fetch_add(1, Ordering::SeqCst);
+                if state.messages.send(message).is_err() {
+                    state.progress.queued.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            // Not assigned here (any more): left uncommitted, for the partition's owner.
+            _ => {
+                tracing::debug!(consumer = %self.name, partition = message.partition(), "message of a partition not held");
+            }
+        }
+    }
+
+    /// Pauses partitions whose queue is full, resumes those that drained, and commits when a
+    /// batch is due.
+    fn housekeeping(&self, consumer: &BaseConsumer<WorkerContext<P>>, last_commit: &mut Instant) {
+        let mut partitions = self.lock();
+        let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
+        let mut uncommitted = 0;
+        for (&partition, state) in partitions.iter_mut() {
+            let queued = state.progress.queued.load(Ordering::SeqCst);
+            if !state.paused && queued >= self.options.max_queued {
+                pause.add_partition(&self.topic, partition);
+                state.paused = true;
+            } else if state.paused && queued <= self.options.max_queued / 2 {
+                resume.add_partition(&self.topic, partition);
+                state.paused = false;
+            }
+            uncommitted += state.progress.uncommitted.load(Ordering::SeqCst);
+        }
+        for (list, what) in [(&pause, "pause"), (&resume, "resume")] {
+            if list.count() > 0 {
+                let done = if what == "pause" {
+                    consumer.pause(list)
+                } else {
+                    consumer.resume(list)
+                };
+                if let Err(error) = done {
+                    tracing::warn!(consumer = %self.name, %error, "could not {what} partitions");
+                }
+            }
+        }
+        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
+        self.metrics.commit_lag.set(uncommitted as f64);
+        let due = uncommitted >= self.options.commit_count
+            || (uncommitted > 0 && last_commit.elapsed() >= self.options.commit_interval);
+        if due {
+            self.commit(consumer, partitions.iter_mut().map(|(p, state)| (*p, state)));
+            *last_commit = Instant::now();
+        }
+    }
+
+    /// Commits the settled offsets of `partitions` that are ahead of their last commit.
+    fn commit<'a>(
+        &self,
+        consumer: &BaseConsumer<WorkerContext<P>>,
+        partitions: impl Iterator<Item = (i32, &'a mut Partition)>,
+    ) {
+        let mut list = TopicPartitionList::new();
+        let mut committing = Vec::new();
+        for (partition, state) in partitions {
+            let settled = state.progress.settled.load(Ordering::SeqCst);
+            if settled > state.committed {
+                // The count is taken before the commit: messages settled meanwhile stay counted.
+                let count = state.progress.uncommitted.load(Ordering::SeqCst);
+                if let Err(error) = list.add_partition_offset(&self.topic, partition, Offset::Offset(settled))
+                {
+                    tracing::warn!(consumer = %self.name, %error, "could not list an offset to commit");
+                    continue;
+                }
+                committing.push((state, settled, count));
+            }
+        }
+        if committing.is_empty() {
+            return;
+        }
+        match consumer.commit(&list, CommitMode::Sync) {
+            Ok(()) => {
+                self.metrics.commits_ok.increment(1);
+                for (state, settled, count) in committing {
+                    state.committed = settled;
+                    state.progress.uncommitted.fetch_sub(count, Ordering::SeqCst);
+                }
+            }
+            Err(error) => {
+                // Kept for the next batch; a crash meanwhile costs redeliveries, not effects.
+                self.metrics.commits_failed.increment(1);
+                tracing::warn!(consumer = %self.name, %error, "offset commit failed");
+            }
+        }
+    }
+
+    /// Stops the tasks of `partitions`, waits for their running handlers (up to the settle
+    /// timeout), and commits what they settled, unless the assignment was lost (another member
+    /// owns the partitions and commits for them) or the worker was abandoned.
+    fn settle_and_commit(
+        &self,
+        consumer: &BaseConsumer<WorkerContext<P>>,
+        partitions: Vec<(i32, Partition)>,
+    ) {
+        if partitions.is_empty() {
+            return;
+        }
+        for (_, state) in &partitions {
+            let _ = state.stop.send(true);
+        }
+        let (mut tasks, mut states) = (Vec::new(), Vec::new());
+        for (partition, mut state) in partitions {
+            let Some(task) = state.task.take() else { continue };
+            if self.abandoned.load(Ordering::SeqCst) {
+                task.abort();
+                continue;
+            }
+            tasks.push(task);
+            states.push((partition, state));
+        }
+        if tasks.is_empty() {
+            return;
+        }
+        let timeout = self.options.settle_timeout;
+        let settled = self
+            .runtime
+            .block_on(async { tokio::time::timeout(timeout, futures_util::future::join_all(tasks)).await });
+        if settled.is_err() {
+            tracing::warn!(
+                consumer = %self.name,
+                ?timeout,
+                "handlers still running after the settle timeout; the next owner waits on their keys"
+            );
+        }
+        if consumer.assignment_lost() {
+            tracing::warn!(consumer = %self.name, "assignment lost: nothing committed for the revoked partitions");
+            return;
+        }
+        self.commit(consumer, states.iter_mut().map(|(p, state)| (*p, state)));
+    }
+
+    /// A partition's task: its messages one after another, until revoked.
+    async fn run_partition(
+        self: Arc<Self>,
+        partition: i32,
+        mut messages: mpsc::UnboundedReceiver<OwnedMessage>,
+        progress: Arc<Progress>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            let message = tokio::select! {
+                biased;
+                () = stopped(&mut stop) => return,
+                message = messages.recv() => match message {
+                    Some(message) => message,
+                    None => return,
+                },
+            };
+            progress.queued.fetch_sub(1, Ordering::SeqCst);
+            let offset = message.offset();
+            let span = tracing::debug_span!("kafka_message", consumer = %self.name, topic = %self.topic, partition, offset);
+            match self
+                .settle(KafkaMessage::new(message), &mut stop)
+                .instrument(span)
+                .await
+            {
+                Some(_) => {
+                    progress.settled.store(offset + 1, Ordering::SeqCst);
+                    progress.uncommitted.fetch_add(1, Ordering::SeqCst);
+                }
+                // Revoked before it settled: left uncommitted, for the next owner.
+                None => return,
+            }
+        }
+    }
+
+    /// Processes `message` until it is settled (`Ack`, or dead-lettered and acknowledged), or
+    /// until the partition is stopped (`None`).
+    async fn settle(
+        &self,
+        mut message: KafkaMessage,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Option<Disposition> {
+        let mut held = Held {
+            gauge: &self.metrics.paused,
+            holding: false,
+        };
+        loop {
+            let disposition = {
+                let _permit = tokio::select! {
+                    biased;
+                    () = stopped(stop) => return None,
+                    permit = self.permits.acquire() => permit.ok()?,
+                };
+                attempt(&*self.processor, &message).await
+            };
+            match disposition {
+                Disposition::Ack => {
+                    self.metrics.acked.increment(1);
+                    return Some(Disposition::Ack);
+                }
+                Disposition::Nack { after } => {
+                    // No nack in Kafka: the partition holds on this message, in order.
+                    self.metrics.retried.increment(1);
+                    held.hold();
+                    wait(after, stop).await?;
+                    message.deliveries = message.deliveries.saturating_add(1);
+                }
+                Disposition::DeadLetter { reason } => {
+                    let mut failures = 0_u32;
+                    while let Err(error) =
+                        dead_letter(&self.producer, &self.dead_letter_topic, &message, &reason).await
+                    {
+                        failures = failures.saturating_add(1);
+                        tracing::warn!(consumer = %self.name, %error, "dead-letter copy not acknowledged; producing it again");
+                        held.hold();
+                        wait(self.options.dead_letter_backoff.delay(failures), stop).await?;
+                    }
+                    self.metrics.dead_lettered.increment(1);
+                    tracing::warn!(consumer = %self.name, %reason, "dead-lettered");
+                    return Some(Disposition::DeadLetter { reason });
+                }
+            }
+        }
+    }
+}
+
+/// Counts a partition as paused while it holds on one message.
+struct Held<'a> {
+    gauge: &'a metrics::Gauge,
+    holding: bool,
+}
+
+impl Held<'_> {
+    fn hold(&mut self) {
+        if !self.holding {
+            self.gauge.increment(1.0);
+            self.holding = true;
+        }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if self.holding {
+            self.gauge.decrement(1.0);
+        }
+    }
+}
+
+/// Resolves once the partition is told to stop (or its poll thread is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Waits `after`; `None` when the partition is stopped first.
+async fn wait(after: Duration, stop: &mut watch::Receiver<bool>) -> Option<()> {
+    tokio::select! {
+        biased;
+        () = stopped(stop) => None,
+        () = tokio::time::sleep(after) => Some(()),
+    }
+}
