@@ -517,7 +517,6 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
     fn housekeeping(&self, consumer: &BaseConsumer<WorkerContext<P>>, last_commit: &mut Instant) {
         let mut partitions = self.lock();
         let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
-        let mut uncommitted = 0;
         for (&partition, state) in partitions.iter_mut() {
             let queued = state.progress.queued.load(Ordering::SeqCst);
             if !state.paused && queued >= self.options.max_queued {
@@ -527,7 +526,6 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                 resume.add_partition(&self.topic, partition);
                 state.paused = false;
             }
-            uncommitted += state.progress.uncommitted.load(Ordering::SeqCst);
         }
         for (list, what) in [(&pause, "pause"), (&resume, "resume")] {
             if list.count() > 0 {
@@ -541,14 +539,20 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                 }
             }
         }
-        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
-        self.metrics.commit_lag.set(uncommitted as f64);
+        let uncommitted = uncommitted(&partitions);
         let due = uncommitted >= self.options.commit_count
             || (uncommitted > 0 && last_commit.elapsed() >= self.options.commit_interval);
         if due {
             self.commit(consumer, partitions.iter_mut().map(|(p, state)| (*p, state)));
             *last_commit = Instant::now();
         }
+        self.show_lag(&partitions);
+    }
+
+    /// Sets the commit-lag gauge from the partitions held.
+    fn show_lag(&self, partitions: &HashMap<i32, Partition>) {
+        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
+        self.metrics.commit_lag.set(uncommitted(partitions) as f64);
     }
 
     /// Commits the settled offsets of `partitions` that are ahead of their last commit.
@@ -631,9 +635,11 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         }
         if consumer.assignment_lost() {
             tracing::warn!(consumer = %self.name, "assignment lost: nothing committed for the revoked partitions");
+            self.show_lag(&self.lock());
             return;
         }
         self.commit(consumer, states.iter_mut().map(|(p, state)| (*p, state)));
+        self.show_lag(&self.lock());
     }
 
     /// A partition's task: its messages one after another, until revoked.
@@ -720,6 +726,14 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
             }
         }
     }
+}
+
+/// Messages settled and not yet committed, over `partitions`.
+fn uncommitted(partitions: &HashMap<i32, Partition>) -> u64 {
+    partitions
+        .values()
+        .map(|state| state.progress.uncommitted.load(Ordering::SeqCst))
+        .sum()
 }
 
 /// Counts a partition as paused while it holds on one message.

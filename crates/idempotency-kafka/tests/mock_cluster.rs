@@ -3,80 +3,33 @@
 //! effects that must count exactly one per key: a producer that writes every event twice, a
 //! consumer that dies between its handler and its commit, a reused key and a poison message.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::{Cluster, committed_and_end};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
-use idempotency_kafka::{DEAD_OFFSET_HEADER, KafkaMessage, idempotent_producer, process, publish};
+use idempotency_kafka::{DEAD_OFFSET_HEADER, KafkaMessage, process, publish};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::mocking::MockCluster;
-use rdkafka::producer::FutureProducer;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 const TOPIC: &str = "payments";
 const DEAD: &str = "payments.dead";
 const PARTITIONS: i32 = 4;
 
-struct Cluster {
-    // Declared first so it is dropped last: the clients below talk to it.
-    producer: FutureProducer,
-    cluster: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+/// The cluster with the topic and its dead-letter topic.
+fn cluster() -> Cluster {
+    Cluster::new(1, &[(TOPIC, PARTITIONS), (DEAD, 1)])
 }
 
-impl Cluster {
-    fn new() -> Self {
-        let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
-        cluster.create_topic(TOPIC, PARTITIONS, 1).unwrap();
-        cluster.create_topic(DEAD, 1, 1).unwrap();
-        let producer = idempotent_producer(&cluster.bootstrap_servers()).unwrap();
-        Self { producer, cluster }
-    }
-
-    fn consumer(&self, group: &str, topic: &str) -> StreamConsumer {
-        let consumer: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", self.cluster.bootstrap_servers())
-            .set("group.id", group)
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            // A consumer that dies is out of the group within seconds, not the default 45 s.
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "500")
-            .create()
-            .unwrap();
-        consumer.subscribe(&[topic]).unwrap();
-        consumer
-    }
-
-    /// The group's committed offsets summed over the topic's partitions, and the sum of the
-    /// partitions' high watermarks.
-    fn committed_and_end(&self, consumer: &StreamConsumer) -> (i64, i64) {
-        let mut list = TopicPartitionList::new();
-        for partition in 0..PARTITIONS {
-            list.add_partition(TOPIC, partition);
-        }
-        let committed = consumer
-            .committed_offsets(list, Duration::from_secs(5))
-            .unwrap()
-            .elements()
-            .iter()
-            .map(|element| match element.offset() {
-                Offset::Offset(n) => n,
-                _ => 0,
-            })
-            .sum();
-        let end = (0..PARTITIONS)
-            .map(|partition| {
-                consumer
-                    .fetch_watermarks(TOPIC, partition, Duration::from_secs(5))
-                    .unwrap()
-                    .1
-            })
-            .sum();
-        (committed, end)
-    }
+/// A member of `group` subscribed to `topic`.
+fn subscribed(cluster: &Cluster, group: &str, topic: &str) -> StreamConsumer {
+    let consumer: StreamConsumer = cluster.config(group).create().unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    consumer
 }
 
 /// Charges once per call, by key; the poison key panics every time.
@@ -141,7 +94,7 @@ async fn consume(
 /// reach the end of every partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_event_written_twice_has_one_effect() {
-    let cluster = Cluster::new();
+    let cluster = cluster();
     for n in 0..50 {
         let key = Key::new(format!("pay-{n}")).unwrap();
         for _ in 0..2 {
@@ -157,7 +110,7 @@ async fn every_event_written_twice_has_one_effect() {
         }
     }
     let (store, charger) = (MemoryStore::new(), Arc::new(Charger::default()));
-    let consumer = cluster.consumer("twice", TOPIC);
+    let consumer = subscribed(&cluster, "twice", TOPIC);
     let dispositions = consume(&consumer, &cluster, &processor(&store, &charger), 100).await;
     assert!(
         dispositions.iter().all(|d| *d == Disposition::Ack),
@@ -171,7 +124,7 @@ async fn every_event_written_twice_has_one_effect() {
         50,
         "the copies ran the handler"
     );
-    let (committed, end) = cluster.committed_and_end(&consumer);
+    let (committed, end) = committed_and_end(&consumer, TOPIC, PARTITIONS);
     assert_eq!((committed, end), (100, 100));
 }
 
@@ -179,7 +132,7 @@ async fn every_event_written_twice_has_one_effect() {
 /// reads the messages again, and the record answers them without running the handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_dying_before_its_commit_costs_no_second_effect() {
-    let cluster = Cluster::new();
+    let cluster = cluster();
     for n in 0..20 {
         let key = Key::new(format!("order-{n}")).unwrap();
         publish(&cluster.producer, TOPIC, &key, None, b"EUR 10")
@@ -190,7 +143,7 @@ async fn a_consumer_dying_before_its_commit_costs_no_second_effect() {
     let processor = processor(&store, &charger);
     {
         // The first consumer handles every message and records it, and dies before committing.
-        let first = cluster.consumer("crash", TOPIC);
+        let first = subscribed(&cluster, "crash", TOPIC);
         for _ in 0..20 {
             let message = tokio::time::timeout(Duration::from_secs(20), first.recv())
                 .await
@@ -204,19 +157,19 @@ async fn a_consumer_dying_before_its_commit_costs_no_second_effect() {
         }
     }
     assert_eq!(charger.calls.load(Ordering::SeqCst), 20);
-    let second = cluster.consumer("crash", TOPIC);
+    let second = subscribed(&cluster, "crash", TOPIC);
     let dispositions = consume(&second, &cluster, &processor, 20).await;
     assert!(dispositions.iter().all(|d| *d == Disposition::Ack));
     assert_eq!(charger.calls.load(Ordering::SeqCst), 20, "a message ran twice");
     assert!(charger.charges.lock().unwrap().values().all(|&n| n == 1));
-    assert_eq!(cluster.committed_and_end(&second), (20, 20));
+    assert_eq!(committed_and_end(&second, TOPIC, PARTITIONS), (20, 20));
 }
 
 /// A key reused with another payload and a handler that panics every time go to the dead-letter
 /// topic with their reasons and source; the consumer goes on with the next messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reused_key_and_a_poison_message_are_dead_lettered_and_consumption_goes_on() {
-    let cluster = Cluster::new();
+    let cluster = cluster();
     // One partition's order, by record key: the reuse and the poison come before a healthy one.
     let record_key = Some(&b"account-1"[..]);
     let key = |text: &str| Key::new(text).unwrap();
@@ -233,7 +186,7 @@ async fn a_reused_key_and_a_poison_message_are_dead_lettered_and_consumption_goe
         .await
         .unwrap();
     let (store, charger) = (MemoryStore::new(), Arc::new(Charger::default()));
-    let consumer = cluster.consumer("dead", TOPIC);
+    let consumer = subscribed(&cluster, "dead", TOPIC);
     let dispositions = consume(&consumer, &cluster, &processor(&store, &charger), 4).await;
     assert_eq!(dispositions[0], Disposition::Ack);
     assert!(
@@ -245,9 +198,9 @@ async fn a_reused_key_and_a_poison_message_are_dead_lettered_and_consumption_goe
     assert_eq!(charges, HashMap::from([("pay-1".into(), 1), ("pay-2".into(), 1)]));
     // pay-1, pay-2, and the poison message three times (the delivery limit).
     assert_eq!(charger.calls.load(Ordering::SeqCst), 5);
-    assert_eq!(cluster.committed_and_end(&consumer), (4, 4));
+    assert_eq!(committed_and_end(&consumer, TOPIC, PARTITIONS), (4, 4));
 
-    let reader = cluster.consumer("dead-reader", DEAD);
+    let reader = subscribed(&cluster, "dead-reader", DEAD);
     let mut dead = Vec::new();
     while dead.len() < 2 {
         let message = tokio::time::timeout(Duration::from_secs(20), reader.recv())

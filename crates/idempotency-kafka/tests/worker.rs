@@ -150,3 +150,205 @@ async fn a_worker_killed_mid_handler_leaves_the_message_for_the_next() {
     // 20 first calls, and the held message's second.
     assert_eq!(charger.ledger.calls(), 21);
 }
+
+/// A running worker: the sender stops it.
+type Running = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), idempotency_kafka::KafkaAdapterError>>,
+);
+
+/// Starts a worker of `group` on `topic`.
+fn start(cluster: &Cluster, group: &str, topic: &str, name: &str, processor: Arc<Processor>) -> Running {
+    // The process-wide recorder is installed before any worker creates its metrics.
+    let _ = idempotency_testkit::recorded::global();
+    let worker = Worker::new(cluster.config(group), topic, processor)
+        .name(name)
+        .commit_every(Duration::from_millis(200), 100);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
+    (stop, running)
+}
+
+/// Stops the workers, each settling and committing.
+async fn stop_all(workers: Vec<Running>) {
+    for (stop, running) in workers {
+        stop.send(()).unwrap();
+        running.await.unwrap().unwrap();
+    }
+}
+
+/// 8 partitions, 3 workers in one group; one leaves and one joins while 2,000 keyed events
+/// flow: every key runs exactly once, the group's offsets reach the end of every partition,
+/// and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_storm_runs_every_key_once() {
+    let cluster = Cluster::new(1, &[("events", 8), ("events.dead", 1)]);
+    let store = MemoryStore::new();
+    let charger = Arc::new(Charger {
+        pause: Duration::from_millis(1),
+        ..Charger::default()
+    });
+    let processor = processor(&store, &charger);
+    let events = keys("event", 2000);
+    let mut workers: Vec<_> = ["storm-a", "storm-b", "storm-c"]
+        .iter()
+        .map(|name| start(&cluster, "storm", "events", name, Arc::clone(&processor)))
+        .collect();
+    cluster.publish_all("events", &events[..700]).await;
+    eventually(LIMIT, "300 executed", || charger.ledger.keys() >= 300).await;
+    // b leaves mid-stream: its partitions settle, commit, and move to a and c.
+    let (stop, running) = workers.remove(1);
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    cluster.publish_all("events", &events[700..1400]).await;
+    // d joins mid-stream.
+    workers.push(start(
+        &cluster,
+        "storm",
+        "events",
+        "storm-d",
+        Arc::clone(&processor),
+    ));
+    cluster.publish_all("events", &events[1400..]).await;
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("storm", "events", 8) == (2000, 2000)
+    })
+    .await;
+    stop_all(workers).await;
+    charger.ledger.assert_once_each(events);
+    assert_eq!(
+        cluster.committed_and_end("storm", "events.dead", 1),
+        (0, 0),
+        "dead letters"
+    );
+}
+
+/// Each of three brokers goes down and comes back while events flow: no event is lost and
+/// none runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_going_down_mid_stream_lose_nothing_and_run_nothing_twice() {
+    let cluster = Cluster::new(3, &[("events", 6), ("events.dead", 1)]);
+    let store = MemoryStore::new();
+    let charger = Arc::new(Charger::default());
+    let processor = processor(&store, &charger);
+    let events = keys("event", 900);
+    let workers: Vec<_> = ["outage-a", "outage-b"]
+        .iter()
+        .map(|name| start(&cluster, "outage", "events", name, Arc::clone(&processor)))
+        .collect();
+    cluster.publish_all("events", &events[..300]).await;
+    eventually(LIMIT, "100 executed", || charger.ledger.keys() >= 100).await;
+    for (broker, batch) in [
+        (1, &events[300..500]),
+        (2, &events[500..700]),
+        (3, &events[700..]),
+    ] {
+        cluster.cluster.broker_down(broker).unwrap();
+        // The idempotent producer holds and retries what the down broker leads.
+        let publishing = cluster.publish_all("events", batch);
+        let outage = async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            cluster.cluster.broker_up(broker).unwrap();
+        };
+        tokio::join!(publishing, outage);
+    }
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("outage", "events", 6) == (900, 900)
+    })
+    .await;
+    stop_all(workers).await;
+    charger.ledger.assert_once_each(events);
+    assert_eq!(charger.ledger.calls(), 900);
+}
+
+/// A key reused with another payload and a handler that panics every time go to the
+/// dead-letter topic (the panic after the delivery limit); the worker lives on, its partition
+/// goes past them only once the dead letters are acknowledged, and every metric moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_leave_the_worker_running_and_the_metrics_move() {
+    let cluster = Cluster::new(1, &[("payments", 2), ("payments.dead", 1)]);
+    // One partition's order, by record key: the reuse and the poison come before a healthy one.
+    for (key, payload) in [
+        ("pay-1", "EUR 10"),
+        ("pay-1", "EUR 99"),
+        ("poison", "EUR ??"),
+        ("pay-2", "EUR 20"),
+    ] {
+        let key = idempotency_core::Key::new(key).unwrap();
+        idempotency_kafka::publish(
+            &cluster.producer,
+            "payments",
+            &key,
+            Some(b"account-1"),
+            payload.as_bytes(),
+        )
+        .await
+        .unwrap();
+    }
+    // Commits of this group fail twice before they succeed.
+    cluster.cluster.request_errors(
+        rdkafka::types::RDKafkaApiKey::OffsetCommit,
+        &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_OFFSET_METADATA_TOO_LARGE; 2],
+    );
+    let (store, charger) = (MemoryStore::new(), Arc::new(Charger::default()));
+    let worker = start(
+        &cluster,
+        "dead",
+        "payments",
+        "dead-letter-test",
+        processor(&store, &charger),
+    );
+    let dead = cluster.read("payments.dead", 2).await;
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("dead", "payments", 2) == (4, 4)
+    })
+    .await;
+    // Still running: a later payment is processed.
+    cluster.publish("payments", "pay-3", b"EUR 30").await;
+    eventually(LIMIT, "pay-3 executed", || charger.ledger.keys() == 3).await;
+    assert!(!worker.1.is_finished());
+    stop_all(vec![worker]).await;
+
+    let header = |message: &KafkaMessage, name: &str| {
+        String::from_utf8_lossy(message.header(name).unwrap_or_default()).into_owned()
+    };
+    let dead: Vec<KafkaMessage> = dead.into_iter().map(KafkaMessage::new).collect();
+    assert_eq!(header(&dead[0], "Idempotency-Key"), "pay-1");
+    assert!(header(&dead[0], "Idempotency-Dead-Reason").contains("different payload"));
+    assert_eq!(header(&dead[0], "Idempotency-Dead-Source"), "payments");
+    assert_eq!(header(&dead[1], "Idempotency-Key"), "poison");
+    assert!(header(&dead[1], "Idempotency-Dead-Reason").starts_with("panic:"));
+    assert_eq!(header(&dead[1], "Idempotency-Dead-Deliveries"), "3");
+    charger
+        .ledger
+        .assert_once_each(["pay-1", "pay-2", "pay-3"].map(String::from));
+    // pay-1, pay-2, pay-3, and the poison message three times.
+    assert_eq!(charger.ledger.calls(), 6);
+
+    let metrics = idempotency_testkit::recorded::global();
+    let labels = |extra: (&'static str, &'static str)| {
+        [("consumer", "dead-letter-test"), ("topic", "payments"), extra]
+    };
+    let messages = |result| metrics.counter("idempotency_kafka_messages_total", &labels(("result", result)));
+    assert_eq!(messages("acked"), 3);
+    assert_eq!(messages("dead_lettered"), 2);
+    assert_eq!(
+        messages("retried"),
+        2,
+        "the poison message's first two deliveries"
+    );
+    assert!(metrics.counter("idempotency_kafka_commits_total", &labels(("result", "ok"))) >= 1);
+    assert_eq!(
+        metrics.counter("idempotency_kafka_commits_total", &labels(("result", "failed"))),
+        2
+    );
+    assert!(metrics.counter("idempotency_kafka_rebalances_total", &labels(("kind", "assign"))) >= 1);
+    assert!(metrics.counter("idempotency_kafka_rebalances_total", &labels(("kind", "revoke"))) >= 1);
+    let gauge = |name| metrics.gauge(name, &[("consumer", "dead-letter-test")]);
+    assert_eq!(
+        gauge("idempotency_kafka_paused_partitions"),
+        0.0,
+        "a partition still counted as held"
+    );
+    assert_eq!(gauge("idempotency_kafka_commit_lag"), 0.0);
+}

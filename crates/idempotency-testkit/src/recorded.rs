@@ -18,7 +18,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 /// One recorded series: name, labels, value.
 type Series = (String, Vec<(String, String)>, DebugValue);
 
-/// What a test recorded: every counter and histogram series, by name and labels.
+/// What a test recorded: every counter, gauge and histogram series, by name and labels.
 #[derive(Debug)]
 pub struct Recorded {
     series: Vec<Series>,
@@ -44,6 +44,29 @@ pub fn record_metrics_paused<F: Future>(test: F) -> Recorded {
     record(test, true)
 }
 
+/// What the process-wide recorder has recorded so far, for metrics emitted on threads a test
+/// does not run (a client library's own threads, the runtime's blocking pool). The recorder
+/// is installed as the global one on the first call, so call this before the code under test
+/// creates its metrics, and tell tests of one binary apart by their labels.
+///
+/// # Panics
+///
+/// If another global recorder was installed first.
+#[must_use]
+pub fn global() -> Recorded {
+    static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+        std::sync::OnceLock::new();
+    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).expect("no other global metrics recorder");
+        snapshotter
+    });
+    Recorded {
+        series: series(snapshotter),
+    }
+}
+
 fn record<F: Future>(test: F, paused: bool) -> Recorded {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -55,7 +78,13 @@ fn record<F: Future>(test: F, paused: bool) -> Recorded {
             .expect("a runtime")
             .block_on(test)
     });
-    let series = snapshotter
+    Recorded {
+        series: series(&snapshotter),
+    }
+}
+
+fn series(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<Series> {
+    snapshotter
         .snapshot()
         .into_vec()
         .into_iter()
@@ -67,8 +96,7 @@ fn record<F: Future>(test: F, paused: bool) -> Recorded {
                 .collect();
             (key.name().to_owned(), labels, value)
         })
-        .collect();
-    Recorded { series }
+        .collect()
 }
 
 impl Recorded {
@@ -95,6 +123,17 @@ impl Recorded {
             .map(|value| match value {
                 DebugValue::Counter(n) => *n,
                 _ => 0,
+            })
+            .sum()
+    }
+
+    /// The sum of the gauge `name` over the series carrying every label in `labels`.
+    #[must_use]
+    pub fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels)
+            .map(|value| match value {
+                DebugValue::Gauge(n) => n.into_inner(),
+                _ => 0.0,
             })
             .sum()
     }

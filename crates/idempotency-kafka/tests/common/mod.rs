@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use idempotency_core::Key;
 use idempotency_kafka::{idempotent_producer, publish};
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::OwnedMessage;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -59,6 +60,28 @@ impl Cluster {
         )
         .await
         .unwrap();
+    }
+
+    /// Publishes one event per key of `keys` (each its own record key), all at once.
+    pub async fn publish_all(&self, topic: &str, keys: &[String]) {
+        futures_util::future::join_all(keys.iter().map(|key| self.publish(topic, key, b"EUR 10"))).await;
+    }
+
+    /// The first `count` messages of partition 0 of `topic`, read without joining a group.
+    pub async fn read(&self, topic: &str, count: usize) -> Vec<OwnedMessage> {
+        let reader: StreamConsumer = self.config("readers").create().unwrap();
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(topic, 0, Offset::Beginning).unwrap();
+        reader.assign(&list).unwrap();
+        let mut messages = Vec::new();
+        while messages.len() < count {
+            let message = tokio::time::timeout(Duration::from_secs(30), reader.recv())
+                .await
+                .expect("a message within 30 s")
+                .unwrap();
+            messages.push(message.detach());
+        }
+        messages
     }
 
     /// The committed offsets of `group` summed over the partitions of `topic`, and the sum of
