@@ -24,16 +24,16 @@ use lapin::types::FieldTable;
 
 use crate::measure::{Samples, per_second};
 
-const MESSAGES: usize = 3000;
+pub(crate) const MESSAGES: usize = 3000;
 /// How long the bench's records live.
-const RETENTION: Duration = Duration::from_secs(60);
+pub(crate) const RETENTION: Duration = Duration::from_secs(60);
 /// Messages in process at once, in both variants (a consumer with a prefetch of 100 works so).
 const CONCURRENCY: usize = 64;
-type DynStore = Arc<dyn StoreAdmin>;
+pub(crate) type DynStore = Arc<dyn StoreAdmin>;
 
 /// Counts what it handles.
 #[derive(Default)]
-struct Count(AtomicU64);
+pub(crate) struct Count(AtomicU64);
 
 impl<M: Sync> Handler<M> for Count {
     async fn handle(&self, _message: &M, _attempt: &Attempt) -> Result<Outcome, HandlerError> {
@@ -43,7 +43,7 @@ impl<M: Sync> Handler<M> for Count {
 }
 
 /// Inserts one row per message, in the record's transaction.
-struct InsertRow(String);
+pub(crate) struct InsertRow(pub(crate) String);
 
 impl<M: Delivery + Sync> TxHandler<M, PostgresStore> for InsertRow {
     async fn handle(
@@ -59,7 +59,7 @@ impl<M: Delivery + Sync> TxHandler<M, PostgresStore> for InsertRow {
     }
 }
 
-async fn insert_row<'e>(
+pub(crate) async fn insert_row<'e>(
     executor: impl sqlx::PgExecutor<'e>,
     table: &str,
     key: &str,
@@ -77,7 +77,7 @@ async fn insert_row<'e>(
 }
 
 /// What a consumer does with each message.
-enum Work {
+pub(crate) enum Work {
     /// Nothing but the ack.
     Ack,
     /// The guard on a store, around a handler that counts.
@@ -98,32 +98,7 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
         println!("\n## Consumers: messages/s consumed and acked, with the guard vs without ({MESSAGES} messages per measurement)\n");
         println!("| broker | store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
         println!("|---|---|---:|---:|---:|---:|---:|");
-        let (redis, postgres) = stores().await?;
-        let table = format!("idempotency_bench.consumer_rows_{}", std::process::id());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea NOT NULL)"
-        )))
-        .execute(postgres.pool())
-        .await
-        .map_err(|e| e.to_string())?;
-        // A short retention: the records must not outlive the bench in the shared servers, where
-        // a Redis keyspace full of them would slow every SCAN of the test suite.
-        let guarded = |store: &DynStore| {
-            Work::Guard(Consumer::new("bench", Arc::clone(store), Count::default()).retention(RETENTION))
-        };
-        let redis: DynStore = Arc::new(redis);
-        let postgres_dyn: DynStore = Arc::new(postgres.clone());
-        let pairs = [
-            ("redis", guarded(&redis), Work::Ack),
-            ("postgres", guarded(&postgres_dyn), Work::Ack),
-            (
-                "postgres, insert a row: same transaction vs own transaction",
-                Work::InTransaction(
-                    TxConsumer::new("bench", postgres.clone(), InsertRow(table.clone())).retention(RETENTION),
-                ),
-                Work::Insert(postgres.pool().clone(), table.clone()),
-            ),
-        ];
+        let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in &pairs {
             for broker in ["rabbitmq", "nats"] {
                 let mut with = Vec::new();
@@ -148,14 +123,51 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
                 );
             }
         }
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
-            .execute(postgres.pool())
-            .await;
+        drop_rows(&postgres, &table).await;
         Ok(())
     })
 }
 
-async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresStore), String> {
+/// The stores, the table rows are inserted into, and the three pairs measured: (what, with the
+/// record, without it).
+pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Work, Work); 3]), String> {
+    let (redis, postgres) = stores().await?;
+    let table = format!("idempotency_bench.consumer_rows_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea NOT NULL)"
+    )))
+    .execute(postgres.pool())
+    .await
+    .map_err(|e| e.to_string())?;
+    // A short retention: the records must not outlive the bench in the shared servers, where
+    // a Redis keyspace full of them would slow every SCAN of the test suite.
+    let guarded = |store: &DynStore| {
+        Work::Guard(Consumer::new("bench", Arc::clone(store), Count::default()).retention(RETENTION))
+    };
+    let redis: DynStore = Arc::new(redis);
+    let postgres_dyn: DynStore = Arc::new(postgres.clone());
+    let pairs = [
+        ("redis", guarded(&redis), Work::Ack),
+        ("postgres", guarded(&postgres_dyn), Work::Ack),
+        (
+            "postgres, insert a row: same transaction vs own transaction",
+            Work::InTransaction(
+                TxConsumer::new("bench", postgres.clone(), InsertRow(table.clone())).retention(RETENTION),
+            ),
+            Work::Insert(postgres.pool().clone(), table.clone()),
+        ),
+    ];
+    Ok((postgres, table, pairs))
+}
+
+/// Drops the table rows were inserted into.
+pub(crate) async fn drop_rows(postgres: &PostgresStore, table: &str) {
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(postgres.pool())
+        .await;
+}
+
+pub(crate) async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresStore), String> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let redis = idempotency_redis::RedisStore::connect(&url)
         .await
@@ -286,7 +298,7 @@ fn expect_ack(disposition: Disposition) -> Result<(), String> {
 }
 
 /// What the unguarded consumer does per message: the same nothing the handler does.
-fn consumer_free_handle(payload: &[u8]) -> usize {
+pub(crate) fn consumer_free_handle(payload: &[u8]) -> usize {
     std::hint::black_box(payload.len())
 }
 

@@ -6,12 +6,13 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 mod consumers;
 mod http;
+mod kafka;
 mod measure;
 mod memory;
 mod postgres;
@@ -51,6 +52,7 @@ enum Target {
     Http,
     Gateway,
     Consumers,
+    Kafka,
     /// Every target, in this order.
     All,
 }
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
             Target::Http => http::run(window, rounds),
             Target::Gateway => http::run_gateway(window, rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
+            Target::Kafka => kafka::run(rounds),
         };
         if let Err(error) = result {
             eprintln!("idem-bench: {target:?}: {error}");

@@ -2,11 +2,19 @@
 //! committed only after its outcome is recorded, and what would be a nack elsewhere keeps the
 //! partition on the same message.
 //!
-//! This crate is the per-message layer: [`process`] takes one message of a partition through a
-//! [`Processor`] (an [`idempotency_consumer::Consumer`]) and settles it; [`publish`] sends an
-//! event with its `Idempotency-Key` from an idempotent producer. Call `process` for the messages
-//! of one partition one after another (partitions may run concurrently): Kafka's offsets are a
-//! position, so a partition's order is the unit of progress.
+//! - [`Worker`]: a member of a consumer group. Partitions are processed concurrently, each in
+//!   order; offsets are committed in batches and only up to settled messages; revoked
+//!   partitions settle and commit before they are released. This is what a service runs.
+//! - [`process`]: one message through a [`Processor`], then a synchronous commit past it, for
+//!   callers that drive their own consumer loop (call it for one partition's messages one
+//!   after another).
+//! - [`publish`] and [`idempotent_producer`]: events with their `Idempotency-Key`, from a
+//!   producer whose own retries never duplicate a write.
+//!
+//! A same-transaction consumer ([`idempotency_consumer::TxConsumer`] on PostgreSQL) works with
+//! both: the handler's rows, the record and its completion commit together, and the offset is
+//! committed to Kafka after that commit. `docs/CONSUMERS.md` (the consumer guide) has the
+//! whole contract.
 //!
 //! # What each disposition becomes
 //!
@@ -15,7 +23,7 @@
 //!
 //! | disposition | Kafka |
 //! |---|---|
-//! | `Ack` (executed and recorded, or a duplicate) | commit the offset after it |
+//! | `Ack` (executed and recorded, or a duplicate) | commit the offset after it (the [`Worker`]: in the next batch) |
 //! | `Nack { after }` (in flight elsewhere, the store down, a handler's `Retry` below the limit, a panic below the limit) | wait `after`, then process **the same message** again: its partition waits, in order |
 //! | `DeadLetter { reason }` (a reused key, no key, `Fatal`, the delivery limit) | produce a copy to the dead-letter topic with the reason, source topic, partition and offset headers, wait for the broker's acknowledgement, then commit past it |
 //!
@@ -107,9 +115,9 @@ impl Delivery for KafkaMessage {
     }
 }
 
-/// Why [`process`] or [`publish`] failed: the broker did not acknowledge a produce or a commit.
-/// The offset was not committed past the message, so it is read again; the record makes that a
-/// duplicate.
+/// Why [`process`], [`publish`] or a [`Worker`] failed: the settings were refused, or the broker
+/// did not acknowledge a produce or a commit. No offset was committed past an unsettled
+/// message, so it is read again; the record makes that a duplicate.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KafkaAdapterError {

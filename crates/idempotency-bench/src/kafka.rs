@@ -1,0 +1,164 @@
+//! Kafka: messages per second consumed and committed by the same `idempotency_kafka::Worker`
+//! with the guard and without it, on librdkafka's in-process cluster (`MockCluster`), in the same
+//! run, with the Redis and PostgreSQL stores, and the same-transaction mode against a bare
+//! transaction. The pairs are those of the RabbitMQ and NATS figures (`consumers.rs`).
+//!
+//! Each measurement publishes `MESSAGES` events with distinct keys to a topic of its own with 8
+//! partitions (not timed), then times one worker from its first message to its last: 8
+//! partitions at once, each in order, offsets committed in batches. "Without" is the same worker
+//! whose processor acks (or inserts its row and acks) with no record.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_core::Key;
+use idempotency_kafka::{KafkaMessage, Worker, idempotent_producer, publish};
+use rdkafka::ClientConfig;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::FutureProducer;
+
+use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs};
+use crate::measure::{Samples, per_second};
+
+const PARTITIONS: i32 = 8;
+
+/// A processor doing `work`, timing its first and last message.
+struct Measured {
+    work: Arc<Work>,
+    done: AtomicU64,
+    first: OnceLock<Instant>,
+    last: Mutex<Option<Instant>>,
+}
+
+impl Processor<KafkaMessage> for Measured {
+    async fn process(&self, message: &KafkaMessage) -> Disposition {
+        self.first.get_or_init(Instant::now);
+        let disposition = match &*self.work {
+            Work::Ack => {
+                let _ = consumer_free_handle(message.payload());
+                Disposition::Ack
+            }
+            Work::Insert(pool, table) => {
+                let key = message.header("Idempotency-Key").unwrap_or_default();
+                match insert_row(pool, table, &String::from_utf8_lossy(key), message.payload()).await {
+                    Ok(()) => Disposition::Ack,
+                    Err(_) => Disposition::Nack {
+                        after: Duration::from_millis(100),
+                    },
+                }
+            }
+            Work::Guard(consumer) => consumer.process(message).await,
+            Work::InTransaction(consumer) => consumer.process(message).await,
+        };
+        *self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+        self.done.fetch_add(1, Ordering::SeqCst);
+        disposition
+    }
+}
+
+pub(crate) fn run(rounds: usize) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        println!(
+            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, with the guard vs without ({MESSAGES} messages, {PARTITIONS} partitions per measurement)\n"
+        );
+        println!("| store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
+        println!("|---|---:|---:|---:|---:|---:|");
+        let cluster = MockCluster::new(1).map_err(|e| e.to_string())?;
+        let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
+        let (postgres, table, pairs) = pairs().await?;
+        for (store_name, with_work, without_work) in pairs {
+            let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
+            let (mut with, mut without) = (Vec::new(), Vec::new());
+            for round in 0..rounds {
+                for (work, rates) in [(&with_work, &mut with), (&without_work, &mut without)] {
+                    let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
+                    rates.push(measure(&cluster, &producer, work, &tag).await?);
+                }
+            }
+            let (with, without) = (Samples::of(with), Samples::of(without));
+            println!(
+                "| {store_name} | {} | {} | {:.2} | {} | {} |",
+                per_second(with.median),
+                per_second(without.median),
+                with.median / without.median,
+                with.spread(),
+                without.spread()
+            );
+        }
+        drop_rows(&postgres, &table).await;
+        Ok(())
+    })
+}
+
+/// Publishes the events to a new topic, then times a worker draining it.
+async fn measure(
+    cluster: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    producer: &FutureProducer,
+    work: &Arc<Work>,
+    tag: &str,
+) -> Result<f64, String> {
+    let topic = format!("bench-{tag}");
+    cluster
+        .create_topic(&topic, PARTITIONS, 1)
+        .map_err(|e| e.to_string())?;
+    let keys = (0..MESSAGES)
+        .map(|i| Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sent = futures_util::future::join_all(keys.iter().map(|key| {
+        publish(
+            producer,
+            &topic,
+            key,
+            Some(key.as_str().as_bytes()),
+            b"{\"amount\":1000}",
+        )
+    }))
+    .await;
+    sent.into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let measured = Arc::new(Measured {
+        work: Arc::clone(work),
+        done: AtomicU64::new(0),
+        first: OnceLock::new(),
+        last: Mutex::new(None),
+    });
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", cluster.bootstrap_servers())
+        .set("group.id", tag);
+    let worker = Worker::new(config, topic, Arc::clone(&measured));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
+    let started = Instant::now();
+    while measured.done.load(Ordering::SeqCst) < MESSAGES as u64 {
+        if started.elapsed() > Duration::from_secs(600) {
+            return Err(format!(
+                "the Kafka worker did not drain {MESSAGES} messages in 10 minutes"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = stop.send(());
+    running
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    let first = *measured.first.get().ok_or("no message was processed")?;
+    let last = measured
+        .last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .ok_or("no message was processed")?;
+    Ok(crate::measure::rate(MESSAGES as u64 - 1, last - first))
+}
