@@ -352,3 +352,34 @@ async fn dead_letters_leave_the_worker_running_and_the_metrics_move() {
     );
     assert_eq!(gauge("idempotency_kafka_commit_lag"), 0.0);
 }
+
+/// Settings without a group, or with a setting librdkafka does not know, are refused with a
+/// message that says which; a password in the settings never shows in the worker's `Debug`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_settings_are_refused_and_secrets_stay_hidden() {
+    let (store, charger) = (MemoryStore::new(), Arc::new(Charger::default()));
+    let mut no_group = rdkafka::ClientConfig::new();
+    no_group.set("bootstrap.servers", "127.0.0.1:1");
+    let worker = Worker::new(no_group, "orders", processor(&store, &charger));
+    let error = worker.run_until(std::future::pending()).await.unwrap_err();
+    assert!(error.to_string().contains("group.id"), "{error}");
+
+    let mut unknown = rdkafka::ClientConfig::new();
+    unknown
+        .set("bootstrap.servers", "127.0.0.1:1")
+        .set("group.id", "g")
+        .set("no.such.setting", "1");
+    let worker = Worker::new(unknown, "orders", processor(&store, &charger));
+    let error = worker.run_until(std::future::pending()).await.unwrap_err();
+    assert!(error.to_string().contains("no.such.setting"), "{error}");
+
+    let mut secret = rdkafka::ClientConfig::new();
+    secret
+        .set("bootstrap.servers", "127.0.0.1:1")
+        .set("group.id", "g")
+        .set("sasl.password", "hunter2-secret");
+    let worker = Worker::new(secret, "orders", processor(&store, &charger));
+    let shown = format!("{worker:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("orders"), "{shown}");
+}
