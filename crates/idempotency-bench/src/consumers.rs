@@ -112,20 +112,26 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
                         });
                     }
                 }
-                let (with, without) = (Samples::of(with), Samples::of(without));
-                println!(
-                    "| {broker} | {store_name} | {} | {} | {:.2} | {} | {} |",
-                    per_second(with.median),
-                    per_second(without.median),
-                    with.median / without.median,
-                    with.spread(),
-                    without.spread()
-                );
+                print_row(&format!("{broker} | {store_name}"), with, without);
             }
         }
         drop_rows(&postgres, &table).await;
         Ok(())
     })
+}
+
+/// Prints one table row: `cells` (the row's leading cells, joined by ` | `), then the medians,
+/// their ratio and the spreads of the rates `with` and `without` the record.
+pub(crate) fn print_row(cells: &str, with: Vec<f64>, without: Vec<f64>) {
+    let (with, without) = (Samples::of(with), Samples::of(without));
+    println!(
+        "| {cells} | {} | {} | {:.2} | {} | {} |",
+        per_second(with.median),
+        per_second(without.median),
+        with.median / without.median,
+        with.spread(),
+        without.spread()
+    );
 }
 
 /// The stores, the table rows are inserted into, and the three pairs measured: (what, with the

@@ -4,8 +4,8 @@
 //! transaction. The pairs are those of the RabbitMQ and NATS figures (`consumers.rs`).
 //!
 //! Each measurement publishes `MESSAGES` events with distinct keys to a topic of its own with 8
-//! partitions (not timed), then times one worker from its first message to its last: 8
-//! partitions at once, each in order, offsets committed in batches. "Without" is the same worker
+//! or 32 partitions (not timed), then times one worker from its first message to its last: every
+//! partition at once, each in order, offsets committed in batches. "Without" is the same worker
 //! whose processor acks (or inserts its row and acks) with no record.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,10 +19,11 @@ use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
-use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs};
-use crate::measure::{Samples, per_second};
+use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs, print_row};
 
-const PARTITIONS: i32 = 8;
+/// The topics' partition counts measured: the worker processes a partition's messages in
+/// order, so partitions are its concurrency.
+const PARTITIONS: [i32; 2] = [8, 32];
 
 /// A processor doing `work`, timing its first and last message.
 struct Measured {
@@ -69,31 +70,25 @@ pub(crate) fn run(rounds: usize) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     runtime.block_on(async {
         println!(
-            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, with the guard vs without ({MESSAGES} messages, {PARTITIONS} partitions per measurement)\n"
+            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, with the guard vs without ({MESSAGES} messages per measurement)\n"
         );
-        println!("| store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
-        println!("|---|---:|---:|---:|---:|---:|");
+        println!("| store | partitions | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
+        println!("|---|---:|---:|---:|---:|---:|---:|");
         let cluster = MockCluster::new(1).map_err(|e| e.to_string())?;
         let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in pairs {
             let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
-            let (mut with, mut without) = (Vec::new(), Vec::new());
-            for round in 0..rounds {
-                for (work, rates) in [(&with_work, &mut with), (&without_work, &mut without)] {
-                    let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
-                    rates.push(measure(&cluster, &producer, work, &tag).await?);
+            for partitions in PARTITIONS {
+                let (mut with, mut without) = (Vec::new(), Vec::new());
+                for round in 0..rounds {
+                    for (work, rates) in [(&with_work, &mut with), (&without_work, &mut without)] {
+                        let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
+                        rates.push(measure(&cluster, &producer, work, &tag, partitions).await?);
+                    }
                 }
+                print_row(&format!("{store_name} | {partitions}"), with, without);
             }
-            let (with, without) = (Samples::of(with), Samples::of(without));
-            println!(
-                "| {store_name} | {} | {} | {:.2} | {} | {} |",
-                per_second(with.median),
-                per_second(without.median),
-                with.median / without.median,
-                with.spread(),
-                without.spread()
-            );
         }
         drop_rows(&postgres, &table).await;
         Ok(())
@@ -106,10 +101,11 @@ async fn measure(
     producer: &FutureProducer,
     work: &Arc<Work>,
     tag: &str,
+    partitions: i32,
 ) -> Result<f64, String> {
     let topic = format!("bench-{tag}");
     cluster
-        .create_topic(&topic, PARTITIONS, 1)
+        .create_topic(&topic, partitions, 1)
         .map_err(|e| e.to_string())?;
     let keys = (0..MESSAGES)
         .map(|i| Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string()))
@@ -137,7 +133,8 @@ async fn measure(
     config
         .set("bootstrap.servers", cluster.bootstrap_servers())
         .set("group.id", tag);
-    let worker = Worker::new(config, topic, Arc::clone(&measured));
+    let worker = Worker::new(config, topic, Arc::clone(&measured))
+        .partitions_at_once(partitions.unsigned_abs() as usize);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     let started = Instant::now();

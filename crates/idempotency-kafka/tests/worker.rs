@@ -87,15 +87,18 @@ async fn a_worker_killed_before_its_commit_replays_without_running_again() {
     );
     assert_eq!(charger.ledger.calls(), 40);
 
-    let second = Worker::new(cluster.config("killed"), "orders", processor(&store, &charger));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { second.run_until(async { drop(stopped.await) }).await });
+    let second = start(
+        &cluster,
+        "killed",
+        "orders",
+        "killed-second",
+        processor(&store, &charger),
+    );
     eventually(LIMIT, "the group's offsets at the end", || {
         cluster.committed_and_end("killed", "orders", 4) == (40, 40)
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_all(vec![second]).await;
     assert_eq!(
         charger.ledger.calls(),
         40,
@@ -137,15 +140,18 @@ async fn a_worker_killed_mid_handler_leaves_the_message_for_the_next() {
 
     // The next worker's handler does not hold; it waits out the dead attempt's lease.
     *charger.hold.lock().unwrap() = None;
-    let second = Worker::new(cluster.config("mid"), "orders", processor(&store, &charger));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { second.run_until(async { drop(stopped.await) }).await });
+    let second = start(
+        &cluster,
+        "mid",
+        "orders",
+        "mid-second",
+        processor(&store, &charger),
+    );
     eventually(LIMIT, "the group's offsets at the end", || {
         cluster.committed_and_end("mid", "orders", 4) == (20, 20)
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_all(vec![second]).await;
     charger.ledger.assert_once_each(orders);
     // 20 first calls, and the held message's second.
     assert_eq!(charger.ledger.calls(), 21);
