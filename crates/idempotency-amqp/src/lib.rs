@@ -228,6 +228,23 @@ impl Delivery for AmqpMessage {
     fn delivery_count(&self) -> u32 {
         self.deliveries
     }
+
+    /// The string headers (long and short strings), as the adapter's own headers are; headers
+    /// of other AMQP types are left out.
+    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        let Some(headers) = self.delivery.properties.headers().as_ref() else {
+            return Vec::new();
+        };
+        headers
+            .inner()
+            .iter()
+            .filter_map(|(name, value)| match value {
+                AMQPValue::LongString(value) => Some((name.to_string(), value.as_bytes().to_vec())),
+                AMQPValue::ShortString(value) => Some((name.to_string(), value.as_str().as_bytes().to_vec())),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 /// Moves up to `limit` messages from the dead-letter queue back to the work queue, after the
@@ -432,7 +449,29 @@ pub async fn publish(
     key: &Key,
     payload: &[u8],
 ) -> Result<(), AmqpError> {
+    publish_with_headers(channel, exchange, routing_key, key, payload, &[]).await
+}
+
+/// [`publish`] with more headers (as long strings) besides the `Idempotency-Key`.
+///
+/// # Errors
+///
+/// As [`publish`].
+pub async fn publish_with_headers(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    key: &Key,
+    payload: &[u8],
+    more: &[(String, Vec<u8>)],
+) -> Result<(), AmqpError> {
     let mut headers = FieldTable::default();
+    for (name, value) in more {
+        headers.insert(
+            name.as_str().into(),
+            AMQPValue::LongString(LongString::from(value.clone())),
+        );
+    }
     headers.insert(
         IDEMPOTENCY_KEY_HEADER.into(),
         AMQPValue::LongString(LongString::from(key.as_str())),

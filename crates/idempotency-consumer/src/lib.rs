@@ -140,6 +140,11 @@ pub trait Delivery {
     fn payload(&self) -> &[u8];
     /// How many times this message has been delivered, this delivery included (1 the first time).
     fn delivery_count(&self) -> u32;
+    /// Every header, as name and raw value, for adapters that keep a message whole (the inbox
+    /// stores them with the payload). None by default.
+    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        Vec::new()
+    }
 }
 
 /// A function that finds a message's key (`None`: the message has none).
@@ -179,6 +184,35 @@ enum KeyProblem {
 }
 
 impl KeySource {
+    /// The key of `message`, or why it has none usable: the reason a dead letter carries.
+    ///
+    /// ```
+    /// use idempotency_consumer::{Delivery, KeySource};
+    ///
+    /// struct Bare;
+    /// impl Delivery for Bare {
+    ///     fn header(&self, _: &str) -> Option<&[u8]> { None }
+    ///     fn message_id(&self) -> Option<&str> { Some("order 7") }
+    ///     fn payload(&self) -> &[u8] { b"" }
+    ///     fn delivery_count(&self) -> u32 { 1 }
+    /// }
+    ///
+    /// let missing = KeySource::Header("Idempotency-Key".into()).find(&Bare).unwrap_err();
+    /// assert!(missing.starts_with("the message has no idempotency key"));
+    /// let invalid = KeySource::MessageId.find(&Bare).unwrap_err();
+    /// assert!(invalid.starts_with("the message's idempotency key is invalid"));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The reason, when the key is missing or invalid.
+    pub fn find(&self, message: &dyn Delivery) -> Result<Key, String> {
+        self.key_of(message).map_err(|problem| match problem {
+            KeyProblem::Missing => format!("the message has no idempotency key ({self:?})"),
+            KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
+        })
+    }
+
     fn key_of(&self, message: &dyn Delivery) -> Result<Key, KeyProblem> {
         match self {
             Self::Header(name) => {
@@ -348,12 +382,8 @@ impl Rules {
 
     /// The message's key, or the dead-letter disposition of a message without a usable one.
     fn key(&self, message: &dyn Delivery) -> Result<Key, Disposition> {
-        self.keys.key_of(message).map_err(|problem| {
+        self.keys.find(message).map_err(|reason| {
             self.count("dead_lettered");
-            let reason = match problem {
-                KeyProblem::Missing => format!("the message has no idempotency key ({:?})", self.keys),
-                KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
-            };
             tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
             Disposition::DeadLetter { reason }
         })

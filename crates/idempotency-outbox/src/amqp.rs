@@ -1,0 +1,72 @@
+//! The relay's RabbitMQ publisher: publisher confirms, and a new connection after a lost one.
+
+use std::fmt;
+
+use idempotency_consumer::BoxError;
+use lapin::options::ConfirmSelectOptions;
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::Mutex;
+
+use crate::{OutboxMessage, Publisher};
+
+/// Publishes outbox messages to a RabbitMQ exchange, the destination as the routing key, with
+/// the outbox key as the `Idempotency-Key` header and message id, persistent, and waits for
+/// each publisher confirm. A failed publish drops the connection; the next one connects again.
+pub struct AmqpPublisher {
+    url: String,
+    exchange: String,
+    connection: Mutex<Option<(Connection, Channel)>>,
+}
+
+impl fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("url", &idempotency_core::redact_url(&self.url))
+            .field("exchange", &self.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpPublisher {
+    /// A publisher to `exchange` (`""`: the default exchange, where the routing key is the
+    /// queue) on the broker at `url`; it connects on the first publish.
+    pub fn new(url: impl Into<String>, exchange: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            exchange: exchange.into(),
+            connection: Mutex::new(None),
+        }
+    }
+}
+
+impl Publisher for AmqpPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let mut connection = self.connection.lock().await;
+        let usable = connection.as_ref().is_some_and(|(connection, channel)| {
+            connection.status().connected() && channel.status().connected()
+        });
+        if !usable {
+            let opened = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+            let channel = opened.create_channel().await?;
+            channel.confirm_select(ConfirmSelectOptions::default()).await?;
+            *connection = Some((opened, channel));
+        }
+        let Some((_, channel)) = connection.as_ref() else {
+            return Err("no RabbitMQ channel".into());
+        };
+        let published = idempotency_amqp::publish_with_headers(
+            channel,
+            &self.exchange,
+            &message.destination,
+            &message.key,
+            &message.payload,
+            &message.headers,
+        )
+        .await;
+        if let Err(error) = published {
+            *connection = None;
+            return Err(error.into());
+        }
+        Ok(())
+    }
+}

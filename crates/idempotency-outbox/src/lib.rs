@@ -1,0 +1,88 @@
+//! The inbox and the transactional outbox on PostgreSQL: one crate, since both are tables of the
+//! same database with the same lifecycle (created under the project's migration lock, woken by
+//! `LISTEN/NOTIFY` with polling as the fallback, cleaned up after a retention, inspected by
+//! `idem inbox` and `idem outbox`).
+//!
+//! # The inbox
+//!
+//! A consumer stores each message before the broker is acknowledged, then handles it from the
+//! table:
+//!
+//! 1. [`InboxReceiver`] (a [`Processor`](idempotency_consumer::Processor) for the RabbitMQ,
+//!    NATS and Kafka workers) calls [`Inbox::receive`]: `INSERT … ON CONFLICT DO NOTHING` keyed
+//!    by (consumer, idempotency key), with the payload, headers and fingerprint. The broker's
+//!    message is acknowledged only once that insert committed; a duplicate is acknowledged too;
+//!    a key stored with another payload, or a message without a usable key, is dead-lettered
+//!    with the reason.
+//! 2. [`InboxWorker`]s claim due rows in batches with `FOR UPDATE SKIP LOCKED` and run the
+//!    [`InboxHandler`] in the transaction that marks each row processed: the handler's business
+//!    writes commit with the mark, or not at all. A failure is recorded on the row (error text,
+//!    attempt count) and retried after a backoff; past the limit, or on a fatal error, the row
+//!    is `dead` until `idem inbox replay`.
+//!
+//! A crash at any point loses nothing (the message is acknowledged only once stored) and runs
+//! nothing twice (the handler's writes and the processed mark are one transaction).
+//!
+//! # The outbox
+//!
+//! [`Outbox::enqueue`] writes an outgoing message in the caller's business transaction, so it
+//! exists exactly when that transaction commits. A [`Relay`] publishes pending rows with a
+//! [`Publisher`] that waits for the broker's acknowledgement, in id order per ordering key, and
+//! marks them sent. Every message carries `<outbox>:<id>` as its `Idempotency-Key`: a relay that
+//! crashes between publishing and marking publishes again, and the consumer's record answers
+//! the copy.
+
+mod admin;
+mod headers;
+mod inbox;
+mod inbox_worker;
+mod outbox;
+mod schema;
+mod wake;
+
+pub use admin::{
+    InboxRow, InboxState, InboxStats, OutboxRow, OutboxStats, inbox_list, inbox_purge, inbox_replay,
+    inbox_show, inbox_stats, outbox_list, outbox_stats, purge_sent,
+};
+pub use inbox::{Inbox, InboxHandler, InboxMessage, InboxReceiver, Received, RetryPolicy};
+pub use inbox_worker::InboxWorker;
+pub use outbox::{Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay};
+pub use schema::{SCHEMA_VERSION, Tables};
+
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(feature = "amqp")]
+pub use amqp::AmqpPublisher;
+
+use idempotency_postgres::sqlx;
+
+/// What went wrong in the inbox or the outbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboxError {
+    /// A table is missing, or carries another version's mark.
+    #[error("{0}")]
+    Schema(String),
+    /// A statement failed.
+    #[error("PostgreSQL: {what}: {source}")]
+    Database {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A setting or an argument is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// The broker refused or did not acknowledge every message of a relay round.
+    #[error("publishing failed: {0}")]
+    Publish(String),
+}
+
+impl OutboxError {
+    /// Wraps a driver error with what was being done.
+    pub(crate) fn db(what: &'static str) -> impl FnOnce(sqlx::Error) -> Self {
+        move |source| Self::Database { what, source }
+    }
+}

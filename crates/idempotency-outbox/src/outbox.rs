@@ -1,0 +1,365 @@
+//! The transactional outbox: messages written in the business transaction, published by a relay
+//! after it commits, with the outbox id as their `Idempotency-Key`.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_consumer::BoxError;
+use idempotency_core::Key;
+use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Row};
+
+use crate::wake::{self, Pace};
+use crate::{OutboxError, Tables, headers};
+
+/// A message to publish when the caller's transaction commits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutgoingMessage {
+    /// Where the relay's publisher sends it (a routing key, a subject, a topic).
+    pub destination: String,
+    /// The aggregate it belongs to: messages of one ordering key are published in the order
+    /// they were enqueued.
+    pub ordering_key: String,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// Headers to publish with it (the relay adds `Idempotency-Key`).
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl OutgoingMessage {
+    /// A message for `destination`, ordered with the others of `ordering_key`.
+    pub fn new(
+        destination: impl Into<String>,
+        ordering_key: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Self {
+            destination: destination.into(),
+            ordering_key: ordering_key.into(),
+            payload: payload.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Adds a header.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// A message the relay hands to its [`Publisher`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// The outbox row's id.
+    pub id: i64,
+    /// `<outbox>:<id>`: publish it as the `Idempotency-Key` (and as the broker's own dedup id
+    /// where there is one), so that a republish after a relay crash is a duplicate.
+    pub key: Key,
+    /// Where to send it.
+    pub destination: String,
+    /// Its aggregate.
+    pub ordering_key: String,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The headers it was enqueued with.
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// Sends outbox messages to a broker and returns once the broker has acknowledged each (a
+/// publisher confirm, a JetStream ack, a Kafka delivery report).
+pub trait Publisher: Send + Sync {
+    /// Publishes `message`; `Ok` only once the broker has it.
+    fn publish(&self, message: &OutboxMessage) -> impl Future<Output = Result<(), BoxError>> + Send;
+}
+
+/// The outbox table, for enqueueing in business transactions.
+#[derive(Clone)]
+pub struct Outbox {
+    tables: Tables,
+    sql: Arc<Statements>,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.tables.qualified_outbox())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The outbox's statements, built once.
+struct Statements {
+    enqueue: String,
+    keys: String,
+    claim: String,
+    sent: String,
+    failed: String,
+}
+
+impl Outbox {
+    /// The outbox in `tables` (which must exist: [`Tables::migrate`]).
+    #[must_use]
+    pub fn new(tables: Tables) -> Self {
+        let table = tables.qualified_outbox();
+        let channel = tables.outbox_channel();
+        let sql = Statements {
+            enqueue: format!(
+                "INSERT INTO {table} (destination, ordering_key, payload, headers) VALUES ($1, $2, $3, $4::jsonb)
+                 RETURNING id, pg_notify('{channel}', '')::text"
+            ),
+            keys: format!(
+                "SELECT DISTINCT ordering_key FROM
+                 (SELECT ordering_key FROM {table} WHERE sent_at IS NULL ORDER BY id LIMIT $1) pending"
+            ),
+            claim: format!(
+                "SELECT id, ordering_key, destination, payload, headers::text AS headers FROM {table}
+                 WHERE sent_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2"
+            ),
+            sent: format!("UPDATE {table} SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)"),
+            failed: format!("UPDATE {table} SET attempts = attempts + 1, last_error = $2 WHERE id = $1"),
+        };
+        Self {
+            tables,
+            sql: Arc::new(sql),
+        }
+    }
+
+    /// The tables.
+    #[must_use]
+    pub fn tables(&self) -> &Tables {
+        &self.tables
+    }
+
+    /// Writes `message` in the caller's transaction (pass `&mut *tx` for a `PgTransaction`): it
+    /// is published if and only if that transaction commits. Returns its id.
+    ///
+    /// # Errors
+    ///
+    /// [`OutboxError::Database`]: roll the transaction back, as for any failed statement.
+    pub async fn enqueue(
+        &self,
+        tx: &mut PgConnection,
+        message: &OutgoingMessage,
+    ) -> Result<i64, OutboxError> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.enqueue.as_str()))
+            .bind(&message.destination)
+            .bind(&message.ordering_key)
+            .bind(&message.payload)
+            .bind(headers::to_json(&message.headers).to_string())
+            .fetch_one(tx)
+            .await
+            .map_err(OutboxError::db("enqueue an outbox message"))?;
+        Ok(row.get("id"))
+    }
+}
+
+/// Publishes pending outbox rows with a [`Publisher`] and marks them sent.
+///
+/// **Several relays may run.** Each round, a relay takes the ordering keys of the oldest pending
+/// rows and tries a transaction-scoped advisory lock on each (`pg_try_advisory_xact_lock`): a
+/// key is published by one relay at a time, in id order, while different keys are published by
+/// different relays in parallel. Rows are not claimed with `FOR UPDATE SKIP LOCKED`: skipping a
+/// locked row would let another relay publish the next row of the same aggregate first. The
+/// rows of a locked key are read again after the lock is taken, so a relay never publishes what
+/// another has just marked sent.
+///
+/// A relay that crashes between a publish and its mark leaves the row pending: it is published
+/// again, with the same `Idempotency-Key`, and the consumer's record answers the copy. A
+/// publish that fails stops that key for the round (the rows after it wait, in order), records
+/// the error on the row, and the round is retried with backoff: a broker outage grows the
+/// backlog, which drains when the broker is back.
+#[derive(Debug)]
+pub struct Relay<P> {
+    pool: PgPool,
+    outbox: Outbox,
+    publisher: P,
+    name: String,
+    batch: u32,
+    poll: Duration,
+    retention: Duration,
+    cleanup_every: Duration,
+}
+
+impl<P: Publisher> Relay<P> {
+    /// A relay of `outbox` on `pool`, publishing with `publisher`. Defaults: batches of 100,
+    /// polling every second, sent rows kept 7 days and cleaned up every minute.
+    pub fn new(pool: PgPool, outbox: Outbox, publisher: P) -> Self {
+        Self {
+            name: outbox.tables.qualified_outbox(),
+            pool,
+            outbox,
+            publisher,
+            batch: 100,
+            poll: Duration::from_secs(1),
+            retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
+            cleanup_every: Duration::from_secs(60),
+        }
+    }
+
+    /// The prefix of the messages' keys (`<name>:<id>`), and the `outbox` label of the metrics;
+    /// the qualified table name by default. Keep it unique among the outboxes feeding one
+    /// consumer.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// How many rows one round publishes at most.
+    #[must_use]
+    pub fn batch(mut self, batch: u32) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// The longest an idle relay waits without a notification.
+    #[must_use]
+    pub fn poll(mut self, poll: Duration) -> Self {
+        self.poll = poll;
+        self
+    }
+
+    /// How long sent rows are kept, and how often the cleanup runs.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration, cleanup_every: Duration) -> Self {
+        self.retention = retention;
+        self.cleanup_every = cleanup_every;
+        self
+    }
+
+    /// One round: publishes up to a batch of pending rows whose ordering keys no other relay
+    /// holds, marks them sent and commits. Returns how many were published.
+    ///
+    /// # Errors
+    ///
+    /// [`OutboxError::Database`]: nothing was marked (what was published is published again).
+    /// [`OutboxError::Publish`] when every key of the round failed to publish (the broker is
+    /// down); the errors are recorded on the rows.
+    pub async fn relay_batch(&self) -> Result<usize, OutboxError> {
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(OutboxError::db("begin a relay round"))?;
+        let keys: Vec<String> = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.keys.as_str()))
+            .bind(i64::from(self.batch))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(OutboxError::db("read the pending ordering keys"))?;
+        let mut held = Vec::new();
+        for key in keys {
+            let locked: bool =
+                sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
+                    .bind(format!("{}:{key}", self.outbox.tables.qualified_outbox()))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(OutboxError::db("lock an ordering key"))?;
+            if locked {
+                held.push(key);
+            }
+        }
+        if held.is_empty() {
+            tx.commit().await.map_err(OutboxError::db("end a relay round"))?;
+            return Ok(0);
+        }
+        let rows = sqlx::query(AssertSqlSafe(self.outbox.sql.claim.as_str()))
+            .bind(&held)
+            .bind(i64::from(self.batch))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(OutboxError::db("read the pending rows"))?;
+        let mut sent = Vec::new();
+        let mut stopped: HashSet<String> = HashSet::new();
+        let mut last_error = None;
+        for row in rows {
+            let ordering_key: String = row.get("ordering_key");
+            if stopped.contains(&ordering_key) {
+                continue;
+            }
+            let id: i64 = row.get("id");
+            let key = Key::new(format!("{}:{id}", self.name)).map_err(|e| {
+                OutboxError::Invalid(format!(
+                    "the relay's name {:?} makes an invalid key: {e}",
+                    self.name
+                ))
+            })?;
+            let message = OutboxMessage {
+                id,
+                key,
+                destination: row.get("destination"),
+                ordering_key,
+                payload: row.get("payload"),
+                headers: headers::from_text(row.get("headers")),
+            };
+            match self.publisher.publish(&message).await {
+                Ok(()) => sent.push(id),
+                Err(error) => {
+                    let text = error.to_string();
+                    tracing::warn!(outbox = %self.name, id, error = %text, "publish failed; the aggregate waits");
+                    metrics::counter!("idempotency_outbox_relay_errors_total", "outbox" => self.name.clone())
+                        .increment(1);
+                    sqlx::query(AssertSqlSafe(self.outbox.sql.failed.as_str()))
+                        .bind(id)
+                        .bind(&text)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(OutboxError::db("record a publish error"))?;
+                    stopped.insert(message.ordering_key);
+                    last_error = Some(text);
+                }
+            }
+        }
+        sqlx::query(AssertSqlSafe(self.outbox.sql.sent.as_str()))
+            .bind(&sent)
+            .execute(&mut *tx)
+            .await
+            .map_err(OutboxError::db("mark rows sent"))?;
+        tx.commit()
+            .await
+            .map_err(OutboxError::db("commit a relay round"))?;
+        metrics::counter!("idempotency_outbox_published_total", "outbox" => self.name.clone())
+            .increment(sent.len() as u64);
+        match last_error {
+            Some(error) if sent.is_empty() => Err(OutboxError::Publish(error)),
+            _ => Ok(sent.len()),
+        }
+    }
+
+    /// Relays until `shutdown` completes, then finishes the round in progress and returns.
+    /// Idle, it waits for the outbox's `NOTIFY` (sent by every enqueue when its transaction
+    /// commits), or the poll interval at most.
+    ///
+    /// # Errors
+    ///
+    /// [`OutboxError::Database`] when the first connection for notifications fails. Later
+    /// failures are logged and retried with backoff.
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), OutboxError>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        let what = format!("outbox relay {}", self.name);
+        let pace = Pace {
+            loops: 1,
+            poll: self.poll,
+            cleanup_every: self.cleanup_every,
+        };
+        let round = || async { Ok(self.relay_batch().await? > 0) };
+        let cleanup = || async {
+            if let Err(error) =
+                crate::admin::purge_sent(&self.pool, &self.outbox.tables, self.retention).await
+            {
+                tracing::warn!(outbox = %self.name, %error, "outbox cleanup failed");
+            }
+            match crate::admin::outbox_stats(&self.pool, &self.outbox.tables).await {
+                Ok(stats) => stats.show(&self.name),
+                Err(error) => tracing::warn!(outbox = %self.name, %error, "outbox statistics failed"),
+            }
+        };
+        let channel = self.outbox.tables.outbox_channel();
+        wake::run(&self.pool, &channel, &what, &pace, round, cleanup, shutdown).await
+    }
+}

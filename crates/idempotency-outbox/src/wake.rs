@@ -1,0 +1,124 @@
+//! The loop the inbox workers and the outbox relays share: rounds of work, idle waits ended by a
+//! `NOTIFY` or the poll interval, backoff after failures, a periodic cleanup, and a stop that
+//! lets the round in progress finish.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use idempotency_consumer::Backoff;
+use idempotency_postgres::sqlx::PgPool;
+use idempotency_postgres::sqlx::postgres::PgListener;
+use tokio::sync::Notify;
+
+use crate::OutboxError;
+
+/// How many loops, and how often they look for work.
+pub(crate) struct Pace {
+    /// How many loops run rounds at once.
+    pub(crate) loops: usize,
+    /// The longest an idle loop waits without a notification.
+    pub(crate) poll: Duration,
+    /// How often the cleanup runs.
+    pub(crate) cleanup_every: Duration,
+}
+
+/// Listens on `channel`, runs `pace.loops` loops of rounds of `round` (each returns whether there may be more
+/// work right away) and `cleanup` every `pace.cleanup_every`, until `shutdown`; then lets each
+/// loop finish its round. `what` names the loops in logs.
+pub(crate) async fn run<R, RF, C, CF, S>(
+    pool: &PgPool,
+    channel: &str,
+    what: &str,
+    pace: &Pace,
+    round: R,
+    cleanup: C,
+    shutdown: S,
+) -> Result<(), OutboxError>
+where
+    R: Fn() -> RF,
+    RF: Future<Output = Result<bool, OutboxError>>,
+    C: Fn() -> CF,
+    CF: Future<Output = ()>,
+    S: Future<Output = ()>,
+{
+    let mut listener = PgListener::connect_with(pool)
+        .await
+        .map_err(OutboxError::db("connect for notifications"))?;
+    listener
+        .listen(channel)
+        .await
+        .map_err(OutboxError::db("listen for notifications"))?;
+    let wake = Notify::new();
+    let stopping = AtomicBool::new(false);
+    let listening = async {
+        loop {
+            match listener.recv().await {
+                Ok(_) => wake.notify_waiters(),
+                Err(error) => {
+                    // The listener reconnects on the next call; polling covers the gap.
+                    tracing::warn!(what, %error, "notifications interrupted");
+                    tokio::time::sleep(pace.poll).await;
+                }
+            }
+        }
+    };
+    let rounds = futures_util::future::join_all(
+        (0..pace.loops.max(1)).map(|_| repeat(&round, what, pace.poll, &wake, &stopping)),
+    );
+    let cleaning = async {
+        let mut last = tokio::time::Instant::now();
+        while !stopping.load(Ordering::SeqCst) {
+            if last.elapsed() >= pace.cleanup_every {
+                cleanup().await;
+                last = tokio::time::Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(200).min(pace.cleanup_every)).await;
+        }
+    };
+    let running = futures_util::future::join(rounds, cleaning);
+    tokio::pin!(running);
+    tokio::select! {
+        () = shutdown => {}
+        () = listening => {}
+        _ = &mut running => {}
+    }
+    stopping.store(true, Ordering::SeqCst);
+    wake.notify_waiters();
+    running.await;
+    Ok(())
+}
+
+/// One loop: rounds until stopped, waiting when idle and backing off after failures.
+async fn repeat<R, RF>(round: &R, what: &str, poll: Duration, wake: &Notify, stopping: &AtomicBool)
+where
+    R: Fn() -> RF,
+    RF: Future<Output = Result<bool, OutboxError>>,
+{
+    let backoff = Backoff {
+        initial: Duration::from_millis(100),
+        max: Duration::from_secs(5),
+    };
+    let mut failures = 0_u32;
+    while !stopping.load(Ordering::SeqCst) {
+        // Registered before the round, so a notification during it is not missed.
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        match round().await {
+            Ok(true) => failures = 0,
+            Ok(false) => {
+                failures = 0;
+                tokio::select! {
+                    () = notified => {}
+                    () = tokio::time::sleep(poll) => {}
+                }
+            }
+            Err(error) => {
+                failures = failures.saturating_add(1);
+                tracing::warn!(what, %error, "round failed; retrying");
+                tokio::time::sleep(backoff.delay(failures)).await;
+            }
+        }
+    }
+}

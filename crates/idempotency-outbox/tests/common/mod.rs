@@ -1,0 +1,110 @@
+//! What the inbox and outbox tests share: the server, throwaway tables, a ledger table.
+
+#![allow(dead_code, unreachable_pub)] // each test crate uses a part
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idempotency_outbox::{InboxHandler, InboxMessage, Tables};
+use idempotency_postgres::PgTransaction;
+use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
+
+/// The schema every test table lives in.
+pub const SCHEMA: &str = "idempotency_outbox_tests";
+
+/// The server: `DATABASE_URL`, or the loopback default `scripts/services` starts.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A pool on the server; panics when it is unreachable.
+pub async fn pool() -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&database_url())
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()))
+}
+
+/// Fresh inbox and outbox tables, migrated, and a ledger table (`key`, `consumer`, no unique
+/// constraint: a double would show as two rows). Tables of runs more than an hour old are
+/// dropped here.
+pub async fn fresh(pool: &PgPool) -> (Tables, String) {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let suffix = format!("{}_{}", now.as_secs(), now.subsec_nanos());
+    let tables = Tables::default()
+        .schema(SCHEMA)
+        .unwrap()
+        .inbox(&format!("inbox_{suffix}"))
+        .unwrap()
+        .outbox(&format!("outbox_{suffix}"))
+        .unwrap();
+    tables.migrate(pool).await.unwrap();
+    let ledger = format!("{SCHEMA}.ledger_{suffix}");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {ledger} (key text NOT NULL, consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+    drop_old_tables(pool, now.as_secs()).await;
+    (tables, ledger)
+}
+
+async fn drop_old_tables(pool: &PgPool, now: u64) {
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
+            .bind(SCHEMA)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    for table in tables {
+        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
+        if created.is_some_and(|t| t + 3600 < now) {
+            let drop = format!("DROP TABLE IF EXISTS {SCHEMA}.{table}");
+            let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(pool).await;
+        }
+    }
+}
+
+/// Rows in the ledger, and distinct keys among them.
+pub async fn ledger_counts(pool: &PgPool, ledger: &str) -> (i64, i64) {
+    sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT key) FROM {ledger}"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Writes one ledger row per message, in the inbox's transaction.
+pub struct LedgerHandler {
+    pub ledger: String,
+}
+
+impl InboxHandler for LedgerHandler {
+    async fn handle(
+        &self,
+        message: &InboxMessage,
+        tx: &mut PgTransaction,
+    ) -> Result<(), idempotency_consumer::HandlerError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (key, consumer) VALUES ($1, 'inbox')",
+            self.ledger
+        )))
+        .bind(&message.key)
+        .execute(&mut **tx)
+        .await
+        .map_err(idempotency_consumer::HandlerError::retry)?;
+        Ok(())
+    }
+}
+
+/// Waits until `done` holds, checking every 50 ms; panics with `what` after `limit` (a guard
+/// against hanging, not a measure of speed).
+pub async fn eventually<F: Future<Output = bool>>(limit: Duration, what: &str, mut done: impl FnMut() -> F) {
+    let start = std::time::Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "not within {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
