@@ -49,9 +49,7 @@ pub use inbox_worker::InboxWorker;
 pub use outbox::{Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay};
 pub use schema::{SCHEMA_VERSION, Tables};
 
-#[cfg(feature = "amqp")]
 mod amqp;
-#[cfg(feature = "amqp")]
 pub use amqp::AmqpPublisher;
 
 use idempotency_postgres::sqlx;

@@ -76,6 +76,13 @@ pub trait Publisher: Send + Sync {
     fn publish(&self, message: &OutboxMessage) -> impl Future<Output = Result<(), BoxError>> + Send;
 }
 
+/// A shared publisher publishes as the publisher it points to.
+impl<P: Publisher + ?Sized> Publisher for Arc<P> {
+    fn publish(&self, message: &OutboxMessage) -> impl Future<Output = Result<(), BoxError>> + Send {
+        (**self).publish(message)
+    }
+}
+
 /// The outbox table, for enqueueing in business transactions.
 #[derive(Clone)]
 pub struct Outbox {
