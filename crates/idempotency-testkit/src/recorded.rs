@@ -14,6 +14,7 @@
 use std::future::Future;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::registry::{AtomicStorage, Registry};
 
 /// One recorded series: name, labels, value.
 type Series = (String, Vec<(String, String)>, DebugValue);
@@ -47,23 +48,72 @@ pub fn record_metrics_paused<F: Future>(test: F) -> Recorded {
 /// What the process-wide recorder has recorded so far, for metrics emitted on threads a test
 /// does not run (a client library's own threads, the runtime's blocking pool). The recorder
 /// is installed as the global one on the first call, so call this before the code under test
-/// creates its metrics, and tell tests of one binary apart by their labels.
+/// creates its metrics, and tell tests of one binary apart by their labels. Reading never
+/// resets anything: tests running at the same time each see every value.
 ///
 /// # Panics
 ///
 /// If another global recorder was installed first.
 #[must_use]
 pub fn global() -> Recorded {
-    static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+    static REGISTRY: std::sync::OnceLock<&'static Registry<metrics::Key, AtomicStorage>> =
         std::sync::OnceLock::new();
-    let snapshotter = SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        metrics::set_global_recorder(recorder).expect("no other global metrics recorder");
-        snapshotter
+    let registry = *REGISTRY.get_or_init(|| {
+        let registry: &'static Registry<metrics::Key, AtomicStorage> =
+            Box::leak(Box::new(Registry::atomic()));
+        metrics::set_global_recorder(Cumulative(registry)).expect("no other global metrics recorder");
+        registry
     });
-    Recorded {
-        series: series(snapshotter),
+    let mut series = Vec::new();
+    let labels = |key: &metrics::Key| {
+        key.labels()
+            .map(|label| (label.key().to_owned(), label.value().to_owned()))
+            .collect::<Vec<_>>()
+    };
+    registry.visit_counters(|key, counter| {
+        let value = DebugValue::Counter(counter.load(std::sync::atomic::Ordering::SeqCst));
+        series.push((key.name().to_owned(), labels(key), value));
+    });
+    registry.visit_gauges(|key, gauge| {
+        let value = f64::from_bits(gauge.load(std::sync::atomic::Ordering::SeqCst));
+        series.push((
+            key.name().to_owned(),
+            labels(key),
+            DebugValue::Gauge(value.into()),
+        ));
+    });
+    registry.visit_histograms(|key, histogram| {
+        let values = histogram.data().into_iter().map(Into::into).collect();
+        series.push((key.name().to_owned(), labels(key), DebugValue::Histogram(values)));
+    });
+    Recorded { series }
+}
+
+/// A recorder whose values only move with the metrics (the debugging recorder's snapshots
+/// reset them, which would let one test's read erase another's counts).
+struct Cumulative(&'static Registry<metrics::Key, AtomicStorage>);
+
+impl metrics::Recorder for Cumulative {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        self.0.get_or_create_counter(key, |counter| {
+            metrics::Counter::from_arc(std::sync::Arc::clone(counter))
+        })
+    }
+
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        self.0.get_or_create_gauge(key, |gauge| {
+            metrics::Gauge::from_arc(std::sync::Arc::clone(gauge))
+        })
+    }
+
+    fn register_histogram(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        self.0.get_or_create_histogram(key, |histogram| {
+            metrics::Histogram::from_arc(std::sync::Arc::clone(histogram))
+        })
     }
 }
 
