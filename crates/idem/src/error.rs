@@ -60,6 +60,13 @@ pub enum Error {
     /// A client task of the demo failed.
     #[error("a client task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// An inbox or outbox command failed (the database URL is shown with its password
+    /// redacted).
+    #[error("{0}")]
+    Boxes(String),
+    /// An inbox or outbox operation failed.
+    #[error(transparent)]
+    Outbox(#[from] idempotency_outbox::OutboxError),
     /// The demo's ledger shows double charges (the report, then the verdict).
     #[error("{report}\nthe upstream's ledger shows double charges")]
     DoubleCharges {

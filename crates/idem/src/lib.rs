@@ -10,6 +10,7 @@
 
 pub use error::Error;
 
+pub mod boxes;
 pub mod demo;
 pub mod error;
 pub mod gateway;

@@ -34,6 +34,159 @@ enum Command {
     Inflight(InflightArgs),
     /// Create or upgrade the store's schema (stores also do this when they open).
     Migrate(StoreArgs),
+    /// Inspect and maintain an inbox on PostgreSQL: list, show, replay dead messages, purge.
+    Inbox {
+        #[command(subcommand)]
+        action: InboxCommand,
+    },
+    /// Inspect an outbox on PostgreSQL: pending messages and the backlog.
+    Outbox {
+        #[command(subcommand)]
+        action: OutboxCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+struct BoxArgs {
+    /// The PostgreSQL database holding the inbox and outbox tables.
+    #[arg(long, env = "IDEM_DATABASE")]
+    database: String,
+    /// The tables' schema.
+    #[arg(long, default_value = "public")]
+    schema: String,
+    /// The inbox table.
+    #[arg(long, default_value = "idempotency_inbox")]
+    inbox_table: String,
+    /// The outbox table.
+    #[arg(long, default_value = "idempotency_outbox")]
+    outbox_table: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+impl BoxArgs {
+    fn location(&self) -> Result<idem::boxes::Location, Error> {
+        let tables = idempotency_outbox::Tables::default()
+            .schema(&self.schema)
+            .and_then(|t| t.inbox(&self.inbox_table))
+            .and_then(|t| t.outbox(&self.outbox_table))
+            .map_err(|e| Error::Boxes(e.to_string()))?;
+        Ok(idem::boxes::Location {
+            database: self.database.clone(),
+            tables,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum InboxStateArg {
+    Pending,
+    Processed,
+    Dead,
+}
+
+impl From<InboxStateArg> for idempotency_outbox::InboxState {
+    fn from(state: InboxStateArg) -> Self {
+        match state {
+            InboxStateArg::Pending => Self::Pending,
+            InboxStateArg::Processed => Self::Processed,
+            InboxStateArg::Dead => Self::Dead,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum FinishedStateArg {
+    Processed,
+    Dead,
+}
+
+#[derive(Debug, Subcommand)]
+enum InboxCommand {
+    /// List inbox rows in arrival order, with their attempts and last error.
+    List {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only rows in this state.
+        #[arg(long, value_enum)]
+        state: Option<InboxStateArg>,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Show one row with its headers and payload.
+    Show {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// The consumer.
+        #[arg(long)]
+        consumer: String,
+        /// The idempotency key.
+        key: String,
+    },
+    /// Put dead rows back to pending (after the handler is fixed): all of them, one
+    /// consumer's, or one key's.
+    Replay {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Only this key's row.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Delete processed or dead rows finished longer ago than --older-than.
+    Purge {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Which rows.
+        #[arg(long, value_enum)]
+        state: FinishedStateArg,
+        /// Only rows finished at least this long ago.
+        #[arg(long, default_value = "7d", value_parser = units::parse_duration)]
+        older_than: Duration,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Count rows by state, and the oldest pending one's age.
+    Stats {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Create the inbox and outbox tables (under the migration lock; safe to repeat).
+    Migrate {
+        #[command(flatten)]
+        at: BoxArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum OutboxCommand {
+    /// List outbox rows not yet published (with --all, the sent ones too).
+    List {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Sent rows too.
+        #[arg(long)]
+        all: bool,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Pending and sent counts, and the oldest pending row's age.
+    Stats {
+        #[command(flatten)]
+        at: BoxArgs,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -225,6 +378,13 @@ async fn run(command: Command) -> Result<String, Error> {
             )
             .await
         }
+        Command::Inbox { action } => inbox(action).await,
+        Command::Outbox { action } => match action {
+            OutboxCommand::List { at, all, limit } => {
+                idem::boxes::outbox_list(&at.location()?, all, i64::from(limit.max(1)), at.json).await
+            }
+            OutboxCommand::Stats { at } => idem::boxes::outbox_stats(&at.location()?, at.json).await,
+        },
         Command::Migrate(args) => {
             let _store = open(&args, Access::Create).await?;
             let url = idempotency::redact_url(&args.store);
@@ -259,6 +419,63 @@ async fn demo(args: DemoArgs) -> Result<String, Error> {
         return Err(Error::DoubleCharges { report: text });
     }
     Ok(text)
+}
+
+/// `idem inbox …`.
+async fn inbox(action: InboxCommand) -> Result<String, Error> {
+    use idem::boxes;
+    match action {
+        InboxCommand::List {
+            at,
+            state,
+            consumer,
+            limit,
+        } => {
+            boxes::inbox_list(
+                &at.location()?,
+                state.map(Into::into),
+                consumer.as_deref(),
+                i64::from(limit.max(1)),
+                at.json,
+            )
+            .await
+        }
+        InboxCommand::Show { at, consumer, key } => {
+            boxes::inbox_show(&at.location()?, &consumer, &key, at.json).await
+        }
+        InboxCommand::Replay { at, consumer, key } => {
+            boxes::inbox_replay(&at.location()?, consumer.as_deref(), key.as_deref(), at.json).await
+        }
+        InboxCommand::Purge {
+            at,
+            state,
+            older_than,
+            consumer,
+        } => {
+            let state = match state {
+                FinishedStateArg::Processed => idempotency_outbox::InboxState::Processed,
+                FinishedStateArg::Dead => idempotency_outbox::InboxState::Dead,
+            };
+            boxes::inbox_purge(&at.location()?, state, consumer.as_deref(), older_than, at.json).await
+        }
+        InboxCommand::Stats { at, consumer } => {
+            boxes::inbox_stats(&at.location()?, consumer.as_deref(), at.json).await
+        }
+        InboxCommand::Migrate { at } => {
+            let location = at.location()?;
+            boxes::migrate(&location).await?;
+            let url = idempotency::redact_url(&location.database);
+            Ok(if at.json {
+                serde_json::json!({ "database": url, "inbox": location.tables.qualified_inbox(), "outbox": location.tables.qualified_outbox(), "schema": "ready" }).to_string()
+            } else {
+                format!(
+                    "{url}: {} and {} ready\n",
+                    location.tables.qualified_inbox(),
+                    location.tables.qualified_outbox()
+                )
+            })
+        }
+    }
 }
 
 /// `idem keys …`.

@@ -136,7 +136,7 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
 
     /// Creates the schema and both tables if they are missing, under the advisory lock every
     /// migration of this project takes, so that instances starting at once do not race. Safe at
-    /// every start (`idem migrate` runs it).
+    /// every start (`idem inbox migrate` runs it).
     ///
     /// # Errors
     ///
@@ -165,11 +165,12 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
     }
 
     /// Checks that both tables exist and carry this version's mark, without changing anything
-    /// (what the operations commands and `migrate(false)` connections do).
+    /// (what the operations commands do).
     ///
     /// # Errors
     ///
-    /// [`OutboxError::Schema`] for a missing table (run `idem migrate`) or another version's.
+    /// [`OutboxError::Schema`] for a missing table (`idem inbox migrate` creates it) or another
+    /// version's.
     pub async fn check(&self, pool: &PgPool) -> Result<(), OutboxError> {
         let mut connection = pool.acquire().await.map_err(OutboxError::db("connect"))?;
         for (table, what) in [
@@ -204,7 +205,7 @@ async fn check_mark(
     match (exists, comment) {
         (false, _) if may_create => Ok(()),
         (false, _) => Err(OutboxError::Schema(format!(
-            "{table} does not exist: run `idem migrate` (or connect with migrations on) first"
+            "{table} does not exist: create it with `idem inbox migrate` (or `Tables::migrate`) first"
         ))),
         (true, Some(comment)) if comment == expected => Ok(()),
         (true, comment) => Err(OutboxError::Schema(format!(

@@ -1,0 +1,314 @@
+//! `idem inbox list|show|replay|purge|stats` and `idem outbox list|stats`: the inbox and outbox
+//! tables on PostgreSQL. Human tables by default, JSON with `--json`. Inspection runs in
+//! read-only sessions and never creates a table.
+
+use std::time::Duration;
+
+use idempotency::postgres::sqlx::{self, PgPool, postgres::PgPoolOptions};
+use idempotency_outbox::{InboxRow, InboxState, Tables};
+use serde_json::{Value, json};
+
+use crate::error::Error;
+use crate::ops::table;
+use crate::units::format_duration;
+
+/// Where the tables are.
+#[derive(Debug, Clone)]
+pub struct Location {
+    /// The PostgreSQL URL.
+    pub database: String,
+    /// The tables' names.
+    pub tables: Tables,
+}
+
+impl Location {
+    /// A pool of two connections; `read_only` sessions refuse every write.
+    async fn pool(&self, read_only: bool) -> Result<PgPool, Error> {
+        let url = idempotency::redact_url(&self.database);
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |connection, _| {
+                Box::pin(async move {
+                    if read_only {
+                        sqlx::query("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+                            .execute(connection)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&self.database)
+            .await
+            .map_err(|e| Error::Boxes(format!("{url}: {e}")))?;
+        Ok(pool)
+    }
+
+    /// A pool on tables that exist with this version's mark.
+    async fn checked(&self, read_only: bool) -> Result<PgPool, Error> {
+        let pool = self.pool(read_only).await?;
+        self.tables.check(&pool).await?;
+        Ok(pool)
+    }
+}
+
+fn seconds(value: f64) -> String {
+    format_duration(Duration::from_secs_f64(value.max(0.0)))
+}
+
+fn row_json(row: &InboxRow) -> Value {
+    json!({
+        "id": row.id,
+        "consumer": row.consumer,
+        "key": row.key,
+        "state": row.state.as_str(),
+        "attempts": row.attempts,
+        "last_error": row.last_error,
+        "age_seconds": row.age_seconds,
+        "payload_bytes": row.payload_bytes,
+    })
+}
+
+/// `idem inbox list`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`] when the database or the tables are not there.
+pub async fn inbox_list(
+    at: &Location,
+    state: Option<InboxState>,
+    consumer: Option<&str>,
+    limit: i64,
+    json_out: bool,
+) -> Result<String, Error> {
+    let pool = at.checked(true).await?;
+    let rows = idempotency_outbox::inbox_list(&pool, &at.tables, state, consumer, limit).await?;
+    if json_out {
+        return Ok(Value::Array(rows.iter().map(row_json).collect()).to_string() + "\n");
+    }
+    let lines: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| {
+            vec![
+                row.id.to_string(),
+                row.consumer.clone(),
+                row.key.clone(),
+                row.state.to_string(),
+                row.attempts.to_string(),
+                seconds(row.age_seconds),
+                row.last_error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    Ok(table(
+        &["ID", "CONSUMER", "KEY", "STATE", "ATTEMPTS", "AGE", "LAST ERROR"],
+        &lines,
+    ))
+}
+
+/// `idem inbox show`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`]; also when there is no such row.
+pub async fn inbox_show(at: &Location, consumer: &str, key: &str, json_out: bool) -> Result<String, Error> {
+    let pool = at.checked(true).await?;
+    let row = idempotency_outbox::inbox_show(&pool, &at.tables, consumer, key)
+        .await?
+        .ok_or_else(|| Error::Boxes(format!("no inbox row for consumer {consumer:?} and key {key:?}")))?;
+    let payload = row.payload.clone().unwrap_or_default();
+    let text = String::from_utf8_lossy(&payload).into_owned();
+    let headers: Vec<(String, String)> = row
+        .headers
+        .iter()
+        .map(|(name, value)| (name.clone(), String::from_utf8_lossy(value).into_owned()))
+        .collect();
+    if json_out {
+        let mut value = row_json(&row);
+        value["payload"] = Value::String(text);
+        value["headers"] = headers.iter().map(|(name, value)| json!([name, value])).collect();
+        return Ok(value.to_string() + "\n");
+    }
+    let mut lines = vec![
+        vec!["id".into(), row.id.to_string()],
+        vec!["consumer".into(), row.consumer.clone()],
+        vec!["key".into(), row.key.clone()],
+        vec!["state".into(), row.state.to_string()],
+        vec!["attempts".into(), row.attempts.to_string()],
+        vec!["age".into(), seconds(row.age_seconds)],
+        vec!["last error".into(), row.last_error.unwrap_or_default()],
+    ];
+    lines.extend(
+        headers
+            .into_iter()
+            .map(|(name, value)| vec![format!("header {name}"), value]),
+    );
+    lines.push(vec!["payload".into(), text]);
+    Ok(table(&["", ""], &lines))
+}
+
+/// `idem inbox replay`: dead rows back to pending.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn inbox_replay(
+    at: &Location,
+    consumer: Option<&str>,
+    key: Option<&str>,
+    json_out: bool,
+) -> Result<String, Error> {
+    let pool = at.checked(false).await?;
+    let replayed = idempotency_outbox::inbox_replay(&pool, &at.tables, consumer, key).await?;
+    Ok(if json_out {
+        json!({ "replayed": replayed }).to_string() + "\n"
+    } else {
+        format!("{replayed} dead message(s) back to pending\n")
+    })
+}
+
+/// `idem inbox purge`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`], also for `--state pending`.
+pub async fn inbox_purge(
+    at: &Location,
+    state: InboxState,
+    consumer: Option<&str>,
+    older_than: Duration,
+    json_out: bool,
+) -> Result<String, Error> {
+    let pool = at.checked(false).await?;
+    let purged = idempotency_outbox::inbox_purge(&pool, &at.tables, state, consumer, older_than).await?;
+    Ok(if json_out {
+        json!({ "purged": purged }).to_string() + "\n"
+    } else {
+        format!("{purged} {state} row(s) purged\n")
+    })
+}
+
+/// `idem inbox stats`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn inbox_stats(at: &Location, consumer: Option<&str>, json_out: bool) -> Result<String, Error> {
+    let pool = at.checked(true).await?;
+    let stats = idempotency_outbox::inbox_stats(&pool, &at.tables, consumer).await?;
+    if json_out {
+        return Ok(json!({
+            "pending": stats.pending,
+            "processed": stats.processed,
+            "dead": stats.dead,
+            "oldest_pending_seconds": stats.oldest_pending_seconds,
+        })
+        .to_string()
+            + "\n");
+    }
+    Ok(table(
+        &["PENDING", "PROCESSED", "DEAD", "OLDEST PENDING"],
+        &[vec![
+            stats.pending.to_string(),
+            stats.processed.to_string(),
+            stats.dead.to_string(),
+            stats
+                .oldest_pending_seconds
+                .map(seconds)
+                .unwrap_or_else(|| "-".into()),
+        ]],
+    ))
+}
+
+/// `idem outbox list`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -> Result<String, Error> {
+    let pool = at.checked(true).await?;
+    let rows = idempotency_outbox::outbox_list(&pool, &at.tables, all, limit).await?;
+    if json_out {
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|row| {
+                json!({
+                    "id": row.id,
+                    "ordering_key": row.ordering_key,
+                    "destination": row.destination,
+                    "sent": row.sent,
+                    "attempts": row.attempts,
+                    "last_error": row.last_error,
+                    "age_seconds": row.age_seconds,
+                })
+            })
+            .collect();
+        return Ok(Value::Array(rows).to_string() + "\n");
+    }
+    let lines: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| {
+            vec![
+                row.id.to_string(),
+                row.ordering_key.clone(),
+                row.destination.clone(),
+                if row.sent { "sent" } else { "pending" }.into(),
+                row.attempts.to_string(),
+                seconds(row.age_seconds),
+                row.last_error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    Ok(table(
+        &[
+            "ID",
+            "ORDERING KEY",
+            "DESTINATION",
+            "STATE",
+            "ATTEMPTS",
+            "AGE",
+            "LAST ERROR",
+        ],
+        &lines,
+    ))
+}
+
+/// `idem outbox stats`.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error> {
+    let pool = at.checked(true).await?;
+    let stats = idempotency_outbox::outbox_stats(&pool, &at.tables).await?;
+    if json_out {
+        return Ok(json!({
+            "pending": stats.pending,
+            "sent": stats.sent,
+            "oldest_pending_seconds": stats.oldest_pending_seconds,
+        })
+        .to_string()
+            + "\n");
+    }
+    Ok(table(
+        &["PENDING", "SENT", "OLDEST PENDING"],
+        &[vec![
+            stats.pending.to_string(),
+            stats.sent.to_string(),
+            stats
+                .oldest_pending_seconds
+                .map(seconds)
+                .unwrap_or_else(|| "-".into()),
+        ]],
+    ))
+}
+
+/// `idem migrate --inbox-outbox`: creates the tables.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn migrate(at: &Location) -> Result<(), Error> {
+    let pool = at.pool(false).await?;
+    at.tables.migrate(&pool).await.map_err(Error::from)
+}
