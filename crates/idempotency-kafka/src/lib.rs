@@ -113,6 +113,17 @@ impl Delivery for KafkaMessage {
     fn delivery_count(&self) -> u32 {
         self.deliveries
     }
+
+    /// Every header with a value (Kafka allows a header without one, which is left out).
+    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        let Some(headers) = self.message.headers() else {
+            return Vec::new();
+        };
+        headers
+            .iter()
+            .filter_map(|header| Some((header.key.to_owned(), header.value?.to_vec())))
+            .collect()
+    }
 }
 
 /// Why [`process`], [`publish`] or a [`Worker`] failed: the settings were refused, or the broker

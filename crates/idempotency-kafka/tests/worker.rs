@@ -320,6 +320,15 @@ async fn dead_letters_leave_the_worker_running_and_the_metrics_move() {
     };
     let dead: Vec<KafkaMessage> = dead.into_iter().map(KafkaMessage::new).collect();
     assert_eq!(header(&dead[0], "Idempotency-Key"), "pay-1");
+    let all = dead[0].headers();
+    assert!(
+        all.contains(&("Idempotency-Key".to_owned(), b"pay-1".to_vec())),
+        "{all:?}"
+    );
+    assert!(
+        all.iter().any(|(name, _)| name == "Idempotency-Dead-Reason"),
+        "{all:?}"
+    );
     assert!(header(&dead[0], "Idempotency-Dead-Reason").contains("different payload"));
     assert_eq!(header(&dead[0], "Idempotency-Dead-Source"), "payments");
     assert_eq!(header(&dead[1], "Idempotency-Key"), "poison");

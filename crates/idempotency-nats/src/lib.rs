@@ -84,6 +84,21 @@ impl Delivery for NatsMessage {
     fn delivery_count(&self) -> u32 {
         self.delivered
     }
+
+    /// Every header value, one entry per value of a repeated header.
+    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        let Some(headers) = self.message.headers.as_ref() else {
+            return Vec::new();
+        };
+        headers
+            .iter()
+            .flat_map(|(name, values)| {
+                values
+                    .iter()
+                    .map(move |value| (name.to_string(), value.as_str().as_bytes().to_vec()))
+            })
+            .collect()
+    }
 }
 
 /// A failure to reach the server while acknowledging or dead-lettering. The message was not

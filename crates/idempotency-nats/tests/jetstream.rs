@@ -12,7 +12,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use idempotency_consumer::{Backoff, Consumer, Disposition, Handler, HandlerError, Processor};
+use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_nats::{DEAD_REASON_HEADER, NatsMessage, process, publish, replay_dead_letters};
 use idempotency_testkit::FaultyStore;
@@ -230,8 +230,16 @@ async fn a_crash_before_the_ack_is_redelivered_and_not_run_again() {
         let stream = js.get_stream(&setup.stream).await.unwrap();
         let doomed: PullConsumer = stream.get_consumer("workers").await.unwrap();
         let mut batch = doomed.fetch().max_messages(1).messages().await.unwrap();
-        let message = batch.next().await.unwrap().unwrap();
-        let verdict = consumer.process(&NatsMessage::new(message)).await;
+        let message = NatsMessage::new(batch.next().await.unwrap().unwrap());
+        // Every header, for adapters that keep messages whole (the inbox).
+        assert!(
+            message
+                .headers()
+                .contains(&("Idempotency-Key".to_owned(), b"pay-1".to_vec())),
+            "{:?}",
+            message.headers()
+        );
+        let verdict = consumer.process(&message).await;
         assert_eq!(verdict, Disposition::Ack, "the first delivery runs");
         drop(batch);
         drop(client);
