@@ -6,10 +6,11 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|inbox|outbox|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
+mod boxes;
 mod consumers;
 mod http;
 mod kafka;
@@ -53,6 +54,8 @@ enum Target {
     Gateway,
     Consumers,
     Kafka,
+    Inbox,
+    Outbox,
     /// Every target, in this order.
     All,
 }
@@ -93,6 +96,8 @@ fn main() -> ExitCode {
             Target::Gateway => http::run_gateway(window, rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
             Target::Kafka => kafka::run(rounds),
+            Target::Inbox => boxes::run_inbox(rounds),
+            Target::Outbox => boxes::run_outbox(rounds),
         };
         if let Err(error) = result {
             eprintln!("idem-bench: {target:?}: {error}");

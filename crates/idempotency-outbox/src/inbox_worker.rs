@@ -33,6 +33,7 @@ pub struct InboxWorker<H> {
     batch: u32,
     retry: RetryPolicy,
     poll: Duration,
+    listen: bool,
     retention: Duration,
     cleanup_every: Duration,
 }
@@ -49,6 +50,7 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
             batch: 16,
             retry: RetryPolicy::default(),
             poll: Duration::from_secs(1),
+            listen: true,
             retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
             cleanup_every: Duration::from_secs(60),
         }
@@ -72,6 +74,14 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
     #[must_use]
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Whether idle loops `LISTEN` for the notifications sent when messages arrive (the
+    /// default); without, they only poll, and a message waits up to the poll interval.
+    #[must_use]
+    pub fn notifications(mut self, listen: bool) -> Self {
+        self.listen = listen;
         self
     }
 
@@ -107,6 +117,7 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
             loops: self.workers,
             poll: self.poll,
             cleanup_every: self.cleanup_every,
+            listen: self.listen,
         };
         let round = || async {
             let claimed = self

@@ -187,6 +187,7 @@ pub struct Relay<P> {
     name: String,
     batch: u32,
     poll: Duration,
+    listen: bool,
     retention: Duration,
     cleanup_every: Duration,
 }
@@ -202,6 +203,7 @@ impl<P: Publisher> Relay<P> {
             publisher,
             batch: 100,
             poll: Duration::from_secs(1),
+            listen: true,
             retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
             cleanup_every: Duration::from_secs(60),
         }
@@ -220,6 +222,14 @@ impl<P: Publisher> Relay<P> {
     #[must_use]
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch.max(1);
+        self
+    }
+
+    /// Whether idle loops `LISTEN` for the notifications sent when messages arrive (the
+    /// default); without, they only poll, and a message waits up to the poll interval.
+    #[must_use]
+    pub fn notifications(mut self, listen: bool) -> Self {
+        self.listen = listen;
         self
     }
 
@@ -353,6 +363,7 @@ impl<P: Publisher> Relay<P> {
             loops: 1,
             poll: self.poll,
             cleanup_every: self.cleanup_every,
+            listen: self.listen,
         };
         let round = || async { Ok(self.relay_batch().await? > 0) };
         let cleanup = || async {

@@ -21,6 +21,8 @@ pub(crate) struct Pace {
     pub(crate) poll: Duration,
     /// How often the cleanup runs.
     pub(crate) cleanup_every: Duration,
+    /// Whether to `LISTEN` for notifications (without, loops only poll).
+    pub(crate) listen: bool,
 }
 
 /// Listens on `channel`, runs `pace.loops` loops of rounds of `round` (each returns whether there may be more
@@ -42,16 +44,24 @@ where
     CF: Future<Output = ()>,
     S: Future<Output = ()>,
 {
-    let mut listener = PgListener::connect_with(pool)
-        .await
-        .map_err(OutboxError::db("connect for notifications"))?;
-    listener
-        .listen(channel)
-        .await
-        .map_err(OutboxError::db("listen for notifications"))?;
+    let mut listener = if pace.listen {
+        let mut listener = PgListener::connect_with(pool)
+            .await
+            .map_err(OutboxError::db("connect for notifications"))?;
+        listener
+            .listen(channel)
+            .await
+            .map_err(OutboxError::db("listen for notifications"))?;
+        Some(listener)
+    } else {
+        None
+    };
     let wake = Notify::new();
     let stopping = AtomicBool::new(false);
     let listening = async {
+        let Some(listener) = listener.as_mut() else {
+            return std::future::pending().await;
+        };
         loop {
             match listener.recv().await {
                 Ok(_) => wake.notify_waiters(),
