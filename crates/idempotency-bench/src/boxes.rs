@@ -10,7 +10,6 @@
 //!   published to a RabbitMQ queue with confirms.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -254,23 +253,22 @@ async fn outbox_latencies(
         committed.insert(id, Instant::now());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let done = AtomicBool::new(false);
     let started = Instant::now();
-    while !done.load(Ordering::SeqCst) {
+    loop {
         let confirmed = publisher
             .confirmed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .len();
         if confirmed >= LATENCY_MESSAGES {
-            done.store(true, Ordering::SeqCst);
-        } else if started.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
             return Err(format!(
                 "only {confirmed} of {LATENCY_MESSAGES} outbox messages confirmed in 60 s"
             ));
-        } else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _ = stop.send(());
     running
