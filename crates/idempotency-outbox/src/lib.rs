@@ -51,6 +51,12 @@ pub use schema::{SCHEMA_VERSION, Tables};
 
 mod amqp;
 pub use amqp::AmqpPublisher;
+mod nats;
+pub use nats::NatsPublisher;
+#[cfg(feature = "kafka")]
+mod kafka;
+#[cfg(feature = "kafka")]
+pub use kafka::KafkaPublisher;
 
 use idempotency_postgres::sqlx;
 

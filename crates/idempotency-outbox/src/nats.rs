@@ -1,0 +1,51 @@
+//! The relay's NATS JetStream publisher: the outbox key as `Nats-Msg-Id`, so the stream itself
+//! drops a republish within its duplicate window, and the consumer's record drops it after.
+
+use std::fmt;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+use idempotency_consumer::BoxError;
+
+use crate::{OutboxMessage, Publisher};
+
+/// Publishes outbox messages to JetStream, the destination as the subject, with the outbox key
+/// as `Idempotency-Key` and `Nats-Msg-Id`, and waits for each publish acknowledgement. Headers
+/// that are not UTF-8 are sent lossily (NATS headers are text).
+pub struct NatsPublisher {
+    jetstream: jetstream::Context,
+}
+
+impl fmt::Debug for NatsPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsPublisher").finish_non_exhaustive()
+    }
+}
+
+impl NatsPublisher {
+    /// A publisher on `jetstream` (a stream must capture the destinations).
+    #[must_use]
+    pub fn new(jetstream: jetstream::Context) -> Self {
+        Self { jetstream }
+    }
+}
+
+impl Publisher for NatsPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(name.as_str(), String::from_utf8_lossy(value).as_ref());
+        }
+        headers.insert(idempotency_core::IDEMPOTENCY_KEY_HEADER, message.key.as_str());
+        headers.insert("Nats-Msg-Id", message.key.as_str());
+        self.jetstream
+            .publish_with_headers(
+                message.destination.clone(),
+                headers,
+                bytes::Bytes::from(message.payload.clone()),
+            )
+            .await?
+            .await?;
+        Ok(())
+    }
+}
