@@ -24,7 +24,10 @@ use crate::wake::{self, Pace};
 /// A worker that crashes mid-batch leaves a transaction the server rolls back: the handler's
 /// writes are undone and the messages are due again, so nothing is lost and nothing that
 /// committed runs twice. A handler's side effects outside the transaction (an HTTP call) are
-/// not covered by it: pass the message's key on to the service called.
+/// not covered by it: pass the message's key on to the service called. A message that kills
+/// its worker's process every time is retried without end, since its attempt count is written
+/// in the transaction that the crash rolls back: `idempotency_inbox_oldest_pending_seconds`
+/// shows it.
 #[derive(Debug)]
 pub struct InboxWorker<H> {
     inbox: Inbox,

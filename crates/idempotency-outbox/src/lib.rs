@@ -30,7 +30,16 @@
 //! [`Publisher`] that waits for the broker's acknowledgement, in id order per ordering key, and
 //! marks them sent. Every message carries `<outbox>:<id>` as its `Idempotency-Key`: a relay that
 //! crashes between publishing and marking publishes again, and the consumer's record answers
-//! the copy.
+//! the copy. Publishers: [`AmqpPublisher`] (RabbitMQ, publisher confirms), [`NatsPublisher`]
+//! (JetStream acks, the key as `Nats-Msg-Id` too) and, with the `kafka` feature,
+//! `KafkaPublisher` (an idempotent producer, the ordering key as the record key).
+//!
+//! # Operations
+//!
+//! [`inbox_list`], [`inbox_show`], [`inbox_replay`], [`inbox_purge`], [`inbox_stats`],
+//! [`outbox_list`] and [`outbox_stats`] are what `idem inbox` and `idem outbox` run. The workers
+//! and relays refresh gauges of the backlog, its oldest age and the dead rows, and count what
+//! they receive, handle, publish and fail to publish (`docs/OPERATIONS.md` lists the metrics).
 
 mod admin;
 mod headers;

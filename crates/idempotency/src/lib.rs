@@ -16,6 +16,7 @@
 //! | `postgres` | [`postgres::PostgresStore`] (`postgres://` URLs), with same-transaction mode |
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
+//! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -72,6 +73,10 @@ pub use idempotency_testkit as testkit;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use idempotency_kafka as kafka;
+
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub use idempotency_outbox as outbox;
 
 /// The reason a URL for a store whose feature is off cannot be opened. (With every store
 /// feature on, only the tests use it.)
