@@ -173,14 +173,7 @@ struct Flaky {
 
 impl InboxHandler for Flaky {
     async fn handle(&self, message: &InboxMessage, tx: &mut PgTransaction) -> Result<(), HandlerError> {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (key, consumer) VALUES ($1, 'inbox')",
-            self.ledger
-        )))
-        .bind(&message.key)
-        .execute(&mut **tx)
-        .await
-        .map_err(HandlerError::retry)?;
+        common::record(tx, &self.ledger, &message.key).await?;
         if self.failing.lock().unwrap().contains(&message.key) {
             return Err(HandlerError::retry("the tax service answered 503"));
         }

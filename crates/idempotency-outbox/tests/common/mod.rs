@@ -87,16 +87,24 @@ impl InboxHandler for LedgerHandler {
         message: &InboxMessage,
         tx: &mut PgTransaction,
     ) -> Result<(), idempotency_consumer::HandlerError> {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (key, consumer) VALUES ($1, 'inbox')",
-            self.ledger
-        )))
-        .bind(&message.key)
-        .execute(&mut **tx)
-        .await
-        .map_err(idempotency_consumer::HandlerError::retry)?;
-        Ok(())
+        record(tx, &self.ledger, &message.key).await
     }
+}
+
+/// Writes `key`'s ledger row through `tx`.
+pub async fn record(
+    tx: &mut PgTransaction,
+    ledger: &str,
+    key: &str,
+) -> Result<(), idempotency_consumer::HandlerError> {
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {ledger} (key, consumer) VALUES ($1, 'inbox')"
+    )))
+    .bind(key)
+    .execute(&mut **tx)
+    .await
+    .map_err(idempotency_consumer::HandlerError::retry)?;
+    Ok(())
 }
 
 /// Waits until `done` holds, checking every 50 ms; panics with `what` after `limit` (a guard
