@@ -281,7 +281,7 @@ async fn unknown_tables_and_versions_are_clear_errors() {
         .unwrap();
     let error = missing.check(&pool).await.unwrap_err().to_string();
     assert!(
-        error.contains("does not exist") && error.contains("idem migrate"),
+        error.contains("does not exist") && error.contains("idem inbox migrate"),
         "{error}"
     );
 
