@@ -17,6 +17,7 @@
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
 //! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
+//! | `dynamodb` | [`dynamodb::DynamoDbStore`] (the AWS SDK; no URL scheme yet) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -77,6 +78,10 @@ pub use idempotency_kafka as kafka;
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use idempotency_outbox as outbox;
+
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub use idempotency_dynamodb as dynamodb;
 
 /// The reason a URL for a store whose feature is off cannot be opened. (With every store
 /// feature on, only the tests use it.)

@@ -1,0 +1,800 @@
+//! The store: items, conditional writes, scans.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::put_item::PutItemError;
+use aws_sdk_dynamodb::primitives::Blob;
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+    ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
+};
+use idempotency_core::{
+    BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record,
+    RecordParts, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, SystemClock,
+    Timestamp, Token, machine,
+};
+
+/// Items: the attribute names.
+const PK: &str = "pk";
+const VERSION: &str = "ver";
+const EXPIRES: &str = "expires_ms";
+const CHUNKS: &str = "outcome_chunks";
+
+/// The largest outcome kept in the record's own item; larger ones are split into items of this
+/// size, written in the same transaction (DynamoDB's items hold at most 400 KB).
+const CHUNK: usize = 300 * 1024;
+
+/// How to reach the table, and the time rules.
+#[derive(Clone)]
+pub struct DynamoDbOptions {
+    table: String,
+    clock: Arc<dyn Clock>,
+    max_clock_skew: Duration,
+}
+
+impl fmt::Debug for DynamoDbOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbOptions")
+            .field("table", &self.table)
+            .field("max_clock_skew", &self.max_clock_skew)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DynamoDbOptions {
+    /// The table `table`, the system clock, a maximum clock skew of 1 s.
+    ///
+    /// # Errors
+    ///
+    /// `InvalidConfig` for a table name DynamoDB would refuse (3 to 255 of `a-z A-Z 0-9 _ - .`).
+    pub fn table(table: &str) -> Result<Self, StoreError> {
+        let valid = (3..=255).contains(&table.len())
+            && table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !valid {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("invalid DynamoDB table name {table:?} (3 to 255 of a-z, A-Z, 0-9, _, -, .)"),
+            ));
+        }
+        Ok(Self {
+            table: table.to_owned(),
+            clock: Arc::new(SystemClock),
+            max_clock_skew: Duration::from_secs(1),
+        })
+    }
+
+    /// The clock decisions are made with (tests use a manual one).
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// How far apart the clocks of the hosts sharing the table may be: a lease must have been
+    /// over for this much longer before another attempt takes it over.
+    #[must_use]
+    pub fn max_clock_skew(mut self, skew: Duration) -> Self {
+        self.max_clock_skew = skew;
+        self
+    }
+}
+
+/// Idempotency records in a DynamoDB table; see the [crate docs](crate).
+#[derive(Clone)]
+pub struct DynamoDbStore {
+    client: Client,
+    options: DynamoDbOptions,
+}
+
+impl fmt::Debug for DynamoDbStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbStore")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An item as read: the record (if live or not, as stored) and its version.
+struct Stored {
+    record: Record,
+    version: u64,
+}
+
+impl DynamoDbStore {
+    /// A store on `client` (configure its region, endpoint and credentials as for any AWS
+    /// client); the table must exist ([`migrate`](Self::migrate) creates it).
+    #[must_use]
+    pub fn new(client: Client, options: DynamoDbOptions) -> Self {
+        Self { client, options }
+    }
+
+    /// A store on a client configured the usual AWS way (environment, profile, instance role),
+    /// with `endpoint` and `region` overriding what the environment says (a local server needs
+    /// the endpoint). TLS is rustls with the `ring` provider: no C library is built.
+    pub async fn connect(options: DynamoDbOptions, endpoint: Option<&str>, region: Option<&str>) -> Self {
+        let mut loader =
+            aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
+        if let Some(endpoint) = endpoint {
+            loader = loader.endpoint_url(endpoint);
+        }
+        if let Some(region) = region {
+            loader = loader.region(aws_config::Region::new(region.to_owned()));
+        }
+        let config = loader.load().await;
+        Self::new(Client::new(&config), options)
+    }
+
+    /// The table's name.
+    #[must_use]
+    pub fn table(&self) -> &str {
+        &self.options.table
+    }
+
+    /// Creates the table (key `pk`, on-demand billing) if it does not exist, waits until it is
+    /// active, and turns on TTL deletion on the `ttl` attribute.
+    ///
+    /// # Errors
+    ///
+    /// The service's error (permissions, an invalid name).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let exists = self
+            .client
+            .describe_table()
+            .table_name(&self.options.table)
+            .send()
+            .await;
+        if exists.is_err() {
+            let created = self
+                .client
+                .create_table()
+                .table_name(&self.options.table)
+                .billing_mode(BillingMode::PayPerRequest)
+                .attribute_definitions(
+                    AttributeDefinition::builder()
+                        .attribute_name(PK)
+                        .attribute_type(ScalarAttributeType::S)
+                        .build()
+                        .map_err(|e| backend("build the table definition", e))?,
+                )
+                .key_schema(
+                    KeySchemaElement::builder()
+                        .attribute_name(PK)
+                        .key_type(KeyType::Hash)
+                        .build()
+                        .map_err(|e| backend("build the key schema", e))?,
+                )
+                .send()
+                .await;
+            if let Err(error) = created {
+                let in_use = error.as_service_error().is_some_and(
+                    aws_sdk_dynamodb::operation::create_table::CreateTableError::is_resource_in_use_exception,
+                );
+                if !in_use {
+                    return Err(sdk("create the table", &error));
+                }
+            }
+        }
+        for _ in 0..120 {
+            let described = self
+                .client
+                .describe_table()
+                .table_name(&self.options.table)
+                .send()
+                .await
+                .map_err(|e| sdk("describe the table", &e))?;
+            let active = described
+                .table()
+                .and_then(|table| table.table_status())
+                .is_some_and(|status| *status == aws_sdk_dynamodb::types::TableStatus::Active);
+            if active {
+                let ttl = aws_sdk_dynamodb::types::TimeToLiveSpecification::builder()
+                    .attribute_name("ttl")
+                    .enabled(true)
+                    .build()
+                    .map_err(|e| backend("build the TTL specification", e))?;
+                // Already on is not an error worth failing a migration for.
+                let _ = self
+                    .client
+                    .update_time_to_live()
+                    .table_name(&self.options.table)
+                    .time_to_live_specification(ttl)
+                    .send()
+                    .await;
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        Err(StoreError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "table {} did not become active within a minute",
+                self.options.table
+            ),
+        ))
+    }
+
+    fn now(&self) -> Timestamp {
+        self.options.clock.now()
+    }
+
+    fn pk(scope: &Scope, key: &Key) -> AttributeValue {
+        AttributeValue::S(Key::qualified(scope, key).as_str().to_owned())
+    }
+
+    /// A strongly consistent read of the item.
+    async fn read(&self, scope: &Scope, key: &Key) -> Result<Option<Stored>, StoreError> {
+        let item = self
+            .client
+            .get_item()
+            .table_name(&self.options.table)
+            .key(PK, Self::pk(scope, key))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| sdk("read a record", &e))?;
+        match item.item() {
+            Some(item) => Ok(Some(self.load(item).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The chunk item `index` of the outcome of the record at `pk`. A space cannot occur in a
+    /// scope or a key, so no record's key is ever a chunk's.
+    fn chunk_pk(pk: &str, index: usize) -> AttributeValue {
+        AttributeValue::S(format!("{pk} outcome {index}"))
+    }
+
+    /// Decodes an item, fetching its outcome's chunks (strongly consistent) if it has any.
+    async fn load(&self, item: &HashMap<String, AttributeValue>) -> Result<Stored, StoreError> {
+        let chunks = item
+            .get(CHUNKS)
+            .and_then(|value| value.as_n().ok())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        if chunks == 0 {
+            return decode(item, None);
+        }
+        let pk = item
+            .get(PK)
+            .and_then(|value| value.as_s().ok())
+            .ok_or_else(|| StoreError::new(ErrorKind::Corrupt, "a DynamoDB item without its key"))?;
+        let mut outcome = Vec::new();
+        for index in 0..chunks {
+            let chunk = self
+                .client
+                .get_item()
+                .table_name(&self.options.table)
+                .key(PK, Self::chunk_pk(pk, index))
+                .consistent_read(true)
+                .send()
+                .await
+                .map_err(|e| sdk("read an outcome chunk", &e))?;
+            let data = chunk
+                .item()
+                .and_then(|item| item.get("data"))
+                .and_then(|value| value.as_b().ok())
+                .ok_or_else(|| {
+                    StoreError::new(
+                        ErrorKind::Corrupt,
+                        format!("outcome chunk {index} of {pk} is missing"),
+                    )
+                })?;
+            outcome.extend_from_slice(data.as_ref());
+        }
+        decode(item, Some(outcome))
+    }
+
+    /// Writes `record` as version `version`, if the item is still at `expected` (or absent when
+    /// `None`); returns the item found instead when the condition fails.
+    async fn write(
+        &self,
+        record: &Record,
+        version: u64,
+        expected: Option<u64>,
+        or_expired_before: Option<Timestamp>,
+    ) -> Result<Result<(), Option<Stored>>, StoreError> {
+        let (item, chunks) = encode(record, version);
+        if !chunks.is_empty() {
+            return self.write_chunked(item, chunks, expected).await;
+        }
+        let mut request = self
+            .client
+            .put_item()
+            .table_name(&self.options.table)
+            .set_item(Some(item))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        request = match (expected, or_expired_before) {
+            (Some(seen), _) => request
+                .condition_expression("#v = :v")
+                .expression_attribute_names("#v", VERSION)
+                .expression_attribute_values(":v", number(seen)),
+            (None, Some(now)) => request
+                .condition_expression("attribute_not_exists(#pk) OR #e <= :now")
+                .expression_attribute_names("#pk", PK)
+                .expression_attribute_names("#e", EXPIRES)
+                .expression_attribute_values(":now", number_i64(now.unix_millis())),
+            (None, None) => request
+                .condition_expression("attribute_not_exists(#pk)")
+                .expression_attribute_names("#pk", PK),
+        };
+        match request.send().await {
+            Ok(_) => Ok(Ok(())),
+            Err(error) => match error.as_service_error() {
+                Some(PutItemError::ConditionalCheckFailedException(failed)) => match failed.item() {
+                    Some(item) => Ok(Err(Some(self.load(item).await?))),
+                    None => Ok(Err(None)),
+                },
+                _ => Err(sdk("write a record", &error)),
+            },
+        }
+    }
+
+    /// Writes a record whose outcome is split into chunk items: the chunks and the record in one
+    /// transaction, the record conditioned on the version read (only a completion carries an
+    /// outcome, and it always follows a read). A failed condition reads the item again.
+    async fn write_chunked(
+        &self,
+        item: HashMap<String, AttributeValue>,
+        chunks: Vec<Vec<u8>>,
+        expected: Option<u64>,
+    ) -> Result<Result<(), Option<Stored>>, StoreError> {
+        use aws_sdk_dynamodb::types::{Put, TransactWriteItem};
+        let pk = item
+            .get(PK)
+            .and_then(|value| value.as_s().ok())
+            .cloned()
+            .unwrap_or_default();
+        let ttl = item.get("ttl").cloned().unwrap_or_else(|| number(0));
+        let mut main = Put::builder()
+            .table_name(&self.options.table)
+            .set_item(Some(item.clone()));
+        main = match expected {
+            Some(seen) => main
+                .condition_expression("#v = :v")
+                .expression_attribute_names("#v", VERSION)
+                .expression_attribute_values(":v", number(seen)),
+            None => main
+                .condition_expression("attribute_not_exists(#pk)")
+                .expression_attribute_names("#pk", PK),
+        };
+        let mut writes = vec![
+            TransactWriteItem::builder()
+                .put(
+                    main.build()
+                        .map_err(|e| backend("build a transactional write", e))?,
+                )
+                .build(),
+        ];
+        for (index, data) in chunks.into_iter().enumerate() {
+            let chunk = Put::builder()
+                .table_name(&self.options.table)
+                .item(PK, Self::chunk_pk(&pk, index))
+                .item("data", AttributeValue::B(Blob::new(data)))
+                .item("ttl", ttl.clone())
+                .build()
+                .map_err(|e| backend("build a transactional write", e))?;
+            writes.push(TransactWriteItem::builder().put(chunk).build());
+        }
+        match self.client.transact_write_items().set_transact_items(Some(writes)).send().await {
+            Ok(_) => Ok(Ok(())),
+            Err(error)
+                if error
+                    .as_service_error()
+                    .is_some_and(aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError::is_transaction_canceled_exception) =>
+            {
+                Ok(Err(self.read_pk(&pk).await?))
+            }
+            Err(error) => Err(sdk("write a record with a large outcome", &error)),
+        }
+    }
+
+    /// A strongly consistent read by the item's key.
+    async fn read_pk(&self, pk: &str) -> Result<Option<Stored>, StoreError> {
+        let item = self
+            .client
+            .get_item()
+            .table_name(&self.options.table)
+            .key(PK, AttributeValue::S(pk.to_owned()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| sdk("read a record", &e))?;
+        match item.item() {
+            Some(item) => Ok(Some(self.load(item).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Reads, decides with `decide`, and writes conditioned on what was read, until a write
+    /// lands or the decision writes nothing. `first` is an item already in hand (from a failed
+    /// write), saving the read.
+    async fn transition<T>(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        mut first: Option<Option<Stored>>,
+        decide: impl Fn(Timestamp, Option<&Record>) -> (T, machine::Effect),
+    ) -> Result<T, StoreError> {
+        loop {
+            let stored = match first.take() {
+                Some(stored) => stored,
+                None => self.read(scope, key).await?,
+            };
+            let now = self.now();
+            let (answer, effect) = decide(now, stored.as_ref().map(|s| &s.record));
+            let machine::Effect::Put(record) = effect else {
+                return Ok(answer);
+            };
+            let (version, expected) = match &stored {
+                Some(stored) => (stored.version + 1, Some(stored.version)),
+                None => (1, None),
+            };
+            match self.write(&record, version, expected, None).await? {
+                Ok(()) => return Ok(answer),
+                // Someone else wrote in between: decide again on what is there now.
+                Err(found) => first = Some(found),
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for DynamoDbStore {
+    async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        let now = self.now();
+        // The common case, a new key: one write, conditioned on the key being absent or expired.
+        let (claim, effect) = machine::begin(now, None, request);
+        let machine::Effect::Put(record) = effect else {
+            return Ok(claim);
+        };
+        let found = match self.write(&record, 1, None, Some(now)).await? {
+            Ok(()) => return Ok(claim),
+            Err(found) => found,
+        };
+        let skew = self.options.max_clock_skew;
+        self.transition(&request.scope, &request.key, Some(found), |now, record| {
+            // Another host's lease is only over once the skew bound has passed too.
+            if let Some(Record {
+                state: RecordState::InFlight {
+                    token, lease_until, ..
+                },
+                fingerprint,
+                ..
+            }) = machine::live(now, record)
+                && *token != request.token
+                && *token != Token::NONE
+                && *fingerprint == request.fingerprint
+                && now < lease_until.after(skew)
+                && now >= *lease_until
+            {
+                let retry_after = Duration::from_millis(
+                    u64::try_from(lease_until.after(skew).unix_millis() - now.unix_millis()).unwrap_or(0),
+                );
+                return (
+                    Claim::InFlight {
+                        attempt: record.map_or(1, |r| r.attempt),
+                        retry_after,
+                    },
+                    machine::Effect::None,
+                );
+            }
+            machine::begin(now, record, request)
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        held: &Held,
+        outcome: Outcome,
+        retention: Duration,
+    ) -> Result<Fenced<Timestamp>, StoreError> {
+        self.transition(&held.scope, &held.key, None, |now, record| {
+            machine::complete(now, record, held.token, outcome.clone(), retention)
+        })
+        .await
+    }
+
+    async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
+        self.transition(&held.scope, &held.key, None, |now, record| {
+            machine::release(now, record, held.token)
+        })
+        .await
+    }
+
+    async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
+        self.transition(&held.scope, &held.key, None, |now, record| {
+            machine::extend(now, record, held.token, lease)
+        })
+        .await
+    }
+
+    async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+        let now = self.now();
+        Ok(self
+            .read(scope, key)
+            .await?
+            .map(|stored| stored.record)
+            .filter(|record| !record.is_expired(now)))
+    }
+}
+
+impl DynamoDbStore {
+    /// Every item of the table, by a paginated, strongly consistent scan.
+    async fn scan(&self) -> Result<Vec<Stored>, StoreError> {
+        let mut items = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        loop {
+            let page = self
+                .client
+                .scan()
+                .table_name(&self.options.table)
+                .consistent_read(true)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| sdk("scan the table", &e))?;
+            // Chunk items carry no state: they are read with their record.
+            for item in page.items().iter().filter(|item| item.contains_key("state")) {
+                items.push(self.load(item).await?);
+            }
+            match page.last_evaluated_key() {
+                Some(key) if !key.is_empty() => start = Some(key.clone()),
+                _ => return Ok(items),
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl StoreAdmin for DynamoDbStore {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(self.options.clock.now())
+    }
+
+    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+        let now = self.options.clock.now();
+        let mut stats = Stats::default();
+        for stored in self.scan().await? {
+            if scope.is_none_or(|scope| &stored.record.scope == scope) {
+                stats.count(&stored.record, now);
+            }
+        }
+        Ok(stats)
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+        let now = self.options.clock.now();
+        let found = self
+            .scan()
+            .await?
+            .into_iter()
+            .filter(|stored| filter.matches(&stored.record, now))
+            .map(|stored| stored.record.summary())
+            .collect();
+        Ok(filter.page(found))
+    }
+
+    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
+        let now = self.options.clock.now();
+        let mut purged = 0;
+        for stored in self.scan().await? {
+            if purged >= limit {
+                break;
+            }
+            if !stored.record.is_expired(now) {
+                continue;
+            }
+            // Only if it is still the expired item that was scanned.
+            let deleted = self
+                .client
+                .delete_item()
+                .table_name(&self.options.table)
+                .key(PK, Self::pk(&stored.record.scope, &stored.record.key))
+                .condition_expression("#v = :v")
+                .expression_attribute_names("#v", VERSION)
+                .expression_attribute_values(":v", number(stored.version))
+                .send()
+                .await;
+            match deleted {
+                Ok(_) => {
+                    purged += 1;
+                    let pk = Key::qualified(&stored.record.scope, &stored.record.key);
+                    let chunks = match &stored.record.state {
+                        RecordState::Completed { outcome, .. } if outcome.len() > CHUNK => {
+                            outcome.len().div_ceil(CHUNK)
+                        }
+                        _ => 0,
+                    };
+                    for index in 0..chunks {
+                        self.client
+                            .delete_item()
+                            .table_name(&self.options.table)
+                            .key(PK, Self::chunk_pk(pk.as_str(), index))
+                            .send()
+                            .await
+                            .map_err(|e| sdk("delete an outcome chunk", &e))?;
+                    }
+                }
+                Err(error)
+                    if error
+                        .as_service_error()
+                        .is_some_and(|e| e.is_conditional_check_failed_exception()) => {}
+                Err(error) => return Err(sdk("delete an expired record", &error)),
+            }
+        }
+        Ok(purged)
+    }
+}
+
+/// The HTTPS client this crate configures its clients with: rustls on the `ring` provider, so
+/// no C library (`aws-lc-sys`) is built. Pass it to a client built by hand
+/// (`aws_sdk_dynamodb::Config::builder().http_client(http_client())`).
+#[must_use]
+pub fn http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
+    use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
+    aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
+        .build_https()
+}
+
+fn number(value: u64) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+fn number_i64(value: i64) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+/// A record as an item (every field its own attribute, so operators can read it in the console),
+/// and its outcome's chunks when the outcome is too large for the item.
+fn encode(record: &Record, version: u64) -> (HashMap<String, AttributeValue>, Vec<Vec<u8>>) {
+    let mut item = HashMap::new();
+    let mut chunks = Vec::new();
+    let mut put = |name: &str, value: AttributeValue| {
+        item.insert(name.to_owned(), value);
+    };
+    put(PK, DynamoDbStore::pk(&record.scope, &record.key));
+    put("scope", AttributeValue::S(record.scope.as_str().to_owned()));
+    put("key", AttributeValue::S(record.key.as_str().to_owned()));
+    put(
+        "fingerprint",
+        AttributeValue::B(Blob::new(record.fingerprint.as_bytes().to_vec())),
+    );
+    put("attempt", number(u64::from(record.attempt)));
+    put("created_ms", number_i64(record.created_at.unix_millis()));
+    put(EXPIRES, number_i64(record.expires_at.unix_millis()));
+    // DynamoDB's TTL deletion reads seconds.
+    put(
+        "ttl",
+        number_i64(record.expires_at.unix_millis().div_euclid(1000) + 1),
+    );
+    put(VERSION, number(version));
+    match &record.state {
+        RecordState::InFlight {
+            token,
+            acquired_at,
+            lease_until,
+        } => {
+            put("state", AttributeValue::S("in_flight".into()));
+            put("token", AttributeValue::B(Blob::new(token.to_bytes().to_vec())));
+            put("acquired_ms", number_i64(acquired_at.unix_millis()));
+            put("lease_ms", number_i64(lease_until.unix_millis()));
+        }
+        RecordState::Completed {
+            token,
+            outcome,
+            completed_at,
+        } => {
+            put("state", AttributeValue::S("completed".into()));
+            put("token", AttributeValue::B(Blob::new(token.to_bytes().to_vec())));
+            if outcome.len() > CHUNK {
+                chunks = outcome.as_bytes().chunks(CHUNK).map(<[u8]>::to_vec).collect();
+                put(CHUNKS, number(chunks.len() as u64));
+            } else {
+                put(
+                    "outcome",
+                    AttributeValue::B(Blob::new(outcome.as_bytes().to_vec())),
+                );
+            }
+            put("completed_ms", number_i64(completed_at.unix_millis()));
+        }
+    }
+    (item, chunks)
+}
+
+/// An item back as a record, checked by the core's decoder; `chunked` is the outcome assembled
+/// from its chunk items, if it has any.
+fn decode(item: &HashMap<String, AttributeValue>, chunked: Option<Vec<u8>>) -> Result<Stored, StoreError> {
+    let corrupt = |what: &str| StoreError::new(ErrorKind::Corrupt, format!("a DynamoDB item with {what}"));
+    let text = |name: &str| {
+        item.get(name)
+            .and_then(|value| value.as_s().ok())
+            .cloned()
+            .ok_or_else(|| corrupt(&format!("no text attribute {name}")))
+    };
+    let blob = |name: &str| {
+        item.get(name)
+            .and_then(|value| value.as_b().ok())
+            .map(|b| b.as_ref().to_vec())
+    };
+    let int = |name: &str| -> Result<Option<i64>, StoreError> {
+        item.get(name)
+            .map(|value| {
+                value
+                    .as_n()
+                    .ok()
+                    .and_then(|n| n.parse::<i64>().ok())
+                    .ok_or_else(|| corrupt(&format!("a non-integer {name}")))
+            })
+            .transpose()
+    };
+    let required = |name: &str| int(name)?.ok_or_else(|| corrupt(&format!("no number attribute {name}")));
+    let fingerprint: [u8; 32] = blob("fingerprint")
+        .and_then(|bytes| bytes.try_into().ok())
+        .ok_or_else(|| corrupt("a fingerprint that is not 32 bytes"))?;
+    let token: [u8; 16] = blob("token")
+        .and_then(|bytes| bytes.try_into().ok())
+        .ok_or_else(|| corrupt("a token that is not 16 bytes"))?;
+    let completed = text("state")? == "completed";
+    let parts = RecordParts {
+        scope: text("scope")?,
+        key: text("key")?,
+        fingerprint: Fingerprint::from_digest(fingerprint),
+        attempt: required("attempt")?,
+        created_at: required("created_ms")?,
+        expires_at: required(EXPIRES)?,
+        completed,
+        acquired_at: int("acquired_ms")?,
+        lease_until: int("lease_ms")?,
+        completed_at: int("completed_ms")?,
+    };
+    let outcome = chunked.or_else(|| blob("outcome")).map(Outcome::new);
+    let record = parts
+        .into_record(Token::from_bytes(token), outcome)
+        .map_err(StoreError::from)?;
+    let version = u64::try_from(required(VERSION)?).map_err(|_| corrupt("a negative version"))?;
+    Ok(Stored { record, version })
+}
+
+fn backend(what: &str, error: impl fmt::Display) -> StoreError {
+    StoreError::new(ErrorKind::Backend, format!("DynamoDB: {what}: {error}"))
+}
+
+/// A service or transport error, with the kind the guard's retry rules need.
+fn sdk<E, R>(what: &str, error: &SdkError<E, R>) -> StoreError
+where
+    E: std::error::Error + aws_sdk_dynamodb::error::ProvideErrorMetadata + 'static,
+    R: fmt::Debug,
+{
+    let kind = match error {
+        SdkError::TimeoutError(_) => ErrorKind::Timeout,
+        SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => ErrorKind::Unavailable,
+        SdkError::ServiceError(service) => match service.err().code() {
+            Some(
+                "ProvisionedThroughputExceededException" | "ThrottlingException" | "RequestLimitExceeded",
+            ) => ErrorKind::Overloaded,
+            Some("ResourceNotFoundException") => ErrorKind::Schema,
+            Some("InternalServerError" | "ServiceUnavailable") => ErrorKind::Unavailable,
+            _ => ErrorKind::Backend,
+        },
+        _ => ErrorKind::Backend,
+    };
+    let detail = match error.as_service_error() {
+        Some(service) => format!(
+            "{}: {}",
+            service.code().unwrap_or("error"),
+            service.message().unwrap_or_default()
+        ),
+        None => aws_sdk_dynamodb::error::DisplayErrorContext(error).to_string(),
+    };
+    StoreError::new(kind, format!("DynamoDB: {what}: {detail}"))
+}
