@@ -118,9 +118,14 @@ impl Outbox {
                 "INSERT INTO {table} (destination, ordering_key, payload, headers) VALUES ($1, $2, $3, $4::jsonb)
                  RETURNING id, pg_notify('{channel}', '')::text"
             ),
+            // The ordering keys of the oldest pending rows that no other relay holds, each now
+            // held by this transaction. The lock is a volatile call, so PostgreSQL evaluates
+            // it on the distinct keys only, after the limit.
             keys: format!(
-                "SELECT DISTINCT ordering_key FROM
-                 (SELECT ordering_key FROM {table} WHERE sent_at IS NULL ORDER BY id LIMIT $1) pending"
+                "SELECT ordering_key FROM
+                 (SELECT DISTINCT ordering_key FROM
+                  (SELECT ordering_key FROM {table} WHERE sent_at IS NULL ORDER BY id LIMIT $1) pending) keys
+                 WHERE pg_try_advisory_xact_lock(hashtextextended('{table}:' || ordering_key, 0))"
             ),
             claim: format!(
                 "SELECT id, ordering_key, destination, payload, headers::text AS headers FROM {table}
@@ -262,23 +267,11 @@ impl<P: Publisher> Relay<P> {
             .begin()
             .await
             .map_err(OutboxError::db("begin a relay round"))?;
-        let keys: Vec<String> = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.keys.as_str()))
+        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.keys.as_str()))
             .bind(i64::from(self.batch))
             .fetch_all(&mut *tx)
             .await
-            .map_err(OutboxError::db("read the pending ordering keys"))?;
-        let mut held = Vec::new();
-        for key in keys {
-            let locked: bool =
-                sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
-                    .bind(format!("{}:{key}", self.outbox.tables.qualified_outbox()))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(OutboxError::db("lock an ordering key"))?;
-            if locked {
-                held.push(key);
-            }
-        }
+            .map_err(OutboxError::db("lock the pending ordering keys"))?;
         if held.is_empty() {
             tx.commit().await.map_err(OutboxError::db("end a relay round"))?;
             return Ok(0);
