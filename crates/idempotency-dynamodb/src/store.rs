@@ -231,19 +231,25 @@ impl DynamoDbStore {
 
     /// A strongly consistent read of the item.
     async fn read(&self, scope: &Scope, key: &Key) -> Result<Option<Stored>, StoreError> {
-        let item = self
+        self.read_pk(Key::qualified(scope, key).as_str()).await
+    }
+
+    /// A strongly consistent read of the item at `pk`, whatever it holds.
+    async fn get_item(
+        &self,
+        pk: AttributeValue,
+        what: &str,
+    ) -> Result<Option<HashMap<String, AttributeValue>>, StoreError> {
+        let read = self
             .client
             .get_item()
             .table_name(&self.options.table)
-            .key(PK, Self::pk(scope, key))
+            .key(PK, pk)
             .consistent_read(true)
             .send()
             .await
-            .map_err(|e| sdk("read a record", &e))?;
-        match item.item() {
-            Some(item) => Ok(Some(self.load(item).await?)),
-            None => Ok(None),
-        }
+            .map_err(|e| sdk(what, &e))?;
+        Ok(read.item)
     }
 
     /// The chunk item `index` of the outcome of the record at `pk`. A space cannot occur in a
@@ -269,16 +275,10 @@ impl DynamoDbStore {
         let mut outcome = Vec::new();
         for index in 0..chunks {
             let chunk = self
-                .client
-                .get_item()
-                .table_name(&self.options.table)
-                .key(PK, Self::chunk_pk(pk, index))
-                .consistent_read(true)
-                .send()
-                .await
-                .map_err(|e| sdk("read an outcome chunk", &e))?;
+                .get_item(Self::chunk_pk(pk, index), "read an outcome chunk")
+                .await?;
             let data = chunk
-                .item()
+                .as_ref()
                 .and_then(|item| item.get("data"))
                 .and_then(|value| value.as_b().ok())
                 .ok_or_else(|| {
@@ -396,19 +396,13 @@ impl DynamoDbStore {
         }
     }
 
-    /// A strongly consistent read by the item's key.
+    /// A strongly consistent read of the record at `pk`, its outcome's chunks included.
     async fn read_pk(&self, pk: &str) -> Result<Option<Stored>, StoreError> {
-        let item = self
-            .client
-            .get_item()
-            .table_name(&self.options.table)
-            .key(PK, AttributeValue::S(pk.to_owned()))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(|e| sdk("read a record", &e))?;
-        match item.item() {
-            Some(item) => Ok(Some(self.load(item).await?)),
+        match self
+            .get_item(AttributeValue::S(pk.to_owned()), "read a record")
+            .await?
+        {
+            Some(item) => Ok(Some(self.load(&item).await?)),
             None => Ok(None),
         }
     }

@@ -2,39 +2,11 @@
 //! not taken over before it is over on every clock; beyond the bound a takeover can overlap the
 //! running attempt, and fencing still refuses the stale attempt's `complete`.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::{Credentials, Region};
 use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, ManualClock, Outcome, Scope, Store, Token};
-use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
-
-fn endpoint() -> String {
-    std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
-}
-
-/// A store on `table` deciding with `clock`, allowing `skew`.
-async fn host(table: &str, clock: &ManualClock, skew: Duration) -> DynamoDbStore {
-    let config = aws_sdk_dynamodb::Config::builder()
-        .behavior_version_latest()
-        .http_client(idempotency_dynamodb::http_client())
-        .endpoint_url(endpoint())
-        .region(Region::new("us-east-1"))
-        .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
-        .build();
-    let options = DynamoDbOptions::table(table)
-        .unwrap()
-        .clock(Arc::new(clock.clone()))
-        .max_clock_skew(skew);
-    let store = DynamoDbStore::new(aws_sdk_dynamodb::Client::from_conf(config), options);
-    store.migrate().await.unwrap_or_else(|e| {
-        panic!(
-            "the local AWS server at {} is needed for this test: {e}",
-            endpoint()
-        )
-    });
-    store
-}
 
 fn request(token: Token) -> BeginRequest {
     BeginRequest::new(
@@ -61,8 +33,8 @@ async fn within_the_bound_no_takeover_starts_before_the_lease_is_over_everywhere
     let table = table("within");
     let (clock_a, clock_b) = (ManualClock::new(), ManualClock::new());
     clock_b.advance(Duration::from_millis(1500));
-    let a = host(&table, &clock_a, Duration::from_secs(2)).await;
-    let b = host(&table, &clock_b, Duration::from_secs(2)).await;
+    let a = common::store(&table, &clock_a, Duration::from_secs(2)).await;
+    let b = common::store(&table, &clock_b, Duration::from_secs(2)).await;
     let (token_a, token_b) = (Token::random(), Token::random());
     let Claim::Acquired(held_a) = a.begin(&request(token_a)).await.unwrap() else {
         panic!("A acquires")
@@ -100,8 +72,8 @@ async fn beyond_the_bound_a_takeover_can_overlap_and_fencing_keeps_one_outcome()
     let table = table("beyond");
     let (clock_a, clock_b) = (ManualClock::new(), ManualClock::new());
     clock_b.advance(Duration::from_secs(5));
-    let a = host(&table, &clock_a, Duration::from_secs(2)).await;
-    let b = host(&table, &clock_b, Duration::from_secs(2)).await;
+    let a = common::store(&table, &clock_a, Duration::from_secs(2)).await;
+    let b = common::store(&table, &clock_b, Duration::from_secs(2)).await;
     let (token_a, token_b) = (Token::random(), Token::random());
     let Claim::Acquired(held_a) = a.begin(&request(token_a)).await.unwrap() else {
         panic!("A acquires")

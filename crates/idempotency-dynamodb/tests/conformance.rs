@@ -4,19 +4,14 @@
 //! own. Verified against moto only: moto's conditional writes and transactions stand in for
 //! DynamoDB's.
 
-use std::sync::Arc;
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::{Credentials, Region};
 use idempotency_core::ManualClock;
-use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
+use idempotency_dynamodb::DynamoDbStore;
 use idempotency_testkit::{Harness, TimeControl};
-
-/// The local server: `AWS_ENDPOINT_URL`, or the loopback default.
-fn endpoint() -> String {
-    std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
-}
 
 #[derive(Debug)]
 struct DynamoDbHarness {
@@ -44,25 +39,12 @@ impl Harness for DynamoDbHarness {
 
     async fn store(&self) -> DynamoDbStore {
         let n = self.tables.fetch_add(1, Ordering::SeqCst);
-        let config = aws_sdk_dynamodb::Config::builder()
-            .behavior_version_latest()
-            .http_client(idempotency_dynamodb::http_client())
-            .endpoint_url(endpoint())
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
-            .build();
-        let options = DynamoDbOptions::table(&format!("conformance-{}-{n}", self.run))
-            .unwrap()
-            .clock(Arc::new(self.clock.clone()))
-            .max_clock_skew(Duration::ZERO);
-        let store = DynamoDbStore::new(aws_sdk_dynamodb::Client::from_conf(config), options);
-        store.migrate().await.unwrap_or_else(|e| {
-            panic!(
-                "the local AWS server at {} is needed for this test: {e}",
-                endpoint()
-            )
-        });
-        store
+        common::store(
+            &format!("conformance-{}-{n}", self.run),
+            &self.clock,
+            Duration::ZERO,
+        )
+        .await
     }
 
     fn time(&self) -> TimeControl {
