@@ -37,6 +37,37 @@ async fn dot_segments_cannot_leave_the_upstream_base_path() {
     }
 }
 
+/// `idem serve --store dynamodb://…` against the local AWS server: the second request is a
+/// replay, the upstream ran once, and the operations commands read the same record.
+#[cfg(feature = "dynamodb")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_on_a_dynamodb_table() {
+    let (_upstream, upstream) = start_upstream();
+    let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let store = format!("dynamodb://gateway_{nonce}?region=us-east-1&endpoint={endpoint}");
+    let (code, _, stderr) = idem(&["keys", "stats", "--store", &store]);
+    assert_ne!(code, 0, "a missing table must not be created by inspection");
+    assert!(stderr.contains("does not exist"), "{stderr}");
+    let addr = free_addr();
+    let up = format!("http://{upstream}");
+    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let client = client();
+    let key = [("idempotency-key", "ddb-order-1")];
+    let first = send(&client, addr, "POST", "/echo", &key, br#"{"amount":10}"#).await;
+    assert_eq!(first.status, 201);
+    let replay = send(&client, addr, "POST", "/echo", &key, br#"{"amount":10}"#).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(calls(&client, upstream, "ddb-order-1").await, 1);
+    let (code, stdout, stderr) = idem(&["keys", "stats", "--store", &store]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("completed"), "{stdout}");
+}
+
 fn sqlite_url(dir: &tempfile::TempDir) -> String {
     format!("sqlite://{}", dir.path().join("idem.db").display())
 }

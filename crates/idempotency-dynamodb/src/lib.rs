@@ -30,5 +30,7 @@
 //! so run them from operators' tools, not request paths.
 
 mod store;
+mod url;
 
 pub use store::{DynamoDbOptions, DynamoDbStore, http_client};
+pub use url::{DynamoDbUrl, KIND};

@@ -85,6 +85,18 @@ impl DynamoDbOptions {
         self.max_clock_skew = skew;
         self
     }
+
+    /// The table's name.
+    #[must_use]
+    pub fn table_name(&self) -> &str {
+        &self.table
+    }
+
+    /// The maximum clock skew allowed for.
+    #[must_use]
+    pub fn clock_skew(&self) -> Duration {
+        self.max_clock_skew
+    }
 }
 
 /// Idempotency records in a DynamoDB table; see the [crate docs](crate).
@@ -219,6 +231,43 @@ impl DynamoDbStore {
                 self.options.table
             ),
         ))
+    }
+
+    /// Checks that the table exists and has this store's key (`pk`, a string), creating
+    /// nothing: what the operations commands do before they read or purge.
+    ///
+    /// # Errors
+    ///
+    /// `InvalidConfig` naming the table when it is missing ("create it with `idem migrate`") or
+    /// keyed otherwise; the service's error when it cannot be asked.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let table = &self.options.table;
+        let described = self.client.describe_table().table_name(table).send().await;
+        let described = match described {
+            Ok(described) => described,
+            Err(error)
+                if error.as_service_error().is_some_and(
+                    aws_sdk_dynamodb::operation::describe_table::DescribeTableError::is_resource_not_found_exception,
+                ) =>
+            {
+                return Err(StoreError::new(
+                    ErrorKind::InvalidConfig,
+                    format!("DynamoDB table {table} does not exist: create it with `idem migrate`"),
+                ));
+            }
+            Err(error) => return Err(sdk("describe the table", &error)),
+        };
+        let ours = described.table().is_some_and(|t| {
+            let keys = t.key_schema();
+            keys.len() == 1 && keys[0].attribute_name() == PK && *keys[0].key_type() == KeyType::Hash
+        });
+        if !ours {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("DynamoDB table {table} is not an idempotency store (its key is not `{PK}` alone)"),
+            ));
+        }
+        Ok(())
     }
 
     fn now(&self) -> Timestamp {

@@ -17,7 +17,7 @@
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
 //! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
-//! | `dynamodb` | [`dynamodb::DynamoDbStore`] (the AWS SDK; no URL scheme yet) |
+//! | `dynamodb` | [`dynamodb::DynamoDbStore`] (`dynamodb://` URLs; builds the AWS SDK, rustls on ring) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -86,7 +86,12 @@ pub use idempotency_dynamodb as dynamodb;
 /// The reason a URL for a store whose feature is off cannot be opened. (With every store
 /// feature on, only the tests use it.)
 #[cfg_attr(
-    all(feature = "sqlite", feature = "postgres", feature = "redis"),
+    all(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "redis",
+        feature = "dynamodb"
+    ),
     allow(unused_macros)
 )]
 macro_rules! not_built {
@@ -119,6 +124,10 @@ pub fn registry() -> &'static Registry {
         let registry = registry.with(redis::KIND);
         #[cfg(not(feature = "redis"))]
         let registry = registry.unavailable(&["redis", "rediss", "redis-cluster"], not_built!("redis"));
+        #[cfg(feature = "dynamodb")]
+        let registry = registry.with(dynamodb::KIND);
+        #[cfg(not(feature = "dynamodb"))]
+        let registry = registry.unavailable(&["dynamodb"], not_built!("dynamodb"));
         registry.unavailable(
             &["mysql", "mariadb"],
             "there is no `mysql` store in this version yet",
@@ -134,7 +143,10 @@ pub fn registry() -> &'static Registry {
 /// * `postgres://…`, `postgresql://…` — the PostgreSQL store on its default table, created if
 ///   missing (feature `postgres`);
 /// * `redis://host:port`, `rediss://…` — the Redis store on one server; `redis-cluster://h1:p1,h2:p2`
-///   — on a Redis Cluster, through any of the listed nodes (feature `redis`).
+///   — on a Redis Cluster, through any of the listed nodes (feature `redis`);
+/// * `dynamodb://TABLE?region=…&endpoint=…` — the DynamoDB store on that table, created with
+///   on-demand billing if missing; credentials from the usual AWS environment (feature
+///   `dynamodb`).
 ///
 /// # Errors
 ///
@@ -243,6 +255,38 @@ mod tests {
         }
         let error = open("redis-cluster://").await.map(|_| ()).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{error}");
+    }
+
+    #[cfg(feature = "dynamodb")]
+    #[tokio::test]
+    async fn opens_the_dynamodb_store_by_url_and_inspection_never_creates_a_table() {
+        let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
+        assert!(
+            std::env::var_os("AWS_ACCESS_KEY_ID").is_some(),
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (any value for the local server), as scripts/test does"
+        );
+        let table = format!("facade_{}", Key::generate().as_str().replace('-', ""));
+        let url = format!("dynamodb://{table}?region=us-east-1&endpoint={endpoint}");
+        let missing = open_with(&url, Access::ReadOnly).await.map(|_| ()).unwrap_err();
+        assert!(
+            missing
+                .to_string()
+                .contains("does not exist: create it with `idem migrate`"),
+            "{missing}"
+        );
+        let store = open(&url)
+            .await
+            .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e}"));
+        let request = BeginRequest::new(
+            Scope::new("facade-test").unwrap(),
+            Key::generate(),
+            Fingerprint::of_bytes(b""),
+        );
+        let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
+            panic!("expected Acquired")
+        };
+        let _ = store.release(&held).await.unwrap();
+        open_with(&url, Access::ReadOnly).await.unwrap();
     }
 
     /// Runs in every build: a registry in which a store is declared but not built names the
