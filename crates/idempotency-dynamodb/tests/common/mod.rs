@@ -14,21 +14,26 @@ pub fn endpoint() -> String {
     std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
 }
 
-/// A store on `table` (created if missing) deciding with `clock` and allowing `skew`; panics
-/// when the local server is unreachable.
-pub async fn store(table: &str, clock: &ManualClock, skew: Duration) -> DynamoDbStore {
+/// A client of the server at `endpoint`, with the placeholder credentials it accepts.
+pub fn client(endpoint: &str) -> aws_sdk_dynamodb::Client {
     let config = aws_sdk_dynamodb::Config::builder()
         .behavior_version_latest()
         .http_client(idempotency_dynamodb::http_client())
-        .endpoint_url(endpoint())
+        .endpoint_url(endpoint)
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
         .build();
+    aws_sdk_dynamodb::Client::from_conf(config)
+}
+
+/// A store on `table` (created if missing) deciding with `clock` and allowing `skew`; panics
+/// when the local server is unreachable.
+pub async fn store(table: &str, clock: &ManualClock, skew: Duration) -> DynamoDbStore {
     let options = DynamoDbOptions::table(table)
         .unwrap()
         .clock(Arc::new(clock.clone()))
         .max_clock_skew(skew);
-    let store = DynamoDbStore::new(aws_sdk_dynamodb::Client::from_conf(config), options);
+    let store = DynamoDbStore::new(client(&endpoint()), options);
     store.migrate().await.unwrap_or_else(|e| {
         panic!(
             "the local AWS server at {} is needed for this test: {e}",
