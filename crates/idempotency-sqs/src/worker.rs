@@ -1,0 +1,707 @@
+//! The long-running consumer of one queue.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::{
+    DeleteMessageBatchRequestEntry, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
+};
+use futures_util::FutureExt;
+use idempotency_consumer::{
+    Backoff, Delivery, Disposition, IDEMPOTENCY_KEY_HEADER, Processor, dead_letter_headers,
+};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::task::JoinSet;
+
+use crate::{SqsError, SqsMessage, queue_name};
+
+/// SQS's limits: messages per receive and per batch, the longest long poll, the longest
+/// visibility timeout, message attributes per message.
+const MAX_BATCH: usize = 10;
+const MAX_WAIT: Duration = Duration::from_secs(20);
+const MAX_VISIBILITY_SECS: u64 = 12 * 60 * 60;
+const MAX_ATTRIBUTES: usize = 10;
+
+/// How long a message whose dead-letter copy could not be sent stays away before it is tried
+/// again.
+const DEAD_LETTER_RETRY: Duration = Duration::from_secs(5);
+
+/// Where dead letters go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetters {
+    /// Send a copy to the queue at this URL, with the reason in the `Idempotency-Dead-Reason`,
+    /// `-Source`, `-Deliveries` and `-At` message attributes, then delete the original. The
+    /// copy keeps the body and, within SQS's ten attributes a message, `Idempotency-Key` and
+    /// the other attributes. To a FIFO dead-letter queue the copy goes in the original's
+    /// message group (or `dead-letters`), deduplicated by the original's `MessageId`.
+    Queue(String),
+    /// Leave dead letters to the source queue's redrive policy: the message is made visible
+    /// again at once, and SQS moves it to the policy's dead-letter queue once its receive count
+    /// passes `maxReceiveCount`. The reason is logged, not attached (SQS moves the message as
+    /// it is). The worker checks at start that the queue has a redrive policy.
+    RedrivePolicy,
+}
+
+/// Consumes one queue with a [`Processor`]; see the [crate docs](crate).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use idempotency_sqs::{DeadLetters, Worker};
+/// # async fn example<P: idempotency_consumer::Processor<idempotency_sqs::SqsMessage> + 'static>(
+/// #     client: aws_sdk_sqs::Client,
+/// #     processor: P,
+/// #     shutdown: impl Future<Output = ()> + Send,
+/// # ) -> Result<(), idempotency_sqs::SqsError> {
+/// let queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/payments";
+/// let dead = DeadLetters::Queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dead".into());
+/// let worker = Worker::new(client, queue, dead, Arc::new(processor))
+///     .concurrency(32)
+///     .visibility_timeout(std::time::Duration::from_secs(60));
+/// worker.run_until(shutdown).await?; // SIGTERM, say: stop receiving, settle the running ones
+/// # Ok(())
+/// # }
+/// ```
+pub struct Worker<P> {
+    shared: Arc<Shared>,
+    processor: Arc<P>,
+    concurrency: usize,
+    batch: usize,
+    wait: Duration,
+    reconnect: Backoff,
+}
+
+/// What every message task needs.
+struct Shared {
+    client: Client,
+    queue_url: String,
+    queue: Arc<str>,
+    fifo: bool,
+    dead_letters: DeadLetters,
+    visibility: Duration,
+    heartbeat: Duration,
+}
+
+impl<P> fmt::Debug for Worker<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Worker")
+            .field("queue_url", &self.shared.queue_url)
+            .field("fifo", &self.shared.fifo)
+            .field("dead_letters", &self.shared.dead_letters)
+            .field("visibility", &self.shared.visibility)
+            .field("heartbeat", &self.shared.heartbeat)
+            .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("wait", &self.wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Processor<SqsMessage> + 'static> Worker<P> {
+    /// A worker on the queue at `queue_url` (a FIFO queue when it ends in `.fifo`). Defaults:
+    /// 10 messages at once, receives of up to 10 with a 20 s long poll, a 30 s visibility
+    /// timeout extended every 10 s while a handler runs, receive errors retried from 100 ms
+    /// doubling to 5 s.
+    pub fn new(
+        client: Client,
+        queue_url: impl Into<String>,
+        dead_letters: DeadLetters,
+        processor: Arc<P>,
+    ) -> Self {
+        let queue_url = queue_url.into();
+        let visibility = Duration::from_secs(30);
+        Self {
+            shared: Arc::new(Shared {
+                client,
+                queue: queue_name(&queue_url),
+                fifo: queue_url.trim_end_matches('/').ends_with(".fifo"),
+                queue_url,
+                dead_letters,
+                visibility,
+                heartbeat: visibility / 3,
+            }),
+            processor,
+            concurrency: 10,
+            batch: MAX_BATCH,
+            wait: MAX_WAIT,
+            reconnect: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(5),
+            },
+        }
+    }
+
+    fn shared_mut(&mut self) -> &mut Shared {
+        Arc::get_mut(&mut self.shared).expect("a worker's settings are changed before it runs")
+    }
+
+    /// How many messages (on a FIFO queue: message groups) are handled at once.
+    #[must_use]
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// The most messages one receive asks for (1 to 10).
+    #[must_use]
+    pub fn batch_size(mut self, batch: usize) -> Self {
+        self.batch = batch.clamp(1, MAX_BATCH);
+        self
+    }
+
+    /// How long a receive waits for messages (long polling; at most 20 s, whole seconds).
+    #[must_use]
+    pub fn wait_time(mut self, wait: Duration) -> Self {
+        self.wait = wait.min(MAX_WAIT);
+        self
+    }
+
+    /// The visibility timeout the worker receives with (whole seconds, 1 s to 12 h), and
+    /// extends to while a handler runs; the extensions come every third of it.
+    #[must_use]
+    pub fn visibility_timeout(mut self, visibility: Duration) -> Self {
+        let visibility = Duration::from_secs(seconds(visibility).max(1));
+        let shared = self.shared_mut();
+        shared.visibility = visibility;
+        shared.heartbeat = visibility / 3;
+        self
+    }
+
+    /// The wait between receive attempts after errors.
+    #[must_use]
+    pub fn reconnect(mut self, backoff: Backoff) -> Self {
+        self.reconnect = backoff;
+        self
+    }
+
+    /// Consumes until `shutdown` completes, then stops receiving, lets the running handlers
+    /// finish and settle (their visibility still extended), and flushes the pending deletes.
+    ///
+    /// Dropping the returned future instead is a crash: running handlers are abandoned, nothing
+    /// more is deleted, and their messages come back after the visibility timeout, where the
+    /// record decides. A receive cut short by `shutdown` may leave the messages it had
+    /// fetched invisible until their visibility timeout; they are then delivered again.
+    ///
+    /// # Errors
+    ///
+    /// [`SqsError::Config`] when the queue or the dead-letter queue does not exist, or the
+    /// queue has no redrive policy for [`DeadLetters::RedrivePolicy`]. Service errors while
+    /// running are not returned: they are logged and counted, and the worker retries.
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), SqsError>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        let mut shutdown = std::pin::pin!(shutdown.fuse());
+        tokio::select! {
+            checked = self.check() => checked?,
+            () = &mut shutdown => return Ok(()),
+        }
+        let (deleter, batcher) = Deleter::start(Arc::clone(&self.shared));
+        let batcher = AbortOnDrop(Some(batcher));
+        let mut tasks = JoinSet::new();
+        let permits = Arc::new(Semaphore::new(self.concurrency));
+        let mut failures = 0_u32;
+        tracing::info!(queue = %self.shared.queue, concurrency = self.concurrency, "consuming");
+        loop {
+            let first = tokio::select! {
+                permit = Arc::clone(&permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+                () = &mut shutdown => break,
+            };
+            let want = (1 + permits.available_permits()).min(self.batch);
+            let received = tokio::select! {
+                received = self.receive(want) => received,
+                () = &mut shutdown => break,
+            };
+            while let Some(ended) = tasks.try_join_next() {
+                report_task_end(&self.shared.queue, ended);
+            }
+            match received {
+                Ok(messages) => {
+                    failures = 0;
+                    let mut first = Some(first);
+                    for unit in self.units(messages) {
+                        let permit = match first.take() {
+                            Some(permit) => permit,
+                            None => Arc::clone(&permits)
+                                .acquire_owned()
+                                .await
+                                .expect("the semaphore is never closed"),
+                        };
+                        tasks.spawn(run_unit(
+                            Arc::clone(&self.shared),
+                            Arc::clone(&self.processor),
+                            deleter.clone(),
+                            unit,
+                            permit,
+                        ));
+                    }
+                }
+                Err(error) => {
+                    drop(first);
+                    failures = failures.saturating_add(1);
+                    metrics::counter!("idempotency_sqs_receive_errors_total", "queue" => self.shared.queue.to_string())
+                        .increment(1);
+                    tracing::warn!(queue = %self.shared.queue, %error, "receive failed");
+                    tokio::select! {
+                        () = tokio::time::sleep(self.reconnect.delay(failures)) => {}
+                        () = &mut shutdown => break,
+                    }
+                }
+            }
+        }
+        tracing::info!(queue = %self.shared.queue, running = tasks.len(), "stopping: settling the running handlers");
+        while let Some(ended) = tasks.join_next().await {
+            report_task_end(&self.shared.queue, ended);
+        }
+        drop(deleter);
+        if let Some(batcher) = batcher.take() {
+            let _ = batcher.await;
+        }
+        Ok(())
+    }
+
+    /// Checks that the queues exist (and the redrive policy, when relied on), retrying while
+    /// the service cannot be reached.
+    async fn check(&self) -> Result<(), SqsError> {
+        let mut failures = 0_u32;
+        loop {
+            match self.check_once().await {
+                Ok(()) => return Ok(()),
+                Err(error) if error.is_retryable() => {
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(queue = %self.shared.queue, %error, "cannot reach SQS yet");
+                    tokio::time::sleep(self.reconnect.delay(failures)).await;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    async fn check_once(&self) -> Result<(), SqsError> {
+        let shared = &self.shared;
+        let attributes = shared
+            .client
+            .get_queue_attributes()
+            .queue_url(&shared.queue_url)
+            .attribute_names(QueueAttributeName::RedrivePolicy)
+            .send()
+            .await
+            .map_err(|e| SqsError::sdk("look up the queue", &e))?;
+        match &shared.dead_letters {
+            DeadLetters::RedrivePolicy => {
+                let has_policy = attributes
+                    .attributes()
+                    .is_some_and(|a| a.contains_key(&QueueAttributeName::RedrivePolicy));
+                if !has_policy {
+                    return Err(SqsError::Config(format!(
+                        "queue {} has no redrive policy: configure one, or give the worker a dead-letter queue",
+                        shared.queue_url
+                    )));
+                }
+            }
+            DeadLetters::Queue(url) => {
+                shared
+                    .client
+                    .get_queue_attributes()
+                    .queue_url(url)
+                    .attribute_names(QueueAttributeName::QueueArn)
+                    .send()
+                    .await
+                    .map_err(|e| SqsError::sdk("look up the dead-letter queue", &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn receive(&self, want: usize) -> Result<Vec<SqsMessage>, SqsError> {
+        let shared = &self.shared;
+        let received = shared
+            .client
+            .receive_message()
+            .queue_url(&shared.queue_url)
+            .max_number_of_messages(i32::try_from(want).unwrap_or(10))
+            .wait_time_seconds(i32::try_from(seconds(self.wait)).unwrap_or(20))
+            .visibility_timeout(i32::try_from(seconds(shared.visibility)).unwrap_or(30))
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .map_err(|e| SqsError::sdk("receive messages", &e))?;
+        Ok(received
+            .messages
+            .unwrap_or_default()
+            .into_iter()
+            .map(SqsMessage::new)
+            .collect())
+    }
+
+    /// What runs as one task: each message of a standard queue; each message group's messages,
+    /// in the order received, on a FIFO queue.
+    fn units(&self, messages: Vec<SqsMessage>) -> Vec<Vec<SqsMessage>> {
+        if !self.shared.fifo {
+            return messages.into_iter().map(|message| vec![message]).collect();
+        }
+        let mut groups: Vec<Vec<SqsMessage>> = Vec::new();
+        for message in messages {
+            let group = message.group_id().map(str::to_owned);
+            match groups
+                .iter_mut()
+                .find(|unit| unit[0].group_id().map(str::to_owned) == group)
+            {
+                Some(unit) => unit.push(message),
+                None => groups.push(vec![message]),
+            }
+        }
+        groups
+    }
+}
+
+fn report_task_end(queue: &str, ended: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = ended
+        && error.is_panic()
+    {
+        tracing::error!(%queue, "a message task panicked; its message comes back after its visibility timeout");
+    }
+}
+
+/// Handles a unit's messages in order. On a FIFO queue, a message left in the queue stops
+/// the unit: the rest of its group go back with it, so the group resumes in order.
+async fn run_unit<P: Processor<SqsMessage>>(
+    shared: Arc<Shared>,
+    processor: Arc<P>,
+    deleter: Deleter,
+    unit: Vec<SqsMessage>,
+    _permit: OwnedSemaphorePermit,
+) {
+    let queue = shared.queue.to_string();
+    metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue.clone()).increment(1.0);
+    let mut messages = unit.into_iter();
+    while let Some(message) = messages.next() {
+        let disposition = handle(&shared, &*processor, &message).await;
+        let left = settle(&shared, &deleter, &message, &disposition).await;
+        if let Some(after) = left
+            && shared.fifo
+        {
+            for rest in messages.by_ref() {
+                shared.change_visibility(&rest, after).await;
+                metrics::counter!("idempotency_sqs_messages_total", "queue" => queue.clone(), "result" => "returned")
+                    .increment(1);
+            }
+        }
+    }
+    metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue).decrement(1.0);
+}
+
+/// Runs the processor on `message`, extending its visibility until it answers.
+async fn handle<P: Processor<SqsMessage>>(
+    shared: &Shared,
+    processor: &P,
+    message: &SqsMessage,
+) -> Disposition {
+    // A processor that panics (the consumer core catches its handler's panics; this catches
+    // any other processor's) must not end the worker: the message is retried later.
+    let work = async {
+        std::panic::AssertUnwindSafe(processor.process(message))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| {
+                tracing::error!(queue = %shared.queue, "the message processor panicked; retrying later");
+                Disposition::Nack {
+                    after: Duration::from_secs(1),
+                }
+            })
+    };
+    let heartbeat = async {
+        let mut ticks =
+            tokio::time::interval_at(tokio::time::Instant::now() + shared.heartbeat, shared.heartbeat);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            shared.extend(message).await;
+        }
+    };
+    tokio::select! {
+        disposition = work => disposition,
+        never = heartbeat => never,
+    }
+}
+
+/// Carries out `disposition`; returns how long the message stays away when it was left in the
+/// queue (`None`: deleted, or handed to the dead-letter queue).
+async fn settle(
+    shared: &Shared,
+    deleter: &Deleter,
+    message: &SqsMessage,
+    disposition: &Disposition,
+) -> Option<Duration> {
+    let queue = shared.queue.to_string();
+    let count = |result: &'static str| {
+        metrics::counter!("idempotency_sqs_messages_total", "queue" => queue.clone(), "result" => result)
+            .increment(1);
+    };
+    match disposition {
+        Disposition::Ack => {
+            count("acked");
+            deleter.delete(message).await;
+            None
+        }
+        Disposition::Nack { after } => {
+            count("retried");
+            shared.change_visibility(message, *after).await;
+            Some(*after)
+        }
+        Disposition::DeadLetter { reason } => match &shared.dead_letters {
+            DeadLetters::Queue(url) => match shared.send_dead_letter(url, message, reason).await {
+                Ok(()) => {
+                    count("dead_lettered");
+                    tracing::warn!(queue = %shared.queue, id = message.sqs_message_id(), %reason, "dead-lettered");
+                    deleter.delete(message).await;
+                    None
+                }
+                Err(error) => {
+                    count("retried");
+                    tracing::warn!(queue = %shared.queue, %error, "could not send a dead letter; the message comes back");
+                    shared.change_visibility(message, DEAD_LETTER_RETRY).await;
+                    Some(DEAD_LETTER_RETRY)
+                }
+            },
+            DeadLetters::RedrivePolicy => {
+                count("dead_lettered");
+                tracing::warn!(
+                    queue = %shared.queue,
+                    id = message.sqs_message_id(),
+                    receives = message.delivery_count(),
+                    %reason,
+                    "dead letter left to the queue's redrive policy"
+                );
+                shared.change_visibility(message, Duration::ZERO).await;
+                Some(Duration::ZERO)
+            }
+        },
+    }
+}
+
+impl Shared {
+    /// Extends the message's visibility by the full timeout, from now.
+    async fn extend(&self, message: &SqsMessage) {
+        let extended = self
+            .client
+            .change_message_visibility()
+            .queue_url(&self.queue_url)
+            .receipt_handle(message.receipt_handle())
+            .visibility_timeout(i32::try_from(seconds(self.visibility)).unwrap_or(30))
+            .send()
+            .await;
+        let result = match extended {
+            Ok(_) => "ok",
+            Err(error) => {
+                let error = SqsError::sdk("extend a message's visibility", &error);
+                tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "visibility extension failed");
+                "failed"
+            }
+        };
+        metrics::counter!("idempotency_sqs_visibility_extensions_total", "queue" => self.queue.to_string(), "result" => result)
+            .increment(1);
+    }
+
+    /// Makes the message visible again after `after` (whole seconds, at most 12 h).
+    async fn change_visibility(&self, message: &SqsMessage, after: Duration) {
+        let secs = seconds(after).min(MAX_VISIBILITY_SECS);
+        let changed = self
+            .client
+            .change_message_visibility()
+            .queue_url(&self.queue_url)
+            .receipt_handle(message.receipt_handle())
+            .visibility_timeout(i32::try_from(secs).unwrap_or(0))
+            .send()
+            .await;
+        if let Err(error) = changed {
+            // It comes back after its current visibility timeout instead.
+            let error = SqsError::sdk("change a message's visibility", &error);
+            tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "could not return a message");
+        }
+    }
+
+    /// Sends the dead-letter copy of `message` to `url`, and waits for SQS to accept it.
+    async fn send_dead_letter(&self, url: &str, message: &SqsMessage, reason: &str) -> Result<(), SqsError> {
+        let mut send = self
+            .client
+            .send_message()
+            .queue_url(url)
+            .message_body(message.message().body().unwrap_or_default());
+        let mut attributes = 0;
+        for (name, value) in dead_letter_headers(&self.queue, message.delivery_count(), reason) {
+            let value = if value.is_empty() { "-".to_owned() } else { value };
+            send = send.message_attributes(name, string_attribute(value)?);
+            attributes += 1;
+        }
+        if let Some(originals) = message.message().message_attributes() {
+            let mut names: Vec<&String> = originals.keys().collect();
+            // The key first: it is what a replay of the dead letter needs.
+            names.sort_by_key(|name| (name.as_str() != IDEMPOTENCY_KEY_HEADER, name.as_str()));
+            for name in names {
+                if name.starts_with("Idempotency-Dead-") {
+                    continue;
+                }
+                if attributes == MAX_ATTRIBUTES {
+                    tracing::warn!(queue = %self.queue, attribute = %name, "dead letter copy: attribute dropped (SQS allows 10)");
+                    continue;
+                }
+                send = send.message_attributes(name.clone(), originals[name].clone());
+                attributes += 1;
+            }
+        }
+        if url.trim_end_matches('/').ends_with(".fifo") {
+            send = send
+                .message_group_id(message.group_id().unwrap_or("dead-letters"))
+                .message_deduplication_id(format!("dead-{}", message.sqs_message_id()));
+        }
+        send.send()
+            .await
+            .map_err(|e| SqsError::sdk("send a dead letter", &e))?;
+        Ok(())
+    }
+}
+
+fn string_attribute(value: String) -> Result<MessageAttributeValue, SqsError> {
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(value)
+        .build()
+        .map_err(|e| SqsError::Config(e.to_string()))
+}
+
+/// A duration in whole seconds, rounded up (SQS counts visibility in seconds).
+fn seconds(duration: Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
+}
+
+/// A delete waiting for its batch, and who to tell how it went.
+type PendingDelete = (String, oneshot::Sender<Result<(), String>>);
+
+/// Deletes messages in batches of up to ten: whatever is waiting when the previous batch's
+/// answer arrives goes in the next one.
+#[derive(Clone)]
+struct Deleter {
+    queue: Arc<str>,
+    pending: mpsc::Sender<PendingDelete>,
+}
+
+impl Deleter {
+    fn start(shared: Arc<Shared>) -> (Self, tokio::task::JoinHandle<()>) {
+        let (pending, mut waiting) = mpsc::channel::<PendingDelete>(1024);
+        let queue = Arc::clone(&shared.queue);
+        let batcher = tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(MAX_BATCH);
+            while waiting.recv_many(&mut batch, MAX_BATCH).await > 0 {
+                let results = shared.delete_batch(&batch).await;
+                for ((_, reply), result) in batch.drain(..).zip(results) {
+                    let _ = reply.send(result);
+                }
+            }
+        });
+        (Self { queue, pending }, batcher)
+    }
+
+    /// Deletes `message`, and waits for SQS's answer; a failure is logged and counted (the
+    /// message comes back after its visibility timeout, and the record answers it).
+    async fn delete(&self, message: &SqsMessage) {
+        let (reply, answer) = oneshot::channel();
+        let result = match self
+            .pending
+            .send((message.receipt_handle().to_owned(), reply))
+            .await
+        {
+            Ok(()) => answer
+                .await
+                .unwrap_or_else(|_| Err("the delete batcher stopped".to_owned())),
+            Err(_) => Err("the delete batcher stopped".to_owned()),
+        };
+        if let Err(error) = &result {
+            tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "delete failed; the message comes back and its record answers it");
+        }
+        metrics::counter!(
+            "idempotency_sqs_deletes_total",
+            "queue" => self.queue.to_string(),
+            "result" => if result.is_ok() { "ok" } else { "failed" }
+        )
+        .increment(1);
+    }
+}
+
+impl Shared {
+    /// One `DeleteMessageBatch`; the result of each entry, in order.
+    async fn delete_batch(&self, batch: &[PendingDelete]) -> Vec<Result<(), String>> {
+        let entries: Result<Vec<_>, _> = batch
+            .iter()
+            .enumerate()
+            .map(|(index, (receipt, _))| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(index.to_string())
+                    .receipt_handle(receipt)
+                    .build()
+            })
+            .collect();
+        let answer = match entries {
+            Ok(entries) => self
+                .client
+                .delete_message_batch()
+                .queue_url(&self.queue_url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| SqsError::sdk("delete messages", &e).to_string()),
+            Err(error) => Err(error.to_string()),
+        };
+        match answer {
+            Ok(answer) => (0..batch.len())
+                .map(|index| {
+                    let id = index.to_string();
+                    match answer.failed().iter().find(|failed| failed.id() == id) {
+                        Some(failed) => Err(format!(
+                            "{}: {}",
+                            failed.code(),
+                            failed.message().unwrap_or_default()
+                        )),
+                        None => Ok(()),
+                    }
+                })
+                .collect(),
+            Err(error) => vec![Err(error); batch.len()],
+        }
+    }
+}
+
+/// Aborts a task when dropped: the delete batcher of a worker whose `run_until` future was
+/// dropped stops with it.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl AbortOnDrop {
+    fn take(mut self) -> Option<tokio::task::JoinHandle<()>> {
+        self.0.take()
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_durations_up_to_whole_seconds() {
+        assert_eq!(seconds(Duration::ZERO), 0);
+        assert_eq!(seconds(Duration::from_millis(1)), 1);
+        assert_eq!(seconds(Duration::from_secs(2)), 2);
+        assert_eq!(seconds(Duration::from_millis(2001)), 3);
+    }
+}
