@@ -57,8 +57,8 @@ use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
 use idempotency_consumer::Delivery;
 
 pub use idempotency_consumer::{
-    Consumer, DEAD_LETTER_REASON_HEADER, Disposition, HandlerError, IDEMPOTENCY_KEY_HEADER, KeySource,
-    Processor,
+    Consumer, DEAD_LETTER_REASON_HEADER, Disposition, Handler, HandlerError, IDEMPOTENCY_KEY_HEADER,
+    KeySource, Processor,
 };
 pub use producer::Producer;
 pub use worker::{DeadLetters, Worker};

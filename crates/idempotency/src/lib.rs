@@ -18,6 +18,7 @@
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
 //! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
 //! | `dynamodb` | [`dynamodb::DynamoDbStore`] (`dynamodb://` URLs; builds the AWS SDK, rustls on ring) |
+//! | `sqs` | [`sqs`], idempotent Amazon SQS consumers (builds the AWS SDK, rustls on ring) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
 //!
 //! ```
@@ -82,6 +83,10 @@ pub use idempotency_outbox as outbox;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use idempotency_dynamodb as dynamodb;
+
+#[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
+pub use idempotency_sqs as sqs;
 
 /// The reason a URL for a store whose feature is off cannot be opened. (With every store
 /// feature on, only the tests use it.)
