@@ -6,10 +6,11 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|inbox|outbox|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
+mod aws;
 mod boxes;
 mod consumers;
 mod http;
@@ -56,6 +57,8 @@ enum Target {
     Kafka,
     Inbox,
     Outbox,
+    Dynamodb,
+    Sqs,
     /// Every target, in this order.
     All,
 }
@@ -98,6 +101,8 @@ fn main() -> ExitCode {
             Target::Kafka => kafka::run(rounds),
             Target::Inbox => boxes::run_inbox(rounds),
             Target::Outbox => boxes::run_outbox(rounds),
+            Target::Dynamodb => aws::run_dynamodb(window, rounds),
+            Target::Sqs => aws::run_sqs(rounds),
         };
         if let Err(error) = result {
             eprintln!("idem-bench: {target:?}: {error}");

@@ -144,6 +144,12 @@ impl DynamoDbStore {
         Self::new(Client::new(&config), options)
     }
 
+    /// The client the store talks through (benchmarks issue raw requests on it).
+    #[must_use]
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// The table's name.
     #[must_use]
     pub fn table(&self) -> &str {
