@@ -20,7 +20,7 @@
 //!
 //! The key comes from the `Idempotency-Key` message attribute by default (what the HTTP edge
 //! propagates, and what [`Producer`] sets), or from the producer's `MessageDeduplicationId`
-//! ([`KeySource::MessageId`](idempotency_consumer::KeySource::MessageId) reads it on FIFO
+//! ([`KeySource::MessageId`] reads it on FIFO
 //! queues), or from a function of the message. **Never** SQS's `MessageId` or the receipt
 //! handle: a message sent twice gets two `MessageId`s, and every receive gets a new receipt
 //! handle, so neither identifies the operation.
