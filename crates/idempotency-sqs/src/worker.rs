@@ -66,7 +66,7 @@ pub enum DeadLetters {
 /// # }
 /// ```
 pub struct Worker<P> {
-    shared: Arc<Shared>,
+    shared: Shared,
     processor: Arc<P>,
     concurrency: usize,
     batch: usize,
@@ -76,7 +76,8 @@ pub struct Worker<P> {
     reconnect: Backoff,
 }
 
-/// What every message task needs.
+/// What every message task needs (shared by them behind an `Arc` while the worker runs).
+#[derive(Clone)]
 struct Shared {
     client: Client,
     queue_url: String,
@@ -84,7 +85,6 @@ struct Shared {
     fifo: bool,
     dead_letters: DeadLetters,
     visibility: Duration,
-    heartbeat: Duration,
 }
 
 impl<P> fmt::Debug for Worker<P> {
@@ -94,7 +94,7 @@ impl<P> fmt::Debug for Worker<P> {
             .field("fifo", &self.shared.fifo)
             .field("dead_letters", &self.shared.dead_letters)
             .field("visibility", &self.shared.visibility)
-            .field("heartbeat", &self.shared.heartbeat)
+            .field("heartbeat", &self.shared.heartbeat())
             .field("concurrency", &self.concurrency)
             .field("batch", &self.batch)
             .field("wait", &self.wait)
@@ -115,17 +115,15 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         processor: Arc<P>,
     ) -> Self {
         let queue_url = queue_url.into();
-        let visibility = Duration::from_secs(30);
         Self {
-            shared: Arc::new(Shared {
+            shared: Shared {
                 client,
                 queue: queue_name(&queue_url),
                 fifo: queue_url.trim_end_matches('/').ends_with(".fifo"),
                 queue_url,
                 dead_letters,
-                visibility,
-                heartbeat: visibility / 3,
-            }),
+                visibility: Duration::from_secs(30),
+            },
             processor,
             concurrency: 10,
             batch: MAX_BATCH,
@@ -136,10 +134,6 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                 max: Duration::from_secs(5),
             },
         }
-    }
-
-    fn shared_mut(&mut self) -> &mut Shared {
-        Arc::get_mut(&mut self.shared).expect("a worker's settings are changed before it runs")
     }
 
     /// How many messages (on a FIFO queue: message groups) are handled at once.
@@ -180,10 +174,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     /// extends to while a handler runs; the extensions come every third of it.
     #[must_use]
     pub fn visibility_timeout(mut self, visibility: Duration) -> Self {
-        let visibility = Duration::from_secs(seconds(visibility).max(1));
-        let shared = self.shared_mut();
-        shared.visibility = visibility;
-        shared.heartbeat = visibility / 3;
+        self.shared.visibility = Duration::from_secs(seconds(visibility).max(1));
         self
     }
 
@@ -216,7 +207,8 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             checked = self.check() => checked?,
             () = &mut shutdown => return Ok(()),
         }
-        let (deleter, batcher) = Deleter::start(Arc::clone(&self.shared));
+        let shared = Arc::new(self.shared.clone());
+        let (deleter, batcher) = Deleter::start(Arc::clone(&shared));
         let batcher = AbortOnDrop(Some(batcher));
         let mut tasks = JoinSet::new();
         let permits = Arc::new(Semaphore::new(self.concurrency));
@@ -258,7 +250,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                                 .expect("the semaphore is never closed"),
                         };
                         tasks.spawn(run_unit(
-                            Arc::clone(&self.shared),
+                            Arc::clone(&shared),
                             Arc::clone(&self.processor),
                             deleter.clone(),
                             unit,
@@ -442,8 +434,10 @@ async fn handle<P: Processor<SqsMessage>>(
             })
     };
     let heartbeat = async {
-        let mut ticks =
-            tokio::time::interval_at(tokio::time::Instant::now() + shared.heartbeat, shared.heartbeat);
+        let mut ticks = tokio::time::interval_at(
+            tokio::time::Instant::now() + shared.heartbeat(),
+            shared.heartbeat(),
+        );
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticks.tick().await;
@@ -512,6 +506,12 @@ async fn settle(
 }
 
 impl Shared {
+    /// How often a running handler's message has its visibility extended: a third of the
+    /// timeout, so that two extensions can fail before the message is visible again.
+    fn heartbeat(&self) -> Duration {
+        self.visibility / 3
+    }
+
     /// Extends the message's visibility by the full timeout, from now.
     async fn extend(&self, message: &SqsMessage) {
         let extended = self
