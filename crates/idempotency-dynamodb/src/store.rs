@@ -16,8 +16,8 @@ use aws_sdk_dynamodb::types::{
 };
 use idempotency_core::{
     BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record,
-    RecordParts, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, SystemClock,
-    Timestamp, Token, machine,
+    RecordParts, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, SummaryState,
+    SystemClock, Timestamp, Token, machine,
 };
 
 /// Items: the attribute names.
@@ -25,6 +25,7 @@ const PK: &str = "pk";
 const VERSION: &str = "ver";
 const EXPIRES: &str = "expires_ms";
 const CHUNKS: &str = "outcome_chunks";
+const OUTCOME_LEN: &str = "outcome_len";
 
 /// The largest outcome kept in the record's own item; larger ones are split into items of this
 /// size, written in the same transaction (DynamoDB's items hold at most 400 KB).
@@ -118,6 +119,17 @@ impl fmt::Debug for DynamoDbStore {
 struct Stored {
     record: Record,
     version: u64,
+}
+
+/// An item as a scan reads it, without its outcome's chunk items (listing, counting and purging
+/// need none of the bytes): the record, with a chunked outcome left empty, and what the
+/// outcome takes.
+struct Scanned {
+    stored: Stored,
+    /// The outcome's size in bytes (a completed record's).
+    outcome_len: usize,
+    /// How many chunk items hold the outcome (0 when it is in the item).
+    chunks: usize,
 }
 
 impl DynamoDbStore {
@@ -315,11 +327,7 @@ impl DynamoDbStore {
 
     /// Decodes an item, fetching its outcome's chunks (strongly consistent) if it has any.
     async fn load(&self, item: &HashMap<String, AttributeValue>) -> Result<Stored, StoreError> {
-        let chunks = item
-            .get(CHUNKS)
-            .and_then(|value| value.as_n().ok())
-            .and_then(|n| n.parse::<usize>().ok())
-            .unwrap_or(0);
+        let chunks = attribute_count(item, CHUNKS);
         if chunks == 0 {
             return decode(item, None);
         }
@@ -577,8 +585,9 @@ impl Store for DynamoDbStore {
 }
 
 impl DynamoDbStore {
-    /// Every item of the table, by a paginated, strongly consistent scan.
-    async fn scan(&self) -> Result<Vec<Stored>, StoreError> {
+    /// Every record of the table, by a paginated, strongly consistent scan; outcomes split into
+    /// chunk items are not read.
+    async fn scan(&self) -> Result<Vec<Scanned>, StoreError> {
         let mut items = Vec::new();
         let mut start: Option<HashMap<String, AttributeValue>> = None;
         loop {
@@ -591,9 +600,9 @@ impl DynamoDbStore {
                 .send()
                 .await
                 .map_err(|e| sdk("scan the table", &e))?;
-            // Chunk items carry no state: they are read with their record.
+            // Chunk items carry no state: they go with their record.
             for item in page.items().iter().filter(|item| item.contains_key("state")) {
-                items.push(self.load(item).await?);
+                items.push(scanned(item)?);
             }
             match page.last_evaluated_key() {
                 Some(key) if !key.is_empty() => start = Some(key.clone()),
@@ -612,7 +621,7 @@ impl StoreAdmin for DynamoDbStore {
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let now = self.options.clock.now();
         let mut stats = Stats::default();
-        for stored in self.scan().await? {
+        for Scanned { stored, .. } in self.scan().await? {
             if scope.is_none_or(|scope| &stored.record.scope == scope) {
                 stats.count(&stored.record, now);
             }
@@ -626,8 +635,14 @@ impl StoreAdmin for DynamoDbStore {
             .scan()
             .await?
             .into_iter()
-            .filter(|stored| filter.matches(&stored.record, now))
-            .map(|stored| stored.record.summary())
+            .filter(|scanned| filter.matches(&scanned.stored.record, now))
+            .map(|scanned| {
+                let mut summary = scanned.stored.record.summary();
+                if let SummaryState::Completed { outcome_len, .. } = &mut summary.state {
+                    *outcome_len = scanned.outcome_len;
+                }
+                summary
+            })
             .collect();
         Ok(filter.page(found))
     }
@@ -635,7 +650,7 @@ impl StoreAdmin for DynamoDbStore {
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         let now = self.options.clock.now();
         let mut purged = 0;
-        for stored in self.scan().await? {
+        for Scanned { stored, chunks, .. } in self.scan().await? {
             if purged >= limit {
                 break;
             }
@@ -657,12 +672,6 @@ impl StoreAdmin for DynamoDbStore {
                 Ok(_) => {
                     purged += 1;
                     let pk = Key::qualified(&stored.record.scope, &stored.record.key);
-                    let chunks = match &stored.record.state {
-                        RecordState::Completed { outcome, .. } if outcome.len() > CHUNK => {
-                            outcome.len().div_ceil(CHUNK)
-                        }
-                        _ => 0,
-                    };
                     for index in 0..chunks {
                         self.client
                             .delete_item()
@@ -748,6 +757,7 @@ fn encode(record: &Record, version: u64) -> (HashMap<String, AttributeValue>, Ve
             if outcome.len() > CHUNK {
                 chunks = outcome.as_bytes().chunks(CHUNK).map(<[u8]>::to_vec).collect();
                 put(CHUNKS, number(chunks.len() as u64));
+                put(OUTCOME_LEN, number(outcome.len() as u64));
             } else {
                 put(
                     "outcome",
@@ -812,6 +822,36 @@ fn decode(item: &HashMap<String, AttributeValue>, chunked: Option<Vec<u8>>) -> R
         .map_err(StoreError::from)?;
     let version = u64::try_from(required(VERSION)?).map_err(|_| corrupt("a negative version"))?;
     Ok(Stored { record, version })
+}
+
+/// A count an item carries (`outcome_chunks`, `outcome_len`); 0 when it has none.
+fn attribute_count(item: &HashMap<String, AttributeValue>, name: &str) -> usize {
+    item.get(name)
+        .and_then(|value| value.as_n().ok())
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(0)
+}
+
+/// An item as a scan keeps it: decoded without its chunk items, with the outcome's size.
+fn scanned(item: &HashMap<String, AttributeValue>) -> Result<Scanned, StoreError> {
+    let chunks = attribute_count(item, CHUNKS);
+    if chunks == 0 {
+        let stored = decode(item, None)?;
+        let outcome_len = match &stored.record.state {
+            RecordState::Completed { outcome, .. } => outcome.len(),
+            RecordState::InFlight { .. } => 0,
+        };
+        return Ok(Scanned {
+            stored,
+            outcome_len,
+            chunks,
+        });
+    }
+    Ok(Scanned {
+        stored: decode(item, Some(Vec::new()))?,
+        outcome_len: attribute_count(item, OUTCOME_LEN),
+        chunks,
+    })
 }
 
 fn backend(what: &str, error: impl fmt::Display) -> StoreError {

@@ -678,15 +678,18 @@ async fn get_reports_each_state<H: Harness>(harness: &H) {
     assert!(acquired_at <= completed_at && completed_at < completed.expires_at);
 }
 
-/// Outcomes are stored byte for byte: empty, every byte value, and a 1 MiB body.
+/// Outcomes are stored byte for byte: empty, every byte value, and a 1 MiB body; a listing
+/// reports each one's size.
 async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
     let ctx = Ctx::new(harness).await;
     let every_byte: Vec<u8> = (0..=255u8).cycle().take(4096).collect();
     let large: Vec<u8> = (0..(1 << 20))
         .map(|i: u32| i.wrapping_mul(2_654_435_761).to_be_bytes()[1])
         .collect();
+    let mut sizes = Vec::new();
     for body in [Vec::new(), every_byte, large] {
         let key = key();
+        sizes.push((key.clone(), body.len()));
         let token = ctx.acquire(&ctx.request(&key, 1)).await;
         let outcome = Outcome::new(Bytes::from(body.clone()));
         let done = ctx
@@ -702,6 +705,22 @@ async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {
         assert!(
             replayed.outcome.as_bytes() == body.as_slice(),
             "outcome bytes changed"
+        );
+    }
+    let listed = ctx
+        .store
+        .list(&ListFilter::default().scope(ctx.scope.clone()))
+        .await
+        .unwrap();
+    for (key, size) in sizes {
+        let summary = listed
+            .iter()
+            .find(|summary| summary.key == key)
+            .unwrap_or_else(|| panic!("{key} is not listed"));
+        assert!(
+            matches!(summary.state, SummaryState::Completed { outcome_len, .. } if outcome_len == size),
+            "{key}: listed as {:?}, the outcome has {size} bytes",
+            summary.state
         );
     }
 }
