@@ -14,6 +14,7 @@ use idempotency_consumer::{Backoff, HandlerError};
 use idempotency_outbox::{
     Inbox, InboxHandler, InboxMessage, InboxWorker, Outbox, OutgoingMessage, RetryPolicy, Tables,
 };
+use idempotency_testkit::eventually;
 
 fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
@@ -34,17 +35,6 @@ impl InboxHandler for Tax {
         }
         self.handled.lock().unwrap().push(message.key.clone());
         Ok(())
-    }
-}
-
-async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !done().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "not within 60 s: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -110,7 +100,7 @@ async fn operators_find_a_dead_message_and_replay_it_once_fixed() {
         .poll(Duration::from_millis(50));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
-    wait_until("the poison message dead", async || {
+    eventually(Duration::from_secs(60), "the poison message dead", async || {
         let (_, out, _) = at(&["inbox", "stats", "--json"]);
         let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
         stats["dead"] == 1 && stats["pending"] == 0
@@ -137,11 +127,15 @@ async fn operators_find_a_dead_message_and_replay_it_once_fixed() {
     let (code, out, err) = at(&["inbox", "replay", "--consumer", "invoices", "--key", "poison"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "1 dead message(s) back to pending\n");
-    wait_until("the replayed message processed", async || {
-        let (_, out, _) = at(&["inbox", "stats", "--json"]);
-        let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
-        stats["processed"] == 3
-    })
+    eventually(
+        Duration::from_secs(60),
+        "the replayed message processed",
+        async || {
+            let (_, out, _) = at(&["inbox", "stats", "--json"]);
+            let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+            stats["processed"] == 3
+        },
+    )
     .await;
     stop.send(()).unwrap();
     running.await.unwrap().unwrap();

@@ -65,7 +65,13 @@ async fn a_listing_sizes_chunked_outcomes_and_a_purge_deletes_their_chunks() {
     let listed = store.list(&ListFilter::default()).await.unwrap();
     assert_eq!(listed.len(), 1);
     assert!(
-        matches!(listed[0].state, SummaryState::Completed { outcome_len: SIZE, .. }),
+        matches!(
+            listed[0].state,
+            SummaryState::Completed {
+                outcome_len: SIZE,
+                ..
+            }
+        ),
         "{:?}",
         listed[0].state
     );
@@ -102,5 +108,9 @@ async fn a_missing_chunk_is_damage_not_a_shorter_outcome() {
     assert!(error.to_string().contains("outcome chunk 1"), "{error}");
     let request = BeginRequest::new(scope, key, Fingerprint::of_bytes(b"report-2"));
     let error = store.begin(&request).await.unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Corrupt, "a replay of a damaged outcome: {error}");
+    assert_eq!(
+        error.kind(),
+        ErrorKind::Corrupt,
+        "a replay of a damaged outcome: {error}"
+    );
 }

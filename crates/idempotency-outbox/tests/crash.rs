@@ -10,12 +10,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{LedgerHandler, eventually, fresh, ledger_counts, pool};
+use common::{LedgerHandler, fresh, ledger_counts, pool};
 use idempotency_amqp::Topology;
 use idempotency_outbox::{
     AmqpPublisher, Inbox, InboxReceiver, InboxWorker, Outbox, OutgoingMessage, Relay, Tables, inbox_stats,
     outbox_stats,
 };
+use idempotency_testkit::eventually;
 use lapin::{Connection, ConnectionProperties};
 use rand::RngExt;
 

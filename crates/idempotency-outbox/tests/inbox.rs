@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{LedgerHandler, eventually, fresh, ledger_counts, pool};
+use common::{LedgerHandler, fresh, ledger_counts, pool};
 use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor};
 use idempotency_core::Key;
 use idempotency_outbox::{
@@ -16,6 +16,7 @@ use idempotency_outbox::{
 };
 use idempotency_postgres::PgTransaction;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe};
+use idempotency_testkit::eventually;
 
 const LIMIT: Duration = Duration::from_secs(120);
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{eventually, fresh, pool};
+use common::{fresh, pool};
 use idempotency_consumer::{BoxError, Delivery, HandlerError, Processor};
 use idempotency_core::Key;
 use idempotency_outbox::{
@@ -15,6 +15,7 @@ use idempotency_outbox::{
     Publisher, Relay, RetryPolicy, inbox_stats, outbox_stats,
 };
 use idempotency_postgres::PgTransaction;
+use idempotency_testkit::eventually;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

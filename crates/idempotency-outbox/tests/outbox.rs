@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{eventually, fresh, pool};
+use common::{fresh, pool};
 use futures_util::StreamExt;
 use idempotency_consumer::{BoxError, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
@@ -18,6 +18,7 @@ use idempotency_outbox::{
 };
 use idempotency_postgres::sqlx::PgPool;
 use idempotency_testkit::TcpProxy;
+use idempotency_testkit::eventually;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};

@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Counting, Ledger, Running, attribute, client, depth, drain, queue, wait_until, worker};
+use common::{Counting, Ledger, Running, attribute, client, depth, drain, queue, worker};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Handler, HandlerError};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_sqs::{Producer, SqsMessage};
+use idempotency_testkit::eventually;
 
 /// Charges a card: the side effect is a ledger entry. `slow` sleeps; `panic` panics; the first
 /// attempt of `hang` never ends.
@@ -86,7 +87,7 @@ async fn every_message_sent_twice_has_one_effect() {
             Duration::from_secs(5),
         )),
     ];
-    wait_until(Duration::from_secs(60), "the queue to empty", || async {
+    eventually(Duration::from_secs(60), "the queue to empty", || async {
         charge.ledger.keys() == 40 && depth(&client, &source).await == 0
     })
     .await;
@@ -140,7 +141,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_delivered_in_parall
         .send(&key("slow-charge"), "slow")
         .await
         .unwrap();
-    wait_until(Duration::from_secs(60), "the slow charge", || async {
+    eventually(Duration::from_secs(60), "the slow charge", || async {
         charge.ledger.total() == 1 && depth(&client, &source).await == 0
     })
     .await;
@@ -183,14 +184,14 @@ async fn a_worker_killed_mid_handler_leaves_the_message_to_the_records_lease() {
         .send(&key("hang-charge"), "hang")
         .await
         .unwrap();
-    wait_until(Duration::from_secs(30), "the first attempt to start", || async {
+    eventually(Duration::from_secs(30), "the first attempt to start", || async {
         !charge.starts.lock().unwrap().is_empty()
     })
     .await;
     first.kill();
     let (counting, counts) = Counting::new(consumer("sqs-kill"));
     let second = Running::start(worker(&client, &source, &dead, Arc::new(counting), visibility));
-    wait_until(Duration::from_secs(60), "attempt 2 to complete", || async {
+    eventually(Duration::from_secs(60), "attempt 2 to complete", || async {
         charge.ledger.total() == 1 && depth(&client, &source).await == 0
     })
     .await;
@@ -226,7 +227,7 @@ async fn reused_keys_and_missing_keys_are_dead_lettered_with_their_reasons() {
         Arc::clone(&consumer),
         Duration::from_secs(5),
     ));
-    wait_until(Duration::from_secs(30), "charge-1", || async {
+    eventually(Duration::from_secs(30), "charge-1", || async {
         charge.ledger.total() == 1
     })
     .await;
@@ -238,7 +239,7 @@ async fn reused_keys_and_missing_keys_are_dead_lettered_with_their_reasons() {
         .send()
         .await
         .unwrap();
-    wait_until(Duration::from_secs(30), "the queue to empty", || async {
+    eventually(Duration::from_secs(30), "the queue to empty", || async {
         depth(&client, &source).await == 0
     })
     .await;
@@ -296,7 +297,7 @@ async fn a_panicking_handler_is_dead_lettered_and_the_worker_keeps_going() {
     let producer = Producer::new(client.clone(), &source);
     producer.send(&key("poison"), "panic").await.unwrap();
     let letters = Arc::new(Mutex::new(Vec::new()));
-    wait_until(
+    eventually(
         Duration::from_secs(60),
         "the poison message to be dead-lettered",
         || {
@@ -313,7 +314,7 @@ async fn a_panicking_handler_is_dead_lettered_and_the_worker_keeps_going() {
     let letters = letters.lock().unwrap().clone();
     assert!(running.is_running(), "the worker stopped after a panic");
     producer.send(&key("after-poison"), "EUR 5").await.unwrap();
-    wait_until(Duration::from_secs(30), "the next message", || async {
+    eventually(Duration::from_secs(30), "the next message", || async {
         charge.ledger.effects("after-poison") == 1
     })
     .await;
@@ -397,7 +398,7 @@ async fn missing_queues_are_named_and_receive_failures_counted() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     client.delete_queue().queue_url(&source).send().await.unwrap();
     let queue_name = source.rsplit('/').next().unwrap().to_owned();
-    wait_until(Duration::from_secs(30), "a counted receive failure", || {
+    eventually(Duration::from_secs(30), "a counted receive failure", || {
         let queue_name = queue_name.clone();
         async move {
             idempotency_testkit::recorded::global()
@@ -457,7 +458,7 @@ async fn a_fifo_queue_keeps_each_groups_order_under_concurrency() {
             Duration::from_secs(5),
         )),
     ];
-    wait_until(Duration::from_secs(60), "every group", || async {
+    eventually(Duration::from_secs(60), "every group", || async {
         charge.ledger.total() == u32::try_from(GROUPS * EACH).unwrap() && depth(&client, &source).await == 0
     })
     .await;

@@ -43,6 +43,7 @@ mod harness;
 pub mod faults;
 pub mod proxy;
 pub mod recorded;
+pub mod wait;
 
 pub mod cases;
 pub mod model;
@@ -51,6 +52,7 @@ pub use cases::held;
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 pub use proxy::TcpProxy;
+pub use wait::eventually;
 
 /// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once
 /// per test): one test per [`cases::Case`], plus the property test against the reference model.

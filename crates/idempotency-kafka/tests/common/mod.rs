@@ -169,12 +169,7 @@ impl Ledger {
     }
 }
 
-/// Waits until `done` holds, checking every 50 ms; panics with `what` after `limit` (a guard
-/// against hanging, not a measure of speed).
+/// [`idempotency_testkit::eventually`] for the conditions these tests check without awaiting.
 pub async fn eventually(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "not within {limit:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    idempotency_testkit::eventually(limit, what, async || done()).await;
 }

@@ -2,7 +2,7 @@
 
 #![allow(dead_code, unreachable_pub)] // each test crate uses a part
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use idempotency_outbox::{InboxHandler, InboxMessage, Tables};
 use idempotency_postgres::PgTransaction;
@@ -105,14 +105,4 @@ pub async fn record(
     .await
     .map_err(idempotency_consumer::HandlerError::retry)?;
     Ok(())
-}
-
-/// Waits until `done` holds, checking every 50 ms; panics with `what` after `limit` (a guard
-/// against hanging, not a measure of speed).
-pub async fn eventually<F: Future<Output = bool>>(limit: Duration, what: &str, mut done: impl FnMut() -> F) {
-    let start = std::time::Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "not within {limit:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }

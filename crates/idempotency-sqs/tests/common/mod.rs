@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::{Credentials, Region};
@@ -111,22 +111,6 @@ pub async fn drain(client: &Client, url: &str) -> Vec<Message> {
 /// A message attribute's string value.
 pub fn attribute<'m>(message: &'m Message, name: &str) -> Option<&'m str> {
     message.message_attributes()?.get(name)?.string_value()
-}
-
-/// Polls `done` every 100 ms until it holds; panics with `what` after `limit`.
-pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !done().await {
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Side effects performed, per key, and the order they happened in.
