@@ -22,7 +22,9 @@ use idempotency_core::{Attempt, Key, MemoryStore, Outcome, Scope, Token};
 use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
 use idempotency_sqs::{DeadLetters, SqsMessage, Worker};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
+use crate::measure::{
+    alternate_async, cycle_key, cycles_per_second, per_second, runtime, store_cycle, versus,
+};
 
 fn endpoint() -> String {
     std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
@@ -37,14 +39,6 @@ fn credentials() -> aws_sdk_dynamodb::config::Credentials {
         None,
         "idem-bench",
     )
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())
 }
 
 async fn dynamodb_store(table: &str) -> Result<DynamoDbStore, String> {
@@ -89,14 +83,7 @@ pub(crate) fn run_dynamodb(window: Duration, rounds: usize) -> Result<(), String
             })
             .await?;
             let (ours, raw) = (&rates[0], &rates[1]);
-            println!(
-                "| {callers} | {} | {} | {:.2} | {} | {} |",
-                per_second(ours.median),
-                per_second(raw.median),
-                ours.median / raw.median,
-                ours.spread(),
-                raw.spread()
-            );
+            println!("| {callers} | {} |", versus(ours, raw));
         }
         Ok(())
     })
@@ -317,12 +304,20 @@ async fn drain<P: Processor<SqsMessage> + 'static>(
     let watched = Arc::clone(&done);
     worker
         .run_until(async move {
-            while watched.load(Ordering::SeqCst) < SQS_MESSAGES {
+            while watched.load(Ordering::SeqCst) < SQS_MESSAGES
+                && started.elapsed() < Duration::from_secs(600)
+            {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
         .await
         .map_err(|e| e.to_string())?;
     let elapsed = started.elapsed();
-    Ok(done.load(Ordering::SeqCst) as f64 / elapsed.as_secs_f64())
+    let settled = done.load(Ordering::SeqCst);
+    if settled < SQS_MESSAGES {
+        return Err(format!(
+            "only {settled} of {SQS_MESSAGES} SQS messages were settled in 10 minutes"
+        ));
+    }
+    Ok(settled as f64 / elapsed.as_secs_f64())
 }

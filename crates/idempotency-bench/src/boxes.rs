@@ -22,7 +22,7 @@ use idempotency_outbox::{
 use idempotency_postgres::PgTransaction;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 
-use crate::measure::{Samples, per_second};
+use crate::measure::{Samples, per_second, runtime};
 
 const MESSAGES: usize = 3000;
 const LATENCY_MESSAGES: usize = 400;
@@ -78,14 +78,6 @@ async fn teardown(pool: &PgPool, tables: &Tables, ledger: &str) {
             .execute(pool)
             .await;
     }
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())
 }
 
 pub(crate) fn run_inbox(rounds: usize) -> Result<(), String> {

@@ -22,7 +22,7 @@ use idempotency_postgres::{PgTransaction, PostgresStore};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
-use crate::measure::{Samples, per_second};
+use crate::measure::{Samples, per_second, runtime};
 
 pub(crate) const MESSAGES: usize = 3000;
 /// How long the bench's records live.
@@ -89,11 +89,7 @@ pub(crate) enum Work {
 }
 
 pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = runtime()?;
     runtime.block_on(async {
         println!("\n## Consumers: messages/s consumed and acked, with the guard vs without ({MESSAGES} messages per measurement)\n");
         println!("| broker | store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");

@@ -20,6 +20,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
 use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs, print_row};
+use crate::measure::runtime;
 
 /// The topics' partition counts measured: the worker processes a partition's messages in
 /// order, so partitions are its concurrency.
@@ -63,11 +64,7 @@ impl Processor<KafkaMessage> for Measured {
 }
 
 pub(crate) fn run(rounds: usize) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = runtime()?;
     runtime.block_on(async {
         println!(
             "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, with the guard vs without ({MESSAGES} messages per measurement)\n"

@@ -2,6 +2,28 @@
 
 use std::time::{Duration, Instant};
 
+/// The runtime the async figures run on: two worker threads, one for each of the machine's
+/// cores the benchmarks are recorded on.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+/// The cells of a row comparing `ours` with `base`: both medians, their ratio, both spreads.
+pub(crate) fn versus(ours: &Samples, base: &Samples) -> String {
+    format!(
+        "{} | {} | {:.2} | {} | {}",
+        per_second(ours.median),
+        per_second(base.median),
+        ours.median / base.median,
+        ours.spread(),
+        base.spread()
+    )
+}
+
 /// Operations per second of one measurement.
 pub(crate) fn rate(operations: u64, elapsed: Duration) -> f64 {
     operations as f64 / elapsed.as_secs_f64()

@@ -12,16 +12,12 @@ use idempotency_core::{Decision, Execution, Fingerprint, Guard, Key, Outcome, Re
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
+use crate::measure::{alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus};
 
 const SCHEMA: &str = "idempotency_bench";
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = runtime()?;
     runtime.block_on(run_async(window, rounds))
 }
 
@@ -70,14 +66,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         })
         .await?;
         let (ours, raw) = (&rates[0], &rates[1]);
-        println!(
-            "| {callers} | {} | {} | {:.2} | {} | {} |",
-            per_second(ours.median),
-            per_second(raw.median),
-            ours.median / raw.median,
-            ours.spread(),
-            raw.spread()
-        );
+        println!("| {callers} | {} |", versus(ours, raw));
     }
 
     println!("\n## Same-transaction cycle vs the bare business transaction (transactions/s)\n");
@@ -95,14 +84,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         })
         .await?;
         let (ours, bare) = (&rates[0], &rates[1]);
-        println!(
-            "| {callers} | {} | {} | {:.2} | {} | {} |",
-            per_second(ours.median),
-            per_second(bare.median),
-            ours.median / bare.median,
-            ours.spread(),
-            bare.spread()
-        );
+        println!("| {callers} | {} |", versus(ours, bare));
     }
 
     sqlx::raw_sql(AssertSqlSafe(format!(

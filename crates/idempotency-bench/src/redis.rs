@@ -12,14 +12,10 @@ use std::time::Duration;
 use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_redis::{Operation, RedisStore};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, per_second, store_cycle};
+use crate::measure::{alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = runtime()?;
     runtime.block_on(async {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let cluster: Vec<String> = std::env::var("REDIS_CLUSTER_URLS")
@@ -53,14 +49,7 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
                 })
                 .await?;
                 let (ours, raw) = (&rates[0], &rates[1]);
-                println!(
-                    "| {name} | {callers} | {} | {} | {:.2} | {} | {} |",
-                    per_second(ours.median),
-                    per_second(raw.median),
-                    ours.median / raw.median,
-                    ours.spread(),
-                    raw.spread()
-                );
+                println!("| {name} | {callers} | {} |", versus(ours, raw));
             }
         }
         Ok(())

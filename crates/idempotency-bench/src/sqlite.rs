@@ -12,14 +12,10 @@ use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_sqlite::rusqlite::{OptionalExtension, TransactionBehavior, params};
 use idempotency_sqlite::{SqliteOptions, SqliteStore, Synchronous, sql};
 
-use crate::measure::{alternate, cycle_key, cycles_per_second, per_second, store_cycle};
+use crate::measure::{alternate, cycle_key, cycles_per_second, runtime, store_cycle, versus};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = runtime()?;
     println!("\n## SQLite store vs the same SQL on the same connection: begin→complete cycles/s\n");
     println!("| synchronous | callers | store | raw SQL | store / raw | store min–max | raw min–max |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
@@ -36,12 +32,8 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
             })?;
             let (store_rate, raw_rate) = (&rates[0], &rates[1]);
             println!(
-                "| {synchronous:?} | {callers} | {} | {} | {:.2} | {} | {} |",
-                per_second(store_rate.median),
-                per_second(raw_rate.median),
-                store_rate.median / raw_rate.median,
-                store_rate.spread(),
-                raw_rate.spread()
+                "| {synchronous:?} | {callers} | {} |",
+                versus(store_rate, raw_rate)
             );
         }
     }
