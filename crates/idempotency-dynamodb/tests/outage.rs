@@ -100,10 +100,14 @@ async fn a_server_outage_mid_run_gives_retryable_errors_and_runs_nothing_twice_a
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("order-{i}")).collect());
 
+    // The outage starts once a quarter of the keys have run, so it lands mid-run however fast
+    // the server is.
     let outage = {
-        let proxy = Arc::clone(&proxy);
+        let (proxy, ledger) = (Arc::clone(&proxy), Arc::clone(&ledger));
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            while ledger.lock().unwrap().effects.len() < KEYS / 4 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             proxy.set_down(true);
             tokio::time::sleep(Duration::from_secs(2)).await;
             proxy.set_down(false);
@@ -115,7 +119,7 @@ async fn a_server_outage_mid_run_gives_retryable_errors_and_runs_nothing_twice_a
         workers.push(tokio::spawn(async move {
             for key in keys.iter().skip(worker).step_by(WORKERS) {
                 run_key(&store, key, &ledger).await;
-                // Pace the run so that the outage lands in its middle.
+                // Pace the run, so that most keys are still to run when the outage starts.
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }));
