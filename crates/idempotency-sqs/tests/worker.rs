@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Counting, Ledger, Running, attribute, client, depth, drain, queue, worker};
+use common::{
+    Counting, Ledger, Running, attribute, client, depth, drain, queues, stop_all, two_workers, worker,
+};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Handler, HandlerError};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_sqs::{Producer, SqsMessage};
@@ -49,7 +51,7 @@ fn key(text: &str) -> Key {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_message_sent_twice_has_one_effect() {
     let client = client();
-    let (source, dead) = (queue(&client, "dup").await, queue(&client, "dup-dead").await);
+    let (source, dead) = queues(&client, "dup").await;
     let charge = Charge::default();
     // A copy that arrives while the first runs is held back for the backoff's maximum at most.
     let consumer = Consumer::new("sqs-dup", MemoryStore::new(), charge.clone()).backoff(Backoff {
@@ -71,29 +73,12 @@ async fn every_message_sent_twice_has_one_effect() {
         }
     }
     assert_eq!(ids.len(), 80, "every send has its own MessageId");
-    let workers = [
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&processor),
-            Duration::from_secs(5),
-        )),
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&processor),
-            Duration::from_secs(5),
-        )),
-    ];
+    let workers = two_workers(&client, (&source, &dead), &processor, Duration::from_secs(5));
     eventually(Duration::from_secs(60), "the queue to empty", || async {
         charge.ledger.keys() == 40 && depth(&client, &source).await == 0
     })
     .await;
-    for worker in workers {
-        worker.stop().await;
-    }
+    stop_all(workers).await;
     for i in 0..40 {
         assert_eq!(charge.ledger.effects(&format!("order-{i}")), 1, "order-{i}");
     }
@@ -111,7 +96,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_delivered_in_parall
     // The recorder must be in place before the worker creates its metrics.
     let _ = idempotency_testkit::recorded::global();
     let client = client();
-    let (source, dead) = (queue(&client, "slow").await, queue(&client, "slow-dead").await);
+    let (source, dead) = queues(&client, "slow").await;
     let charge = Charge {
         slow: Duration::from_secs(6),
         ..Charge::default()
@@ -121,22 +106,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_delivered_in_parall
     let (counting, counts) = Counting::new(consumer);
     let processor = Arc::new(counting);
     let visibility = Duration::from_secs(2);
-    let workers = [
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&processor),
-            visibility,
-        )),
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&processor),
-            visibility,
-        )),
-    ];
+    let workers = two_workers(&client, (&source, &dead), &processor, visibility);
     Producer::new(client.clone(), &source)
         .send(&key("slow-charge"), "slow")
         .await
@@ -147,9 +117,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_delivered_in_parall
     .await;
     // Two more visibility timeouts: a copy the heartbeat failed to hold would show up now.
     tokio::time::sleep(2 * visibility).await;
-    for worker in workers {
-        worker.stop().await;
-    }
+    stop_all(workers).await;
     let counts = counts.lock().unwrap();
     assert_eq!(counts.deliveries["slow-charge"], 1, "delivered more than once");
     assert_eq!(counts.most_at_once["slow-charge"], 1);
@@ -168,7 +136,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_delivered_in_parall
 async fn a_worker_killed_mid_handler_leaves_the_message_to_the_records_lease() {
     const LEASE: Duration = Duration::from_secs(6);
     let client = client();
-    let (source, dead) = (queue(&client, "kill").await, queue(&client, "kill-dead").await);
+    let (source, dead) = queues(&client, "kill").await;
     let store = MemoryStore::new();
     let charge = Charge::default();
     let consumer = |name| Consumer::new(name, store.clone(), charge.clone()).lease(LEASE);
@@ -215,7 +183,7 @@ async fn a_worker_killed_mid_handler_leaves_the_message_to_the_records_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reused_keys_and_missing_keys_are_dead_lettered_with_their_reasons() {
     let client = client();
-    let (source, dead) = (queue(&client, "bad").await, queue(&client, "bad-dead").await);
+    let (source, dead) = queues(&client, "bad").await;
     let charge = Charge::default();
     let consumer = Arc::new(Consumer::new("sqs-bad", MemoryStore::new(), charge.clone()));
     let producer = Producer::new(client.clone(), &source);
@@ -279,7 +247,7 @@ async fn reused_keys_and_missing_keys_are_dead_lettered_with_their_reasons() {
 async fn a_panicking_handler_is_dead_lettered_and_the_worker_keeps_going() {
     let _ = idempotency_testkit::recorded::global();
     let client = client();
-    let (source, dead) = (queue(&client, "panic").await, queue(&client, "panic-dead").await);
+    let (source, dead) = queues(&client, "panic").await;
     let charge = Charge::default();
     let consumer = Consumer::new("sqs-panic", MemoryStore::new(), charge.clone())
         .max_deliveries(3)
@@ -354,7 +322,7 @@ async fn a_panicking_handler_is_dead_lettered_and_the_worker_keeps_going() {
 async fn missing_queues_are_named_and_receive_failures_counted() {
     let _ = idempotency_testkit::recorded::global();
     let client = client();
-    let (source, dead) = (queue(&client, "gone").await, queue(&client, "gone-dead").await);
+    let (source, dead) = queues(&client, "gone").await;
     let consumer = Arc::new(Consumer::new("sqs-gone", MemoryStore::new(), Charge::default()));
     let missing = format!("{source}-missing");
     let error = worker(
@@ -418,10 +386,7 @@ async fn a_fifo_queue_keeps_each_groups_order_under_concurrency() {
     const GROUPS: usize = 4;
     const EACH: usize = 25;
     let client = client();
-    let (source, dead) = (
-        queue(&client, "order.fifo").await,
-        queue(&client, "order-dead.fifo").await,
-    );
+    let (source, dead) = queues(&client, "order.fifo").await;
     let charge = Charge {
         slow: Duration::from_millis(3),
         ..Charge::default()
@@ -441,30 +406,18 @@ async fn a_fifo_queue_keeps_each_groups_order_under_concurrency() {
         .send_in_group(&key("g0-00"), "customer-0", "g0-00")
         .await
         .unwrap();
+    assert_eq!(
+        depth(&client, &source).await,
+        u64::try_from(GROUPS * EACH).unwrap(),
+        "the resent key was not dropped by its MessageDeduplicationId"
+    );
     let consumer = Arc::new(Consumer::new("sqs-fifo", MemoryStore::new(), charge.clone()));
-    let workers = [
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&consumer),
-            Duration::from_secs(5),
-        )),
-        Running::start(worker(
-            &client,
-            &source,
-            &dead,
-            Arc::clone(&consumer),
-            Duration::from_secs(5),
-        )),
-    ];
+    let workers = two_workers(&client, (&source, &dead), &consumer, Duration::from_secs(5));
     eventually(Duration::from_secs(60), "every group", || async {
         charge.ledger.total() == u32::try_from(GROUPS * EACH).unwrap() && depth(&client, &source).await == 0
     })
     .await;
-    for worker in workers {
-        worker.stop().await;
-    }
+    stop_all(workers).await;
     let order = charge.ledger.order();
     for group in 0..GROUPS {
         let seen: Vec<&String> = order

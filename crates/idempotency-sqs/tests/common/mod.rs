@@ -57,6 +57,16 @@ pub async fn queue(client: &Client, name: &str) -> String {
     created.queue_url().unwrap().to_owned()
 }
 
+/// A fresh source queue named after `name` and its dead-letter queue (both FIFO when `name`
+/// ends in `.fifo`): `(source, dead)`.
+pub async fn queues(client: &Client, name: &str) -> (String, String) {
+    let dead = match name.strip_suffix(".fifo") {
+        Some(base) => format!("{base}-dead.fifo"),
+        None => format!("{name}-dead"),
+    };
+    (queue(client, name).await, queue(client, &dead).await)
+}
+
 /// Visible plus in-flight messages of a queue.
 pub async fn depth(client: &Client, url: &str) -> u64 {
     let attributes = client
@@ -232,6 +242,24 @@ impl Running {
     /// Drops the worker mid-flight, as a crash would: nothing more is settled.
     pub fn kill(self) {
         self.task.abort();
+    }
+}
+
+/// Two workers on `source` sharing `processor`, as two consumer processes would.
+pub fn two_workers<P: Processor<SqsMessage> + 'static>(
+    client: &Client,
+    (source, dead): (&str, &str),
+    processor: &Arc<P>,
+    visibility: Duration,
+) -> [Running; 2] {
+    let start = || Running::start(worker(client, source, dead, Arc::clone(processor), visibility));
+    [start(), start()]
+}
+
+/// Stops every worker of `workers`, letting each settle.
+pub async fn stop_all(workers: impl IntoIterator<Item = Running>) {
+    for worker in workers {
+        worker.stop().await;
     }
 }
 
