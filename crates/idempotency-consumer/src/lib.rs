@@ -337,10 +337,34 @@ impl<M: ?Sized + Sync, P: Processor<M> + ?Sized> Processor<M> for Arc<P> {
 }
 
 /// Runs a handler's future, turning a panic into [`HandlerError::Panicked`] with the panic's
-/// message: the guard then releases the key, and the delivery counts as a failed one.
-pub(crate) async fn catching_panics(
-    handle: impl Future<Output = Result<Outcome, HandlerError>>,
-) -> Result<Outcome, HandlerError> {
+/// message: the guard then releases the key, and the delivery counts as a failed one. Other
+/// runners of handlers (the inbox's workers) use it too, so that a panic reads the same
+/// everywhere.
+///
+/// ```
+/// use idempotency_consumer::{HandlerError, catching_panics};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let failed = catching_panics(async {
+///     if true {
+///         panic!("the card service answered garbage");
+///     }
+///     Ok::<(), HandlerError>(())
+/// })
+/// .await;
+/// assert_eq!(
+///     failed.unwrap_err().to_string(),
+///     "the handler panicked: the card service answered garbage"
+/// );
+/// # });
+/// ```
+///
+/// # Errors
+///
+/// The handler's own error, or [`HandlerError::Panicked`].
+pub async fn catching_panics<T>(
+    handle: impl Future<Output = Result<T, HandlerError>>,
+) -> Result<T, HandlerError> {
     match std::panic::AssertUnwindSafe(handle).catch_unwind().await {
         Ok(result) => result,
         Err(panic) => {

@@ -5,8 +5,9 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use futures_util::FutureExt;
-use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, KeySource, Processor};
+use idempotency_consumer::{
+    Backoff, Delivery, Disposition, HandlerError, KeySource, Processor, catching_panics,
+};
 use idempotency_core::{Fingerprint, Key, Scope};
 use idempotency_postgres::PgTransaction;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool, Row};
@@ -248,10 +249,7 @@ impl Inbox {
             .execute(&mut **tx)
             .await
             .map_err(OutboxError::db("open the handler's savepoint"))?;
-        let result = std::panic::AssertUnwindSafe(handler.handle(message, tx))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|panic| Err(HandlerError::Panicked(panic_text(&*panic))));
+        let result = catching_panics(handler.handle(message, tx)).await;
         let error = match result {
             Ok(()) => {
                 sqlx::query("RELEASE SAVEPOINT inbox_handler")
@@ -324,15 +322,6 @@ impl Default for RetryPolicy {
             max_attempts: 5,
         }
     }
-}
-
-/// The text of a panic's payload.
-pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Feeds an [`Inbox`] from a broker: a [`Processor`] for the broker crates' workers and
