@@ -9,8 +9,7 @@ use idempotency_outbox::{InboxRow, InboxState, Tables};
 use serde_json::{Value, json};
 
 use crate::error::Error;
-use crate::ops::table;
-use crate::units::format_duration;
+use crate::ops::{age_text, table};
 
 /// Where the tables are.
 #[derive(Debug, Clone)]
@@ -52,8 +51,10 @@ impl Location {
     }
 }
 
+/// An age the server reported in seconds, shown as `idem keys` shows ages (a negative or
+/// non-finite value, which a skewed clock could give, shows as 0s).
 fn seconds(value: f64) -> String {
-    format_duration(Duration::from_secs_f64(value.max(0.0)))
+    age_text(Duration::try_from_secs_f64(value).unwrap_or_default())
 }
 
 fn row_json(row: &InboxRow) -> Value {
@@ -311,4 +312,19 @@ pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error
 pub async fn migrate(at: &Location) -> Result<(), Error> {
     let pool = at.pool(false).await?;
     at.tables.migrate(&pool).await.map_err(Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seconds;
+
+    #[test]
+    fn ages_show_in_whole_seconds_and_odd_values_as_zero() {
+        assert_eq!(seconds(12.345), "12s");
+        assert_eq!(seconds(7200.5), "2h");
+        assert_eq!(seconds(0.2), "0s");
+        for odd in [-1.0, f64::NAN, f64::INFINITY, f64::MAX] {
+            assert_eq!(seconds(odd), "0s", "{odd}");
+        }
+    }
 }

@@ -23,7 +23,12 @@ pub fn rfc3339(time: Timestamp) -> String {
 }
 
 fn age(since: Timestamp, now: Timestamp) -> String {
-    format_duration(Duration::from_secs(now.since(since).as_secs()))
+    age_text(now.since(since))
+}
+
+/// An age as the operations commands show it: whole seconds, in the largest exact unit.
+pub(crate) fn age_text(age: Duration) -> String {
+    format_duration(Duration::from_secs(age.as_secs()))
 }
 
 /// Renders rows as a left-aligned text table without borders, with a header unless every
