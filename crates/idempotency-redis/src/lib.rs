@@ -13,8 +13,12 @@
 //!   vanish by themselves and [`purge_expired`](idempotency_core::StoreAdmin::purge_expired) has
 //!   nothing to do.
 //! * **Safe to retry.** The connection manager reconnects in the background, but a command whose
-//!   reply was lost is not retried for you: it fails with a retryable error. Every script can run
-//!   twice: a repeated `begin` or `complete` with the same token gets the first answer again.
+//!   reply was lost is not re-sent for you, on a single server or a cluster: it fails with a
+//!   retryable error, and the caller, who holds the token, decides. A repeated `begin` or
+//!   `complete` with the same token gets the first answer again; a repeated `release` finds the
+//!   lease gone and answers `LeaseLost`, which is why the client library's own re-sending is off.
+//!   Only a command the cluster refused without running it (`MOVED`, `ASK`, `TRYAGAIN`,
+//!   `CLUSTERDOWN`, while slots move or a failover settles) is sent again, at most twice.
 //! * **Readable for operators.** The key is the prefix plus 32 hex digits of a hash of the scope
 //!   and key, so every record has one key of bounded length in any cluster slot. The value is a
 //!   hash that keeps the raw scope and key (`HGETALL idem:…`).

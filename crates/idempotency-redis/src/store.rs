@@ -160,7 +160,10 @@ impl RedisStore {
         let client = redis::cluster::ClusterClientBuilder::new(infos.clone())
             .connection_timeout(Duration::from_secs(2))
             .response_timeout(Duration::from_secs(5))
-            .retries(2)
+            // The client's own retries re-send a command whose connection dropped after it was
+            // sent: a `release` that ran would run again and answer `LeaseLost`. Only redirects
+            // are retried, in `with_redirects`, where the server said the command did not run.
+            .retries(0)
             .build()
             .map_err(|e| map_error("configure the Redis Cluster client", e))?;
         let connection = client
@@ -259,15 +262,13 @@ impl RedisStore {
         for arg in args {
             invocation.arg(*arg);
         }
-        invocation
-            .invoke_async(&mut self.connection.clone())
+        with_redirects(|| async { invocation.invoke_async(&mut self.connection.clone()).await })
             .await
             .map_err(|e| map_error("run a script", e))
     }
 
     async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
-        command
-            .query_async(&mut self.connection.clone())
+        with_redirects(|| async { command.query_async(&mut self.connection.clone()).await })
             .await
             .map_err(|e| map_error("query Redis", e))
     }
@@ -629,4 +630,38 @@ impl StoreAdmin for RedisStore {
     fn expires_by_itself(&self) -> bool {
         true
     }
+}
+
+/// How many times a command refused with a redirect is sent again.
+const REDIRECT_RETRIES: u32 = 2;
+
+/// Runs `send` again when the server refused the command without running it: `MOVED` or `ASK`
+/// while a cluster's slots move, `TRYAGAIN`, `CLUSTERDOWN`. Nothing else is re-sent: after a
+/// dropped connection or a timeout the command may have run, and the caller, who holds the
+/// token, decides (every script answers a retry with the same token, except `release`, whose
+/// second run finds the lease gone).
+async fn with_redirects<T, F, Fut>(mut send: F) -> redis::RedisResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = redis::RedisResult<T>>,
+{
+    let mut attempt = 0;
+    loop {
+        match send().await {
+            Err(error) if attempt < REDIRECT_RETRIES && not_run(&error) => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// Whether the server refused the command before running it.
+fn not_run(error: &redis::RedisError) -> bool {
+    use redis::ServerErrorKind as K;
+    matches!(
+        error.kind(),
+        redis::ErrorKind::Server(K::Moved | K::Ask | K::TryAgain | K::ClusterDown)
+    )
 }
