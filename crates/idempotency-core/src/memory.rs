@@ -73,6 +73,7 @@ impl MemoryStore {
         schemes: &["memory"],
         example: "memory://",
         open: open_url,
+        check: check_url,
     };
 
     /// An empty store on the system clock.
@@ -156,14 +157,23 @@ fn open_url(url: String, access: Access) -> OpenFuture {
                  service uses (sqlite://, postgres://, redis://)",
             ));
         }
-        if url != "memory://" && url != "memory:" {
-            return Err(StoreError::new(
-                ErrorKind::InvalidConfig,
-                format!("`{url}`: the memory store takes no path or options (use `memory://`)"),
-            ));
-        }
+        check_url(&url)?;
         Ok(Arc::new(MemoryStore::new()) as DynStore)
     })
+}
+
+/// `memory://` (or `memory:`), and nothing more.
+fn check_url(url: &str) -> Result<(), StoreError> {
+    if url != "memory://" && url != "memory:" {
+        return Err(StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!(
+                "`{}`: the memory store takes no path or options (use `memory://`)",
+                crate::redact_url(url)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Default for MemoryStore {
@@ -291,6 +301,23 @@ impl StoreAdmin for MemoryStore {
 mod tests {
     use super::*;
     use crate::{Fingerprint, ManualClock};
+
+    #[tokio::test]
+    async fn a_memory_url_with_more_in_it_is_refused_without_its_password() {
+        for url in ["memory://admin:s3cret@host", "memory://x?password=s3cret"] {
+            let checked = check_url(url).unwrap_err().to_string();
+            let opened = open_url(url.to_owned(), Access::Create)
+                .await
+                .map(drop)
+                .unwrap_err()
+                .to_string();
+            for message in [checked, opened] {
+                assert!(message.contains("takes no path or options"), "{message}");
+                assert!(!message.contains("s3cret"), "the password is echoed: {message}");
+            }
+        }
+        assert!(check_url("memory://").is_ok());
+    }
 
     fn request(key: &str) -> BeginRequest {
         BeginRequest::new(

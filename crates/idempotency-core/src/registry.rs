@@ -61,6 +61,9 @@ pub struct StoreKind {
     /// Opens (connects to, and with [`Access::Create`] creates) the store a URL of one of
     /// `schemes` names.
     pub open: fn(String, Access) -> OpenFuture,
+    /// Checks a URL of one of `schemes` as `open` would, without opening anything: no
+    /// connection, no file. Errors never echo a password.
+    pub check: fn(&str) -> Result<(), StoreError>,
 }
 
 impl fmt::Debug for StoreKind {
@@ -116,6 +119,28 @@ impl Registry {
         self.kinds.iter().find(|kind| kind.schemes.contains(&scheme))
     }
 
+    /// Checks `url` as [`Registry::open`] would, without opening anything: its scheme, and
+    /// what its store's own parser says of it. For validating settings at start-up.
+    ///
+    /// ```
+    /// use idempotency_core::{MemoryStore, Registry};
+    ///
+    /// let registry = Registry::new().with(MemoryStore::KIND);
+    /// assert!(registry.check("memory://").is_ok());
+    /// assert!(registry.check("memory://a/path").is_err());
+    /// assert!(registry.check("ftp://x").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Registry::open`], for what can be known without opening.
+    pub fn check(&self, url: &str) -> Result<(), StoreError> {
+        match self.kind(url) {
+            Some(kind) => (kind.check)(url),
+            None => Err(self.not_openable(url)),
+        }
+    }
+
     /// Opens the store `url` names.
     ///
     /// # Errors
@@ -136,9 +161,16 @@ impl Registry {
         if let Some(kind) = self.kind(url) {
             return (kind.open)(url.to_owned(), access).await;
         }
+        Err(self.not_openable(url))
+    }
+
+    /// Why `url` names no store this registry opens.
+    fn not_openable(&self, url: &str) -> StoreError {
         let scheme = scheme(url);
         let expected = self.expected();
-        let message = if scheme.is_empty() {
+        // Anything before the first `:` that is not an RFC 3986 scheme may hold a password or
+        // a query.
+        let message = if !crate::is_scheme(scheme) {
             // Without a scheme a password may still be in there (`user:pass@host`).
             format!("`{}` is not a store URL (expected {expected})", redact_url(url))
         } else if let Some(unavailable) = self.unavailable.iter().find(|u| u.schemes.contains(&scheme)) {
@@ -146,7 +178,7 @@ impl Registry {
         } else {
             format!("unknown store URL scheme `{scheme}` (expected {expected})")
         };
-        Err(StoreError::new(ErrorKind::InvalidConfig, message))
+        StoreError::new(ErrorKind::InvalidConfig, message)
     }
 
     fn expected(&self) -> String {

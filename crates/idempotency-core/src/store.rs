@@ -186,44 +186,65 @@ impl StdError for StoreError {
 /// assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
 /// assert_eq!(redact_url("redis+unix:///run/redis.sock?db=1&pass=s3cret"), "redis+unix:///run/redis.sock?db=1&pass=***");
 /// assert_eq!(redact_url("admin:s3cret@db/app"), "admin:***@db/app"); // no scheme
+/// assert_eq!(redact_url("postgres://db/app?password=p@ss&x=1"), "postgres://db/app?password=***&x=1");
+/// assert_eq!(redact_url("postgres://app:pa?ss@db/app"), "postgres://app:***@db/app");
 /// ```
 #[must_use]
 pub fn redact_url(url: &str) -> String {
-    let (scheme, rest) = match url.split_once("://") {
-        Some((scheme, rest)) => (&url[..scheme.len() + 3], rest),
-        None => ("", url),
+    // A `://` counts only after a scheme (RFC 3986: a letter, then letters, digits, `+`, `-`,
+    // `.`): in `db?password=…&next=http://x` it belongs to a parameter's value.
+    let start = match url.find("://") {
+        Some(at) if is_scheme(&url[..at]) => at + 3,
+        _ => 0,
     };
-    let mut out = scheme.to_owned();
-    let host_onwards = match rest.rfind('@') {
-        Some(at) => {
-            match rest[..at].split_once(':') {
-                Some((user, _password)) => {
-                    out.push_str(user);
-                    out.push_str(":***");
-                }
-                None => out.push_str(&rest[..at]),
-            }
-            out.push('@');
-            &rest[at + 1..]
-        }
-        None => rest,
-    };
-    match host_onwards.split_once('?') {
-        Some((base, query)) => {
-            out.push_str(base);
-            out.push('?');
-            let pairs: Vec<String> = query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((name, _)) if is_credential(name) => format!("{name}=***"),
-                    _ => pair.to_owned(),
-                })
-                .collect();
-            out.push_str(&pairs.join("&"));
-        }
-        None => out.push_str(host_onwards),
+    let rest = &url[start..];
+    // Two readings of where secrets are, both masked. A password written without escaping may
+    // hold `/`, `?` or `@`, so the userinfo runs to the *last* `@`; and a credential parameter's
+    // value may hold an `@` too, so the query (from the first `?`) is read on its own, each
+    // value running to the next `&`.
+    let mut masked: Vec<(usize, usize)> = Vec::new();
+    if let Some(at) = rest.rfind('@')
+        && let Some(colon) = rest[..at].find(':')
+    {
+        masked.push((start + colon + 1, start + at));
     }
+    if let Some(question) = rest.find('?') {
+        let mut offset = start + question + 1;
+        for pair in url[offset..].split('&') {
+            if let Some((name, _)) = pair.split_once('=')
+                && is_credential(name)
+            {
+                masked.push((offset + name.len() + 1, offset + pair.len()));
+            }
+            offset += pair.len() + 1;
+        }
+    }
+    masked.sort_unstable();
+    let mut out = String::with_capacity(url.len());
+    let mut at = 0;
+    let mut masking = false;
+    for (from, to) in masked {
+        if masking && from < at {
+            // Overlaps the secret just masked: one mask covers both.
+            at = at.max(to);
+            continue;
+        }
+        out.push_str(&url[at..from]);
+        out.push_str("***");
+        at = to;
+        masking = true;
+    }
+    out.push_str(&url[at..]);
     out
+}
+
+/// Whether `text` is an RFC 3986 URL scheme: a letter, then letters, digits, `+`, `-` and `.`.
+#[must_use]
+pub fn is_scheme(text: &str) -> bool {
+    text.starts_with(|c: char| c.is_ascii_alphabetic())
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
 /// Whether a query parameter of a store URL carries a credential: any name holding one of these
@@ -415,6 +436,22 @@ mod tests {
             ("postgres://app:S3/CRET@db/orders", "postgres://app:***@db/orders"),
             ("postgres://app:S3?CRET@db/orders", "postgres://app:***@db/orders"),
             ("postgres://app:S3@CRET@db/orders", "postgres://app:***@db/orders"),
+            // An `@` inside a credential parameter (found by the store_url fuzz target: the part
+            // of the value before the `@` was shown).
+            (
+                "postgres://db/orders?password=S3@CRET",
+                "postgres://db/orders?password=***",
+            ),
+            (
+                "postgresql:/4:p%u/0ss%2redis://127.0.0.0.0.0379?passFwordx=S3CRETpwy@h/",
+                "postgresql:***",
+            ),
+            // No scheme before the `://`: it is in a parameter's value (found by the fuzz
+            // target: the parameters before it were shown).
+            (
+                "db?password=S3CRET&next=http://x",
+                "db?password=***&next=http://x",
+            ),
             // Redis: a password alone, ACL user and password, TLS, unix sockets, clusters.
             (
                 "redis://:S3CRET@127.0.0.1:6379/0",

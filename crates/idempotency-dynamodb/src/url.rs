@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, StoreKind};
+use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, StoreKind, redact_url};
 
 use crate::{DynamoDbOptions, DynamoDbStore};
 
@@ -14,6 +14,7 @@ pub const KIND: StoreKind = StoreKind {
     schemes: &["dynamodb"],
     example: "dynamodb://TABLE?region=…",
     open: open_url,
+    check: |url| DynamoDbUrl::parse(url).map(drop),
 };
 
 /// What a `dynamodb://` URL says: the table and its time rules, and where the service is.
@@ -39,6 +40,9 @@ impl DynamoDbUrl {
     /// [`ErrorKind::InvalidConfig`] naming what is wrong: another scheme, no table or an invalid
     /// table name, an unknown parameter, a bad value, or credentials in the URL.
     pub fn parse(url: &str) -> Result<Self, StoreError> {
+        // Errors show the URL without its credentials: an access key pasted into a parameter
+        // must not reach a log.
+        let shown = redact_url(url);
         let parsed = url::Url::parse(url).map_err(|e| {
             invalid(format!(
                 "not a dynamodb:// URL ({e}); expected dynamodb://TABLE?region=…"
@@ -58,13 +62,13 @@ impl DynamoDbUrl {
         }
         if parsed.port().is_some() || !matches!(parsed.path(), "" | "/") {
             return Err(invalid(format!(
-                "`{url}`: a dynamodb:// URL names a table only (dynamodb://TABLE); the server goes in endpoint="
+                "`{shown}`: a dynamodb:// URL names a table only (dynamodb://TABLE); the server goes in endpoint="
             )));
         }
         let table = parsed.host_str().unwrap_or_default();
         if table.is_empty() {
             return Err(invalid(format!(
-                "`{url}` names no table (expected dynamodb://TABLE)"
+                "`{shown}` names no table (expected dynamodb://TABLE)"
             )));
         }
         let mut options = DynamoDbOptions::table(table)?;
@@ -77,7 +81,8 @@ impl DynamoDbUrl {
                         .is_ok_and(|e| matches!(e.scheme(), "http" | "https") && e.has_host());
                     if !valid {
                         return Err(invalid(format!(
-                            "endpoint={value:?} in `{url}`: expected an http:// or https:// URL"
+                            "endpoint={:?} in `{shown}`: expected an http:// or https:// URL",
+                            redact_url(&value)
                         )));
                     }
                     endpoint = Some(value.into_owned());
@@ -85,20 +90,20 @@ impl DynamoDbUrl {
                 "max_clock_skew" => {
                     let skew: Duration = humantime::parse_duration(&value).map_err(|e| {
                         invalid(format!(
-                            "max_clock_skew={value:?} in `{url}`: {e} (expected a duration such as 500ms or 2s)"
+                            "max_clock_skew={value:?} in `{shown}`: {e} (expected a duration such as 500ms or 2s)"
                         ))
                     })?;
                     if skew > Duration::from_secs(3600) {
                         return Err(invalid(format!(
-                            "max_clock_skew={value:?} in `{url}`: at most 1h (clocks that far apart need fixing, not a bound)"
+                            "max_clock_skew={value:?} in `{shown}`: at most 1h (clocks that far apart need fixing, not a bound)"
                         )));
                     }
                     options = options.max_clock_skew(skew);
                 }
-                "region" => return Err(invalid(format!("`{url}`: region= is empty"))),
+                "region" => return Err(invalid(format!("`{shown}`: region= is empty"))),
                 other => {
                     return Err(invalid(format!(
-                        "unknown parameter `{other}` in `{url}` (known: region, endpoint, max_clock_skew)"
+                        "unknown parameter `{other}` in `{shown}` (known: region, endpoint, max_clock_skew)"
                     )));
                 }
             }
@@ -172,6 +177,16 @@ mod tests {
             ("dynamodb://records?max_clock_skew=soon", "expected a duration"),
             ("dynamodb://records?max_clock_skew=2days", "at most 1h"),
             ("dynamodb://AKIA:s3cret@records", "carries no credentials"),
+            (
+                "dynamodb://records?aws_secret_access_key=s3cret",
+                "unknown parameter `aws_secret_access_key`",
+            ),
+            ("dynamodb://records/x?token=s3cret", "names a table only"),
+            (
+                "dynamodb://records?endpoint=ftp://u:s3cret@h&x=1",
+                "expected an http:// or https:// URL",
+            ),
+            ("dynamodb://?password=s3cret", "names no table"),
             ("postgres://records", "is not a dynamodb:// URL"),
             ("dynamodb records", "not a dynamodb:// URL"),
         ];

@@ -13,7 +13,23 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 /// with `"` is taken as the key itself, as Stripe-style clients send it (a UUID is not a valid
 /// sf-token, since it may start with a digit). Either way the key must then be 1 to 255 bytes of
 /// visible ASCII. Two `Idempotency-Key` headers are an error: which one is meant is unknowable.
-pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<Key>, KeyHeaderError> {
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue};
+/// use idempotency_http::{IDEMPOTENCY_KEY, key_from_headers};
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_static("\"order-1\""));
+/// assert_eq!(key_from_headers(&headers)?.unwrap().as_str(), "order-1");
+/// headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_static("\"unterminated"));
+/// assert!(key_from_headers(&headers).is_err());
+/// # Ok::<(), idempotency_http::KeyHeaderError>(())
+/// ```
+///
+/// # Errors
+///
+/// [`KeyHeaderError`] saying what is wrong with the header.
+pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<Key>, KeyHeaderError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);

@@ -33,6 +33,27 @@ impl Stored {
     pub fn decode(bytes: &[u8]) -> Option<Self> {
         decode(&Outcome::new(Bytes::copy_from_slice(bytes)))
     }
+
+    /// The outcome the layer stores for this: the inverse of [`Stored::decode`].
+    ///
+    /// ```
+    /// use http::{HeaderMap, StatusCode};
+    /// use idempotency_http::StoredOutcome;
+    ///
+    /// let stored = StoredOutcome::Response { status: StatusCode::CREATED, headers: HeaderMap::new(), body: "ok".into() };
+    /// assert_eq!(StoredOutcome::decode(stored.encode().as_bytes()), Some(stored));
+    /// ```
+    #[must_use]
+    pub fn encode(&self) -> Outcome {
+        match self {
+            Self::Response {
+                status,
+                headers,
+                body,
+            } => encode_response(*status, headers, body),
+            Self::NotReplayable => encode_not_replayable(),
+        }
+    }
 }
 
 pub(crate) fn encode_response(status: StatusCode, headers: &HeaderMap, body: &Bytes) -> Outcome {
@@ -74,14 +95,17 @@ pub(crate) fn decode(outcome: &Outcome) -> Option<Stored> {
         1 => Some(Stored::NotReplayable),
         0 => {
             let status = StatusCode::from_u16(u16_at(&mut at)?).ok()?;
-            let count = u16_at(&mut at)?;
-            let mut headers = HeaderMap::with_capacity(usize::from(count));
+            let count = usize::from(u16_at(&mut at)?);
+            // The count is data: a damaged one must not size an allocation (a header takes at
+            // least 7 bytes), nor make the map outgrow what `HeaderMap` holds (it panics).
+            let mut headers =
+                HeaderMap::try_with_capacity(count.min(bytes.len().saturating_sub(at) / 7)).ok()?;
             for _ in 0..count {
                 let name_len = usize::from(u16_at(&mut at)?);
                 let name = HeaderName::from_bytes(&take(&mut at, name_len)?).ok()?;
                 let value_len = usize::try_from(u32_at(&mut at)?).ok()?;
                 let value = HeaderValue::from_maybe_shared(take(&mut at, value_len)?).ok()?;
-                headers.append(name, value);
+                headers.try_append(name, value).ok()?;
             }
             let body = bytes.slice(at..);
             Some(Stored::Response {
@@ -115,6 +139,23 @@ mod tests {
             })
         );
         assert_eq!(decode(&encode_not_replayable()), Some(Stored::NotReplayable));
+    }
+
+    #[test]
+    fn a_damaged_header_count_is_refused_without_a_panic() {
+        // Found by the stored_response fuzz target: 51,200 headers claimed, none there. It used
+        // to size the map from the count, and HeaderMap panics past 32,768.
+        let claimed = [
+            1, 0, 1, 0, 200, 0, 1, 0, 8, 98, 97, 100, 230, 110, 97, 109, 101, 0, 0, 0, 1, 118,
+        ];
+        assert_eq!(Stored::decode(&claimed), None);
+        // 40,000 real headers: more than a HeaderMap holds.
+        let mut many = vec![1, 0, 0, 200];
+        many.extend_from_slice(&40_000u16.to_be_bytes());
+        for _ in 0..40_000 {
+            many.extend_from_slice(&[0, 1, b'x', 0, 0, 0, 0]);
+        }
+        assert_eq!(Stored::decode(&many), None);
     }
 
     #[test]

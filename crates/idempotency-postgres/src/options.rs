@@ -249,6 +249,7 @@ pub const KIND: StoreKind = StoreKind {
             Ok(std::sync::Arc::new(crate::PostgresStore::connect_with(options).await?) as DynStore)
         })
     },
+    check: |url| PostgresOptions::from_url(url).map(drop),
 };
 
 #[cfg(test)]

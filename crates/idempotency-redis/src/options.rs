@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, StoreKind};
+use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, StoreKind, redact_url};
 
 use crate::RedisStore;
 
@@ -14,18 +14,38 @@ pub const KIND: StoreKind = StoreKind {
     schemes: &["redis", "rediss", "redis-cluster"],
     example: "redis://…",
     open: open_url,
+    check: check_url,
 };
 
 /// Redis has no schema to create, and the operations commands only read: every access opens
 /// the same way.
 fn open_url(url: String, _access: Access) -> OpenFuture {
     Box::pin(async move {
+        // Malformed URLs are refused here, with errors that name a cluster node by its place in
+        // the whole URL.
+        check_url(&url)?;
         let store = match url.strip_prefix("redis-cluster://") {
             Some(nodes) => RedisStore::connect_cluster(&cluster_nodes(nodes)?).await?,
             None => RedisStore::connect(&url).await?,
         };
         Ok(Arc::new(store) as DynStore)
     })
+}
+
+/// Parses the URL as `open_url` does, connecting to nothing.
+fn check_url(url: &str) -> Result<(), StoreError> {
+    match url.strip_prefix("redis-cluster://") {
+        Some(nodes) => {
+            for (index, node) in cluster_nodes(nodes)?.iter().enumerate() {
+                let shown = format!("(node {} of `{}`)", index + 1, redact_url(url));
+                crate::store::parse_shown(node, &shown)?;
+            }
+        }
+        None => {
+            crate::store::parse_url(url)?;
+        }
+    }
+    Ok(())
 }
 
 /// `h1:p1,h2:p2` as `redis://` URLs, one a node.
@@ -42,4 +62,23 @@ fn cluster_nodes(nodes: &str) -> Result<Vec<String>, StoreError> {
         ));
     }
     Ok(nodes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_cluster_node_is_named_by_its_place_and_no_secret_is_shown() {
+        for (url, node) in [
+            ("redis-cluster://h1:7000,app:s3cret@h2:notaport", "node 2 of"),
+            ("redis-cluster://app:s3cret@h1:notaport,h2:7001", "node 1 of"),
+        ] {
+            let error = check_url(url).unwrap_err().to_string();
+            assert!(error.contains(node), "{error}");
+            assert!(!error.contains("s3cret"), "a secret is shown: {error}");
+        }
+        assert!(check_url("redis-cluster://127.0.0.1:7000,127.0.0.1:7001").is_ok());
+        assert!(check_url("redis-cluster://").is_err());
+    }
 }

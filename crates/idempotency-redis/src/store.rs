@@ -374,19 +374,26 @@ fn masters(nodes: &str) -> Vec<String> {
         .collect()
 }
 
-fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {
+pub(crate) fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {
+    parse_shown(url, &format!("`{}`", redact_url(url)))
+}
+
+/// Parses `url`, naming it `shown` in errors: a cluster node is shown as its place in the
+/// whole `redis-cluster://` URL, redacted as a whole (the node alone would be redacted by
+/// another reading of where its secrets are).
+pub(crate) fn parse_shown(url: &str, shown: &str) -> Result<redis::ConnectionInfo, StoreError> {
     use redis::IntoConnectionInfo;
     let scheme = url.split_once("://").map(|(s, _)| s);
     if !matches!(scheme, Some("redis" | "rediss")) {
         return Err(StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("`{}` is not a redis:// URL", redact_url(url)),
+            format!("{shown} is not a redis:// URL"),
         ));
     }
     url.into_connection_info().map_err(|e| {
         StoreError::new(
             ErrorKind::InvalidConfig,
-            format!("malformed Redis URL `{}`: {e}", redact_url(url)),
+            format!("malformed Redis URL {shown}: {e}"),
         )
     })
 }

@@ -47,6 +47,6 @@ mod options;
 pub mod sql;
 mod store;
 
-pub use options::{KIND, Location, SqliteOptions, Synchronous};
+pub use options::{DEFAULT_MAX_BATCH, KIND, Location, MAX_BATCH_LIMIT, SqliteOptions, Synchronous};
 pub use rusqlite;
 pub use store::SqliteStore;

@@ -74,7 +74,19 @@ pub struct SqliteOptions {
     /// it and [`Access::Existing`], a missing file or one that is not a store of ours is refused
     /// before anything is written.
     pub access: Access,
+    /// How many state transitions (`begin`, `complete`, `release`, `extend`) may share one write
+    /// transaction, and so one fsync (default [`DEFAULT_MAX_BATCH`]); 1 gives each its own. See
+    /// [`SqliteStore`](crate::SqliteStore)'s group commit.
+    pub max_batch: usize,
 }
+
+/// How many transitions share a write transaction by default: enough that a burst of callers
+/// shares a few fsyncs, few enough that the last of them waits for no more than a few
+/// milliseconds of statements.
+pub const DEFAULT_MAX_BATCH: usize = 64;
+
+/// The most a URL or a caller may set [`SqliteOptions::max_batch`] to.
+pub const MAX_BATCH_LIMIT: usize = 1024;
 
 impl fmt::Debug for SqliteOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -84,6 +96,7 @@ impl fmt::Debug for SqliteOptions {
             .field("busy_timeout", &self.busy_timeout)
             .field("clock", &self.clock)
             .field("access", &self.access)
+            .field("max_batch", &self.max_batch)
             .finish()
     }
 }
@@ -108,6 +121,7 @@ impl SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             clock: Arc::new(SystemClock),
             access: Access::Create,
+            max_batch: DEFAULT_MAX_BATCH,
         }
     }
 
@@ -117,7 +131,8 @@ impl SqliteOptions {
     ///   `sqlite://idem.db` is relative to the working directory;
     /// * `sqlite::memory:` or `sqlite://:memory:` — a private in-memory database.
     ///
-    /// Query parameters: `synchronous=full|normal`, `busy_timeout_ms=N`.
+    /// Query parameters: `synchronous=full|normal`, `busy_timeout_ms=N`, `max_batch=N` (1 to
+    /// 1024 transitions a write transaction; 1 turns group commit off).
     ///
     /// The path and the parameters are percent-decoded (`sqlite:///srv/my%20data/idem.db` is the
     /// file `/srv/my data/idem.db`), with the URL crate family's decoders. The split into path
@@ -129,6 +144,8 @@ impl SqliteOptions {
     /// [`ErrorKind::InvalidConfig`] naming what is wrong: another scheme, an empty path, an
     /// unknown parameter or a bad value.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        // Errors show the URL without credential-like parameters, which may hold secrets.
+        let shown = redact_url(url);
         let rest = url
             .strip_prefix("sqlite:")
             .ok_or_else(|| invalid(format!("`{}` is not a sqlite: URL", redact_url(url))))?;
@@ -139,9 +156,9 @@ impl SqliteOptions {
         };
         let path = percent_encoding::percent_decode_str(path)
             .decode_utf8()
-            .map_err(|_| invalid(format!("`{url}`: the path is not UTF-8 once percent-decoded")))?;
+            .map_err(|_| invalid(format!("`{shown}`: the path is not UTF-8 once percent-decoded")))?;
         let mut options = match &*path {
-            "" => return Err(invalid(format!("`{url}` names no database file"))),
+            "" => return Err(invalid(format!("`{shown}` names no database file"))),
             ":memory:" => Self::memory(),
             path => Self::file(path),
         };
@@ -153,7 +170,7 @@ impl SqliteOptions {
                         "normal" => Synchronous::Normal,
                         _ => {
                             return Err(invalid(format!(
-                                "synchronous={value:?} in `{url}`: expected `full` or `normal`"
+                                "synchronous={value:?} in `{shown}`: expected `full` or `normal`"
                             )));
                         }
                     }
@@ -161,14 +178,26 @@ impl SqliteOptions {
                 "busy_timeout_ms" => {
                     let millis: u64 = value.parse().map_err(|_| {
                         invalid(format!(
-                            "busy_timeout_ms={value:?} in `{url}`: expected a number of milliseconds"
+                            "busy_timeout_ms={value:?} in `{shown}`: expected a number of milliseconds"
                         ))
                     })?;
                     options.busy_timeout = Duration::from_millis(millis);
                 }
+                "max_batch" => {
+                    let batch = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_BATCH_LIMIT).contains(n))
+                        .ok_or_else(|| {
+                            invalid(format!(
+                                "max_batch={value:?} in `{shown}`: expected 1 to {MAX_BATCH_LIMIT} transitions a transaction"
+                            ))
+                        })?;
+                    options.max_batch = batch;
+                }
                 other => {
                     return Err(invalid(format!(
-                        "unknown parameter `{other}` in `{url}` (known: synchronous, busy_timeout_ms)"
+                        "unknown parameter `{other}` in `{shown}` (known: synchronous, busy_timeout_ms, max_batch)"
                     )));
                 }
             }
@@ -197,6 +226,14 @@ impl SqliteOptions {
         self
     }
 
+    /// Sets how many transitions may share a write transaction (clamped to 1..=1024); 1 gives
+    /// each its own transaction and fsync.
+    #[must_use]
+    pub fn max_batch(mut self, batch: usize) -> Self {
+        self.max_batch = batch.clamp(1, MAX_BATCH_LIMIT);
+        self
+    }
+
     /// Sets the clock (tests use a `ManualClock`).
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -221,6 +258,7 @@ pub const KIND: StoreKind = StoreKind {
             Ok(Arc::new(crate::SqliteStore::open_with(options).await?) as DynStore)
         })
     },
+    check: |url| SqliteOptions::from_url(url).map(drop),
 };
 
 #[cfg(test)]
@@ -277,11 +315,23 @@ mod tests {
                 "expected a number of milliseconds",
             ),
             ("sqlite://x.db?journal=delete", "unknown parameter `journal`"),
+            ("sqlite://x.db?max_batch=0", "expected 1 to 1024"),
+            ("sqlite://x.db?max_batch=5000", "expected 1 to 1024"),
+            ("sqlite://x.db?max_batch=many", "expected 1 to 1024"),
+            ("sqlite://x.db?password=s3cret", "unknown parameter `password`"),
+            (
+                "sqlite://x.db?synchronous=off&api_key=s3cret",
+                "expected `full` or `normal`",
+            ),
         ];
         for (url, expected) in cases {
             let error = SqliteOptions::from_url(url).unwrap_err();
             assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
             assert!(error.to_string().contains(expected), "{url}: {error}");
+            assert!(
+                !error.to_string().contains("s3cret"),
+                "a secret is echoed: {error}"
+            );
         }
         let error = SqliteOptions::from_url("postgres://user:secret@db/app").unwrap_err();
         assert!(

@@ -191,6 +191,9 @@ mod tests {
             ("memory://extra", "takes no path"),
             ("ftp://host/x", "unknown store URL scheme `ftp`"),
             ("mysql://root@localhost/test", "no `mysql` store in this version"),
+            // Found by the store_url fuzz target: no `://`, and the text before the first `:`
+            // is no scheme but a query with a password in it.
+            ("db?user=app&password=s3cret&x=a:b", "is not a store URL"),
         ];
         for (url, expected) in cases {
             let error = open(url).await.map(|_| ()).unwrap_err();
