@@ -134,7 +134,7 @@ impl fmt::Display for Token {
 
 /// The stored result of a completed operation: opaque bytes that the edge (HTTP layer,
 /// consumer) encodes and decodes. Cloning is cheap.
-#[derive(Clone, PartialEq, Eq, Default)]
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct Outcome(Bytes);
 
 impl Outcome {
@@ -372,7 +372,7 @@ impl<T> Fenced<T> {
 }
 
 /// A record as the store holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Record {
     /// Whose key this is.
     pub scope: Scope,
@@ -391,7 +391,7 @@ pub struct Record {
 }
 
 /// The state of a [`Record`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum RecordState {
     /// An attempt holds the record.
     InFlight {

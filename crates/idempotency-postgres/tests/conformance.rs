@@ -4,6 +4,7 @@
 mod common;
 
 use idempotency_postgres::PostgresStore;
+use idempotency_testkit::linearizability::Cutter;
 use idempotency_testkit::{Harness, TimeControl};
 
 #[derive(Debug)]
@@ -19,6 +20,15 @@ impl Harness for PostgresHarness {
 
     fn time(&self) -> TimeControl {
         TimeControl::real()
+    }
+
+    /// A store on a fresh table that reaches the server through the test kit's proxy, which
+    /// the linearizability check cuts.
+    async fn store_with_cuts(&self) -> Option<(PostgresStore, Box<dyn Cutter>)> {
+        let store = common::fresh_store().await;
+        let proxy = common::start_proxy().await;
+        let proxied = common::proxied(&store, &proxy, 16).await;
+        Some((proxied, Box::new(proxy)))
     }
 }
 

@@ -4,6 +4,7 @@
 mod common;
 
 use idempotency_redis::RedisStore;
+use idempotency_testkit::linearizability::Cutter;
 use idempotency_testkit::{Harness, TimeControl};
 
 #[derive(Debug)]
@@ -23,6 +24,17 @@ impl Harness for SingleHarness {
 
     fn expires_by_itself(&self) -> bool {
         true
+    }
+
+    /// A store whose connections the linearizability check kills with `CLIENT KILL USER`.
+    async fn store_with_cuts(&self) -> Option<(RedisStore, Box<dyn Cutter>)> {
+        let (killer, urls) = common::KillUser::create("idem-linearizability", &[common::redis_url()]).await;
+        let store = RedisStore::connect(&urls[0])
+            .await
+            .unwrap()
+            .prefix(&common::unique_prefix())
+            .unwrap();
+        Some((store, Box::new(killer)))
     }
 }
 
@@ -49,6 +61,19 @@ mod cluster {
 
         fn expires_by_itself(&self) -> bool {
             true
+        }
+
+        /// A store whose connections to every node the linearizability check kills with
+        /// `CLIENT KILL USER`.
+        async fn store_with_cuts(&self) -> Option<(RedisStore, Box<dyn Cutter>)> {
+            let (killer, urls) =
+                common::KillUser::create("idem-linearizability-cluster", &common::cluster_urls()).await;
+            let store = RedisStore::connect_cluster(&urls)
+                .await
+                .unwrap()
+                .prefix(&common::unique_prefix())
+                .unwrap();
+            Some((store, Box::new(killer)))
         }
     }
 

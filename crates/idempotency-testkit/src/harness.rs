@@ -103,4 +103,20 @@ pub trait Harness: Send + Sync + fmt::Debug {
     fn expires_by_itself(&self) -> bool {
         false
     }
+
+    /// A fresh store like [`store`](Self::store) whose connections to its server the
+    /// linearizability check can cut, and what cuts them (the test kit's [`TcpProxy`](crate::TcpProxy)
+    /// in front of the server, or a server-side kill of the store's connections). `None`, the
+    /// default, for stores without a connection to cut (memory, SQLite): the check then runs
+    /// without faults.
+    async fn store_with_cuts(&self) -> Option<(Self::Store, Box<dyn crate::linearizability::Cutter>)> {
+        None
+    }
+
+    /// How much the linearizability check runs on this harness's stores: by default 20 keys
+    /// with 1000 operations each. A store whose server serves one request at a time may ask
+    /// for less.
+    fn linearizability(&self) -> crate::linearizability::Scale {
+        crate::linearizability::Scale::default()
+    }
 }

@@ -41,6 +41,8 @@
 mod harness;
 
 pub mod faults;
+pub mod history;
+pub mod linearizability;
 pub mod proxy;
 pub mod recorded;
 pub mod wait;
@@ -55,8 +57,9 @@ pub use proxy::TcpProxy;
 pub use wait::eventually;
 
 /// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once
-/// per test): one test per [`cases::Case`], plus the property test against the reference model.
-/// See the [crate docs](crate).
+/// per test): one test per [`cases::Case`], the property test against the reference model, and
+/// the [linearizability check](linearizability) of concurrent histories. See the
+/// [crate docs](crate).
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -65,6 +68,11 @@ macro_rules! conformance_suite {
         #[test]
         fn conformance_matches_reference_model() {
             $crate::model::check_against_model(&$harness, $crate::model::DEFAULT_CASES);
+        }
+
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn concurrent_histories_are_linearizable() {
+            $crate::linearizability::check_harness(&$harness).await;
         }
     };
 }

@@ -199,6 +199,17 @@ impl Recorded {
             .sum()
     }
 
+    /// The largest value the histogram `name` recorded over the series carrying `labels`.
+    #[must_use]
+    pub fn histogram_max(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.matching(name, labels)
+            .filter_map(|value| match value {
+                DebugValue::Histogram(values) => values.iter().map(|v| v.into_inner()).reduce(f64::max),
+                _ => None,
+            })
+            .reduce(f64::max)
+    }
+
     /// The names of every series recorded, sorted, without repeats.
     #[must_use]
     pub fn names(&self) -> Vec<String> {

@@ -35,6 +35,12 @@ impl Harness for MemoryHarness {
 
 idempotency_testkit::conformance_cases!(MemoryHarness::new());
 
+/// The reference model's own locking, under concurrent clients: its histories are linearizable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_histories_are_linearizable() {
+    idempotency_testkit::linearizability::check_harness(&MemoryHarness::new()).await;
+}
+
 /// The memory store on the real system clock, as single-process programs use it.
 mod system_clock {
     use super::*;

@@ -47,3 +47,56 @@ pub async fn cluster() -> RedisStore {
         .prefix(&unique_prefix())
         .unwrap()
 }
+
+/// Cuts the connections of one ACL user on every server it knows: the linearizability check's
+/// faults. The user exists for the store under test only, so the connections of other tests on
+/// the same servers are left alone.
+#[derive(Debug)]
+pub struct KillUser {
+    user: String,
+    nodes: Vec<String>,
+}
+
+impl KillUser {
+    /// Creates (or resets) the ACL user `user` on every node of `nodes`, allowed everything, any
+    /// password accepted, and returns the nodes' URLs with that user in them.
+    pub async fn create(user: &str, nodes: &[String]) -> (Self, Vec<String>) {
+        let mut urls = Vec::new();
+        for node in nodes {
+            let mut connection = redis::Client::open(node.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap_or_else(|e| panic!("Redis at {node} is needed for this test: {e}"));
+            let _: () = redis::cmd("ACL")
+                .arg(&["SETUSER", user, "reset", "on", "nopass", "~*", "&*", "+@all"][..])
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            urls.push(node.replacen("redis://", &format!("redis://{user}:any@"), 1));
+        }
+        let killer = Self {
+            user: user.to_owned(),
+            nodes: nodes.to_vec(),
+        };
+        (killer, urls)
+    }
+}
+
+#[async_trait::async_trait]
+impl idempotency_testkit::linearizability::Cutter for KillUser {
+    async fn cut(&self) {
+        for node in &self.nodes {
+            let mut connection = redis::Client::open(node.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let _: i64 = redis::cmd("CLIENT")
+                .arg(&["KILL", "USER", self.user.as_str()][..])
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        }
+    }
+}
