@@ -1,9 +1,9 @@
 //! DynamoDB and SQS, against the local AWS server (`AWS_ENDPOINT_URL`, default moto on
 //! `http://127.0.0.1:5000`, as `scripts/services` runs it: one request at a time).
 //!
-//! * DynamoDB: begin→complete cycles per second of the store against the same three requests
-//!   (the conditional `PutItem`, the consistent `GetItem`, the versioned `PutItem`) issued raw on
-//!   the store's own client, at 1 and 16 callers.
+//! * DynamoDB: begin→complete cycles per second of the store against the same two requests
+//!   (the conditional `PutItem` of `begin`, the token-conditioned `UpdateItem` of `complete`)
+//!   issued raw on the store's own client, at 1 and 16 callers.
 //! * SQS: messages per second through the same `Worker` with the consumer's guard (on the
 //!   memory store, and on the DynamoDB store) against a processor that only acks: receive and
 //!   delete with nothing in between.
@@ -89,7 +89,7 @@ pub(crate) fn run_dynamodb(window: Duration, rounds: usize) -> Result<(), String
     })
 }
 
-/// The store's three requests for a begin→complete on a new (or expired) key, with items of the
+/// The store's two requests for a begin→complete on a new (or expired) key, with items of the
 /// same shape, sent raw: nothing decoded, no state machine.
 async fn raw_cycle(store: &DynamoDbStore, scope: &Scope, key: &Key) -> Result<(), String> {
     let client = store.client();
@@ -123,32 +123,31 @@ async fn raw_cycle(store: &DynamoDbStore, scope: &Scope, key: &Key) -> Result<()
         .await
         .map_err(|e| aws_sdk_dynamodb::error::DisplayErrorContext(e).to_string())?;
     client
-        .get_item()
+        .update_item()
         .table_name(store.table())
         .key("pk", s(&pk))
-        .consistent_read(true)
-        .send()
-        .await
-        .map_err(|e| aws_sdk_dynamodb::error::DisplayErrorContext(e).to_string())?;
-    client
-        .put_item()
-        .table_name(store.table())
-        .item("pk", s(&pk))
-        .item("ver", n(2))
-        .item("state", s("completed"))
-        .item("token", s(&token))
-        .item("fingerprint", s(&"f".repeat(64)))
-        .item("attempt", n(1))
-        .item("created_ms", n(now))
-        .item(
-            "outcome",
+        .condition_expression("#st = :in_flight AND #tok = :token AND #e > :now")
+        .update_expression(
+            "SET #v = #v + :one, #st = :completed, #out = :outcome, completed_ms = :now, \
+             #e = :now, #ttl = :ttl REMOVE acquired_ms, lease_ms",
+        )
+        .expression_attribute_names("#st", "state")
+        .expression_attribute_names("#tok", "token")
+        .expression_attribute_names("#e", "expires_ms")
+        .expression_attribute_names("#v", "ver")
+        .expression_attribute_names("#out", "outcome")
+        .expression_attribute_names("#ttl", "ttl")
+        .expression_attribute_values(":in_flight", s("in_flight"))
+        .expression_attribute_values(":token", s(&token))
+        .expression_attribute_values(":now", n(now))
+        .expression_attribute_values(":one", n(1))
+        .expression_attribute_values(":completed", s("completed"))
+        .expression_attribute_values(
+            ":outcome",
             AttributeValue::B(aws_sdk_dynamodb::primitives::Blob::new(Vec::new())),
         )
-        .item("expires_ms", n(now))
-        .item("ttl", n(now / 1000))
-        .condition_expression("#v = :v")
-        .expression_attribute_names("#v", "ver")
-        .expression_attribute_values(":v", n(1))
+        .expression_attribute_values(":ttl", n(now / 1000))
+        .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
         .send()
         .await
         .map_err(|e| aws_sdk_dynamodb::error::DisplayErrorContext(e).to_string())?;

@@ -9,9 +9,14 @@
 //!   asking DynamoDB for the old item when the condition fails
 //!   (`ReturnValuesOnConditionCheckFailure`), so a duplicate is answered (replay, in flight,
 //!   mismatch) without a second read. A takeover is a write conditioned on the version read.
-//! - `complete`, `release` and `extend` read the item with a strongly consistent read, decide,
-//!   and write conditioned on its version. A token that does not hold the record gets
-//!   `LeaseLost` and writes nothing (fencing).
+//! - `complete`, `release` and `extend` are one `UpdateItem` each, conditioned on the item being
+//!   in flight, held by the caller's token and live: exactly the cases in which the machine
+//!   writes. When the condition fails, the old item comes back with the failure and the
+//!   machine answers from it: a token that does not hold the record gets `LeaseLost` and writes
+//!   nothing (fencing); a retried `complete` whose first try landed is accepted again. The one
+//!   case an update expression cannot decide, an `extend` whose lease would outlive the
+//!   record's retention (it has no `max`), is written after that answer, conditioned on the
+//!   item's version: a second request, only near the end of a record's retention.
 //!
 //! # Time
 //!
@@ -28,6 +33,21 @@
 //! days; an expired item is treated as absent by every operation. `purge_expired`, `list` and
 //! `stats` scan the table (paginated, strongly consistent): their cost grows with the table,
 //! so run them from operators' tools, not request paths.
+//!
+//! # What was verified only against moto
+//!
+//! No real DynamoDB is reachable from the machines the tests run on: every test runs against
+//! moto's server (`scripts/services`), one request at a time. moto's threaded server does not
+//! make a conditional write atomic, so the race tests need it to serve requests one by one;
+//! DynamoDB makes every conditional write atomic. Verified only there:
+//!
+//! - conditional `PutItem`/`UpdateItem` with `ReturnValuesOnConditionCheckFailure=ALL_OLD`
+//!   (the conformance suite, its 64-way races and the model comparison);
+//! - `TransactWriteItems` for outcomes split into chunk items;
+//! - the server killed and restarted mid-run (`tests/outage.rs`, on a moto that records its
+//!   requests and replays them on start, since moto keeps its tables in memory);
+//! - TTL: moto accepts the TTL setting but deletes nothing, so only "expired items are treated
+//!   as absent" is tested, not DynamoDB's deletion itself.
 
 mod store;
 mod url;

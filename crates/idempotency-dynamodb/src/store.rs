@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::put_item::PutItemError;
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
@@ -26,6 +27,13 @@ const VERSION: &str = "ver";
 const EXPIRES: &str = "expires_ms";
 const CHUNKS: &str = "outcome_chunks";
 const OUTCOME_LEN: &str = "outcome_len";
+const OUTCOME: &str = "outcome";
+const STATE: &str = "state";
+const TOKEN: &str = "token";
+const TTL: &str = "ttl";
+/// The `state` attribute's values.
+const IN_FLIGHT: &str = "in_flight";
+const COMPLETED: &str = "completed";
 
 /// The largest outcome kept in the record's own item; larger ones are split into items of this
 /// size, written in the same transaction (DynamoDB's items hold at most 400 KB).
@@ -226,7 +234,7 @@ impl DynamoDbStore {
                 .is_some_and(|status| *status == aws_sdk_dynamodb::types::TableStatus::Active);
             if active {
                 let ttl = aws_sdk_dynamodb::types::TimeToLiveSpecification::builder()
-                    .attribute_name("ttl")
+                    .attribute_name(TTL)
                     .enabled(true)
                     .build()
                     .map_err(|e| backend("build the TTL specification", e))?;
@@ -366,7 +374,28 @@ impl DynamoDbStore {
     ) -> Result<Result<(), Option<Stored>>, StoreError> {
         let (item, chunks) = encode(record, version);
         if !chunks.is_empty() {
-            return self.write_chunked(item, chunks, expected).await;
+            // Only a completion carries an outcome, and it always follows a read.
+            let pk = Key::qualified(&record.scope, &record.key);
+            let ttl = number_i64(ttl_seconds(record.expires_at));
+            let mut put = aws_sdk_dynamodb::types::Put::builder()
+                .table_name(&self.options.table)
+                .set_item(Some(item));
+            put = match expected {
+                Some(seen) => put
+                    .condition_expression("#v = :v")
+                    .expression_attribute_names("#v", VERSION)
+                    .expression_attribute_values(":v", number(seen)),
+                None => put
+                    .condition_expression("attribute_not_exists(#pk)")
+                    .expression_attribute_names("#pk", PK),
+            };
+            let put = put
+                .build()
+                .map_err(|e| backend("build a transactional write", e))?;
+            let main = aws_sdk_dynamodb::types::TransactWriteItem::builder()
+                .put(put)
+                .build();
+            return self.write_chunked(main, pk.as_str(), ttl, chunks).await;
         }
         let mut request = self
             .client
@@ -400,48 +429,24 @@ impl DynamoDbStore {
         }
     }
 
-    /// Writes a record whose outcome is split into chunk items: the chunks and the record in one
-    /// transaction, the record conditioned on the version read (only a completion carries an
-    /// outcome, and it always follows a read). A failed condition reads the item again.
+    /// Writes `main` (the record's put or update, with its condition) and the chunk items of
+    /// its outcome in one transaction. A cancelled transaction (a failed condition, or a
+    /// conflict with another transaction) reads the record again for the caller to decide on.
     async fn write_chunked(
         &self,
-        item: HashMap<String, AttributeValue>,
+        main: aws_sdk_dynamodb::types::TransactWriteItem,
+        pk: &str,
+        ttl: AttributeValue,
         chunks: Vec<Vec<u8>>,
-        expected: Option<u64>,
     ) -> Result<Result<(), Option<Stored>>, StoreError> {
         use aws_sdk_dynamodb::types::{Put, TransactWriteItem};
-        let pk = item
-            .get(PK)
-            .and_then(|value| value.as_s().ok())
-            .cloned()
-            .unwrap_or_default();
-        let ttl = item.get("ttl").cloned().unwrap_or_else(|| number(0));
-        let mut main = Put::builder()
-            .table_name(&self.options.table)
-            .set_item(Some(item.clone()));
-        main = match expected {
-            Some(seen) => main
-                .condition_expression("#v = :v")
-                .expression_attribute_names("#v", VERSION)
-                .expression_attribute_values(":v", number(seen)),
-            None => main
-                .condition_expression("attribute_not_exists(#pk)")
-                .expression_attribute_names("#pk", PK),
-        };
-        let mut writes = vec![
-            TransactWriteItem::builder()
-                .put(
-                    main.build()
-                        .map_err(|e| backend("build a transactional write", e))?,
-                )
-                .build(),
-        ];
+        let mut writes = vec![main];
         for (index, data) in chunks.into_iter().enumerate() {
             let chunk = Put::builder()
                 .table_name(&self.options.table)
-                .item(PK, Self::chunk_pk(&pk, index))
+                .item(PK, Self::chunk_pk(pk, index))
                 .item("data", AttributeValue::B(Blob::new(data)))
-                .item("ttl", ttl.clone())
+                .item(TTL, ttl.clone())
                 .build()
                 .map_err(|e| backend("build a transactional write", e))?;
             writes.push(TransactWriteItem::builder().put(chunk).build());
@@ -453,10 +458,79 @@ impl DynamoDbStore {
                     .as_service_error()
                     .is_some_and(aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError::is_transaction_canceled_exception) =>
             {
-                Ok(Err(self.read_pk(&pk).await?))
+                Ok(Err(self.read_pk(pk).await?))
             }
             Err(error) => Err(sdk("write a record with a large outcome", &error)),
         }
+    }
+
+    /// `complete`, `release` or `extend` as one `UpdateItem` conditioned on the item being in
+    /// flight, held by the caller's token and live: exactly the cases in which the machine
+    /// writes, so a write that lands is the machine's answer, `accepted`. A failed condition
+    /// returns the item as it was (`ALL_OLD`), and the machine decides on it, without another
+    /// read: `LeaseLost`, or a retried `complete` accepted again. Only a decision the update's
+    /// condition left out (an `extend` past the record's expiry) writes once more, conditioned
+    /// on the version.
+    async fn update_held<T>(
+        &self,
+        held: &Held,
+        update: Update,
+        chunks: Vec<Vec<u8>>,
+        accepted: T,
+        decide: impl Fn(Timestamp, Option<&Record>) -> (T, machine::Effect),
+    ) -> Result<T, StoreError> {
+        // The token of no attempt holds nothing, though a released item carries it.
+        if held.token == Token::NONE {
+            return Ok(decide(self.now(), None).0);
+        }
+        let pk = Key::qualified(&held.scope, &held.key);
+        let Expressions {
+            condition,
+            update: expression,
+            names,
+            values,
+        } = update.expressions();
+        let found = if chunks.is_empty() {
+            let request = self
+                .client
+                .update_item()
+                .table_name(&self.options.table)
+                .key(PK, AttributeValue::S(pk.as_str().to_owned()))
+                .condition_expression(condition)
+                .update_expression(expression)
+                .set_expression_attribute_names(Some(names))
+                .set_expression_attribute_values(Some(values))
+                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+            match request.send().await {
+                Ok(_) => return Ok(accepted),
+                Err(error) => match error.as_service_error() {
+                    Some(UpdateItemError::ConditionalCheckFailedException(failed)) => match failed.item() {
+                        Some(item) => Some(self.load(item).await?),
+                        None => None,
+                    },
+                    _ => return Err(sdk("update a record", &error)),
+                },
+            }
+        } else {
+            let ttl = update.value_of(TTL).cloned().unwrap_or_else(|| number(0));
+            let main = aws_sdk_dynamodb::types::Update::builder()
+                .table_name(&self.options.table)
+                .key(PK, AttributeValue::S(pk.as_str().to_owned()))
+                .condition_expression(condition)
+                .update_expression(expression)
+                .set_expression_attribute_names(Some(names))
+                .set_expression_attribute_values(Some(values))
+                .build()
+                .map_err(|e| backend("build a transactional write", e))?;
+            let main = aws_sdk_dynamodb::types::TransactWriteItem::builder()
+                .update(main)
+                .build();
+            match self.write_chunked(main, pk.as_str(), ttl, chunks).await? {
+                Ok(()) => return Ok(accepted),
+                Err(found) => found,
+            }
+        };
+        self.transition(&held.scope, &held.key, Some(found), decide).await
     }
 
     /// A strongly consistent read of the record at `pk`, its outcome's chunks included.
@@ -554,24 +628,57 @@ impl Store for DynamoDbStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.transition(&held.scope, &held.key, None, |now, record| {
+        let now = self.now();
+        let expires_at = now.after(retention);
+        let mut update = Update::held_by(held.token, now)
+            .set(STATE, AttributeValue::S(COMPLETED.into()))
+            .set("completed_ms", number_i64(now.unix_millis()))
+            .set(EXPIRES, number_i64(expires_at.unix_millis()))
+            .set(TTL, number_i64(ttl_seconds(expires_at)))
+            .remove("acquired_ms")
+            .remove("lease_ms");
+        let mut chunks = Vec::new();
+        if outcome.len() > CHUNK {
+            chunks = split(&outcome);
+            update = update
+                .set(CHUNKS, number(chunks.len() as u64))
+                .set(OUTCOME_LEN, number(outcome.len() as u64))
+                .remove(OUTCOME);
+        } else {
+            update = update
+                .set(OUTCOME, AttributeValue::B(Blob::new(outcome.as_bytes().to_vec())))
+                .remove(CHUNKS)
+                .remove(OUTCOME_LEN);
+        }
+        let decide = |now, record: Option<&Record>| {
             machine::complete(now, record, held.token, outcome.clone(), retention)
-        })
-        .await
+        };
+        self.update_held(held, update, chunks, Fenced::Accepted(expires_at), decide)
+            .await
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
-        self.transition(&held.scope, &held.key, None, |now, record| {
-            machine::release(now, record, held.token)
-        })
-        .await
+        let now = self.now();
+        let update = Update::held_by(held.token, now)
+            .set(TOKEN, token_value(Token::NONE))
+            .set("lease_ms", number_i64(now.unix_millis()));
+        let decide = |now, record: Option<&Record>| machine::release(now, record, held.token);
+        self.update_held(held, update, Vec::new(), Fenced::Accepted(()), decide)
+            .await
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
-        self.transition(&held.scope, &held.key, None, |now, record| {
-            machine::extend(now, record, held.token, lease)
-        })
-        .await
+        let now = self.now();
+        let lease_until = now.after(lease);
+        // The record's expiry moves with the lease only when the lease would outlive it, which
+        // an update expression cannot decide (it has no `max`). That rare case fails this
+        // condition and goes the read-decide-write way.
+        let update = Update::held_by(held.token, now)
+            .and(EXPIRES, ">=", number_i64(lease_until.unix_millis()))
+            .set("lease_ms", number_i64(lease_until.unix_millis()));
+        let decide = |now, record: Option<&Record>| machine::extend(now, record, held.token, lease);
+        self.update_held(held, update, Vec::new(), Fenced::Accepted(lease_until), decide)
+            .await
     }
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
@@ -601,7 +708,7 @@ impl DynamoDbStore {
                 .await
                 .map_err(|e| sdk("scan the table", &e))?;
             // Chunk items carry no state: they go with their record.
-            for item in page.items().iter().filter(|item| item.contains_key("state")) {
+            for item in page.items().iter().filter(|item| item.contains_key(STATE)) {
                 items.push(scanned(item)?);
             }
             match page.last_evaluated_key() {
@@ -704,6 +811,122 @@ pub fn http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
         .build_https()
 }
 
+/// The `ttl` attribute for a record expiring at `expires_at`: DynamoDB's TTL deletion reads
+/// whole seconds, rounded up so that it never deletes a live record.
+fn ttl_seconds(expires_at: Timestamp) -> i64 {
+    expires_at.unix_millis().div_euclid(1000) + 1
+}
+
+/// An outcome too large for its record's item, in chunk items' worth.
+fn split(outcome: &Outcome) -> Vec<Vec<u8>> {
+    outcome.as_bytes().chunks(CHUNK).map(<[u8]>::to_vec).collect()
+}
+
+fn token_value(token: Token) -> AttributeValue {
+    AttributeValue::B(Blob::new(token.to_bytes().to_vec()))
+}
+
+/// An `UpdateItem` of a record held by a token (see `update_held`): its extra conditions and the
+/// attributes it sets and removes. Every attribute name goes through a placeholder, since
+/// `state`, `token`, `key` and `ttl` are reserved words in DynamoDB's expressions.
+#[derive(Debug)]
+struct Update {
+    token: Token,
+    now: Timestamp,
+    /// Conditions beyond "held by the token": (attribute, comparison, value).
+    conditions: Vec<(&'static str, &'static str, AttributeValue)>,
+    sets: Vec<(&'static str, AttributeValue)>,
+    removes: Vec<&'static str>,
+}
+
+impl Update {
+    /// An update that applies only while the item is in flight, held by `token` and live at
+    /// `now`, and that moves the item's version on.
+    fn held_by(token: Token, now: Timestamp) -> Self {
+        Self {
+            token,
+            now,
+            conditions: Vec::new(),
+            sets: Vec::new(),
+            removes: Vec::new(),
+        }
+    }
+
+    /// One more condition: `attribute` compared (`op`) with `value`.
+    fn and(mut self, attribute: &'static str, op: &'static str, value: AttributeValue) -> Self {
+        self.conditions.push((attribute, op, value));
+        self
+    }
+
+    /// Sets `attribute` to `value`.
+    fn set(mut self, attribute: &'static str, value: AttributeValue) -> Self {
+        self.sets.push((attribute, value));
+        self
+    }
+
+    /// Removes `attribute` (nothing if the item has none).
+    fn remove(mut self, attribute: &'static str) -> Self {
+        self.removes.push(attribute);
+        self
+    }
+
+    /// The value this update sets `attribute` to, if it sets it.
+    fn value_of(&self, attribute: &str) -> Option<&AttributeValue> {
+        self.sets
+            .iter()
+            .find(|(name, _)| *name == attribute)
+            .map(|(_, value)| value)
+    }
+
+    /// The condition expression, the update expression, and their placeholders' names and
+    /// values.
+    fn expressions(&self) -> Expressions {
+        let mut names = HashMap::from([
+            ("#st".to_owned(), STATE.to_owned()),
+            ("#tok".to_owned(), TOKEN.to_owned()),
+            ("#e".to_owned(), EXPIRES.to_owned()),
+            ("#v".to_owned(), VERSION.to_owned()),
+        ]);
+        let mut values = HashMap::from([
+            (":in_flight".to_owned(), AttributeValue::S(IN_FLIGHT.into())),
+            (":token".to_owned(), token_value(self.token)),
+            (":now".to_owned(), number_i64(self.now.unix_millis())),
+            (":one".to_owned(), number(1)),
+        ]);
+        let mut condition = "#st = :in_flight AND #tok = :token AND #e > :now".to_owned();
+        for (index, (attribute, op, value)) in self.conditions.iter().enumerate() {
+            names.insert(format!("#c{index}"), (*attribute).to_owned());
+            values.insert(format!(":c{index}"), value.clone());
+            condition.push_str(&format!(" AND #c{index} {op} :c{index}"));
+        }
+        let mut update = "SET #v = #v + :one".to_owned();
+        for (index, (attribute, value)) in self.sets.iter().enumerate() {
+            names.insert(format!("#s{index}"), (*attribute).to_owned());
+            values.insert(format!(":s{index}"), value.clone());
+            update.push_str(&format!(", #s{index} = :s{index}"));
+        }
+        for (index, attribute) in self.removes.iter().enumerate() {
+            names.insert(format!("#r{index}"), (*attribute).to_owned());
+            update.push_str(if index == 0 { " REMOVE " } else { ", " });
+            update.push_str(&format!("#r{index}"));
+        }
+        Expressions {
+            condition,
+            update,
+            names,
+            values,
+        }
+    }
+}
+
+/// An [`Update`] as the request takes it.
+struct Expressions {
+    condition: String,
+    update: String,
+    names: HashMap<String, String>,
+    values: HashMap<String, AttributeValue>,
+}
+
 fn number(value: u64) -> AttributeValue {
     AttributeValue::N(value.to_string())
 }
@@ -730,11 +953,7 @@ fn encode(record: &Record, version: u64) -> (HashMap<String, AttributeValue>, Ve
     put("attempt", number(u64::from(record.attempt)));
     put("created_ms", number_i64(record.created_at.unix_millis()));
     put(EXPIRES, number_i64(record.expires_at.unix_millis()));
-    // DynamoDB's TTL deletion reads seconds.
-    put(
-        "ttl",
-        number_i64(record.expires_at.unix_millis().div_euclid(1000) + 1),
-    );
+    put(TTL, number_i64(ttl_seconds(record.expires_at)));
     put(VERSION, number(version));
     match &record.state {
         RecordState::InFlight {
@@ -742,8 +961,8 @@ fn encode(record: &Record, version: u64) -> (HashMap<String, AttributeValue>, Ve
             acquired_at,
             lease_until,
         } => {
-            put("state", AttributeValue::S("in_flight".into()));
-            put("token", AttributeValue::B(Blob::new(token.to_bytes().to_vec())));
+            put(STATE, AttributeValue::S(IN_FLIGHT.into()));
+            put(TOKEN, token_value(*token));
             put("acquired_ms", number_i64(acquired_at.unix_millis()));
             put("lease_ms", number_i64(lease_until.unix_millis()));
         }
@@ -752,17 +971,14 @@ fn encode(record: &Record, version: u64) -> (HashMap<String, AttributeValue>, Ve
             outcome,
             completed_at,
         } => {
-            put("state", AttributeValue::S("completed".into()));
-            put("token", AttributeValue::B(Blob::new(token.to_bytes().to_vec())));
+            put(STATE, AttributeValue::S(COMPLETED.into()));
+            put(TOKEN, token_value(*token));
             if outcome.len() > CHUNK {
-                chunks = outcome.as_bytes().chunks(CHUNK).map(<[u8]>::to_vec).collect();
+                chunks = split(outcome);
                 put(CHUNKS, number(chunks.len() as u64));
                 put(OUTCOME_LEN, number(outcome.len() as u64));
             } else {
-                put(
-                    "outcome",
-                    AttributeValue::B(Blob::new(outcome.as_bytes().to_vec())),
-                );
+                put(OUTCOME, AttributeValue::B(Blob::new(outcome.as_bytes().to_vec())));
             }
             put("completed_ms", number_i64(completed_at.unix_millis()));
         }
@@ -800,10 +1016,10 @@ fn decode(item: &HashMap<String, AttributeValue>, chunked: Option<Vec<u8>>) -> R
     let fingerprint: [u8; 32] = blob("fingerprint")
         .and_then(|bytes| bytes.try_into().ok())
         .ok_or_else(|| corrupt("a fingerprint that is not 32 bytes"))?;
-    let token: [u8; 16] = blob("token")
+    let token: [u8; 16] = blob(TOKEN)
         .and_then(|bytes| bytes.try_into().ok())
         .ok_or_else(|| corrupt("a token that is not 16 bytes"))?;
-    let completed = text("state")? == "completed";
+    let completed = text(STATE)? == COMPLETED;
     let parts = RecordParts {
         scope: text("scope")?,
         key: text("key")?,
@@ -816,7 +1032,7 @@ fn decode(item: &HashMap<String, AttributeValue>, chunked: Option<Vec<u8>>) -> R
         lease_until: int("lease_ms")?,
         completed_at: int("completed_ms")?,
     };
-    let outcome = chunked.or_else(|| blob("outcome")).map(Outcome::new);
+    let outcome = chunked.or_else(|| blob(OUTCOME)).map(Outcome::new);
     let record = parts
         .into_record(Token::from_bytes(token), outcome)
         .map_err(StoreError::from)?;

@@ -1,11 +1,12 @@
-//! The server goes away in the middle of a run and comes back: the store answers with
+//! The server is killed in the middle of a run and started again: the store answers with
 //! retryable errors while it is away, never with a wrong claim, and once it is back no
 //! operation whose completion was recorded runs again.
 //!
 //! moto keeps its tables in memory, so a restarted moto would come back empty, which DynamoDB
-//! never does. The outage is therefore injected between the store and the server: the test
-//! kit's TCP proxy drops every open connection (requests in flight included, whether or not
-//! the server has applied them) and refuses new ones for two seconds, as a stopped server would.
+//! never does. This test runs a moto of its own with `scripts/moto-server.py --durable`, which
+//! records every request before applying it and replays the recording on start: SIGKILL cuts
+//! the requests in flight (applied or not), and the restarted server has every write it
+//! applied, as a DynamoDB node coming back would.
 
 mod common;
 
@@ -17,7 +18,6 @@ use idempotency_core::{
     BeginRequest, Claim, Fenced, Fingerprint, Key, Outcome, RecordState, Scope, Store, StoreError,
 };
 use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
-use idempotency_testkit::proxy::TcpProxy;
 
 const KEYS: usize = 120;
 const WORKERS: usize = 8;
@@ -75,42 +75,30 @@ async fn run_key(store: &DynamoDbStore, key: &str, ledger: &Mutex<Ledger>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_outage_mid_run_gives_retryable_errors_and_runs_nothing_twice_after() {
-    let run = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let table = format!("outage-{run}");
-    // Create the table directly, then talk through the proxy only.
-    let direct = common::store(&table, &idempotency_core::ManualClock::new(), Duration::ZERO).await;
-    drop(direct);
-    let server: std::net::SocketAddr = common::endpoint()
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .expect("AWS_ENDPOINT_URL is http://IP:PORT for this test");
-    let proxy = Arc::new(TcpProxy::start(server).await.unwrap());
-    let options = DynamoDbOptions::table(&table)
+async fn a_server_killed_and_restarted_mid_run_gives_retryable_errors_and_runs_nothing_twice_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut moto = common::DurableMoto::start(dir.path().join("requests.jsonl")).await;
+    let options = DynamoDbOptions::table("outage")
         .unwrap()
         .max_clock_skew(Duration::ZERO);
-    let store = Arc::new(DynamoDbStore::new(
-        common::client(&format!("http://{}", proxy.addr())),
-        options,
-    ));
+    let store = Arc::new(DynamoDbStore::new(common::client(&moto.endpoint()), options));
+    store.migrate().await.unwrap();
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("order-{i}")).collect());
 
-    // The outage starts once a quarter of the keys have run, so it lands mid-run however fast
-    // the server is.
+    // The kill comes once a quarter of the keys have run, so it lands mid-run however fast
+    // the server is; the server stays down for two seconds.
     let outage = {
-        let (proxy, ledger) = (Arc::clone(&proxy), Arc::clone(&ledger));
+        let ledger = Arc::clone(&ledger);
         tokio::spawn(async move {
             while ledger.lock().unwrap().effects.len() < KEYS / 4 {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            proxy.set_down(true);
+            moto.kill();
+            let killed_after = ledger.lock().unwrap().effects.len();
             tokio::time::sleep(Duration::from_secs(2)).await;
-            proxy.set_down(false);
+            moto.restart().await;
+            (moto, killed_after)
         })
     };
     let mut workers = Vec::new();
@@ -127,7 +115,7 @@ async fn a_server_outage_mid_run_gives_retryable_errors_and_runs_nothing_twice_a
     for worker in workers {
         worker.await.unwrap();
     }
-    outage.await.unwrap();
+    let (moto, killed_after) = outage.await.unwrap();
 
     let ledger = Arc::try_unwrap(ledger).ok().unwrap().into_inner().unwrap();
     assert!(
@@ -191,8 +179,10 @@ async fn a_server_outage_mid_run_gives_retryable_errors_and_runs_nothing_twice_a
         "a key ran again after the outage"
     );
     eprintln!(
-        "outage: {} retryable errors, {} lost completions, {before} effects for {KEYS} keys",
+        "killed after {killed_after} of {KEYS} keys: {} retryable errors, {} lost completions, \
+         {before} effects for {KEYS} keys",
         ledger.errors.len(),
         ledger.lost_completions.values().sum::<u32>()
     );
+    drop(moto);
 }
