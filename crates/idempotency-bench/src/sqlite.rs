@@ -37,6 +37,38 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
             );
         }
     }
+    run_group_commit(&runtime, window, rounds)
+}
+
+/// The store with group commit (the default `max_batch`) against the same store with one
+/// transaction per transition (`max_batch=1`), `synchronous=FULL`, alternating in one run.
+fn run_group_commit(
+    runtime: &tokio::runtime::Runtime,
+    window: Duration,
+    rounds: usize,
+) -> Result<(), String> {
+    println!(
+        "\n## SQLite group commit vs one transaction per transition (synchronous=FULL): begin→complete cycles/s\n"
+    );
+    println!("| callers | group commit | one transaction each | ratio | group min–max | one-each min–max |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for callers in [1usize, 16, 64] {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let open = |name: &str, batch: usize| {
+            runtime
+                .block_on(SqliteStore::open_with(
+                    SqliteOptions::file(dir.path().join(name)).max_batch(batch),
+                ))
+                .map_err(|e| e.to_string())
+        };
+        let grouped = open("grouped.db", idempotency_sqlite::DEFAULT_MAX_BATCH)?;
+        let single = open("single.db", 1)?;
+        let rates = alternate(rounds, 2, |variant| {
+            let store = if variant == 0 { &grouped } else { &single };
+            runtime.block_on(measure(store, callers, true, window))
+        })?;
+        println!("| {callers} | {} |", versus(&rates[0], &rates[1]));
+    }
     Ok(())
 }
 

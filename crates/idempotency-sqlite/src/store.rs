@@ -1,4 +1,5 @@
-//! The store: one connection owned by one worker thread.
+//! The store: a writer thread that owns the write connection and commits transitions in groups,
+//! and a reader thread whose connection answers what needs no write.
 
 use std::fmt;
 use std::sync::{Arc, mpsc};
@@ -16,15 +17,93 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavio
 use crate::options::{Location, SqliteOptions};
 use crate::sql;
 
-type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+/// Work for a connection's thread.
+enum Job {
+    /// A state-machine transition: it joins the next write transaction with the transitions
+    /// queued beside it (group commit).
+    Transition(Box<dyn Pending>),
+    /// Anything else, on the connection alone.
+    Alone(Box<dyn FnOnce(&mut Connection) + Send>),
+}
 
-/// The SQLite store. Clones share one connection and its worker thread.
+/// A transition waiting for its write transaction.
+trait Pending: Send {
+    /// Reads the record, decides with the machine and writes the effect, inside the open write
+    /// transaction; an error here is rolled back to the transition's own savepoint.
+    fn apply(&mut self, connection: &Connection, clock: &dyn Clock) -> Result<(), StoreError>;
+
+    /// Answers the caller once the transaction's fate is known: the decision if it committed,
+    /// the error otherwise (or the transition's own error).
+    fn answer(self: Box<Self>, committed: Result<(), StoreError>);
+}
+
+/// A transition deciding with `step` on the record of (`scope`, `key`).
+struct Step<R, F> {
+    scope: Scope,
+    key: Key,
+    step: Option<F>,
+    decided: Option<Result<R, StoreError>>,
+    reply: tokio::sync::oneshot::Sender<Result<R, StoreError>>,
+}
+
+impl<R, F> Pending for Step<R, F>
+where
+    R: Send + 'static,
+    F: FnOnce(Timestamp, Option<&Record>) -> (R, Effect) + Send + 'static,
+{
+    fn apply(&mut self, connection: &Connection, clock: &dyn Clock) -> Result<(), StoreError> {
+        let step = self.step.take().expect("a transition applies once");
+        let decided = (|| {
+            // The time is read once the write lock is held, so that transitions are ordered by
+            // the time they were decided at.
+            let now = clock.now();
+            let existing = select_record(connection, &self.scope, &self.key)?;
+            let (answer, effect) = step(now, existing.as_ref());
+            if let Effect::Put(record) = effect {
+                upsert_record(connection, &record)?;
+            }
+            Ok(answer)
+        })();
+        let result = decided.as_ref().map(drop).map_err(Clone::clone);
+        self.decided = Some(decided);
+        result
+    }
+
+    fn answer(self: Box<Self>, committed: Result<(), StoreError>) {
+        let answer = match (self.decided, committed) {
+            (Some(Err(error)), _) | (_, Err(error)) => Err(error),
+            (Some(Ok(answer)), Ok(())) => Ok(answer),
+            (None, Ok(())) => Err(StoreError::new(
+                ErrorKind::Backend,
+                "a SQLite transition was answered without being applied",
+            )),
+        };
+        let _ = self.reply.send(answer);
+    }
+}
+
+/// The SQLite store. Clones share its connections and their threads.
 ///
-/// All operations run on a dedicated thread that owns the connection: writes of one process are
-/// serialized there without lock contention, and every write is an `IMMEDIATE` transaction, so
-/// writers in *other* processes (the operations CLI, a second gateway on the same file) wait on
-/// the busy timeout instead of failing on a read-to-write upgrade. The thread ends when the last
-/// clone is dropped.
+/// **Writes** run on a dedicated thread that owns the write connection: writes of one process
+/// are serialized there without lock contention, and every write transaction is `IMMEDIATE`,
+/// so writers in *other* processes (the operations CLI, a second gateway on the same file) wait
+/// on the busy timeout instead of failing on a read-to-write upgrade.
+///
+/// **Group commit.** The thread takes every transition queued when it gets to work (up to
+/// [`SqliteOptions::max_batch`]) into one write transaction, each under a savepoint of its own,
+/// and commits once: one fsync for the group. A caller is answered only after the commit, so
+/// an answer always describes a record on disk; a transition that fails is rolled back to its
+/// savepoint and answered with its error, and its neighbours commit. If the commit itself
+/// fails, every transition of the group gets the error and nothing of it is written.
+/// `max_batch=1` gives each transition its own transaction.
+///
+/// **Reads** (`get`, `stats`, `list`, and the first look of every `begin`) run on a second
+/// connection on a thread of its own, and see what the last commit wrote: a replay, an
+/// in-flight answer or a mismatch never waits behind a group's fsync, and never writes. Only a
+/// `begin` that must claim or take over goes to the writer, which decides again inside its
+/// transaction. A private in-memory database has one connection, for both.
+///
+/// The threads end when the last clone is dropped.
 ///
 /// ```
 /// use idempotency_core::{BeginRequest, Claim, Fingerprint, Held, Key, Scope, Store};
@@ -43,7 +122,10 @@ pub struct SqliteStore {
 }
 
 struct Inner {
-    jobs: mpsc::Sender<Job>,
+    writer: mpsc::Sender<Job>,
+    /// The read connection's thread; `None` for a private in-memory database (one connection)
+    /// and for a read-only store (its one connection reads).
+    reader: Option<mpsc::Sender<Job>>,
     clock: Arc<dyn Clock>,
     location: Location,
 }
@@ -85,56 +167,29 @@ impl SqliteStore {
     ///
     /// As [`SqliteStore::open`].
     pub async fn open_with(options: SqliteOptions) -> Result<Self, StoreError> {
-        let (jobs, queue) = mpsc::channel::<Job>();
-        let (opened, opening) = tokio::sync::oneshot::channel();
         let location = options.location.clone();
         let clock = Arc::clone(&options.clock);
-        let name = match &location {
-            Location::File(_) => "idempotency-sqlite",
-            Location::Memory => "idempotency-sqlite-mem",
+        let writer = spawn_thread(&options, Role::Writer).await?;
+        // The writer has created and migrated the file: a reader can open it now.
+        let reader = match (&location, options.access) {
+            (Location::File(_), Access::Create | Access::Existing) => {
+                Some(spawn_thread(&options, Role::Reader).await?)
+            }
+            _ => None,
         };
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || {
-                let mut connection = match open_connection(&options) {
-                    Ok(connection) => {
-                        let _ = opened.send(Ok(()));
-                        connection
-                    }
-                    Err(error) => {
-                        let _ = opened.send(Err(error));
-                        return;
-                    }
-                };
-                while let Ok(job) = queue.recv() {
-                    // A panicking job (a bug, or a `with_connection` closure) must not take the
-                    // store down for every later caller: its caller sees its reply channel
-                    // closed, and the connection is returned to autocommit for the next job.
-                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut connection)));
-                    if ran.is_err() {
-                        tracing::error!("a SQLite store operation panicked; rolling back and carrying on");
-                        if !connection.is_autocommit() {
-                            let _ = connection.execute_batch("ROLLBACK");
-                        }
-                    }
-                }
-            })
-            .map_err(|e| {
-                StoreError::new(ErrorKind::Backend, "cannot start the SQLite thread").with_source(e)
-            })?;
-        opening.await.map_err(|_| stopped())??;
         tracing::debug!(?location, "SQLite store opened");
         Ok(Self {
             inner: Arc::new(Inner {
-                jobs,
+                writer,
+                reader,
                 clock,
                 location,
             }),
         })
     }
 
-    /// Runs `f` on the store's connection, on the thread that serializes all of this store's
-    /// operations, and returns its result.
+    /// Runs `f` on the store's write connection, on the thread that serializes all of this
+    /// store's writes, and returns its result.
     ///
     /// For diagnostics, maintenance queries and benchmarks that must share the store's
     /// connection. `f` must not leave a transaction open, and must not modify
@@ -148,16 +203,10 @@ impl SqliteStore {
         R: Send + 'static,
         F: FnOnce(&mut Connection) -> R + Send + 'static,
     {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        self.inner
-            .jobs
-            .send(Box::new(move |connection| {
-                let _ = reply.send(f(connection));
-            }))
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())
+        alone(&self.inner.writer, f).await
     }
 
+    /// Runs `f` on the write connection, with the store's clock.
     async fn run<R, F>(&self, f: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
@@ -168,36 +217,235 @@ impl SqliteStore {
             .await?
     }
 
-    /// Runs one state-machine transition in an `IMMEDIATE` transaction: read the record, decide
-    /// with [`machine`], write the effect, commit. The time is read after the write lock is held,
-    /// so transitions are ordered by the time they were decided at.
+    /// Runs `f` on the read connection (the write connection when there is none): it sees what
+    /// the last commit wrote, and never waits for a group's commit.
+    async fn read<R, F>(&self, f: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Connection, &dyn Clock) -> Result<R, StoreError> + Send + 'static,
+    {
+        let clock = Arc::clone(&self.inner.clock);
+        let queue = self.inner.reader.as_ref().unwrap_or(&self.inner.writer);
+        alone(queue, move |connection| f(connection, &*clock)).await?
+    }
+
+    /// One state-machine transition in the next group's write transaction: read the record,
+    /// decide with [`machine`], write the effect; answered after the commit.
     async fn transition<R, F>(&self, scope: &Scope, key: &Key, step: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
         F: FnOnce(Timestamp, Option<&Record>) -> (R, Effect) + Send + 'static,
     {
-        let (scope, key) = (scope.clone(), key.clone());
-        self.run(move |connection, clock| {
-            let tx = connection
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(|e| map_error("begin a write transaction", e))?;
-            let now = clock.now();
-            let existing = select_record(&tx, &scope, &key)?;
-            let (answer, effect) = step(now, existing.as_ref());
-            match effect {
-                Effect::None => {}
-                Effect::Put(record) => upsert_record(&tx, &record)?,
-            }
-            tx.commit().map_err(|e| map_error("commit", e))?;
-            Ok(answer)
-        })
-        .await
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let pending = Step {
+            scope: scope.clone(),
+            key: key.clone(),
+            step: Some(step),
+            decided: None,
+            reply,
+        };
+        self.inner
+            .writer
+            .send(Job::Transition(Box::new(pending)))
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
+}
+
+/// Runs `f` alone on the connection of the thread behind `queue`.
+async fn alone<R, F>(queue: &mpsc::Sender<Job>, f: F) -> Result<R, StoreError>
+where
+    R: Send + 'static,
+    F: FnOnce(&mut Connection) -> R + Send + 'static,
+{
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    queue
+        .send(Job::Alone(Box::new(move |connection| {
+            let _ = reply.send(f(connection));
+        })))
+        .map_err(|_| stopped())?;
+    answer.await.map_err(|_| stopped())
+}
+
+/// Which connection a thread owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Creates and migrates the database, and makes every write.
+    Writer,
+    /// Reads only (`PRAGMA query_only`).
+    Reader,
+}
+
+/// Starts the thread that owns a connection of `role`, once the connection is open.
+async fn spawn_thread(options: &SqliteOptions, role: Role) -> Result<mpsc::Sender<Job>, StoreError> {
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let (opened, opening) = tokio::sync::oneshot::channel();
+    let options = options.clone();
+    let name = match (role, &options.location) {
+        (Role::Reader, _) => "idempotency-sqlite-read",
+        (Role::Writer, Location::File(_)) => "idempotency-sqlite",
+        (Role::Writer, Location::Memory) => "idempotency-sqlite-mem",
+    };
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let opened_connection = match role {
+                Role::Writer => open_connection(&options),
+                Role::Reader => open_reader(&options),
+            };
+            let mut connection = match opened_connection {
+                Ok(connection) => {
+                    let _ = opened.send(Ok(()));
+                    connection
+                }
+                Err(error) => {
+                    let _ = opened.send(Err(error));
+                    return;
+                }
+            };
+            serve(&mut connection, &queue, &*options.clock, options.max_batch);
+        })
+        .map_err(|e| StoreError::new(ErrorKind::Backend, "cannot start a SQLite thread").with_source(e))?;
+    opening.await.map_err(|_| stopped())??;
+    Ok(jobs)
+}
+
+/// A connection's thread: jobs one after the other, transitions in groups.
+fn serve(connection: &mut Connection, queue: &mpsc::Receiver<Job>, clock: &dyn Clock, max_batch: usize) {
+    let mut next = queue.recv().ok();
+    while let Some(job) = next.take() {
+        match job {
+            Job::Alone(job) => {
+                // A panicking job (a bug, or a `with_connection` closure) must not take the
+                // store down for every later caller: its caller sees its reply channel closed,
+                // and the connection is returned to autocommit for the next job.
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(connection)));
+                if ran.is_err() {
+                    tracing::error!("a SQLite store operation panicked; rolling back and carrying on");
+                    if !connection.is_autocommit() {
+                        let _ = connection.execute_batch("ROLLBACK");
+                    }
+                }
+            }
+            Job::Transition(first) => {
+                // Everything queued right now joins the group; a job that must run alone waits
+                // for the group's commit.
+                let mut group = vec![first];
+                while group.len() < max_batch {
+                    match queue.try_recv() {
+                        Ok(Job::Transition(pending)) => group.push(pending),
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                commit_group(connection, group, clock);
+            }
+        }
+        if next.is_none() {
+            next = queue.recv().ok();
+        }
+    }
+}
+
+/// Applies `group` in one `IMMEDIATE` transaction, each transition under its own savepoint,
+/// commits once, and only then answers the callers.
+fn commit_group(connection: &mut Connection, group: Vec<Box<dyn Pending>>, clock: &dyn Clock) {
+    #[allow(clippy::cast_precision_loss)] // a group holds at most 1024
+    metrics::histogram!("idempotency_sqlite_group_size").record(group.len() as f64);
+    if let Err(error) = exec(connection, "BEGIN IMMEDIATE") {
+        let error = map_error("begin a write transaction", error);
+        for pending in group {
+            pending.answer(Err(error.clone()));
+        }
+        return;
+    }
+    // A transition alone needs no savepoint: the transaction is its own.
+    let isolate = group.len() > 1;
+    let mut applied: Vec<Box<dyn Pending>> = Vec::with_capacity(group.len());
+    for mut pending in group {
+        let opened = if isolate {
+            exec(connection, "SAVEPOINT transition").map_err(|e| map_error("open a savepoint", e))
+        } else {
+            Ok(())
+        };
+        let result = opened.and_then(|()| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pending.apply(connection, clock)))
+                .unwrap_or_else(|_| {
+                    tracing::error!("a SQLite transition panicked; rolling it back and carrying on");
+                    Err(StoreError::new(
+                        ErrorKind::Backend,
+                        "the SQLite transition panicked",
+                    ))
+                })
+        });
+        match result {
+            Ok(()) if !isolate => applied.push(pending),
+            Ok(()) => {
+                if let Err(error) = exec(connection, "RELEASE transition") {
+                    // The savepoint cannot be kept apart from its neighbours: give up the group.
+                    let error = map_error("release a savepoint", error);
+                    let _ = exec(connection, "ROLLBACK");
+                    pending.answer(Err(error.clone()));
+                    for done in applied {
+                        done.answer(Err(error.clone()));
+                    }
+                    return;
+                }
+                applied.push(pending);
+            }
+            Err(error) => {
+                if isolate {
+                    let _ = exec(connection, "ROLLBACK TO transition");
+                    let _ = exec(connection, "RELEASE transition");
+                } else {
+                    let _ = exec(connection, "ROLLBACK");
+                    pending.answer(Err(error));
+                    return;
+                }
+                pending.answer(Err(error));
+            }
+        }
+    }
+    let committed = exec(connection, "COMMIT").map_err(|error| {
+        let _ = exec(connection, "ROLLBACK");
+        map_error("commit", error)
+    });
+    for pending in applied {
+        pending.answer(committed.clone());
+    }
+}
+
+/// Runs a statement without parameters or rows (transaction control), prepared once per
+/// connection.
+fn exec(connection: &Connection, statement: &str) -> rusqlite::Result<()> {
+    connection.prepare_cached(statement)?.execute([]).map(drop)
 }
 
 #[async_trait]
 impl Store for SqliteStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
+        // A replay, an in-flight answer or a mismatch is decided on the read connection, without
+        // a write, a lock or a wait for a group's fsync; only a claim or a takeover goes to the
+        // writer, which decides again on the record as its transaction sees it.
+        if self.inner.reader.is_some() {
+            let read = request.clone();
+            let decided = self
+                .read(move |connection, clock| {
+                    let now = clock.now();
+                    let existing = select_record(connection, &read.scope, &read.key)?;
+                    Ok(match machine::begin(now, existing.as_ref(), &read) {
+                        (claim, Effect::None) => Some(claim),
+                        (_, Effect::Put(_)) => None,
+                    })
+                })
+                .await?;
+            if let Some(claim) = decided {
+                return Ok(claim);
+            }
+        }
         let request = request.clone();
         let (scope, key) = (request.scope.clone(), request.key.clone());
         self.transition(&scope, &key, move |now, record| {
@@ -237,7 +485,7 @@ impl Store for SqliteStore {
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
         let (scope, key) = (scope.clone(), key.clone());
-        self.run(move |connection, clock| {
+        self.read(move |connection, clock| {
             let now = clock.now();
             Ok(select_record(connection, &scope, &key)?.filter(|record| !record.is_expired(now)))
         })
@@ -253,7 +501,7 @@ impl StoreAdmin for SqliteStore {
 
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let scope = scope.cloned();
-        self.run(move |connection, clock| {
+        self.read(move |connection, clock| {
             let now = clock.now();
             let mut statement = connection
                 .prepare_cached(sql::STATS)
@@ -279,7 +527,7 @@ impl StoreAdmin for SqliteStore {
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
         let filter = filter.clone();
-        self.run(move |connection, clock| {
+        self.read(move |connection, clock| {
             let now = clock.now();
             let state = filter.state.map(|state| match state {
                 StateFilter::InFlight => 0,
@@ -397,6 +645,29 @@ fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
     if options.access == Access::Create {
         migrate(&connection)?;
     }
+    Ok(connection)
+}
+
+/// The read connection: the file the writer opened, read with `PRAGMA query_only` so that no
+/// statement on it can write.
+fn open_reader(options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let Location::File(path) = &options.location else {
+        return Err(StoreError::new(
+            ErrorKind::Backend,
+            "a private in-memory database has no second connection",
+        ));
+    };
+    let connection = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| map_error(&format!("open {} for reading", describe(&options.location)), e))?;
+    connection
+        .busy_timeout(options.busy_timeout)
+        .map_err(|e| map_error("set the busy timeout", e))?;
+    connection
+        .execute_batch("PRAGMA query_only = 1;")
+        .map_err(|e| map_error("make the read connection read-only", e))?;
     Ok(connection)
 }
 

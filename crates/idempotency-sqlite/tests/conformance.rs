@@ -1,5 +1,6 @@
 //! The SQLite store passes the conformance suite and the model-based property test: on a manual
-//! clock (every timestamp compared with the model), and on the system clock.
+//! clock (every timestamp compared with the model) with group commit, and on the system clock
+//! with one transaction per transition (`max_batch=1`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -43,6 +44,8 @@ impl Harness for SqliteHarness {
         let mut options = SqliteOptions::file(self.dir.path().join(format!("store-{n}.db")));
         if let Some(clock) = &self.clock {
             options = options.clock(Arc::new(clock.clone()));
+        } else {
+            options = options.max_batch(1);
         }
         SqliteStore::open_with(options)
             .await
