@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Token};
+use idempotency_core::{
+    Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
+};
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -69,6 +71,26 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         println!("| {callers} | {} |", versus(ours, raw));
     }
 
+    println!(
+        "\n## PostgreSQL replays: begin on a completed record vs a raw SELECT by key on the same pool (operations/s)\n"
+    );
+    println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let completed = completed_keys(&store, 64 * 16).await?;
+    for callers in [1usize, 16, 64] {
+        let rates = alternate_async(rounds, 2, |variant| {
+            let cycle = if variant == 0 {
+                Cycle::Replay
+            } else {
+                Cycle::RawSelect
+            };
+            measure_on(&store, callers, cycle, window, Arc::clone(&completed))
+        })
+        .await?;
+        let (ours, raw) = (&rates[0], &rates[1]);
+        println!("| {callers} | {} |", versus(ours, raw));
+    }
+
     println!("\n## Same-transaction cycle vs the bare business transaction (transactions/s)\n");
     println!("| callers | with the record | business only | ratio | with min–max | business min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
@@ -103,6 +125,37 @@ enum Cycle {
     RawSql,
     SameTransaction(Arc<str>),
     BusinessOnly(Arc<str>),
+    /// `begin` on a completed record: a replay.
+    Replay,
+    /// The store's `get` statement on the same record.
+    RawSelect,
+}
+
+/// `count` keys completed with an hour's retention, for the replay rows.
+async fn completed_keys(store: &PostgresStore, count: usize) -> Result<Arc<Vec<(Scope, Key)>>, String> {
+    let mut keys = Vec::with_capacity(count);
+    for i in 0..count {
+        let (scope, key) = (Scope::new("replays").map_err(|e| e.to_string())?, Key::generate());
+        let request = idempotency_core::BeginRequest::new(
+            scope.clone(),
+            key.clone(),
+            Fingerprint::of_bytes(b"payload"),
+        );
+        let idempotency_core::Claim::Acquired(held) =
+            store.begin(&request).await.map_err(|e| e.to_string())?
+        else {
+            return Err(format!("replay key {i} was not acquired"));
+        };
+        let done = store
+            .complete(&held, Outcome::new("done"), Duration::from_secs(3600))
+            .await
+            .map_err(|e| e.to_string())?;
+        if done.is_lease_lost() {
+            return Err(format!("replay key {i} lost its lease"));
+        }
+        keys.push((scope, key));
+    }
+    Ok(Arc::new(keys))
 }
 
 impl Cycle {
@@ -117,12 +170,46 @@ async fn measure(
     cycle: Cycle,
     window: Duration,
 ) -> Result<f64, String> {
+    measure_on(store, callers, cycle, window, Arc::new(Vec::new())).await
+}
+
+async fn measure_on(
+    store: &PostgresStore,
+    callers: usize,
+    cycle: Cycle,
+    window: Duration,
+    completed: Arc<Vec<(Scope, Key)>>,
+) -> Result<f64, String> {
     let store = store.clone();
     cycles_per_second(callers, window, move |caller, n| {
-        let (store, cycle) = (store.clone(), cycle.clone());
+        let (store, cycle, completed) = (store.clone(), cycle.clone(), Arc::clone(&completed));
         async move {
-            let (scope, key) = cycle_key(caller, n);
+            // New keys every cycle: a key reused after its zero retention would be an expired
+            // record, which `begin` claims with a second statement.
+            let (scope, key) = (cycle_key(caller, n).0, Key::generate());
             match &cycle {
+                Cycle::Replay => {
+                    let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
+                    let request = idempotency_core::BeginRequest::new(
+                        scope.clone(),
+                        key.clone(),
+                        Fingerprint::of_bytes(b"payload"),
+                    );
+                    match store.begin(&request).await.map_err(|e| e.to_string())? {
+                        idempotency_core::Claim::Replay(_) => Ok(()),
+                        other => Err(format!("not a replay: {other:?}")),
+                    }
+                }
+                Cycle::RawSelect => {
+                    let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
+                    sqlx::query(AssertSqlSafe(store.sql(Operation::Get).to_owned()))
+                        .bind(scope.as_str())
+                        .bind(key.as_str())
+                        .fetch_optional(store.pool())
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }
                 Cycle::Store => store_cycle(&store, scope, key).await,
                 Cycle::RawSql => raw_cycle(&store, &scope, &key).await,
                 Cycle::SameTransaction(table) => same_transaction_cycle(&store, table, &scope, &key).await,

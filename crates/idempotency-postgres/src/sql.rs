@@ -42,6 +42,7 @@ pub(crate) struct Statements {
     pub(crate) schema: String,
     pub(crate) create: Arc<str>,
     pub(crate) begin: Arc<str>,
+    pub(crate) claim: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) extend: Arc<str>,
@@ -83,14 +84,40 @@ impl Statements {
             .into(),
             // $1 scope, $2 key, $3 fingerprint, $4 token, $5 lease ms, $6 retention ms.
             //
-            // The upsert claims the record when it is absent, expired, or an in-flight attempt
+            // The first look: a new key is inserted; an existing record is returned as it is,
+            // with the server's time, and is neither locked nor written: the insert's source is
+            // empty when the record exists, so no insertion is even attempted. The client then
+            // decides a replay, an in-flight conflict, a mismatch or its own earlier claim
+            // without a write; only an expired record or a takeover needs `claim`. If a
+            // concurrent transaction committed the record after this statement's snapshot,
+            // the insert finds the conflict and neither branch returns a row: the client runs
+            // the statement again.
+            begin: format!(
+                "WITH existing AS (
+                     SELECT * FROM {t} WHERE scope = $1 AND key = $2
+                 ), claimed AS (
+                     INSERT INTO {t} AS r (scope, key, fingerprint, attempt, created_at, expires_at, token,
+                                           completed, acquired_at, lease_until, completed_at, outcome)
+                     SELECT $1::text, $2::text, $3::bytea, 1, now(), now() + GREATEST({lease}, {retention}),
+                            $4::bytea, false, now(), now() + {lease}, NULL, NULL
+                     WHERE NOT EXISTS (SELECT 1 FROM existing)
+                     ON CONFLICT (scope, key) DO NOTHING
+                     RETURNING r.*
+                 )
+                 SELECT true AS claimed, {columns}, {now} FROM claimed r
+                 UNION ALL
+                 SELECT false AS claimed, {columns}, {now} FROM existing r",
+                now = ms("now()"),
+            )
+            .into(),
+            // The same parameters. The upsert claims the record when it is absent, expired, or an in-flight attempt
             // with the same fingerprint whose lease has run out (a takeover). Otherwise it
             // changes nothing and the second branch returns the record as it is, with the
             // server's time, for the client to tell a replay, an in-flight conflict, a mismatch
             // or its own earlier claim apart. If a concurrent transaction committed the record
             // after this statement's snapshot, neither branch returns a row; the client then
             // runs the statement again.
-            begin: format!(
+            claim: format!(
                 "WITH claimed AS (
                      INSERT INTO {t} AS r (scope, key, fingerprint, attempt, created_at, expires_at, token,
                                            completed, acquired_at, lease_until, completed_at, outcome)

@@ -23,8 +23,13 @@ use crate::sql::{self, Statements};
 pub enum Operation {
     /// Creating the schema, table and indexes.
     Migrate,
-    /// `begin`: `$1` scope, `$2` key, `$3` fingerprint, `$4` token, `$5` lease ms, `$6` retention ms.
+    /// `begin`'s first look (inserts a new key; returns an existing record unlocked and
+    /// unwritten): `$1` scope, `$2` key, `$3` fingerprint, `$4` token, `$5` lease ms, `$6`
+    /// retention ms.
     Begin,
+    /// `begin`'s claim of an expired record or a takeover, under the row lock: the same
+    /// parameters as [`Operation::Begin`].
+    Claim,
     /// `complete`: `$1` scope, `$2` key, `$3` token, `$4` outcome, `$5` retention ms.
     Complete,
     /// `release`: `$1` scope, `$2` key, `$3` token, `$4` [`Token::NONE`].
@@ -47,8 +52,9 @@ const BEGIN_TRIES: u32 = 8;
 
 /// The PostgreSQL store. Clones share the pool.
 ///
-/// Every operation is one statement (one round trip) decided by the server under the row lock,
-/// with the server's `now()`; [`PostgresStore::sql`] shows each statement.
+/// Every operation is one statement (one round trip) decided by the server with its `now()`;
+/// [`PostgresStore::sql`] shows each statement. `begin` on an existing record reads it without
+/// a lock or a write; only a takeover or an expired record takes a second statement.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
@@ -212,6 +218,7 @@ impl PostgresStore {
         match operation {
             Operation::Migrate => &self.sql.create,
             Operation::Begin => &self.sql.begin,
+            Operation::Claim => &self.sql.claim,
             Operation::Complete => &self.sql.complete,
             Operation::Release => &self.sql.release,
             Operation::Extend => &self.sql.extend,
@@ -231,13 +238,19 @@ impl PostgresStore {
 }
 
 /// `begin` on one connection (a pooled one, or the caller's transaction).
+///
+/// The first statement inserts a new key, or returns the record as it is without locking or
+/// writing it: a replay, an in-flight conflict and a mismatch cost a read. Only when the model
+/// says the record must be written (it expired, or its lease ran out: a takeover) does the
+/// claiming upsert run, which decides again under the row lock.
 pub(crate) async fn begin_on(
     connection: &mut PgConnection,
     sql: &Statements,
     request: &BeginRequest,
 ) -> Result<Claim, StoreError> {
+    let mut statement = &sql.begin;
     for _ in 0..BEGIN_TRIES {
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&sql.begin)))
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(statement)))
             .bind(request.scope.as_str())
             .bind(request.key.as_str())
             .bind(&request.fingerprint.as_bytes()[..])
@@ -266,15 +279,18 @@ pub(crate) async fn begin_on(
             )));
         }
         let now = Timestamp::from_unix_millis(row.try_get(13).map_err(|e| map_error("decode begin", e))?);
-        // The server did not claim the record; the model says why (replay, in flight, mismatch,
-        // or this caller's own earlier claim). If the model would have written, the record
-        // changed between the upsert and the read, or sits on a millisecond boundary: run the
-        // statement again rather than guess.
+        // Not claimed; the model says why (replay, in flight, mismatch, or this caller's own
+        // earlier claim). If it would write, the record expired or its lease ran out: the
+        // claiming upsert decides that under the row lock. If the upsert did not claim either,
+        // the record changed in between or sits on a millisecond boundary: look again.
         let (claim, effect) = machine::begin(now, Some(&record), request);
         if effect == Effect::None {
             return Ok(claim);
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        if Arc::ptr_eq(statement, &sql.claim) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        statement = &sql.claim;
     }
     Err(StoreError::new(
         ErrorKind::Timeout,
