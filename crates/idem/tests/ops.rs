@@ -248,13 +248,13 @@ fn the_operations_guide_lists_every_metric() {
         }
         // A metric's name is a string literal `idempotency_…` or `idem_…` ending in `_total`
         // or `_seconds`, in a macro call or in a table of names a macro call reads, or any
-        // such literal a `gauge!` macro names.
+        // such literal a `gauge!` or `histogram!` macro names.
         let text = std::fs::read_to_string(&path).unwrap();
         let mut pieces = text.split('"');
         let mut before = pieces.next().unwrap_or_default();
         while let (Some(literal), Some(after)) = (pieces.next(), pieces.next()) {
             let named = literal.starts_with("idempotency_") || literal.starts_with("idem_");
-            let gauge = before.ends_with("gauge!(");
+            let gauge = before.ends_with("gauge!(") || before.ends_with("histogram!(");
             before = after;
             let metric = gauge || literal.ends_with("_total") || literal.ends_with("_seconds");
             if named && metric && literal.chars().all(|c| c.is_ascii_lowercase() || c == '_') {

@@ -101,14 +101,36 @@ pub(crate) fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>>
     response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
 }
 
+/// A request body's share of the layer's body budget. Dropping it gives the share back and takes
+/// it off the `idempotency_http_bodies_buffered_bytes` gauge, so that the gauge is the number of
+/// bytes all guarded requests hold at that moment.
+struct HeldBody(OwnedSemaphorePermit);
+
+impl HeldBody {
+    /// Adds a chunk's permit to the share, and its bytes to the gauge.
+    fn add(held: &mut Option<HeldBody>, permit: OwnedSemaphorePermit) {
+        metrics::gauge!("idempotency_http_bodies_buffered_bytes").increment(permit.num_permits() as f64);
+        match held {
+            Some(HeldBody(held)) => held.merge(permit),
+            None => *held = Some(HeldBody(permit)),
+        }
+    }
+}
+
+impl Drop for HeldBody {
+    fn drop(&mut self) {
+        metrics::gauge!("idempotency_http_bodies_buffered_bytes").decrement(self.0.num_permits() as f64);
+    }
+}
+
 /// Reads a guarded request's body: at most `max_body` bytes (`too_large` beyond), each chunk
 /// taken from the layer's body budget when it has one, so that all requests together hold at
-/// most that much; the permit returned holds the body's share until it is dropped.
+/// most that much; the share returned is held until it is dropped.
 async fn read_body<B>(
     body: B,
     config: &Config,
     too_large: Problem,
-) -> Result<(Bytes, Option<OwnedSemaphorePermit>), Problem>
+) -> Result<(Bytes, Option<HeldBody>), Problem>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -116,7 +138,7 @@ where
     let mut body = std::pin::pin!(Limited::new(body, config.max_body));
     // The chunks as they came: a body of one chunk (the usual case) is handed on uncopied.
     let mut chunks: Vec<Bytes> = Vec::new();
-    let mut held: Option<OwnedSemaphorePermit> = None;
+    let mut held: Option<HeldBody> = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
             if error.is::<LengthLimitError>() {
@@ -131,10 +153,7 @@ where
         if let Some(budget) = &config.body_budget {
             let size = u32::try_from(data.remaining()).unwrap_or(u32::MAX);
             match Arc::clone(budget).try_acquire_many_owned(size) {
-                Ok(permit) => match &mut held {
-                    Some(held) => held.merge(permit),
-                    None => held = Some(permit),
-                },
+                Ok(permit) => HeldBody::add(&mut held, permit),
                 Err(_) => {
                     metrics::counter!("idempotency_http_bodies_shed_total").increment(1);
                     tracing::warn!("request bodies held in memory are at their limit; answering 503");
