@@ -93,49 +93,6 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The gateway (`idem serve`'s router, in process) in front of the bare handler, against the
-/// handler called directly: same load generator, new keys, each store.
-pub(crate) fn run_gateway(window: Duration, rounds: usize) -> Result<(), String> {
-    let (server, load_generator) = runtimes()?;
-    let upstream = server.block_on(serve(handler_router()))?;
-    let stores = server.block_on(stores())?;
-    println!(
-        "\n## Gateway (idem serve) vs the upstream called directly (same load generator, {CALLERS} concurrent callers, keep-alive, new keys)\n"
-    );
-    println!(
-        "| store | gateway req/s | direct req/s | gateway / direct | gateway p50 / p99 (µs) | direct p50 / p99 (µs) |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|");
-    let client: HttpClient =
-        load_generator.block_on(async { Client::builder(TokioExecutor::new()).build_http() });
-    for (index, (name, store)) in stores.into_iter().enumerate() {
-        let config = idem::gateway::Config {
-            listen: upstream,
-            upstream: idem::gateway::parse_upstream(&format!("http://{upstream}"))
-                .map_err(|e| e.to_string())?,
-            store: name.to_owned(),
-            retention: Duration::from_secs(120),
-            methods: vec![http::Method::POST],
-            upstream_timeout: Duration::from_secs(30),
-            ..idem::gateway::Config::default()
-        };
-        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .build_recorder()
-            .handle();
-        let router = idem::gateway::router(&config, store, metrics).main;
-        let gateway = server.block_on(serve(router))?;
-        let rounds = Alternating {
-            load_generator: &load_generator,
-            client: &client,
-            window,
-            rounds,
-        };
-        let columns = rounds.compare((gateway, upstream), Keys::New, &format!("g{index}"))?;
-        println!("| {name} | {columns} |");
-    }
-    Ok(())
-}
-
 fn handler_router() -> Router {
     Router::new().route(
         "/charges",

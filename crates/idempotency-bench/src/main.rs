@@ -6,13 +6,15 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|gateway|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
+//! scripts/bench-gateway          # gateway: idem serve on each store vs nginx vs the upstream (wrk)
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 mod aws;
 mod boxes;
 mod consumers;
+mod gateway;
 mod http;
 mod kafka;
 mod measure;
@@ -42,6 +44,22 @@ struct Settings {
     /// Alternating rounds per figure (the median is reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
     rounds: u16,
+    /// `gateway`, `gateway-memory`: wrk's connections.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    connections: u16,
+    /// `gateway`: the stores to put the gateway on, in order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "memory,redis,sqlite,sqlite-single,postgres"
+    )]
+    stores: Vec<String>,
+    /// `gateway-memory`: how many requests to send.
+    #[arg(long, default_value_t = 200_000)]
+    requests: u64,
+    /// `upstream`: where the upstream listens.
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    listen: String,
 }
 
 /// One figure of the report.
@@ -52,7 +70,13 @@ enum Target {
     Postgres,
     Redis,
     Http,
+    /// `idem serve` on each store vs nginx vs the upstream, each a process, loaded by wrk
+    /// (needs nginx and wrk: `scripts/bench-gateway`).
     Gateway,
+    /// The gateway's resident memory on SQLite under new-key requests with 1 KiB bodies.
+    GatewayMemory,
+    /// The fast upstream the gateway benchmark starts (runs until killed).
+    Upstream,
     Consumers,
     Kafka,
     Inbox,
@@ -77,12 +101,27 @@ fn main() -> ExitCode {
     let every = Target::value_variants()
         .iter()
         .copied()
-        .filter(|t| *t != Target::All);
+        // The gateway figures need nginx and wrk and run for minutes: `scripts/bench-gateway`.
+        .filter(|t| {
+            !matches!(
+                t,
+                Target::All | Target::Gateway | Target::GatewayMemory | Target::Upstream
+            )
+        });
     let targets: Vec<Target> = if settings.targets.is_empty() || settings.targets.contains(&Target::All) {
         every.collect()
     } else {
         settings.targets.clone()
     };
+    if targets.contains(&Target::Upstream) {
+        return match gateway::run_upstream(&settings.listen) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("idem-bench: upstream: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     println!(
         "# idem-bench: {} s per measurement, {} alternating rounds, median reported; {} CPUs",
         settings.seconds,
@@ -96,7 +135,16 @@ fn main() -> ExitCode {
             Target::Postgres => postgres::run(window, rounds),
             Target::Redis => redis::run(window, rounds),
             Target::Http => http::run(window, rounds),
-            Target::Gateway => http::run_gateway(window, rounds),
+            Target::Gateway => gateway::run(
+                window,
+                rounds,
+                usize::from(settings.connections),
+                &settings.stores,
+            ),
+            Target::GatewayMemory => {
+                gateway::run_memory(usize::from(settings.connections), settings.requests)
+            }
+            Target::Upstream => Ok(()),
             Target::Consumers | Target::All => consumers::run(window, rounds),
             Target::Kafka => kafka::run(rounds),
             Target::Inbox => boxes::run_inbox(rounds),

@@ -1,0 +1,606 @@
+//! The gateway side by side with a plain proxy: `idem serve` on each store, nginx with
+//! `proxy_pass` to a keepalive upstream pool, and the upstream called directly, each a process
+//! of its own, loaded by `wrk` in alternating rounds (`scripts/bench-gateway` installs nginx and
+//! wrk and builds the binaries first).
+//!
+//! - **The upstream** is `idem-bench upstream`: an axum server answering every request with
+//!   `201` and a small JSON body, as fast as a handler can be.
+//! - **New keys**: every request a `POST` with a fresh `Idempotency-Key` (a wrk Lua script);
+//!   **replays**: every request the same key (the first runs, the rest replay). nginx and the
+//!   direct calls get the same requests and do no idempotency at all.
+//! - **Memory**: `gateway-memory` sends 200,000 new-key requests with 1 KiB bodies through the
+//!   gateway on SQLite and samples its resident memory (`/proc/PID/status`) as they go.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::measure::{Samples, median, per_second};
+
+/// What `wrk` reported for one run.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    requests_per_second: f64,
+    /// The 99th percentile latency, in milliseconds.
+    p99_ms: f64,
+    /// Non-2xx/3xx responses and socket errors together.
+    errors: u64,
+}
+
+/// A process the bench started; killed when dropped.
+struct Process {
+    name: String,
+    child: Child,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Process {
+    fn spawn(name: &str, command: &mut Command) -> Result<Self, String> {
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start {name}: {e}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+        })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits until `port` accepts connections; fails with the process's stderr if it exits.
+    fn wait_for(&mut self, port: u16) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
+                let mut stderr = String::new();
+                if let Some(mut pipe) = self.child.stderr.take() {
+                    let _ = pipe.read_to_string(&mut stderr);
+                }
+                return Err(format!("{} exited ({status}): {stderr}", self.name));
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} did not listen on port {port} within a minute",
+                    self.name
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .map_err(|e| e.to_string())
+}
+
+/// `idem-bench upstream --listen ADDR`: the fast upstream, until killed.
+pub(crate) fn run_upstream(listen: &str) -> Result<(), String> {
+    let runtime = crate::measure::runtime()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("upstream: bind {listen}: {e}"))?;
+        let app = axum::Router::new().fallback(|| async {
+            (
+                http::StatusCode::CREATED,
+                [(http::header::CONTENT_TYPE, "application/json")],
+                r#"{"id":"ch_1","status":"succeeded"}"#,
+            )
+        });
+        axum::serve(listener, app).await.map_err(|e| e.to_string())
+    })
+}
+
+/// The binaries next to this one (`target/release/idem`).
+fn sibling(name: &str) -> Result<PathBuf, String> {
+    let path = std::env::current_exe()
+        .map_err(|e| e.to_string())?
+        .with_file_name(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "{} is missing: build it first (scripts/bench-gateway does: cargo build --release -p idem -p idempotency-bench)",
+            path.display()
+        ))
+    }
+}
+
+fn require(tool: &str, package: &str) -> Result<(), String> {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if found {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{tool}` is not installed (Debian package {package}; scripts/bench-gateway installs it)"
+        ))
+    }
+}
+
+/// nginx with `proxy_pass` to a keepalive pool of connections to the upstream: the cost of a
+/// proxy hop with no idempotency at all.
+fn start_nginx(dir: &Path, port: u16, upstream: u16) -> Result<Process, String> {
+    let conf = dir.join("nginx.conf");
+    let prefix = dir.display();
+    std::fs::write(
+        &conf,
+        format!(
+            "daemon off;
+worker_processes auto;
+pid {prefix}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream app {{ server 127.0.0.1:{upstream}; keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+        }}
+    }}
+}}
+"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut nginx = Process::spawn(
+        "nginx",
+        Command::new("nginx").args([
+            "-p",
+            &dir.display().to_string(),
+            "-c",
+            &conf.display().to_string(),
+        ]),
+    )?;
+    nginx.wait_for(port)?;
+    Ok(nginx)
+}
+
+/// One thing to put load on.
+struct Target {
+    name: String,
+    port: u16,
+    _process: Option<Process>,
+}
+
+/// `idem serve` on `store`, in front of the upstream.
+fn start_gateway(idem: &Path, name: &str, store: &str, upstream: u16) -> Result<Target, String> {
+    let port = free_port()?;
+    let mut process = Process::spawn(
+        name,
+        Command::new(idem)
+            .args([
+                "serve",
+                "--upstream",
+                &format!("http://127.0.0.1:{upstream}"),
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--store",
+                store,
+                "--retention",
+                "10m",
+                "--purge-every",
+                "off",
+                "--max-connections",
+                "4096",
+            ])
+            .env("RUST_LOG", "error"),
+    )?;
+    process.wait_for(port)?;
+    Ok(Target {
+        name: name.to_owned(),
+        port,
+        _process: Some(process),
+    })
+}
+
+/// The wrk scripts: a fresh key per request, or one key for every request.
+fn scripts(dir: &Path, body_bytes: usize) -> Result<(PathBuf, PathBuf), String> {
+    let body = format!(
+        "{{\"amount\":1000,\"note\":\"{}\"}}",
+        "x".repeat(body_bytes.saturating_sub(27))
+    );
+    let common = format!(
+        "local body = '{body}'
+local headers = {{ [\"Content-Type\"] = \"application/json\" }}
+"
+    );
+    let new_keys = dir.join("new-keys.lua");
+    std::fs::write(
+        &new_keys,
+        format!(
+            "{common}
+local counter = 0
+function setup(thread)
+  thread:set(\"prefix\", (os.getenv(\"RUN\") or \"run\") .. \"-\" .. tostring(math.random(1, 1000000000)))
+end
+request = function()
+  counter = counter + 1
+  headers[\"Idempotency-Key\"] = prefix .. \"-\" .. counter
+  return wrk.format(\"POST\", \"/payments\", headers, body)
+end
+"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let replays = dir.join("replays.lua");
+    std::fs::write(
+        &replays,
+        format!(
+            "{common}
+headers[\"Idempotency-Key\"] = (os.getenv(\"RUN\") or \"run\") .. \"-replayed\"
+request = function()
+  return wrk.format(\"POST\", \"/payments\", headers, body)
+end
+"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((new_keys, replays))
+}
+
+/// `wrk -t2 -c CONNECTIONS -d SECONDS --latency -s SCRIPT`, parsed.
+fn wrk(port: u16, script: &Path, connections: usize, window: Duration, run: &str) -> Result<Run, String> {
+    let output = Command::new("wrk")
+        .args([
+            "-t2",
+            &format!("-c{connections}"),
+            &format!("-d{}s", window.as_secs().max(1)),
+            "--latency",
+            "-s",
+            &script.display().to_string(),
+            &format!("http://127.0.0.1:{port}/payments"),
+        ])
+        .env("RUN", run)
+        .output()
+        .map_err(|e| format!("wrk: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    parse_wrk(&text).ok_or_else(|| format!("cannot read wrk's output:\n{text}"))
+}
+
+fn parse_wrk(text: &str) -> Option<Run> {
+    let requests_per_second = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Requests/sec:"))?
+        .trim()
+        .parse()
+        .ok()?;
+    let p99 = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("99%"))?
+        .trim();
+    let p99_ms = if let Some(us) = p99.strip_suffix("us") {
+        us.parse::<f64>().ok()? / 1000.0
+    } else if let Some(ms) = p99.strip_suffix("ms") {
+        ms.parse().ok()?
+    } else if let Some(s) = p99.strip_suffix('s') {
+        s.parse::<f64>().ok()? * 1000.0
+    } else {
+        return None;
+    };
+    let count = |label: &str| -> u64 {
+        text.lines()
+            .find_map(|line| line.trim().strip_prefix(label))
+            .and_then(|rest| rest.trim().split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let socket_errors: u64 = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Socket errors:"))
+        .map_or(0, |rest| {
+            rest.split(',')
+                .filter_map(|part| part.split_whitespace().last()?.parse::<u64>().ok())
+                .sum()
+        });
+    Some(Run {
+        requests_per_second,
+        p99_ms,
+        errors: count("Non-2xx or 3xx responses:") + socket_errors,
+    })
+}
+
+/// The variants, from the environment's servers: every store the gateway can use here.
+fn targets(
+    idem: &Path,
+    dir: &Path,
+    upstream: u16,
+    nginx: u16,
+    stores: &[String],
+) -> Result<Vec<Target>, String> {
+    let mut targets = vec![
+        Target {
+            name: "upstream called directly".into(),
+            port: upstream,
+            _process: None,
+        },
+        Target {
+            name: "nginx proxy_pass (keepalive pool, no idempotency)".into(),
+            port: nginx,
+            _process: None,
+        },
+    ];
+    let database =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    for store in stores {
+        let (name, url) = match store.as_str() {
+            "memory" => ("idem serve, memory", "memory://".to_owned()),
+            "sqlite" => (
+                "idem serve, SQLite (group commit)",
+                format!("sqlite://{}", dir.join("grouped.db").display()),
+            ),
+            "sqlite-single" => (
+                "idem serve, SQLite (max_batch=1)",
+                format!("sqlite://{}?max_batch=1", dir.join("single.db").display()),
+            ),
+            "redis" => ("idem serve, Redis", redis.clone()),
+            "postgres" => ("idem serve, PostgreSQL", database.clone()),
+            other => {
+                return Err(format!(
+                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, postgres)"
+                ));
+            }
+        };
+        targets.push(start_gateway(idem, name, &url, upstream)?);
+    }
+    Ok(targets)
+}
+
+/// Every variant, new keys and replays, `rounds` alternating rounds of `window` each.
+pub(crate) fn run(
+    window: Duration,
+    rounds: usize,
+    connections: usize,
+    stores: &[String],
+) -> Result<(), String> {
+    require("wrk", "wrk")?;
+    require("nginx", "nginx-light")?;
+    let idem = sibling("idem")?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let upstream_port = free_port()?;
+    let mut upstream = Process::spawn(
+        "upstream",
+        Command::new(std::env::current_exe().map_err(|e| e.to_string())?).args([
+            "upstream",
+            "--listen",
+            &format!("127.0.0.1:{upstream_port}"),
+        ]),
+    )?;
+    upstream.wait_for(upstream_port)?;
+    let nginx_port = free_port()?;
+    let _nginx = start_nginx(dir.path(), nginx_port, upstream_port)?;
+    let targets = targets(&idem, dir.path(), upstream_port, nginx_port, stores)?;
+    let (new_keys, replays) = scripts(dir.path(), 64)?;
+    let run_id = format!("{}", std::process::id());
+
+    // Warm up every target once (connections, caches, the replayed key's first run).
+    for target in &targets {
+        wrk(
+            target.port,
+            &new_keys,
+            connections,
+            Duration::from_secs(1),
+            &format!("{run_id}-warm"),
+        )?;
+        wrk(
+            target.port,
+            &replays,
+            connections,
+            Duration::from_secs(1),
+            &run_id,
+        )?;
+    }
+    let mut new_runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
+    let mut replay_runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
+    for round in 0..rounds {
+        // Alternate the order, so that no variant always follows the same one.
+        let mut order: Vec<usize> = (0..targets.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for &i in &order {
+            let run = wrk(
+                targets[i].port,
+                &new_keys,
+                connections,
+                window,
+                &format!("{run_id}-{round}"),
+            )?;
+            new_runs[i].push(run);
+            let run = wrk(targets[i].port, &replays, connections, window, &run_id)?;
+            replay_runs[i].push(run);
+        }
+    }
+
+    let rate = |runs: &[Run]| Samples::of(runs.iter().map(|r| r.requests_per_second).collect());
+    let p99 = |runs: &[Run]| median(&mut runs.iter().map(|r| r.p99_ms).collect::<Vec<_>>());
+    let nginx_new = rate(&new_runs[1]).median;
+    let nginx_replay = rate(&replay_runs[1]).median;
+    println!(
+        "\n## Gateway vs nginx vs the upstream: wrk -t2 -c{connections}, {} s a run, {rounds} alternating rounds, medians\n",
+        window.as_secs()
+    );
+    println!(
+        "| variant | new keys req/s | / nginx | replays req/s | / nginx | new-key p99 | replay p99 | new-key min–max | errors |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (i, target) in targets.iter().enumerate() {
+        let (new, replay) = (rate(&new_runs[i]), rate(&replay_runs[i]));
+        let errors: u64 = new_runs[i].iter().chain(&replay_runs[i]).map(|r| r.errors).sum();
+        println!(
+            "| {} | {} | {:.2} | {} | {:.2} | {:.1} ms | {:.1} ms | {} | {errors} |",
+            target.name,
+            per_second(new.median),
+            new.median / nginx_new,
+            per_second(replay.median),
+            replay.median / nginx_replay,
+            p99(&new_runs[i]),
+            p99(&replay_runs[i]),
+            new.spread(),
+        );
+    }
+    drop(targets);
+    Ok(())
+}
+
+/// The gateway on SQLite under 200,000 new-key requests with 1 KiB bodies: its resident
+/// memory, sampled every second.
+pub(crate) fn run_memory(connections: usize, requests: u64) -> Result<(), String> {
+    require("wrk", "wrk")?;
+    let idem = sibling("idem")?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let upstream_port = free_port()?;
+    let mut upstream = Process::spawn(
+        "upstream",
+        Command::new(std::env::current_exe().map_err(|e| e.to_string())?).args([
+            "upstream",
+            "--listen",
+            &format!("127.0.0.1:{upstream_port}"),
+        ]),
+    )?;
+    upstream.wait_for(upstream_port)?;
+    let gateway = start_gateway(
+        &idem,
+        "idem serve, SQLite",
+        &format!("sqlite://{}", dir.path().join("memory.db").display()),
+        upstream_port,
+    )?;
+    let pid = gateway._process.as_ref().map_or(0, Process::pid);
+    let (new_keys, _) = scripts(dir.path(), 1024)?;
+    let rss = || -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let served = || -> Result<u64, String> {
+        // The gateway's own count of answered requests, from its metrics.
+        let body = ureq_get(gateway.port, "/_idem/metrics")?;
+        Ok(body
+            .lines()
+            .filter(|line| line.starts_with("idempotency_acquired_total"))
+            .filter_map(|line| line.split_whitespace().last()?.parse::<u64>().ok())
+            .sum())
+    };
+    println!(
+        "\n## Gateway memory on SQLite: {requests} new-key requests with 1 KiB bodies, wrk -t2 -c{connections}\n"
+    );
+    println!("| seconds | requests answered | resident memory (MiB) |");
+    println!("|---:|---:|---:|");
+    let start_rss = rss().unwrap_or(0);
+    println!("| 0 | 0 | {:.1} |", start_rss as f64 / 1024.0);
+    let port = gateway.port;
+    let script = new_keys;
+    let load = std::thread::spawn(move || {
+        // Long enough for the requests; stopped below once they are served.
+        Command::new("wrk")
+            .args([
+                "-t2",
+                &format!("-c{connections}"),
+                "-d600s",
+                "-s",
+                &script.display().to_string(),
+                &format!("http://127.0.0.1:{port}/payments"),
+            ])
+            .env("RUN", format!("memory-{}", std::process::id()))
+            .stdout(Stdio::null())
+            .spawn()
+    });
+    let mut wrk_child = load
+        .join()
+        .map_err(|_| "wrk thread panicked".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let answered = served()?;
+        let memory = rss().unwrap_or(0);
+        samples.push((started.elapsed().as_secs(), answered, memory));
+        if answered >= requests || started.elapsed() > Duration::from_secs(600) {
+            break;
+        }
+    }
+    let _ = wrk_child.kill();
+    let _ = wrk_child.wait();
+    // Every 5 s, and the last sample.
+    for (i, (seconds, answered, memory)) in samples.iter().enumerate() {
+        if i % 5 == 4 || i == samples.len() - 1 {
+            println!("| {seconds} | {answered} | {:.1} |", *memory as f64 / 1024.0);
+        }
+    }
+    Ok(())
+}
+
+/// A plain HTTP/1.0 GET on loopback, for the gateway's metrics.
+fn ureq_get(port: u16, path: &str) -> Result<String, String> {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).map_err(|e| e.to_string())?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_wrk_reports() {
+        let report = "Running 6s test @ http://127.0.0.1:8080/payments
+  2 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   812.15us  401.33us  12.01ms   88.41%
+    Req/Sec    19.71k     1.12k   22.03k    70.00%
+  Latency Distribution
+     50%  732.00us
+     75%    0.94ms
+     90%    1.21ms
+     99%    2.64ms
+  235277 requests in 6.00s, 36.35MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 7
+Requests/sec:  39201.07
+Transfer/sec:      6.06MB
+";
+        let run = parse_wrk(report).unwrap();
+        assert!((run.requests_per_second - 39201.07).abs() < 0.01);
+        assert!((run.p99_ms - 2.64).abs() < 1e-9);
+        assert_eq!(run.errors, 10);
+        assert!(parse_wrk("garbage").is_none());
+    }
+}
