@@ -155,6 +155,22 @@ fn secrets(url: &str) -> Vec<(std::ops::Range<usize>, Vec<String>)> {
         .collect()
 }
 
+/// `secret` with every ASCII letter and digit replaced by `Z` or `0`, the rest kept; all `Z`s
+/// when it has neither, so that a mask always differs from the secret.
+fn mask(secret: &str) -> String {
+    if !secret.chars().any(|c| c.is_ascii_alphanumeric()) {
+        return "Z".repeat(secret.len());
+    }
+    secret
+        .chars()
+        .map(|c| match c {
+            c if c.is_ascii_digit() => '0',
+            c if c.is_ascii_alphabetic() => 'Z',
+            c => c,
+        })
+        .collect()
+}
+
 /// A store URL, as an operator types it (`--store`, `IDEM_STORE`): every store's parser, without
 /// connecting anywhere.
 ///
@@ -175,9 +191,11 @@ pub fn store_url(data: &[u8]) {
     for (range, forms) in secrets(url) {
         for form in forms.iter().filter(|form| message.contains(form.as_str())) {
             // The secret masked where it is, and only there: the same text elsewhere in the URL
-            // (not a secret's place) may well be shown.
+            // (not a secret's place) may well be shown. Only its letters and digits are masked:
+            // its punctuation may be the URL's structure to a parser (a `,` between the nodes
+            // of a `redis-cluster://` URL), and masking it would make another error.
             let mut masked = url.to_owned();
-            masked.replace_range(range.clone(), &"Z".repeat(range.len()));
+            masked.replace_range(range.clone(), &mask(&url[range.clone()]));
             let masked_message = registry
                 .check(&masked)
                 .err()
