@@ -1,8 +1,16 @@
 //! The PostgreSQL idempotency store.
 //!
-//! * **One round trip per operation.** `begin`, `complete`, `release` and `extend` are each a
-//!   single statement (an upsert or a conditional update in a CTE), decided by the server under
-//!   the row lock: there is no read-then-write window between client and server.
+//! * **No read-then-write window.** `complete`, `release` and `extend` are each a single
+//!   statement (a conditional update in a CTE), decided by the server under the row lock.
+//!   `begin` first reads the record with a plain `SELECT`: a replay, an in-flight conflict and a
+//!   mismatch are answered from that read alone, with no lock and no write. Every write is one
+//!   conditional statement that decides again on what it finds: the insert of a new key (which
+//!   returns a record a concurrent caller committed first) and the claim of an expired record or
+//!   a takeover (under the row lock).
+//! * **No ping before each statement.** The pool hands out connections without checking them
+//!   first (a round trip per statement). A connection the server closed (a restart) fails its
+//!   next statement with a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) and
+//!   is replaced.
 //! * **Server time.** Leases and retention use the server's `now()`, so application instances
 //!   with skewed clocks agree.
 //! * **Operators' view.** Times are `timestamptz`, keys and scopes readable `text`; indexes on

@@ -41,6 +41,7 @@ pub(crate) struct Statements {
     pub(crate) table: String,
     pub(crate) schema: String,
     pub(crate) create: Arc<str>,
+    pub(crate) peek: Arc<str>,
     pub(crate) begin: Arc<str>,
     pub(crate) claim: Arc<str>,
     pub(crate) complete: Arc<str>,
@@ -82,9 +83,19 @@ impl Statements {
                 comment = version_comment(SCHEMA_VERSION),
             )
             .into(),
+            // $1 scope, $2 key.
+            //
+            // `begin`'s first look: the record as it is, expired or not, with the server's time.
+            // A plain read, which takes no row lock and plans no insertion: a replay, an
+            // in-flight conflict and a mismatch are answered from it alone.
+            peek: format!(
+                "SELECT {columns}, {now} FROM {t} r WHERE r.scope = $1 AND r.key = $2",
+                now = ms("now()"),
+            )
+            .into(),
             // $1 scope, $2 key, $3 fingerprint, $4 token, $5 lease ms, $6 retention ms.
             //
-            // The first look: a new key is inserted; an existing record is returned as it is,
+            // When the first look found nothing: a new key is inserted; an existing record is returned as it is,
             // with the server's time, and is neither locked nor written: the insert's source is
             // empty when the record exists, so no insertion is even attempted. The client then
             // decides a replay, an in-flight conflict, a mismatch or its own earlier claim

@@ -23,9 +23,12 @@ use crate::sql::{self, Statements};
 pub enum Operation {
     /// Creating the schema, table and indexes.
     Migrate,
-    /// `begin`'s first look (inserts a new key; returns an existing record unlocked and
-    /// unwritten): `$1` scope, `$2` key, `$3` fingerprint, `$4` token, `$5` lease ms, `$6`
-    /// retention ms.
+    /// `begin`'s first look, a plain read of the record with the server's time: `$1` scope,
+    /// `$2` key. A replay, an in-flight conflict and a mismatch are answered from it.
+    Peek,
+    /// `begin` when the first look found nothing (inserts the new key; returns a record a
+    /// concurrent caller committed meanwhile, unlocked and unwritten): `$1` scope, `$2` key,
+    /// `$3` fingerprint, `$4` token, `$5` lease ms, `$6` retention ms.
     Begin,
     /// `begin`'s claim of an expired record or a takeover, under the row lock: the same
     /// parameters as [`Operation::Begin`].
@@ -94,6 +97,10 @@ impl PostgresStore {
             connect = connect.options([("default_transaction_read_only", "on")]);
         }
         let pool = PgPoolOptions::new()
+            // No ping before each statement: it doubled the round trips of a replay. A
+            // connection the server closed fails its next statement with a retryable error
+            // and is dropped from the pool (tests/connection_loss.rs).
+            .test_before_acquire(false)
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
             .connect_with(connect)
@@ -217,6 +224,7 @@ impl PostgresStore {
     pub fn sql(&self, operation: Operation) -> &str {
         match operation {
             Operation::Migrate => &self.sql.create,
+            Operation::Peek => &self.sql.peek,
             Operation::Begin => &self.sql.begin,
             Operation::Claim => &self.sql.claim,
             Operation::Complete => &self.sql.complete,
@@ -239,16 +247,34 @@ impl PostgresStore {
 
 /// `begin` on one connection (a pooled one, or the caller's transaction).
 ///
-/// The first statement inserts a new key, or returns the record as it is without locking or
-/// writing it: a replay, an in-flight conflict and a mismatch cost a read. Only when the model
-/// says the record must be written (it expired, or its lease ran out: a takeover) does the
-/// claiming upsert run, which decides again under the row lock.
+/// The first statement is a plain read of the record: a replay, an in-flight conflict and a
+/// mismatch cost that read and nothing else (no row lock, no insertion planned, no write). When
+/// there is no record, the next statement inserts the new key, or returns the record a
+/// concurrent caller committed in between, again without locking or writing it. Only when the
+/// model says the record must be written (it expired, or its lease ran out: a takeover) does
+/// the claiming upsert run, which decides again under the row lock.
 pub(crate) async fn begin_on(
     connection: &mut PgConnection,
     sql: &Statements,
     request: &BeginRequest,
 ) -> Result<Claim, StoreError> {
+    let peeked = sqlx::query(AssertSqlSafe(Arc::clone(&sql.peek)))
+        .bind(request.scope.as_str())
+        .bind(request.key.as_str())
+        .fetch_optional(&mut *connection)
+        .await
+        .map_err(|e| map_error("begin", e))?;
     let mut statement = &sql.begin;
+    if let Some(row) = peeked {
+        let record = decode_record(&row, 0)?;
+        let now = Timestamp::from_unix_millis(row.try_get(12).map_err(|e| map_error("decode begin", e))?);
+        let (claim, effect) = machine::begin(now, Some(&record), request);
+        if effect == Effect::None {
+            return Ok(claim);
+        }
+        // Expired, or a lease that ran out: only the claiming upsert may write it.
+        statement = &sql.claim;
+    }
     for _ in 0..BEGIN_TRIES {
         let row = sqlx::query(AssertSqlSafe(Arc::clone(statement)))
             .bind(request.scope.as_str())
