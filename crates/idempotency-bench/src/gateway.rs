@@ -188,7 +188,22 @@ http {{
 struct Target {
     name: String,
     port: u16,
-    _process: Option<Process>,
+    process: Option<Process>,
+}
+
+/// The upstream (`idem-bench upstream`, this program) on a free port, once it listens.
+fn start_upstream() -> Result<(Process, u16), String> {
+    let port = free_port()?;
+    let mut upstream = Process::spawn(
+        "upstream",
+        Command::new(std::env::current_exe().map_err(|e| e.to_string())?).args([
+            "upstream",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ]),
+    )?;
+    upstream.wait_for(port)?;
+    Ok((upstream, port))
 }
 
 /// `idem serve` on `store`, in front of the upstream.
@@ -218,7 +233,7 @@ fn start_gateway(idem: &Path, name: &str, store: &str, upstream: u16) -> Result<
     Ok(Target {
         name: name.to_owned(),
         port,
-        _process: Some(process),
+        process: Some(process),
     })
 }
 
@@ -340,12 +355,12 @@ fn targets(
         Target {
             name: "upstream called directly".into(),
             port: upstream,
-            _process: None,
+            process: None,
         },
         Target {
             name: "nginx proxy_pass (keepalive pool, no idempotency)".into(),
             port: nginx,
-            _process: None,
+            process: None,
         },
     ];
     let database =
@@ -386,16 +401,7 @@ pub(crate) fn run(
     require("nginx", "nginx-light")?;
     let idem = sibling("idem")?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let upstream_port = free_port()?;
-    let mut upstream = Process::spawn(
-        "upstream",
-        Command::new(std::env::current_exe().map_err(|e| e.to_string())?).args([
-            "upstream",
-            "--listen",
-            &format!("127.0.0.1:{upstream_port}"),
-        ]),
-    )?;
-    upstream.wait_for(upstream_port)?;
+    let (_upstream, upstream_port) = start_upstream()?;
     let nginx_port = free_port()?;
     let _nginx = start_nginx(dir.path(), nginx_port, upstream_port)?;
     let targets = targets(&idem, dir.path(), upstream_port, nginx_port, stores)?;
@@ -478,23 +484,14 @@ pub(crate) fn run_memory(connections: usize, requests: u64) -> Result<(), String
     require("wrk", "wrk")?;
     let idem = sibling("idem")?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let upstream_port = free_port()?;
-    let mut upstream = Process::spawn(
-        "upstream",
-        Command::new(std::env::current_exe().map_err(|e| e.to_string())?).args([
-            "upstream",
-            "--listen",
-            &format!("127.0.0.1:{upstream_port}"),
-        ]),
-    )?;
-    upstream.wait_for(upstream_port)?;
+    let (_upstream, upstream_port) = start_upstream()?;
     let gateway = start_gateway(
         &idem,
         "idem serve, SQLite",
         &format!("sqlite://{}", dir.path().join("memory.db").display()),
         upstream_port,
     )?;
-    let pid = gateway._process.as_ref().map_or(0, Process::pid);
+    let pid = gateway.process.as_ref().map_or(0, Process::pid);
     let (new_keys, _) = scripts(dir.path(), 1024)?;
     let rss = || -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
