@@ -249,8 +249,17 @@ pub fn is_scheme(text: &str) -> bool {
 
 /// Whether a query parameter of a store URL carries a credential: any name holding one of these
 /// words, in any case (`password`, `sslpassword`, `pass`, `aws_secret_access_key`, `sslkey`,
-/// `auth_token`, ...).
-fn is_credential(name: &str) -> bool {
+/// `auth_token`, ...). [`redact_url`] masks the values of these parameters.
+///
+/// ```
+/// use idempotency_core::is_credential;
+///
+/// assert!(is_credential("sslPassword"));
+/// assert!(is_credential("aws_secret_access_key"));
+/// assert!(!is_credential("sslmode"));
+/// ```
+#[must_use]
+pub fn is_credential(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     [
         "pass",

@@ -18,7 +18,7 @@
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue};
 use idempotency_consumer::{Delivery, KeySource, dead_letter_headers};
-use idempotency_core::{Fingerprint, JsonPointer, Key};
+use idempotency_core::{Fingerprint, JsonPointer, Key, is_credential, is_scheme};
 use idempotency_http::{IDEMPOTENCY_KEY, StoredOutcome, key_from_headers};
 
 /// A target's body: the fuzzer's bytes in, a panic when a property breaks.
@@ -93,14 +93,7 @@ fn secrets(url: &str) -> Vec<(std::ops::Range<usize>, Vec<String>)> {
     // Where a part of `url` starts in it.
     let offset = |part: &str| part.as_ptr() as usize - url.as_ptr() as usize;
     let after_scheme = match url.split_once(':') {
-        Some((scheme, rest))
-            if scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-                && scheme
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')) =>
-        {
-            rest
-        }
+        Some((scheme, rest)) if is_scheme(scheme) => rest,
         _ => url,
     };
     let (authority, path_onwards) = match after_scheme.strip_prefix("//") {
@@ -117,23 +110,12 @@ fn secrets(url: &str) -> Vec<(std::ops::Range<usize>, Vec<String>)> {
     let query = query.map(|query| query.split_once('#').map_or(query, |(query, _)| query));
     if let Some(query) = query {
         for pair in query.split('&') {
-            if let Some((name, value)) = pair.split_once('=') {
-                let name = name.to_ascii_lowercase();
-                let credential = [
-                    "pass",
-                    "pwd",
-                    "secret",
-                    "token",
-                    "key",
-                    "auth",
-                    "credential",
-                    "signature",
-                ]
-                .iter()
-                .any(|word| name.contains(word));
-                if credential {
-                    found.push(offset(value)..offset(value) + value.len());
-                }
+            // Which names are credentials is the product's rule, shared; where the query and
+            // its values are is read here on its own.
+            if let Some((name, value)) = pair.split_once('=')
+                && is_credential(name)
+            {
+                found.push(offset(value)..offset(value) + value.len());
             }
         }
     }
