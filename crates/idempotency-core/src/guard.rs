@@ -257,12 +257,42 @@ struct HotMetrics {
     replayed: metrics::Counter,
     in_flight: metrics::Counter,
     mismatch: metrics::Counter,
-    /// `idempotency_store_duration_seconds` for [`TIMED_OPS`], in that order.
+    /// `idempotency_store_duration_seconds` for each [`Op`], indexed by it.
     durations: Vec<metrics::Histogram>,
 }
 
-/// The store operations whose latency handles [`HotMetrics`] keeps.
-const TIMED_OPS: [&str; 5] = ["begin", "complete", "release", "extend", "commit"];
+/// A store operation the guard times and counts, named by its `op` label.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Begin,
+    Complete,
+    Release,
+    Extend,
+    Commit,
+    BeginTransaction,
+}
+
+impl Op {
+    const ALL: [Op; 6] = [
+        Op::Begin,
+        Op::Complete,
+        Op::Release,
+        Op::Extend,
+        Op::Commit,
+        Op::BeginTransaction,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Op::Begin => "begin",
+            Op::Complete => "complete",
+            Op::Release => "release",
+            Op::Extend => "extend",
+            Op::Commit => "commit",
+            Op::BeginTransaction => "begin_transaction",
+        }
+    }
+}
 
 impl HotMetrics {
     fn new(guard: &'static str) -> Self {
@@ -272,9 +302,9 @@ impl HotMetrics {
             replayed: metrics::counter!("idempotency_replayed_total", "guard" => guard),
             in_flight: metrics::counter!("idempotency_in_flight_total", "guard" => guard),
             mismatch: metrics::counter!("idempotency_mismatch_total", "guard" => guard),
-            durations: TIMED_OPS
+            durations: Op::ALL
                 .iter()
-                .map(|op| metrics::histogram!("idempotency_store_duration_seconds", "guard" => guard, "op" => *op))
+                .map(|op| metrics::histogram!("idempotency_store_duration_seconds", "guard" => guard, "op" => op.as_str()))
                 .collect(),
         }
     }
@@ -454,7 +484,7 @@ impl<S: Store> Guard<S> {
     /// first try that took effect but whose reply was lost is recognised as ours instead of
     /// blocking the key for a whole lease.
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
-        self.retrying((&request.scope, &request.key), "begin", Until::Tries(2), || {
+        self.retrying((&request.scope, &request.key), Op::Begin, Until::Tries(2), || {
             self.store.begin(request)
         })
         .await
@@ -467,13 +497,8 @@ impl<S: Store> Guard<S> {
         let (result, metric, answer) = match claim {
             Claim::Acquired(held) => {
                 span.record("attempt", held.attempt);
-                let hot = self.hot();
                 if held.recovered {
-                    hot.acquired_recovered.increment(1);
-                } else {
-                    hot.acquired.increment(1);
-                }
-                if held.recovered {
+                    self.hot().acquired_recovered.increment(1);
                     metrics::counter!("idempotency_lease_takeovers_total", "guard" => self.name).increment(1);
                     tracing::warn!(
                         scope = %held.scope.redacted(),
@@ -481,6 +506,8 @@ impl<S: Store> Guard<S> {
                         attempt = held.attempt,
                         "took over an expired lease: a previous attempt may have partially run"
                     );
+                } else {
+                    self.hot().acquired.increment(1);
                 }
                 return Ok(held);
             }
@@ -534,7 +561,7 @@ impl<S: Store> Guard<S> {
                 continue;
             }
             let sent = tokio::time::Instant::now();
-            let answer = self.timed("extend", self.store.extend(held, self.lease)).await;
+            let answer = self.timed(Op::Extend, self.store.extend(held, self.lease)).await;
             self.check_late(held, sent, every, held_for(held_until));
             match answer {
                 Ok(Fenced::Accepted(_)) => {
@@ -609,7 +636,7 @@ impl<S: Store> Guard<S> {
         let result = self
             .retrying(
                 (&held.scope, &held.key),
-                "complete",
+                Op::Complete,
                 Until::Deadline(deadline),
                 || self.store.complete(held, outcome.clone(), self.retention),
             )
@@ -642,7 +669,7 @@ impl<S: Store> Guard<S> {
         match self
             .retrying(
                 (&held.scope, &held.key),
-                "release",
+                Op::Release,
                 Until::Deadline(deadline),
                 || self.store.release(held),
             )
@@ -668,12 +695,13 @@ impl<S: Store> Guard<S> {
 
     /// Calls a store operation again while it fails transiently, with [`STORE_RETRY`]'s backoff
     /// (50 ms doubling to 1 s), until `until` says stop. Every operation retried here is safe to
-    /// repeat: `begin` and `complete` with the same token are accepted again, and a repeated
-    /// `release` finds nothing to delete.
+    /// repeat: `begin` and `complete` with the same token are accepted again. A repeated
+    /// `release` whose first try took effect (its answer lost) answers `LeaseLost`: the key is
+    /// free all the same, but the run is reported, and counted, as a lost lease.
     async fn retrying<R, Fut>(
         &self,
         (scope, key): (&Scope, &Key),
-        op: &'static str,
+        op: Op,
         until: Until,
         mut call: impl FnMut() -> Fut,
     ) -> Result<R, StoreError>
@@ -690,7 +718,8 @@ impl<S: Store> Guard<S> {
                         key = %key.redacted(),
                         %error,
                         tries,
-                        "{op} failed; retrying"
+                        "{} failed; retrying",
+                        op.as_str()
                     );
                     tokio::time::sleep(backoff).await;
                     tries += 1;
@@ -702,26 +731,19 @@ impl<S: Store> Guard<S> {
 
     async fn timed<R>(
         &self,
-        op: &'static str,
+        op: Op,
         call: impl Future<Output = Result<R, StoreError>>,
     ) -> Result<R, StoreError> {
         let started = Instant::now();
         let result = call
-            .instrument(tracing::debug_span!("idempotency.store", op))
+            .instrument(tracing::debug_span!("idempotency.store", op = op.as_str()))
             .await;
-        let elapsed = started.elapsed().as_secs_f64();
-        match TIMED_OPS.iter().position(|known| *known == op) {
-            Some(index) => self.hot().durations[index].record(elapsed),
-            None => {
-                metrics::histogram!("idempotency_store_duration_seconds", "guard" => self.name, "op" => op)
-                    .record(elapsed);
-            }
-        }
+        self.hot().durations[op as usize].record(started.elapsed().as_secs_f64());
         if let Err(error) = &result {
             metrics::counter!(
                 "idempotency_store_errors_total",
                 "guard" => self.name,
-                "op" => op,
+                "op" => op.as_str(),
                 "kind" => error.kind().as_str(),
             )
             .increment(1);
@@ -823,9 +845,12 @@ impl<S: TransactionalStore> Guard<S> {
     {
         let request = self.request(scope, key, fingerprint);
         let mut tx = self
-            .timed("begin_transaction", self.store.begin_transaction())
+            .timed(Op::BeginTransaction, self.store.begin_transaction())
             .await?;
-        let claim = match self.timed("begin", self.store.begin_in(&mut tx, &request)).await {
+        let claim = match self
+            .timed(Op::Begin, self.store.begin_in(&mut tx, &request))
+            .await
+        {
             Ok(claim) => claim,
             Err(error) => {
                 self.store.rollback(tx).await;
@@ -856,13 +881,13 @@ impl<S: TransactionalStore> Guard<S> {
     async fn commit(&self, mut tx: S::Transaction, held: &Held, outcome: &Outcome) -> Recorded {
         let completed = self
             .timed(
-                "complete",
+                Op::Complete,
                 self.store.complete_in(&mut tx, held, outcome, self.retention),
             )
             .await;
         let failed = match completed {
             Ok(Fenced::Accepted(expires_at)) => {
-                return match self.timed("commit", self.store.commit(tx)).await {
+                return match self.timed(Op::Commit, self.store.commit(tx)).await {
                     Ok(()) => Recorded::Completed { expires_at },
                     Err(error) => {
                         tracing::error!(
