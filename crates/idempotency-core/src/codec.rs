@@ -1,4 +1,4 @@
-//! Decoding stored records, for store authors.
+//! Decoding stored records, and the state's columns for writing them, for store authors.
 //!
 //! A store keeps a record as columns or hash fields; reading one back is the same job in every
 //! store: check that the scope and key are still valid, that the fingerprint and token have the
@@ -36,6 +36,71 @@ use crate::{
     ErrorKind, Fingerprint, Key, KeyError, Outcome, Record, RecordState, RecordSummary, Scope, StoreError,
     SummaryState, Timestamp, Token,
 };
+
+/// The state-dependent columns of a record, as a row-shaped store writes them next to the
+/// scope, key, fingerprint, attempt and times: the inverse of [`RecordParts::into_record`].
+///
+/// ```
+/// use idempotency_core::{BeginRequest, Fingerprint, Key, Record, RecordColumns, Scope, Timestamp, machine};
+///
+/// let request = BeginRequest::new(Scope::global(), Key::new("k")?, Fingerprint::of_bytes(b""));
+/// let (_, machine::Effect::Put(record)) = machine::begin(Timestamp::from_unix_millis(1_000), None, &request) else {
+///     unreachable!("a new key is written")
+/// };
+/// let columns = RecordColumns::of(&record);
+/// assert!(!columns.completed);
+/// assert_eq!(columns.acquired_at, Some(1_000));
+/// assert_eq!(columns.outcome, None);
+/// # Ok::<(), idempotency_core::KeyError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordColumns<'a> {
+    /// The token of the current (or completing) attempt.
+    pub token: Token,
+    /// Whether the record is completed.
+    pub completed: bool,
+    /// In flight: when the attempt acquired the record, in Unix milliseconds.
+    pub acquired_at: Option<i64>,
+    /// In flight: when the lease runs out, in Unix milliseconds.
+    pub lease_until: Option<i64>,
+    /// Completed: when it completed, in Unix milliseconds.
+    pub completed_at: Option<i64>,
+    /// Completed: the stored outcome.
+    pub outcome: Option<&'a [u8]>,
+}
+
+impl<'a> RecordColumns<'a> {
+    /// The columns of `record`'s state.
+    #[must_use]
+    pub fn of(record: &'a Record) -> Self {
+        match &record.state {
+            RecordState::InFlight {
+                token,
+                acquired_at,
+                lease_until,
+            } => Self {
+                token: *token,
+                completed: false,
+                acquired_at: Some(acquired_at.unix_millis()),
+                lease_until: Some(lease_until.unix_millis()),
+                completed_at: None,
+                outcome: None,
+            },
+            RecordState::Completed {
+                token,
+                outcome,
+                completed_at,
+            } => Self {
+                token: *token,
+                completed: true,
+                acquired_at: None,
+                lease_until: None,
+                completed_at: Some(completed_at.unix_millis()),
+                outcome: Some(outcome.as_bytes()),
+            },
+        }
+    }
+}
 
 /// Why stored data is not a valid record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -52,7 +52,8 @@ mod sql;
 mod store;
 pub mod transaction;
 
-pub use options::{Identifier, KIND, PostgresOptions};
+pub use idempotency_core::Identifier;
+pub use options::{KIND, PostgresOptions};
 pub use sql::SCHEMA_VERSION;
 /// The sqlx this crate is built on, for same-transaction operations to write through.
 pub use sqlx;

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::options::Identifier;
+use idempotency_core::Identifier;
 
 /// The schema version this crate writes; recorded as the table's comment.
 pub const SCHEMA_VERSION: u32 = 1;

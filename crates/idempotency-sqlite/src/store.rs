@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
     Access, BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome,
-    Record, RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
+    Record, RecordColumns, RecordParts, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
     StoreError, Timestamp, Token, duration_millis,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior, params};
@@ -803,25 +803,7 @@ fn select_record(connection: &Connection, scope: &Scope, key: &Key) -> Result<Op
 }
 
 fn upsert_record(connection: &Connection, record: &Record) -> Result<(), StoreError> {
-    let (token, completed, acquired_at, lease_until, completed_at, outcome) = match &record.state {
-        RecordState::InFlight {
-            token,
-            acquired_at,
-            lease_until,
-        } => (token, false, Some(*acquired_at), Some(*lease_until), None, None),
-        RecordState::Completed {
-            token,
-            outcome,
-            completed_at,
-        } => (
-            token,
-            true,
-            None,
-            None,
-            Some(*completed_at),
-            Some(outcome.as_bytes()),
-        ),
-    };
+    let columns = RecordColumns::of(record);
     let mut statement = connection
         .prepare_cached(sql::UPSERT_RECORD)
         .map_err(|e| map_error("prepare upsert", e))?;
@@ -833,12 +815,12 @@ fn upsert_record(connection: &Connection, record: &Record) -> Result<(), StoreEr
             record.attempt,
             record.created_at.unix_millis(),
             record.expires_at.unix_millis(),
-            &token.to_bytes()[..],
-            completed,
-            acquired_at.map(Timestamp::unix_millis),
-            lease_until.map(Timestamp::unix_millis),
-            completed_at.map(Timestamp::unix_millis),
-            outcome,
+            &columns.token.to_bytes()[..],
+            columns.completed,
+            columns.acquired_at,
+            columns.lease_until,
+            columns.completed_at,
+            columns.outcome,
         ])
         .map_err(|e| map_error("write a record", e))?;
     Ok(())
