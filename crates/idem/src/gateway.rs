@@ -51,7 +51,7 @@ pub struct Config {
     /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
-    /// The store: sqlite://PATH, postgres://..., redis://..., redis-cluster://h:p,h:p, memory://
+    /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., redis-cluster://h:p,h:p, memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
     /// How long a request may run without a heartbeat before a retry may take over.

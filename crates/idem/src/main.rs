@@ -197,7 +197,7 @@ enum OutboxCommand {
 
 #[derive(Debug, Args)]
 struct StoreArgs {
-    /// The store: sqlite://PATH, postgres://..., redis://..., redis-cluster://h:p,h:p, memory://
+    /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., redis-cluster://h:p,h:p, memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
     /// Print JSON instead of a table.

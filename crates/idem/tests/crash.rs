@@ -279,6 +279,25 @@ async fn postgres_kill_9_mid_call_then_takeover() {
     kill_9_mid_call_then_takeover(&database_url()).await;
 }
 
+fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_completed_keys_survive_kill_9() {
+    completed_keys_survive_kill_9(&mysql_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_sigterm_drains_and_records() {
+    sigterm_drains_and_records(&mysql_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_kill_9_mid_call_then_takeover() {
+    kill_9_mid_call_then_takeover(&mysql_url()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_store_fails_health_and_requests_then_recovers() {
     let (proxy, url) = postgres_through_a_proxy().await;

@@ -221,6 +221,20 @@ fn inspection_never_writes_and_refuses_what_is_not_a_store() {
             "{err}"
         );
     }
+    // The same on MySQL/MariaDB: no database named, and a database (`mysql`) without the table.
+    let server = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let (base, _database) = server.rsplit_once('/').unwrap();
+    let (code, _, err) = with_store(&["keys", "stats"], base);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("names no database"), "{err}");
+    for _ in 0..2 {
+        let (code, _, err) = with_store(&["keys", "list"], &format!("{base}/mysql"));
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("has no table") && err.contains("nothing was created"),
+            "{err}"
+        );
+    }
 }
 
 /// Every metric the code emits is listed in `docs/OPERATIONS.md`, and the guide lists none that

@@ -14,6 +14,7 @@
 //! |---|---|
 //! | `sqlite` | [`sqlite::SqliteStore`], the embedded durable store (`sqlite://` URLs) |
 //! | `postgres` | [`postgres::PostgresStore`] (`postgres://` URLs), with same-transaction mode |
+//! | `mysql` | [`mysql::MysqlStore`] (`mysql://`, `mariadb://` URLs), with same-transaction mode |
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
 //! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
@@ -64,6 +65,10 @@ pub use idempotency_sqlite as sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotency_postgres as postgres;
 
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use idempotency_mysql as mysql;
+
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idempotency_redis as redis;
@@ -94,6 +99,7 @@ pub use idempotency_sqs as sqs;
     all(
         feature = "sqlite",
         feature = "postgres",
+        feature = "mysql",
         feature = "redis",
         feature = "dynamodb"
     ),
@@ -133,10 +139,11 @@ pub fn registry() -> &'static Registry {
         let registry = registry.with(dynamodb::KIND);
         #[cfg(not(feature = "dynamodb"))]
         let registry = registry.unavailable(&["dynamodb"], not_built!("dynamodb"));
-        registry.unavailable(
-            &["mysql", "mariadb"],
-            "there is no `mysql` store in this version yet",
-        )
+        #[cfg(feature = "mysql")]
+        let registry = registry.with(mysql::KIND);
+        #[cfg(not(feature = "mysql"))]
+        let registry = registry.unavailable(&["mysql", "mariadb"], not_built!("mysql"));
+        registry
     });
     &REGISTRY
 }
@@ -147,6 +154,8 @@ pub fn registry() -> &'static Registry {
 /// * `sqlite://PATH`, `sqlite::memory:` — the SQLite store (feature `sqlite`);
 /// * `postgres://…`, `postgresql://…` — the PostgreSQL store on its default table, created if
 ///   missing (feature `postgres`);
+/// * `mysql://USER:PASSWORD@HOST:PORT/DATABASE`, `mariadb://…` — the MySQL/MariaDB store on its
+///   default table in that database, created if missing (feature `mysql`);
 /// * `redis://host:port`, `rediss://…` — the Redis store on one server; `redis-cluster://h1:p1,h2:p2`
 ///   — on a Redis Cluster, through any of the listed nodes (feature `redis`);
 /// * `dynamodb://TABLE?region=…&endpoint=…` — the DynamoDB store on that table, created with
@@ -190,7 +199,10 @@ mod tests {
             ("admin:s3cret@db/app", "unknown store URL scheme `admin`"),
             ("memory://extra", "takes no path"),
             ("ftp://host/x", "unknown store URL scheme `ftp`"),
-            ("mysql://root@localhost/test", "no `mysql` store in this version"),
+            (
+                "cassandra://root@localhost/test",
+                "unknown store URL scheme `cassandra`",
+            ),
             // Found by the store_url fuzz target: no `://`, and the text before the first `:`
             // is no scheme but a query with a password in it.
             ("db?user=app&password=s3cret&x=a:b", "is not a store URL"),
@@ -239,6 +251,28 @@ mod tests {
             panic!("expected Acquired, got {claim:?}")
         };
         let _ = store.release(&held).await.unwrap();
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test]
+    async fn opens_the_mysql_store_by_url() {
+        let url = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let mariadb = url.replacen("mysql://", "mariadb://", 1);
+        for url in [url.as_str(), mariadb.as_str()] {
+            let store = open(url)
+                .await
+                .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is needed for this test: {e}"));
+            let request = BeginRequest::new(
+                Scope::new("facade-test").unwrap(),
+                Key::generate(),
+                Fingerprint::of_bytes(b""),
+            );
+            let claim = store.begin(&request).await.unwrap();
+            let Claim::Acquired(held) = claim else {
+                panic!("{url}: expected Acquired, got {claim:?}")
+            };
+            let _ = store.release(&held).await.unwrap();
+        }
     }
 
     #[cfg(feature = "redis")]

@@ -1,0 +1,222 @@
+//! Connection options and the table name the store's SQL is built with.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use idempotency_core::{Access, DynStore, ErrorKind, Identifier, StoreError, StoreKind, redact_url};
+use sqlx::mysql::MySqlConnectOptions;
+
+/// How to connect a [`crate::MysqlStore`].
+///
+/// ```
+/// use idempotency_mysql::MysqlOptions;
+///
+/// let options = MysqlOptions::from_url("mysql://app@127.0.0.1/payments")?
+///     .table("payment_keys")?
+///     .max_connections(32);
+/// assert_eq!(options.table.as_str(), "payment_keys");
+/// assert_eq!(options.lease_connections, 8);
+/// # Ok::<(), idempotency_core::StoreError>(())
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct MysqlOptions {
+    /// The parsed connection options (host, port, database, credentials, TLS…). The store
+    /// always sets the session's `time_zone` to `+00:00`.
+    pub connect: MySqlConnectOptions,
+    /// The records table, in the URL's database (default `idempotency_records`).
+    pub table: Identifier,
+    /// The most connections the pool opens (default 16).
+    pub max_connections: u32,
+    /// How long an operation waits for a free connection before failing with a retryable
+    /// [`ErrorKind::Timeout`] (default 5 s). A `begin` or a read waits at most this long for
+    /// its lane too, then fails with [`ErrorKind::Overloaded`].
+    pub acquire_timeout: Duration,
+    /// The connections kept for lease-keeping (`extend`, `complete`, `release`): `begin` and
+    /// the reads use at most `max_connections - lease_connections` at once (default: a quarter
+    /// of the pool, at least 1). See [`idempotency_core::Lanes`].
+    pub lease_connections: u32,
+    /// Whether `connect` creates the table (default `true`; turn it off when the application's
+    /// account may not run DDL, and run [`crate::MysqlStore::migrate`] from a deployment step).
+    pub migrate: bool,
+    /// What connecting may do (default [`Access::Create`]). With [`Access::Existing`] or
+    /// [`Access::ReadOnly`] nothing is created and a database without the records table is
+    /// refused; read-only sessions run `SET SESSION TRANSACTION READ ONLY`.
+    pub access: Access,
+}
+
+impl fmt::Debug for MysqlOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // MySqlConnectOptions' Debug would print the password.
+        f.debug_struct("MysqlOptions")
+            .field("host", &self.connect.get_host())
+            .field("port", &self.connect.get_port())
+            .field("database", &self.connect.get_database())
+            .field("table", &self.table)
+            .field("max_connections", &self.max_connections)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("lease_connections", &self.lease_connections)
+            .field("migrate", &self.migrate)
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+impl MysqlOptions {
+    /// Parses a `mysql://` or `mariadb://` URL (`mysql://USER:PASSWORD@HOST:PORT/DATABASE`,
+    /// with sqlx's options such as `?ssl-mode=required`). The URL must name the database: MySQL
+    /// has no default one to put the table in.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::InvalidConfig`] for another scheme, a malformed URL or one without a
+    /// database. The message never contains the password.
+    pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+        if !matches!(scheme, "mysql" | "mariadb") {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!("`{}` is not a mysql:// or mariadb:// URL", redact_url(url)),
+            ));
+        }
+        let connect = MySqlConnectOptions::from_str(&format!("mysql://{rest}")).map_err(|error| {
+            StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "malformed MySQL URL `{}`: {}",
+                    redact_url(url),
+                    redact_url(&error.to_string())
+                ),
+            )
+        })?;
+        if connect.get_database().is_none_or(str::is_empty) {
+            return Err(StoreError::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "the MySQL URL `{}` names no database: name the database the records table lives in, mysql://HOST/DATABASE",
+                    redact_url(url)
+                ),
+            ));
+        }
+        Ok(Self::with(connect))
+    }
+
+    /// Options around connection options built in code.
+    #[must_use]
+    pub fn with(connect: MySqlConnectOptions) -> Self {
+        Self {
+            connect,
+            table: Identifier::new("idempotency_records").expect("a valid identifier"),
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            lease_connections: 4,
+            migrate: true,
+            access: Access::Create,
+        }
+    }
+
+    /// Sets the records table.
+    ///
+    /// # Errors
+    ///
+    /// As [`Identifier::new`].
+    pub fn table(mut self, table: &str) -> Result<Self, StoreError> {
+        self.table = Identifier::new(table)?;
+        Ok(self)
+    }
+
+    /// Sets the pool size, and keeps a quarter of it (at least 1) for lease-keeping.
+    #[must_use]
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self.lease_connections = (self.max_connections / 4).max(1);
+        self
+    }
+
+    /// Sets how many connections are kept for lease-keeping (call after
+    /// [`max_connections`](Self::max_connections)); new work keeps at least one.
+    #[must_use]
+    pub fn lease_connections(mut self, reserved: u32) -> Self {
+        self.lease_connections = reserved;
+        self
+    }
+
+    /// Sets how long an operation waits for a pooled connection.
+    #[must_use]
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Sets what connecting may do.
+    #[must_use]
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// Sets whether `connect` creates the table.
+    #[must_use]
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+}
+
+/// `mysql://…` and `mariadb://…` URLs: the store on its default table, created if missing (see
+/// [`MysqlOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
+pub const KIND: StoreKind = StoreKind {
+    name: "mysql",
+    schemes: &["mysql", "mariadb"],
+    example: "mysql://USER@HOST/DATABASE",
+    open: |url, access| {
+        Box::pin(async move {
+            let options = MysqlOptions::from_url(&url)?.access(access);
+            Ok(std::sync::Arc::new(crate::MysqlStore::connect_with(options).await?) as DynStore)
+        })
+    },
+    check: |url| MysqlOptions::from_url(url).map(drop),
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_parsed_and_never_echo_passwords() {
+        let options = MysqlOptions::from_url("mysql://app:s3cret@127.0.0.1:3307/orders").unwrap();
+        assert_eq!(options.connect.get_port(), 3307);
+        assert_eq!(options.connect.get_database(), Some("orders"));
+        assert_eq!(options.table.as_str(), "idempotency_records");
+        assert!(!format!("{options:?}").contains("s3cret"));
+        let mariadb = MysqlOptions::from_url("mariadb://app@db.internal/orders").unwrap();
+        assert_eq!(mariadb.connect.get_host(), "db.internal");
+
+        let cases = [
+            ("postgres://app:s3cret@db/x", "is not a mysql://"),
+            ("127.0.0.1:3306", "is not a mysql://"),
+            ("mysql://app:s3cret@host:notaport/db", "malformed MySQL URL"),
+            ("mysql://app:s3cret@host:3306", "names no database"),
+            ("mysql://app:s3cret@host:3306/", "names no database"),
+            (
+                "mysql://app:s3cret@host/db?ssl-mode=sometimes",
+                "malformed MySQL URL",
+            ),
+        ];
+        for (url, expected) in cases {
+            let error = MysqlOptions::from_url(url).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(error.to_string().contains(expected), "{url}: {error}");
+            assert!(!error.to_string().contains("s3cret"), "{url}: {error}");
+        }
+    }
+
+    #[test]
+    fn table_names_are_validated() {
+        let options = MysqlOptions::from_url("mysql://root@127.0.0.1/test").unwrap();
+        let error = options.table("keys`; DROP TABLE users; --").unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig);
+        assert!(error.to_string().contains("unsafe SQL identifier"), "{error}");
+    }
+}

@@ -1,0 +1,93 @@
+//! Shared test setup: the server URL and throwaway tables.
+
+#![allow(dead_code, unreachable_pub)] // each test crate uses a part
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idempotency_mysql::sqlx::{self, AssertSqlSafe};
+use idempotency_mysql::{MysqlOptions, MysqlStore};
+use idempotency_testkit::TcpProxy;
+
+/// The server the tests use: `MYSQL_URL`, or the loopback default that `scripts/services`
+/// starts (MariaDB, root without a password, database `test`).
+pub fn database_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// A fresh table name. Tables are named after their creation time; those of runs more than an
+/// hour old are dropped by [`fresh_store`], so a crashed run leaves nothing behind for long.
+pub fn fresh_table(prefix: &str) -> String {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+    format!("{prefix}_{now}_{:016x}", rand_u64())
+}
+
+/// A store on a table of its own. Panics when the server is unreachable: a test that cannot
+/// reach its server fails.
+pub async fn fresh_store() -> MysqlStore {
+    store_on(&fresh_table("t"), 16).await
+}
+
+/// A store on `table` (created if missing) with at most `max_connections`.
+pub async fn store_on(table: &str, max_connections: u32) -> MysqlStore {
+    let options = MysqlOptions::from_url(&database_url())
+        .unwrap()
+        .table(table)
+        .unwrap()
+        .max_connections(max_connections);
+    let store = MysqlStore::connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is needed for this test: {e}", database_url()));
+    drop_old_tables(store.pool()).await;
+    store
+}
+
+async fn drop_old_tables(pool: &sqlx::MySqlPool) {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    for table in tables {
+        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
+        if matches!(table.split('_').next(), Some("t" | "b")) && created.is_some_and(|t| t + 3600 < now) {
+            let drop = format!("DROP TABLE IF EXISTS {table}");
+            let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(pool).await;
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::Instant::now())
+}
+
+/// A loopback proxy in front of the server, to cut its connections and take it away.
+pub async fn start_proxy() -> TcpProxy {
+    let options = MysqlOptions::from_url(&database_url()).unwrap();
+    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    TcpProxy::start(upstream).await.unwrap()
+}
+
+/// A second store on `store`'s table that reaches the server through `proxy`, with at most
+/// `max_connections`. The pool waits at most 300 ms for a connection, so an outage shows as
+/// errors rather than as waiting.
+pub async fn proxied(store: &MysqlStore, proxy: &TcpProxy, max_connections: u32) -> MysqlStore {
+    let mut options = MysqlOptions::from_url(&database_url())
+        .unwrap()
+        .table(store.table())
+        .unwrap()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_millis(300));
+    options.connect = options
+        .connect
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.addr().port());
+    MysqlStore::connect_with(options).await.unwrap()
+}
