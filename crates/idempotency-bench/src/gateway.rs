@@ -366,6 +366,7 @@ fn targets(
     let database =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let mysql = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
     for store in stores {
         let (name, url) = match store.as_str() {
             "memory" => ("idem serve, memory", "memory://".to_owned()),
@@ -379,9 +380,10 @@ fn targets(
             ),
             "redis" => ("idem serve, Redis", redis.clone()),
             "postgres" => ("idem serve, PostgreSQL", database.clone()),
+            "mysql" => ("idem serve, MariaDB", mysql.clone()),
             other => {
                 return Err(format!(
-                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, postgres)"
+                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, postgres, mysql)"
                 ));
             }
         };

@@ -6,7 +6,7 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|redis|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|mysql|redis|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
 //! scripts/bench-gateway          # gateway: idem serve on each store vs nginx vs the upstream (wrk)
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
@@ -19,6 +19,7 @@ mod http;
 mod kafka;
 mod measure;
 mod memory;
+mod mysql;
 mod postgres;
 mod redis;
 mod sqlite;
@@ -51,7 +52,7 @@ struct Settings {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "memory,redis,sqlite,sqlite-single,postgres"
+        default_value = "memory,redis,sqlite,sqlite-single,postgres,mysql"
     )]
     stores: Vec<String>,
     /// `gateway-memory`: how many requests to send.
@@ -68,6 +69,7 @@ enum Target {
     Memory,
     Sqlite,
     Postgres,
+    Mysql,
     Redis,
     Http,
     /// `idem serve` on each store vs nginx vs the upstream, each a process, loaded by wrk
@@ -133,6 +135,7 @@ fn main() -> ExitCode {
             Target::Memory => memory::run(window, rounds),
             Target::Sqlite => sqlite::run(window, rounds),
             Target::Postgres => postgres::run(window, rounds),
+            Target::Mysql => mysql::run(window, rounds),
             Target::Redis => redis::run(window, rounds),
             Target::Http => http::run(window, rounds),
             Target::Gateway => gateway::run(
