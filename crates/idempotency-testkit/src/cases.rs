@@ -678,6 +678,50 @@ async fn get_reports_each_state<H: Harness>(harness: &H) {
     assert!(acquired_at <= completed_at && completed_at < completed.expires_at);
 }
 
+/// Keys and scopes are compared byte for byte: keys that differ only in letter case, or one
+/// that is a prefix of another, are distinct keys, each with its own record, and so are scopes.
+async fn keys_and_scopes_are_compared_exactly<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let base = key();
+    let variants: Vec<Key> = [
+        base.as_str().to_owned(),
+        base.as_str().to_uppercase(),
+        format!("{}X", base.as_str()),
+        format!("{}x", base.as_str()),
+        base.as_str()[..base.as_str().len() - 1].to_owned(),
+    ]
+    .iter()
+    .map(|k| Key::new(k).unwrap())
+    .collect();
+    for (n, key) in variants.iter().enumerate() {
+        let token = ctx.acquire(&ctx.request(key, 1)).await;
+        let done = ctx
+            .store
+            .complete(&ctx.held(key, token), Outcome::new(format!("outcome {n}")), KEEP)
+            .await
+            .unwrap();
+        assert!(!done.is_lease_lost(), "{key}");
+    }
+    for (n, key) in variants.iter().enumerate() {
+        let Claim::Replay(done) = ctx.begin(&ctx.request(key, 1)).await else {
+            panic!("{key} has no record of its own")
+        };
+        assert_eq!(
+            done.outcome.as_bytes(),
+            format!("outcome {n}").as_bytes(),
+            "{key}"
+        );
+    }
+    let upper = Scope::new(ctx.scope.as_str().to_uppercase()).unwrap();
+    let theirs = BeginRequest::new(upper.clone(), variants[0].clone(), fp(1))
+        .lease(LONG)
+        .retention(KEEP);
+    assert!(
+        matches!(ctx.store.begin(&theirs).await.unwrap(), Claim::Acquired(_)),
+        "a scope differing in case must be another scope"
+    );
+}
+
 /// Outcomes are stored byte for byte: empty, every byte value, and a 1 MiB body; a listing
 /// reports each one's size.
 async fn outcomes_round_trip_byte_for_byte<H: Harness>(harness: &H) {

@@ -120,6 +120,7 @@ macro_rules! __with_cases {
             abandoned_in_flight_record_expires_after_retention,
             get_reports_each_state,
             outcomes_round_trip_byte_for_byte,
+            keys_and_scopes_are_compared_exactly,
             scopes_isolate_keys,
             purge_expired_deletes_only_expired,
             stats_report_oldest_in_flight_age,
