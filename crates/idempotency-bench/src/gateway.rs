@@ -36,7 +36,20 @@ struct Process {
 }
 
 impl Drop for Process {
+    /// Asks the process to stop (SIGTERM) and waits up to 5 s before killing it: nginx's
+    /// workers outlive a master that was killed, and would go on holding the port and a core.
     fn drop(&mut self) {
+        let asked = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|status| status.success());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while asked && Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
