@@ -212,7 +212,13 @@ async fn kill_9_mid_call_then_takeover(store: &str) {
     let run = Run::new("takeover", store, &["--lease", "8s"]);
     let mut gateway = run.gateway().await;
     let doomed = run.post_in_background("/slow?ms=600");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Killed once the upstream has the call (a fixed sleep raced a loaded machine: the gateway
+    // could die before forwarding it).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while run.upstream_calls().await == 0 {
+        assert!(Instant::now() < deadline, "the upstream never got the first call");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     gateway.kill9();
     assert!(doomed.await.unwrap().is_none(), "the client lost its connection");
     let _gateway = run.gateway().await;
