@@ -54,6 +54,9 @@ pub enum Error {
     /// The upstream URL is not one the gateway can forward to.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// `idem consume` cannot consume from its source or call its handler.
+    #[error(transparent)]
+    Consume(#[from] crate::consume::ConsumeError),
     /// The demo's temporary directory could not be created.
     #[error("a temporary directory for the demo's store: {0}")]
     TempDir(#[source] std::io::Error),

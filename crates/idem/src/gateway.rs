@@ -687,14 +687,15 @@ impl Service<Request<Body>> for Proxy {
     }
 }
 
+/// What the admin endpoints (`/healthz`, `/metrics`) answer from.
 #[derive(Clone)]
-struct Admin {
-    store: DynStore,
+pub(crate) struct Admin {
+    pub(crate) store: DynStore,
     /// The store's kind (its URL scheme): enough for an operator, and no credential can be in it.
-    store_kind: String,
+    pub(crate) store_kind: String,
     /// The results of the guarded requests' store writes.
-    health: WriteHealth,
-    metrics: PrometheusHandle,
+    pub(crate) health: WriteHealth,
+    pub(crate) metrics: PrometheusHandle,
 }
 
 /// One write of a throwaway record (kept for a second), through the watched store: when writes
@@ -749,7 +750,7 @@ async fn metrics_text(State(admin): State<Admin>) -> Response {
         .into_response()
 }
 
-fn admin_router(admin: Admin, prefix: &str) -> Router {
+pub(crate) fn admin_router(admin: Admin, prefix: &str) -> Router {
     Router::new()
         .route(&format!("{prefix}/healthz"), get(healthz))
         .route(&format!("{prefix}/metrics"), get(metrics_text))

@@ -11,6 +11,7 @@
 pub use error::Error;
 
 pub mod boxes;
+pub mod consume;
 pub mod demo;
 pub mod error;
 pub mod gateway;

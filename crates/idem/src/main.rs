@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 /// eighth of its instructions. A well-kept crate, a small C build with no system dependency.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use idem::{Error, demo, gateway, ops, units};
+use idem::{Error, consume, demo, gateway, ops, units};
 use idempotency::{Access, DynStore, Key, ListFilter, Scope, StateFilter};
 
 /// Effectively-once HTTP requests and the operations on their records.
@@ -27,6 +27,9 @@ struct Cli {
 enum Command {
     /// Run the idempotency gateway in front of an HTTP upstream.
     Serve(Box<gateway::Config>),
+    /// Consume a broker's messages and POST each to an HTTP handler, once per key: acked only
+    /// once the handler's answer is recorded.
+    Consume(Box<consume::Config>),
     /// Run a payments upstream behind the gateway under a client retry storm, and count double
     /// charges from the upstream's ledger (there are none).
     Demo(DemoArgs),
@@ -371,6 +374,10 @@ async fn run(command: Command) -> Result<String, Error> {
             gateway::serve(*config, shutdown_signal()).await?;
             Ok(String::new())
         }
+        Command::Consume(config) => {
+            consume::consume(*config, shutdown_signal()).await?;
+            Ok(String::new())
+        }
         Command::Demo(args) => demo(args).await,
         Command::Keys { action } => keys(action).await,
         Command::Inflight(args) => {
@@ -554,7 +561,7 @@ fn list_filter(args: &ListArgs) -> Result<ListFilter, Error> {
 /// other commands at `warn`. Directives that do not parse are ignored.
 fn init_logging(command: &Command) {
     let default = match command {
-        Command::Serve(_) => tracing::Level::INFO,
+        Command::Serve(_) | Command::Consume(_) => tracing::Level::INFO,
         Command::Demo(_) => tracing::Level::ERROR,
         _ => tracing::Level::WARN,
     };

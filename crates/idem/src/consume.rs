@@ -1,0 +1,528 @@
+//! `idem consume`: a broker's messages delivered to an HTTP handler, once per key.
+//!
+//! Each message becomes a `POST` to the handler with the payload as the body. The consumer
+//! core (`idempotency-consumer`) decides everything around it: the key (the message's
+//! `Idempotency-Key` header), the record and its lease (heartbeated while the call runs), ack
+//! only once the outcome is recorded, retries with backoff, dead letters with a reason. The
+//! handler's answer decides the disposition:
+//!
+//! | handler answer | what happens |
+//! |---|---|
+//! | `2xx` | the body is stored as the outcome, then the message is acked; a redelivered duplicate is acked without calling the handler |
+//! | `408`, `409`, `425`, `429`, `5xx`, a timeout, a refused or lost connection | the key is released and the message retried with backoff, dead-lettered after `--max-deliveries` |
+//! | another `4xx` (or a `3xx`) | the handler refused the message: dead-lettered at once, with the status and the start of the body as the reason |
+//!
+//! A message without a key, or whose key was used with another payload, is dead-lettered with
+//! the reason; when the store is down, messages are retried (fail closed).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode, Uri, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idempotency::{Attempt, Outcome, Watched};
+use idempotency_amqp::{Topology, Worker};
+use idempotency_consumer::{Consumer, Delivery, Handler, HandlerError};
+use tokio::sync::Semaphore;
+
+use crate::error::Error;
+use crate::gateway::{ADMIN_PREFIX, Admin, admin_router, bind};
+use crate::units;
+
+/// The most of a handler's answer that is read (and stored as the outcome).
+const MAX_ANSWER: usize = 1 << 20;
+
+/// The most of a refusing answer's body that goes into a dead letter's reason.
+const REASON_BODY: usize = 200;
+
+/// `idem consume`'s settings; each flag is also an `IDEM_*` environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Where the messages come from: amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE
+    /// (RabbitMQ; the queue, QUEUE.retry and QUEUE.dead are declared if missing).
+    #[arg(long, env = "IDEM_FROM")]
+    pub from: String,
+    /// The handler each message is POSTed to: http://HOST:PORT/PATH.
+    #[arg(long, env = "IDEM_TO")]
+    pub to: String,
+    /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., memory://
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    pub store: String,
+    /// The consumer's name: the scope of its keys (two consumers of one message run it once
+    /// each) and the source named in its dead letters.
+    #[arg(long, env = "IDEM_NAME", default_value = "idem-consume", value_parser = consumer_name)]
+    pub name: String,
+    /// How many messages the broker hands out at once; they are handled concurrently.
+    #[arg(long, env = "IDEM_PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+    /// At most this many handler calls at once (default: the prefetch).
+    #[arg(long, env = "IDEM_CONCURRENCY", value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: Option<u16>,
+    /// How long a handler call may take, answer included; then it is retried.
+    #[arg(long, env = "IDEM_HANDLER_TIMEOUT", default_value = "30s", value_parser = handler_timeout)]
+    pub handler_timeout: Duration,
+    /// The lease of a running call, renewed while it runs; a consumer that died is taken over
+    /// after it.
+    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = lease)]
+    pub lease: Duration,
+    /// How long a handled key is remembered (duplicates within it are acked unhandled).
+    #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = retention)]
+    pub retention: Duration,
+    /// Deliveries of one message before it is dead-lettered.
+    #[arg(long, env = "IDEM_MAX_DELIVERIES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_deliveries: u32,
+    /// Serve /_idem/healthz and /_idem/metrics on this address.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+}
+
+fn consumer_name(text: &str) -> Result<String, String> {
+    idempotency::Scope::new(text)
+        .map(|_| text.to_owned())
+        .map_err(|e| format!("not a valid consumer name: {e}"))
+}
+
+fn bounded(text: &str, (min, max): (Duration, Duration)) -> Result<Duration, String> {
+    let duration = units::parse_duration(text).map_err(|e| e.to_string())?;
+    if duration < min || duration > max {
+        return Err(format!(
+            "must be from {} to {}",
+            units::format_duration(min),
+            units::format_duration(max)
+        ));
+    }
+    Ok(duration)
+}
+
+fn handler_timeout(text: &str) -> Result<Duration, String> {
+    bounded(text, (Duration::from_millis(100), Duration::from_secs(24 * 3600)))
+}
+
+fn lease(text: &str) -> Result<Duration, String> {
+    bounded(text, (Duration::from_secs(1), Duration::from_secs(24 * 3600)))
+}
+
+fn retention(text: &str) -> Result<Duration, String> {
+    bounded(
+        text,
+        (Duration::from_secs(1), Duration::from_secs(3650 * 24 * 3600)),
+    )
+}
+
+/// A source `idem consume` cannot consume from, or a handler URL it cannot call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumeError {
+    /// `--from` is not a URL of a supported broker.
+    #[error("--from {from}: {why}")]
+    Source {
+        /// The URL, its password redacted.
+        from: String,
+        /// Why.
+        why: String,
+    },
+    /// `--to` is not an `http://` URL.
+    #[error("--to {to}: {why}")]
+    Handler {
+        /// The URL, its password redacted.
+        to: String,
+        /// Why.
+        why: String,
+    },
+    /// The broker refused the consumer's setup (for example a queue declared with other
+    /// arguments): retrying will not mend it.
+    #[error("--from {from}: {why}")]
+    Broker {
+        /// The URL, its password redacted.
+        from: String,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Where messages come from.
+#[derive(Clone, PartialEq, Eq)]
+enum Source {
+    /// A RabbitMQ queue.
+    Amqp {
+        /// The broker URL without the `queue` parameter.
+        url: String,
+        queue: String,
+    },
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Amqp { url, queue } => f
+                .debug_struct("Amqp")
+                .field("url", &idempotency::redact_url(url))
+                .field("queue", queue)
+                .finish(),
+        }
+    }
+}
+
+/// Parses `--from`.
+fn source(from: &str) -> Result<Source, ConsumeError> {
+    let refuse = |why: String| ConsumeError::Source {
+        from: idempotency::redact_url(from),
+        why,
+    };
+    let mut url = url::Url::parse(from).map_err(|e| {
+        refuse(format!(
+            "not a URL ({e}); expected amqp://USER:PASSWORD@HOST/VHOST?queue=QUEUE"
+        ))
+    })?;
+    match url.scheme() {
+        "amqp" | "amqps" => {
+            let mut queue = None;
+            let mut rest = Vec::new();
+            for (name, value) in url.query_pairs() {
+                if name == "queue" {
+                    queue = Some(value.into_owned());
+                } else {
+                    rest.push((name.into_owned(), value.into_owned()));
+                }
+            }
+            let queue = queue
+                .filter(|q| !q.is_empty())
+                .ok_or_else(|| refuse("names no queue: add ?queue=QUEUE".into()))?;
+            if queue.len() > 200 || queue.chars().any(|c| c.is_control()) {
+                return Err(refuse(format!(
+                    "the queue name {queue:?} is not one RabbitMQ accepts"
+                )));
+            }
+            if rest.is_empty() {
+                url.set_query(None);
+            } else {
+                url.query_pairs_mut().clear().extend_pairs(rest);
+            }
+            Ok(Source::Amqp {
+                url: url.into(),
+                queue,
+            })
+        }
+        "nats" => Err(refuse(
+            "NATS JetStream is not supported by idem consume yet (the Rust library idempotency-nats is)"
+                .into(),
+        )),
+        "kafka" => Err(refuse(
+            "Kafka is not supported by idem consume yet (the Rust library idempotency-kafka is)".into(),
+        )),
+        "sqs" => Err(refuse(
+            "SQS is not supported by idem consume yet (the Rust library idempotency-sqs is)".into(),
+        )),
+        other => Err(refuse(format!(
+            "unknown scheme `{other}` (expected amqp://…?queue=QUEUE)"
+        ))),
+    }
+}
+
+/// Parses `--to`.
+fn handler_uri(to: &str) -> Result<Uri, ConsumeError> {
+    let refuse = |why: &str| ConsumeError::Handler {
+        to: idempotency::redact_url(to),
+        why: why.to_owned(),
+    };
+    let uri: Uri = to
+        .parse()
+        .map_err(|_| refuse("not a URL; expected http://HOST:PORT/PATH"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(refuse(
+                "https is not supported; put the handler on http:// (a sidecar or loopback)",
+            ));
+        }
+        _ => return Err(refuse("not an http:// URL; expected http://HOST:PORT/PATH")),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(refuse("names no host"));
+    }
+    Ok(uri)
+}
+
+/// Calls the handler for each message.
+struct HttpHandler {
+    client: Client<HttpConnector, Full<Bytes>>,
+    to: Uri,
+    timeout: Duration,
+    /// The queue (or stream) the messages come from, sent to the handler.
+    source: String,
+    calls: Semaphore,
+}
+
+impl fmt::Debug for HttpHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpHandler")
+            .field("to", &self.to)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The message's content type: its `content-type` header if it has one.
+fn content_type(message: &dyn Delivery) -> Bytes {
+    message
+        .header("content-type")
+        .or_else(|| message.header("Content-Type"))
+        .filter(|value| http::HeaderValue::from_bytes(value).is_ok())
+        .map_or_else(
+            || Bytes::from_static(b"application/octet-stream"),
+            Bytes::copy_from_slice,
+        )
+}
+
+impl HttpHandler {
+    fn request(
+        &self,
+        message: &dyn Delivery,
+        attempt: &Attempt,
+    ) -> Result<Request<Full<Bytes>>, HandlerError> {
+        let mut request = Request::post(self.to.clone())
+            .header(header::CONTENT_TYPE, content_type(message).as_ref())
+            .header("Idempotency-Key", attempt.key().as_str())
+            .header("Idempotency-Scope", attempt.scope().as_str())
+            .header("Idempotency-Attempt", attempt.number())
+            .header("Idempotency-Delivery-Count", message.delivery_count())
+            .header("Idempotency-Source", self.source.as_str());
+        if let Some(id) = message
+            .message_id()
+            .filter(|id| http::HeaderValue::from_str(id).is_ok())
+        {
+            request = request.header("Idempotency-Message-Id", id);
+        }
+        request
+            .body(Full::new(Bytes::copy_from_slice(message.payload())))
+            .map_err(|e| HandlerError::fatal(format!("the message cannot be sent as an HTTP request: {e}")))
+    }
+
+    async fn call<M: Delivery + Sync>(
+        &self,
+        message: &M,
+        attempt: &Attempt,
+    ) -> Result<Outcome, HandlerError> {
+        let _call = self
+            .calls
+            .acquire()
+            .await
+            .map_err(|_| HandlerError::retry("idem consume is shutting down"))?;
+        let request = self.request(message, attempt)?;
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {e}")))?;
+            let status = response.status();
+            let body = Limited::new(response.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map_err(|e| {
+                    HandlerError::retry(format!("the handler's answer ({status}) was cut off: {e}"))
+                })?
+                .to_bytes();
+            Ok::<_, HandlerError>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(self.timeout, exchange).await.map_err(|_| {
+            HandlerError::retry(format!(
+                "the handler did not answer within {}",
+                units::format_duration(self.timeout)
+            ))
+        })??;
+        disposition(status, body)
+    }
+}
+
+/// What the handler's answer means (see the module's table).
+fn disposition(status: StatusCode, body: Bytes) -> Result<Outcome, HandlerError> {
+    if status.is_success() {
+        return Ok(Outcome::new(body));
+    }
+    let transient = matches!(status.as_u16(), 408 | 409 | 425 | 429) || status.is_server_error();
+    if transient {
+        return Err(HandlerError::retry(format!("the handler answered {status}")));
+    }
+    let shown = String::from_utf8_lossy(&body[..body.len().min(REASON_BODY)]).replace(['\r', '\n'], " ");
+    Err(HandlerError::fatal(format!(
+        "the handler refused the message: {status}{}{shown}",
+        if shown.is_empty() { "" } else { ": " }
+    )))
+}
+
+impl<M: Delivery + Sync> Handler<M> for HttpHandler {
+    async fn handle(&self, message: &M, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        self.call(message, attempt).await
+    }
+}
+
+/// Runs `idem consume` until `shutdown` completes: then it takes no new messages, lets the
+/// running calls finish and be recorded and acked, and returns.
+///
+/// # Errors
+///
+/// A malformed `--from` or `--to`, a store that cannot be opened, the broker refusing the
+/// queues' declaration, a listener that cannot be bound.
+pub async fn consume(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let source = source(&config.from)?;
+    let to = handler_uri(&config.to)?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(Error::Metrics)?;
+    let store = idempotency::open_with(&config.store, idempotency::Access::Create)
+        .await
+        .map_err(|e| Error::open(&config.store, e))?;
+    let watched = Watched::new(store.clone());
+    let health = watched.health();
+    let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    if let Some(addr) = config.admin_listen {
+        let listener = bind(addr).await?;
+        let admin = admin_router(
+            Admin {
+                store,
+                store_kind: idempotency::registry()
+                    .kind(&config.store)
+                    .map_or("unknown", |kind| kind.name)
+                    .to_owned(),
+                health,
+                metrics,
+            },
+            ADMIN_PREFIX,
+        );
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, admin).with_graceful_shutdown(stop).await;
+        });
+    }
+    let Source::Amqp { url, queue } = source;
+    reachable(&url).await?;
+    let handler = HttpHandler {
+        client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        to,
+        timeout: config.handler_timeout,
+        source: queue.clone(),
+        calls: Semaphore::new(usize::from(config.concurrency.unwrap_or(config.prefetch))),
+    };
+    // The name lives as long as the process: the consumer core keeps it as `&'static str`.
+    let name: &'static str = Box::leak(config.name.into_boxed_str());
+    let consumer = Consumer::new(name, watched, handler)
+        .lease(config.lease)
+        .retention(config.retention)
+        .max_deliveries(config.max_deliveries);
+    tracing::info!(%queue, to = %config.to, "consuming");
+    Worker::new(url.clone(), Topology::for_queue(&queue), Arc::new(consumer))
+        .prefetch(config.prefetch)
+        .run_until(shutdown)
+        .await
+        .map_err(|e| ConsumeError::Broker {
+            from: idempotency::redact_url(&url),
+            why: e.to_string(),
+        })?;
+    tracing::info!("stopped: the running calls were recorded and settled");
+    Ok(())
+}
+
+/// Connects to the broker once before consuming, so that a wrong address or credentials are a
+/// clear error at start rather than reconnection attempts forever (after a good start, a lost
+/// broker is waited for).
+async fn reachable(url: &str) -> Result<(), ConsumeError> {
+    let refuse = |why: String| ConsumeError::Broker {
+        from: idempotency::redact_url(url),
+        why,
+    };
+    let connect = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
+    let connection = tokio::time::timeout(Duration::from_secs(10), connect)
+        .await
+        .map_err(|_| refuse("the broker did not answer within 10 s".into()))?
+        .map_err(|e| {
+            refuse(format!(
+                "cannot connect to the broker: {}",
+                idempotency::redact_url(&e.to_string())
+            ))
+        })?;
+    let _ = connection.close(200, "checked".into()).await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_parsed_and_refused_with_the_reason() {
+        let Source::Amqp { url, queue } =
+            source("amqp://app:s3cret@127.0.0.1:5672/%2f?queue=payments").unwrap();
+        assert_eq!(queue, "payments");
+        assert_eq!(url, "amqp://app:s3cret@127.0.0.1:5672/%2f");
+        let Source::Amqp { url, .. } = source("amqp://h/v?heartbeat=10&queue=q").unwrap();
+        assert_eq!(url, "amqp://h/v?heartbeat=10");
+        for (from, why) in [
+            ("amqp://app:s3cret@127.0.0.1/%2f", "names no queue"),
+            ("amqp://app:s3cret@127.0.0.1/%2f?queue=", "names no queue"),
+            (
+                "nats://127.0.0.1:4222?stream=S&consumer=C",
+                "not supported by idem consume yet",
+            ),
+            (
+                "kafka://127.0.0.1:9092?topic=t&group=g",
+                "not supported by idem consume yet",
+            ),
+            ("sqs://queue?queue_url=x", "not supported by idem consume yet"),
+            ("ftp://app:s3cret@host/x", "unknown scheme `ftp`"),
+            ("app:s3cret@host", "unknown scheme"),
+            ("not a url", "not a URL"),
+        ] {
+            let error = source(from).unwrap_err().to_string();
+            assert!(error.contains(why), "{from}: {error}");
+            assert!(!error.contains("s3cret"), "{from}: {error}");
+        }
+    }
+
+    #[test]
+    fn handler_urls_must_be_http() {
+        assert!(handler_uri("http://127.0.0.1:3000/messages").is_ok());
+        for (to, why) in [
+            ("https://h/x", "https is not supported"),
+            ("ftp://h/x", "not an http:// URL"),
+            ("/messages", "not an http:// URL"),
+            ("http://", "not a URL"),
+        ] {
+            let error = handler_uri(to).unwrap_err().to_string();
+            assert!(error.contains(why), "{to}: {error}");
+        }
+    }
+
+    #[test]
+    fn answers_decide_the_disposition() {
+        assert_eq!(
+            disposition(StatusCode::CREATED, Bytes::from_static(b"done"))
+                .unwrap()
+                .as_bytes(),
+            b"done"
+        );
+        for status in [408, 409, 425, 429, 500, 502, 503, 504] {
+            let error = disposition(StatusCode::from_u16(status).unwrap(), Bytes::new()).unwrap_err();
+            assert!(!error.is_fatal(), "{status}");
+        }
+        for status in [301, 400, 403, 404, 410, 413, 422] {
+            let error = disposition(
+                StatusCode::from_u16(status).unwrap(),
+                Bytes::from_static(b"no\nsuch"),
+            )
+            .unwrap_err();
+            assert!(error.is_fatal(), "{status}");
+            assert!(error.to_string().contains(&status.to_string()), "{error}");
+            assert!(error.to_string().contains("no such"), "{error}");
+        }
+    }
+}
