@@ -387,18 +387,7 @@ pub async fn consume(
     let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
     if let Some(addr) = config.admin_listen {
         let listener = bind(addr).await?;
-        let admin = admin_router(
-            Admin {
-                store,
-                store_kind: idempotency::registry()
-                    .kind(&config.store)
-                    .map_or("unknown", |kind| kind.name)
-                    .to_owned(),
-                health,
-                metrics,
-            },
-            ADMIN_PREFIX,
-        );
+        let admin = admin_router(Admin::new(store, &config.store, health, metrics), ADMIN_PREFIX);
         let stop = shutdown.clone();
         tokio::spawn(async move {
             let _ = axum::serve(listener, admin).with_graceful_shutdown(stop).await;

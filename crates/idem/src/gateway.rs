@@ -690,12 +690,27 @@ impl Service<Request<Body>> for Proxy {
 /// What the admin endpoints (`/healthz`, `/metrics`) answer from.
 #[derive(Clone)]
 pub(crate) struct Admin {
-    pub(crate) store: DynStore,
+    store: DynStore,
     /// The store's kind (its URL scheme): enough for an operator, and no credential can be in it.
-    pub(crate) store_kind: String,
+    store_kind: String,
     /// The results of the guarded requests' store writes.
-    pub(crate) health: WriteHealth,
-    pub(crate) metrics: PrometheusHandle,
+    health: WriteHealth,
+    metrics: PrometheusHandle,
+}
+
+impl Admin {
+    /// The admin state of the store opened from `url`.
+    pub(crate) fn new(store: DynStore, url: &str, health: WriteHealth, metrics: PrometheusHandle) -> Self {
+        Self {
+            store,
+            store_kind: idempotency::registry()
+                .kind(url)
+                .map_or("unknown", |kind| kind.name)
+                .to_owned(),
+            health,
+            metrics,
+        }
+    }
 }
 
 /// One write of a throwaway record (kept for a second), through the watched store: when writes
@@ -806,15 +821,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
         })
         .layer(layer)
         .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
-    let admin = Admin {
-        store,
-        store_kind: idempotency::registry()
-            .kind(&config.store)
-            .map_or("unknown", |kind| kind.name)
-            .to_owned(),
-        health,
-        metrics,
-    };
+    let admin = Admin::new(store, &config.store, health, metrics);
     let main = Router::new().fallback_service(proxy);
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
