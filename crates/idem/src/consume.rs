@@ -35,7 +35,8 @@ use crate::error::Error;
 use crate::gateway::{ADMIN_PREFIX, Admin, admin_router, bind};
 use crate::units;
 
-/// The most of a handler's answer that is read (and stored as the outcome).
+/// The most of a handler's answer that is read and stored as the outcome (a longer answer is
+/// recorded without its body).
 const MAX_ANSWER: usize = 1 << 20;
 
 /// The most of a refusing answer's body that goes into a dead letter's reason.
@@ -315,28 +316,35 @@ impl HttpHandler {
             .await
             .map_err(|_| HandlerError::retry("idem consume is shutting down"))?;
         let request = self.request(message, attempt)?;
-        let exchange = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {e}")))?;
-            let status = response.status();
-            let body = Limited::new(response.into_body(), MAX_ANSWER)
-                .collect()
-                .await
-                .map_err(|e| {
-                    HandlerError::retry(format!("the handler's answer ({status}) was cut off: {e}"))
-                })?
-                .to_bytes();
-            Ok::<_, HandlerError>((status, body))
-        };
-        let (status, body) = tokio::time::timeout(self.timeout, exchange).await.map_err(|_| {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let late = || {
             HandlerError::retry(format!(
                 "the handler did not answer within {}",
                 units::format_duration(self.timeout)
             ))
-        })??;
+        };
+        let response = tokio::time::timeout_at(deadline, self.client.request(request))
+            .await
+            .map_err(|_| late())?
+            .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {e}")))?;
+        let status = response.status();
+        // Once the status is in, the handler's answer is known: a 2xx whose body is too long,
+        // late or cut off still means the work was done, and is recorded (without the body)
+        // rather than run again.
+        let body =
+            match tokio::time::timeout_at(deadline, Limited::new(response.into_body(), MAX_ANSWER).collect())
+                .await
+            {
+                Ok(Ok(body)) => body.to_bytes(),
+                Ok(Err(error)) => {
+                    tracing::warn!(%status, %error, "the handler's answer body was not read whole; not kept");
+                    Bytes::new()
+                }
+                Err(_) => {
+                    tracing::warn!(%status, "the handler's answer body did not arrive in time; not kept");
+                    Bytes::new()
+                }
+            };
         disposition(status, body)
     }
 }

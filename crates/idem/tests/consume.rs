@@ -70,6 +70,10 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap, body: String) 
         .get_mut(&key)
         .filter(|answers| !answers.is_empty())
         .map(|answers| answers.remove(0));
+    // `big:N` in the body: an answer of N bytes.
+    if let Some(len) = body.strip_prefix("big:").and_then(|n| n.parse().ok()) {
+        return (StatusCode::OK, "x".repeat(len));
+    }
     match next {
         Some((status, text)) => (StatusCode::from_u16(status).unwrap(), text.to_owned()),
         None => (StatusCode::OK, format!("handled {body}")),
@@ -99,7 +103,9 @@ async fn fresh_queue(name: &str) -> (Connection, Channel, String) {
 }
 
 async fn start_consume(queue: &str, handler: SocketAddr, admin: SocketAddr) -> Process {
-    start_consume_with(queue, handler, admin, &["--store", "memory://"]).await
+    // A short lease: a copy that arrives while the first is running comes back once the
+    // lease's remaining time has passed (the consumer core's wait for a key in flight).
+    start_consume_with(queue, handler, admin, &["--store", "memory://", "--lease", "3s"]).await
 }
 
 async fn start_consume_with(queue: &str, handler: SocketAddr, admin: SocketAddr, more: &[&str]) -> Process {
@@ -288,6 +294,44 @@ async fn a_refused_message_is_dead_lettered_with_the_status() {
     assert!(reason.contains("amount must be positive"), "{reason}");
     assert_eq!(message.delivery.data, b"-5");
     assert_eq!(ledger.calls("bad"), vec![1], "a refused message is not retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_too_long_to_keep_is_recorded_not_run_again() {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let (_connection, channel, queue) = fresh_queue("big").await;
+    let admin = common::free_addr();
+    let _consume = start_consume(&queue, handler, admin).await;
+    let key = Key::new("big").unwrap();
+    for _ in 0..2 {
+        publish(&channel, "", &queue, &key, b"big:3000000").await.unwrap();
+    }
+    let client = common::client();
+    let name = "idempotency_consumer_messages_total";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while common::metric(&client, admin, name, &[("result", "duplicate")]).await < 1.0 {
+        if Instant::now() > deadline {
+            let mut counts = Vec::new();
+            for result in ["executed", "duplicate", "in_flight", "retried", "dead_lettered"] {
+                counts.push((
+                    result,
+                    common::metric(&client, admin, name, &[("result", result)]).await,
+                ));
+            }
+            panic!(
+                "the copy was not answered from the record: {counts:?}, calls {:?}",
+                ledger.calls("big")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        common::metric(&client, admin, name, &[("result", "executed")]).await,
+        1.0
+    );
+    assert_eq!(ledger.calls("big"), vec![1]);
+    assert_eq!(waiting(&channel, &queue).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
