@@ -82,10 +82,14 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap, body: String) 
 
 /// The handler, on a loopback port of its own.
 async fn start_handler(ledger: Ledger) -> SocketAddr {
+    start_handler_on("127.0.0.1:0".parse().unwrap(), ledger).await
+}
+
+async fn start_handler_on(addr: SocketAddr, ledger: Ledger) -> SocketAddr {
     let app = axum::Router::new()
         .route("/messages", axum::routing::post(handle))
         .with_state(ledger);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
@@ -331,6 +335,48 @@ async fn a_success_too_long_to_keep_is_recorded_not_run_again() {
         1.0
     );
     assert_eq!(ledger.calls("big"), vec![1]);
+    assert_eq!(waiting(&channel, &queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
+    let ledger = Ledger::default();
+    // Nothing listens on the handler's address for the first 5 s.
+    let handler = common::free_addr();
+    let (_connection, channel, queue) = fresh_queue("outage").await;
+    let admin = common::free_addr();
+    let _consume = start_consume(&queue, handler, admin).await;
+    let keys: Vec<Key> = (0..10)
+        .map(|i| Key::new(format!("waiting-{i}")).unwrap())
+        .collect();
+    for key in &keys {
+        publish(&channel, "", &queue, key, b"charge").await.unwrap();
+    }
+    let client = common::client();
+    let name = "idempotency_consumer_messages_total";
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(common::metric(&client, admin, name, &[("result", "retried")]).await >= 10.0);
+    assert_eq!(
+        common::metric(&client, admin, name, &[("result", "dead_lettered")]).await,
+        0.0
+    );
+    start_handler_on(handler, ledger.clone()).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while common::metric(&client, admin, name, &[("result", "executed")]).await < 10.0 {
+        assert!(
+            Instant::now() < deadline,
+            "not every message ran once the handler was back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for key in &keys {
+        assert_eq!(ledger.calls(key.as_str()).len(), 1, "{key}");
+    }
+    assert_eq!(
+        common::metric(&client, admin, name, &[("result", "dead_lettered")]).await,
+        0.0
+    );
+    assert_eq!(waiting(&channel, &format!("{queue}.dead")).await, 0);
     assert_eq!(waiting(&channel, &queue).await, 0);
 }
 
