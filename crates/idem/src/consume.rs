@@ -46,7 +46,11 @@ const REASON_BODY: usize = 200;
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Where the messages come from: amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE
-    /// (RabbitMQ; the queue, QUEUE.retry and QUEUE.dead are declared if missing).
+    /// (RabbitMQ; the queue, QUEUE.retry and QUEUE.dead are declared if missing), or
+    /// nats://HOST:PORT?stream=STREAM&consumer=CONSUMER, with &subject=S and &dead_letter=D
+    /// (JetStream; a durable pull consumer, created if missing, on subject S or the whole
+    /// stream; dead letters go to D, by default STREAM.dead, which a stream must store and the
+    /// consumer must not receive).
     #[arg(long, env = "IDEM_FROM")]
     pub from: String,
     /// The handler each message is POSTed to: http://HOST:PORT/PATH.
@@ -156,6 +160,17 @@ enum Source {
         url: String,
         queue: String,
     },
+    /// A durable pull consumer of a JetStream stream.
+    Nats {
+        /// The server URL without the parameters.
+        url: String,
+        stream: String,
+        consumer: String,
+        /// Where dead letters are published (a subject some stream stores).
+        dead_letter: String,
+        /// The subject a consumer created by `idem consume` takes messages from.
+        subject: Option<String>,
+    },
 }
 
 impl fmt::Debug for Source {
@@ -165,6 +180,20 @@ impl fmt::Debug for Source {
                 .debug_struct("Amqp")
                 .field("url", &idempotency::redact_url(url))
                 .field("queue", queue)
+                .finish(),
+            Self::Nats {
+                url,
+                stream,
+                consumer,
+                dead_letter,
+                subject,
+            } => f
+                .debug_struct("Nats")
+                .field("url", &idempotency::redact_url(url))
+                .field("stream", stream)
+                .field("consumer", consumer)
+                .field("dead_letter", dead_letter)
+                .field("subject", subject)
                 .finish(),
         }
     }
@@ -210,10 +239,34 @@ fn source(from: &str) -> Result<Source, ConsumeError> {
                 queue,
             })
         }
-        "nats" => Err(refuse(
-            "NATS JetStream is not supported by idem consume yet (the Rust library idempotency-nats is)"
-                .into(),
-        )),
+        "nats" => {
+            let mut params: std::collections::HashMap<String, String> =
+                url.query_pairs().into_owned().collect();
+            let mut take = |name: &str| params.remove(name).filter(|value| !value.is_empty());
+            let stream = take("stream")
+                .ok_or_else(|| refuse("names no stream: add ?stream=STREAM&consumer=CONSUMER".into()))?;
+            let consumer = take("consumer").ok_or_else(|| {
+                refuse(
+                    "names no consumer: add &consumer=CONSUMER (a durable pull consumer, created if missing)"
+                        .into(),
+                )
+            })?;
+            let dead_letter = take("dead_letter").unwrap_or_else(|| format!("{stream}.dead"));
+            let subject = take("subject");
+            if let Some(unknown) = params.keys().next() {
+                return Err(refuse(format!(
+                    "unknown parameter `{unknown}` (stream, consumer, subject, dead_letter)"
+                )));
+            }
+            url.set_query(None);
+            Ok(Source::Nats {
+                url: url.into(),
+                stream,
+                consumer,
+                dead_letter,
+                subject,
+            })
+        }
         "kafka" => Err(refuse(
             "Kafka is not supported by idem consume yet (the Rust library idempotency-kafka is)".into(),
         )),
@@ -221,7 +274,7 @@ fn source(from: &str) -> Result<Source, ConsumeError> {
             "SQS is not supported by idem consume yet (the Rust library idempotency-sqs is)".into(),
         )),
         other => Err(refuse(format!(
-            "unknown scheme `{other}` (expected amqp://…?queue=QUEUE)"
+            "unknown scheme `{other}` (expected amqp://…?queue=QUEUE or nats://…?stream=STREAM&consumer=CONSUMER)"
         ))),
     }
 }
@@ -401,30 +454,88 @@ pub async fn consume(
             let _ = axum::serve(listener, admin).with_graceful_shutdown(stop).await;
         });
     }
-    let Source::Amqp { url, queue } = source;
-    reachable(&url).await?;
-    let handler = HttpHandler {
-        client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
-        to,
-        timeout: config.handler_timeout,
-        source: queue.clone(),
-        calls: Semaphore::new(usize::from(config.concurrency.unwrap_or(config.prefetch))),
-    };
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
     // The name lives as long as the process: the consumer core keeps it as `&'static str`.
-    let name: &'static str = Box::leak(config.name.into_boxed_str());
-    let consumer = Consumer::new(name, watched, handler)
-        .lease(config.lease)
-        .retention(config.retention)
-        .max_deliveries(config.max_deliveries);
-    tracing::info!(%queue, to = %config.to, "consuming");
-    Worker::new(url.clone(), Topology::for_queue(&queue), Arc::new(consumer))
-        .prefetch(config.prefetch)
-        .run_until(shutdown)
-        .await
-        .map_err(|e| ConsumeError::Broker {
-            from: idempotency::redact_url(&url),
-            why: e.to_string(),
-        })?;
+    let name: &'static str = Box::leak(config.name.clone().into_boxed_str());
+    let consumer = |source: String| {
+        let handler = HttpHandler {
+            client,
+            to,
+            timeout: config.handler_timeout,
+            source,
+            calls: Semaphore::new(calls),
+        };
+        Consumer::new(name, watched, handler)
+            .lease(config.lease)
+            .retention(config.retention)
+            .max_deliveries(config.max_deliveries)
+    };
+    match source {
+        Source::Amqp { url, queue } => {
+            reachable(&url).await?;
+            tracing::info!(%queue, to = %config.to, "consuming");
+            Worker::new(
+                url.clone(),
+                Topology::for_queue(&queue),
+                Arc::new(consumer(queue.clone())),
+            )
+            .prefetch(config.prefetch)
+            .run_until(shutdown)
+            .await
+            .map_err(|e| ConsumeError::Broker {
+                from: idempotency::redact_url(&url),
+                why: e.to_string(),
+            })?;
+        }
+        Source::Nats {
+            url,
+            stream,
+            consumer: durable,
+            dead_letter,
+            subject,
+        } => {
+            let refuse = |why: String| ConsumeError::Broker {
+                from: idempotency::redact_url(&url),
+                why,
+            };
+            // The first connection must work (a wrong address is an error at start); after it,
+            // the client reconnects by itself for as long as it takes.
+            let options = async_nats::ConnectOptions::new().max_reconnects(None);
+            let client = tokio::time::timeout(Duration::from_secs(10), options.connect(url.as_str()))
+                .await
+                .map_err(|_| refuse("the server did not answer within 10 s".into()))?
+                .map_err(|e| {
+                    refuse(format!(
+                        "cannot connect to the server: {}",
+                        idempotency::redact_url(&e.to_string())
+                    ))
+                })?;
+            let jetstream = async_nats::jetstream::new(client);
+            if jetstream.stream_by_subject(dead_letter.as_str()).await.is_err() {
+                return Err(refuse(format!(
+                    "dead letters go to subject `{dead_letter}`, which no stream stores: add it to a stream's subjects, or name another with &dead_letter=SUBJECT"
+                ))
+                .into());
+            }
+            let mut worker = idempotency_nats::Worker::new(
+                jetstream,
+                stream.clone(),
+                durable.clone(),
+                dead_letter,
+                Arc::new(consumer(format!("{stream}/{durable}"))),
+            )
+            .concurrency(usize::from(config.prefetch));
+            if let Some(subject) = subject {
+                worker = worker.filter_subject(subject);
+            }
+            tracing::info!(%stream, consumer = %durable, to = %config.to, "consuming");
+            worker
+                .run_until(shutdown)
+                .await
+                .map_err(|e| refuse(e.to_string()))?;
+        }
+    }
     tracing::info!("stopped: the running calls were recorded and settled");
     Ok(())
 }
@@ -458,17 +569,24 @@ mod tests {
     #[test]
     fn sources_are_parsed_and_refused_with_the_reason() {
         let Source::Amqp { url, queue } =
-            source("amqp://app:s3cret@127.0.0.1:5672/%2f?queue=payments").unwrap();
+            source("amqp://app:s3cret@127.0.0.1:5672/%2f?queue=payments").unwrap()
+        else {
+            panic!("not an AMQP source")
+        };
         assert_eq!(queue, "payments");
         assert_eq!(url, "amqp://app:s3cret@127.0.0.1:5672/%2f");
-        let Source::Amqp { url, .. } = source("amqp://h/v?heartbeat=10&queue=q").unwrap();
+        let Source::Amqp { url, .. } = source("amqp://h/v?heartbeat=10&queue=q").unwrap() else {
+            panic!("not an AMQP source")
+        };
         assert_eq!(url, "amqp://h/v?heartbeat=10");
         for (from, why) in [
             ("amqp://app:s3cret@127.0.0.1/%2f", "names no queue"),
             ("amqp://app:s3cret@127.0.0.1/%2f?queue=", "names no queue"),
+            ("nats://127.0.0.1:4222?stream=S", "names no consumer"),
+            ("nats://127.0.0.1:4222?consumer=C", "names no stream"),
             (
-                "nats://127.0.0.1:4222?stream=S&consumer=C",
-                "not supported by idem consume yet",
+                "nats://127.0.0.1:4222?stream=S&consumer=C&queue=q",
+                "unknown parameter `queue`",
             ),
             (
                 "kafka://127.0.0.1:9092?topic=t&group=g",
@@ -483,6 +601,29 @@ mod tests {
             assert!(error.contains(why), "{from}: {error}");
             assert!(!error.contains("s3cret"), "{from}: {error}");
         }
+    }
+
+    #[test]
+    fn nats_sources_name_their_stream_consumer_and_dead_letters() {
+        let Source::Nats {
+            url,
+            stream,
+            consumer,
+            dead_letter,
+            ..
+        } = source("nats://app:s3cret@127.0.0.1:4222?stream=PAYMENTS&consumer=charges").unwrap()
+        else {
+            panic!("not a NATS source")
+        };
+        assert_eq!(url, "nats://app:s3cret@127.0.0.1:4222");
+        assert_eq!((stream.as_str(), consumer.as_str()), ("PAYMENTS", "charges"));
+        assert_eq!(dead_letter, "PAYMENTS.dead");
+        let Source::Nats { dead_letter, .. } =
+            source("nats://h:4222?stream=S&consumer=C&dead_letter=x.dead").unwrap()
+        else {
+            panic!("not a NATS source")
+        };
+        assert_eq!(dead_letter, "x.dead");
     }
 
     #[test]

@@ -469,12 +469,24 @@ fn bad_input_is_refused_with_a_clear_error() {
         (
             vec![
                 "--from".into(),
-                "nats://127.0.0.1:4222?stream=S&consumer=C".into(),
+                "nats://127.0.0.1:1?stream=S&consumer=C".into(),
+                "--to".into(),
+                "http://127.0.0.1:1/m".into(),
+                "--store".into(),
+                "memory://".into(),
+            ],
+            1,
+            "cannot connect to the server",
+        ),
+        (
+            vec![
+                "--from".into(),
+                "nats://127.0.0.1:4222?stream=S".into(),
                 "--to".into(),
                 "http://127.0.0.1:1/m".into(),
             ],
             1,
-            "not supported by idem consume yet",
+            "names no consumer",
         ),
         (
             vec![

@@ -9,6 +9,8 @@
 //!   * `DeadLetter { reason }` publishes the message to the dead-letter subject, with the reason
 //!     in the `Idempotency-Dead-Reason` header, awaits the publish ack, and then `TERM`s the
 //!     original.
+//! * [`Worker`] runs [`process`] on a durable pull consumer, a bounded number of messages at a
+//!   time, until it is told to stop (then the running messages settle first).
 //! * [`publish`] sets both `Idempotency-Key` (for the consumer's record) and `Nats-Msg-Id` (the
 //!   stream's own duplicate window, which drops a producer's retried publish at the server) and
 //!   awaits the publish ack.
@@ -28,6 +30,9 @@ use idempotency_consumer::{
     DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
 };
 use idempotency_core::Key;
+
+mod worker;
+pub use worker::{Worker, WorkerError};
 
 /// The header a dead-lettered message carries its reason in.
 pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;

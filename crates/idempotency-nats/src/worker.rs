@@ -1,0 +1,258 @@
+//! A long-running consumer of one durable JetStream pull consumer.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures_util::StreamExt;
+use futures_util::future::FutureExt;
+use idempotency_consumer::Processor;
+
+use crate::{NatsMessage, process};
+
+/// The durable consumer could not be found or created.
+#[derive(Debug, thiserror::Error)]
+#[error("JetStream consumer {consumer:?} of stream {stream:?}: {why}")]
+pub struct WorkerError {
+    stream: String,
+    consumer: String,
+    why: String,
+}
+
+/// Consumes a durable pull consumer with a [`Processor`], up to `concurrency` messages at a
+/// time, each through [`process`] (progress acks while it runs, the disposition carried out
+/// after the outcome is recorded). Messages are pulled `concurrency` at a time, so none waits
+/// in the client past its ack wait.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use idempotency_nats::Worker;
+/// # async fn example<P: idempotency_consumer::Processor<idempotency_nats::NatsMessage>>(
+/// #     jetstream: async_nats::jetstream::Context,
+/// #     processor: P,
+/// #     shutdown: impl Future<Output = ()> + Send,
+/// # ) -> Result<(), idempotency_nats::WorkerError> {
+/// Worker::new(jetstream, "PAYMENTS", "charges", "payments.dead", Arc::new(processor))
+///     .concurrency(32)
+///     .run_until(shutdown) // SIGTERM, say: stop pulling, settle the running ones
+///     .await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Worker<P> {
+    jetstream: jetstream::Context,
+    stream: String,
+    consumer: String,
+    dead_letter_subject: String,
+    processor: Arc<P>,
+    concurrency: usize,
+    ack_wait: Duration,
+    filter_subject: Option<String>,
+}
+
+impl<P> fmt::Debug for Worker<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Worker")
+            .field("stream", &self.stream)
+            .field("consumer", &self.consumer)
+            .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("concurrency", &self.concurrency)
+            .field("ack_wait", &self.ack_wait)
+            .field("filter_subject", &self.filter_subject)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Processor<NatsMessage>> Worker<P> {
+    /// A worker on the durable pull consumer `consumer` of `stream` (created with explicit
+    /// acks if it does not exist), dead-lettering to `dead_letter_subject`. Defaults:
+    /// concurrency 16, an ack wait of 30 s for a consumer it creates.
+    pub fn new(
+        jetstream: jetstream::Context,
+        stream: impl Into<String>,
+        consumer: impl Into<String>,
+        dead_letter_subject: impl Into<String>,
+        processor: Arc<P>,
+    ) -> Self {
+        Self {
+            jetstream,
+            stream: stream.into(),
+            consumer: consumer.into(),
+            dead_letter_subject: dead_letter_subject.into(),
+            processor,
+            concurrency: 16,
+            ack_wait: Duration::from_secs(30),
+            filter_subject: None,
+        }
+    }
+
+    /// How many messages are handled at once.
+    #[must_use]
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// The ack wait of a consumer the worker creates (an existing one keeps its own); progress
+    /// acks go out every third of it while a message is handled.
+    #[must_use]
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait.max(Duration::from_millis(300));
+        self
+    }
+
+    /// The subject a consumer the worker creates takes its messages from (by default the whole
+    /// stream). It must not match the dead-letter subject.
+    #[must_use]
+    pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.filter_subject = Some(subject.into());
+        self
+    }
+
+    /// Finds (or creates) the durable consumer; the error names the stream and consumer. A
+    /// consumer that would receive its own dead letters is refused: each dead letter would be
+    /// handled again, and dead-lettered again, without end.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkerError`] when the stream does not exist or the consumer cannot be made.
+    pub async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
+        let fail = |why: String| WorkerError {
+            stream: self.stream.clone(),
+            consumer: self.consumer.clone(),
+            why,
+        };
+        let stream = self
+            .jetstream
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| fail(format!("the stream cannot be found: {e}")))?;
+        let stores_dead_letters = stream
+            .cached_info()
+            .config
+            .subjects
+            .iter()
+            .any(|subject| subject_matches(subject, &self.dead_letter_subject));
+        let consumer: PullConsumer = stream
+            .get_or_create_consumer(
+                &self.consumer,
+                jetstream::consumer::pull::Config {
+                    durable_name: Some(self.consumer.clone()),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: self.ack_wait,
+                    filter_subject: self.filter_subject.clone().unwrap_or_default(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| fail(format!("the consumer cannot be found or created: {e}")))?;
+        let config = &consumer.cached_info().config;
+        let mut filters: Vec<&str> = config.filter_subjects.iter().map(String::as_str).collect();
+        if !config.filter_subject.is_empty() {
+            filters.push(&config.filter_subject);
+        }
+        let receives_dead_letters = stores_dead_letters
+            && (filters.is_empty()
+                || filters
+                    .iter()
+                    .any(|filter| subject_matches(filter, &self.dead_letter_subject)));
+        if receives_dead_letters {
+            return Err(fail(format!(
+                "it would receive its own dead letters (subject {:?}): give it a filter subject that leaves them out, or dead-letter to another stream",
+                self.dead_letter_subject
+            )));
+        }
+        Ok(consumer)
+    }
+
+    /// Consumes until `shutdown` completes, then stops pulling, lets the running messages
+    /// settle and returns. A lost connection is waited for (the client reconnects by itself).
+    ///
+    /// # Errors
+    ///
+    /// [`WorkerError`] when the consumer cannot be found or created at the start.
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), WorkerError>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        let consumer = self.consumer().await?;
+        let progress_every = consumer.cached_info().config.ack_wait / 3;
+        let shutdown = Box::pin(shutdown).shared();
+        tracing::info!(stream = %self.stream, consumer = %self.consumer, "consuming");
+        while shutdown.peek().is_none() {
+            let messages = consumer
+                .stream()
+                .max_messages_per_batch(self.concurrency)
+                .messages()
+                .await;
+            let messages = match messages {
+                Ok(messages) => messages,
+                Err(error) => {
+                    tracing::warn!(%error, "pulling from JetStream failed; trying again");
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                        () = shutdown.clone() => break,
+                    }
+                }
+            };
+            messages
+                .take_until(shutdown.clone())
+                .for_each_concurrent(self.concurrency, |message| async move {
+                    match message {
+                        Ok(message) => {
+                            let settled = process(
+                                &*self.processor,
+                                &self.jetstream,
+                                &self.dead_letter_subject,
+                                message,
+                                progress_every,
+                            )
+                            .await;
+                            if let Err(error) = settled {
+                                // Unsettled, the message comes back after its ack wait and the
+                                // record answers it.
+                                tracing::warn!(%error, "settlement failed");
+                            }
+                        }
+                        Err(error) => tracing::warn!(%error, "a pulled message failed"),
+                    }
+                })
+                .await;
+        }
+        Ok(())
+    }
+}
+
+/// Whether the subject `pattern` (with NATS wildcards: `*` one token, `>` the rest) matches the
+/// literal `subject`. (A dozen lines: the NATS client exposes no matcher.)
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut subject = subject.split('.');
+    for token in pattern.split('.') {
+        match (token, subject.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (token, Some(part)) if token == part => {}
+            _ => return false,
+        }
+    }
+    subject.next().is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn subjects_match_nats_wildcards() {
+        assert!(subject_matches("orders.dead", "orders.dead"));
+        assert!(subject_matches("orders.*", "orders.dead"));
+        assert!(subject_matches("orders.>", "orders.dead.eu"));
+        assert!(subject_matches(">", "orders"));
+        assert!(!subject_matches("orders.work", "orders.dead"));
+        assert!(!subject_matches("orders.*", "orders.dead.eu"));
+        assert!(!subject_matches("orders.dead.eu", "orders.dead"));
+        assert!(!subject_matches("orders.>", "orders"));
+    }
+}
