@@ -47,7 +47,8 @@ const REASON_BODY: usize = 200;
 pub struct Config {
     /// Where the messages come from: amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE
     /// (RabbitMQ; the queue, QUEUE.retry and QUEUE.dead are declared if missing), or
-    /// nats://HOST:PORT?stream=STREAM&consumer=CONSUMER, with &subject=S and &dead_letter=D
+    /// nats://HOST:PORT?stream=STREAM&consumer=CONSUMER, with &subject=S, &dead_letter=D and
+    /// &ack_wait=30s
     /// (JetStream; a durable pull consumer, created if missing, on subject S or the whole
     /// stream; dead letters go to D, by default STREAM.dead, which a stream must store and the
     /// consumer must not receive).
@@ -170,6 +171,8 @@ enum Source {
         dead_letter: String,
         /// The subject a consumer created by `idem consume` takes messages from.
         subject: Option<String>,
+        /// The ack wait of a consumer created by `idem consume`.
+        ack_wait: Option<Duration>,
     },
 }
 
@@ -187,6 +190,7 @@ impl fmt::Debug for Source {
                 consumer,
                 dead_letter,
                 subject,
+                ack_wait,
             } => f
                 .debug_struct("Nats")
                 .field("url", &idempotency::redact_url(url))
@@ -194,6 +198,7 @@ impl fmt::Debug for Source {
                 .field("consumer", consumer)
                 .field("dead_letter", dead_letter)
                 .field("subject", subject)
+                .field("ack_wait", ack_wait)
                 .finish(),
         }
     }
@@ -253,9 +258,15 @@ fn source(from: &str) -> Result<Source, ConsumeError> {
             })?;
             let dead_letter = take("dead_letter").unwrap_or_else(|| format!("{stream}.dead"));
             let subject = take("subject");
+            let ack_wait = take("ack_wait")
+                .map(|text| {
+                    bounded(&text, (Duration::from_secs(1), Duration::from_secs(24 * 3600)))
+                        .map_err(|why| refuse(format!("ack_wait={text}: {why}")))
+                })
+                .transpose()?;
             if let Some(unknown) = params.keys().next() {
                 return Err(refuse(format!(
-                    "unknown parameter `{unknown}` (stream, consumer, subject, dead_letter)"
+                    "unknown parameter `{unknown}` (stream, consumer, subject, dead_letter, ack_wait)"
                 )));
             }
             url.set_query(None);
@@ -265,6 +276,7 @@ fn source(from: &str) -> Result<Source, ConsumeError> {
                 consumer,
                 dead_letter,
                 subject,
+                ack_wait,
             })
         }
         "kafka" => Err(refuse(
@@ -494,6 +506,7 @@ pub async fn consume(
             consumer: durable,
             dead_letter,
             subject,
+            ack_wait,
         } => {
             let refuse = |why: String| ConsumeError::Broker {
                 from: idempotency::redact_url(&url),
@@ -528,6 +541,9 @@ pub async fn consume(
             .concurrency(usize::from(config.prefetch));
             if let Some(subject) = subject {
                 worker = worker.filter_subject(subject);
+            }
+            if let Some(ack_wait) = ack_wait {
+                worker = worker.ack_wait(ack_wait);
             }
             tracing::info!(%stream, consumer = %durable, to = %config.to, "consuming");
             worker
@@ -584,6 +600,14 @@ mod tests {
             ("amqp://app:s3cret@127.0.0.1/%2f?queue=", "names no queue"),
             ("nats://127.0.0.1:4222?stream=S", "names no consumer"),
             ("nats://127.0.0.1:4222?consumer=C", "names no stream"),
+            (
+                "nats://127.0.0.1:4222?stream=S&consumer=C&ack_wait=soon",
+                "ack_wait=soon",
+            ),
+            (
+                "nats://127.0.0.1:4222?stream=S&consumer=C&ack_wait=0s",
+                "must be from",
+            ),
             (
                 "nats://127.0.0.1:4222?stream=S&consumer=C&queue=q",
                 "unknown parameter `queue`",

@@ -47,6 +47,16 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap) -> (StatusCode
         calls.push(attempt);
         calls.len()
     };
+    if key.starts_with("slow") {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        ledger
+            .0
+            .lock()
+            .unwrap()
+            .entry(format!("{key}:finished"))
+            .or_default()
+            .push(attempt);
+    }
     if key.starts_with("refuse") {
         (StatusCode::UNPROCESSABLE_ENTITY, "no such account")
     } else if key.starts_with("flaky") && calls == 1 {
@@ -143,8 +153,13 @@ impl Setup {
 }
 
 async fn start_consume(setup: &Setup, handler: SocketAddr, admin: SocketAddr) -> Process {
+    start_consume_with(setup, handler, admin, &["--store", "memory://", "--lease", "3s"]).await
+}
+
+/// `idem consume` on the work subject (ack wait 2 s), with `more` flags.
+async fn start_consume_with(setup: &Setup, handler: SocketAddr, admin: SocketAddr, more: &[&str]) -> Process {
     let from = format!(
-        "{}?stream={}&consumer=idem&subject={}&dead_letter={}",
+        "{}?stream={}&consumer=idem&subject={}&dead_letter={}&ack_wait=2s",
         nats_url(),
         setup.stream,
         setup.work,
@@ -157,13 +172,10 @@ async fn start_consume(setup: &Setup, handler: SocketAddr, admin: SocketAddr) ->
             &from,
             "--to",
             &format!("http://{handler}/messages"),
-            "--store",
-            "memory://",
-            "--lease",
-            "3s",
             "--admin-listen",
             &admin.to_string(),
         ])
+        .args(more)
         .env("IDEM_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -276,4 +288,69 @@ async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
         assert_eq!(code, 1, "{from}: {err}");
         assert!(err.contains(why), "{from}: {err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_call_finishes_records_and_acks() {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let setup = setup().await;
+    let mut consume = start_consume(&setup, handler, common::free_addr()).await;
+    setup.publish("slow-term", b"charge").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ledger.calls("slow-term").is_empty() {
+        assert!(Instant::now() < deadline, "the call never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = consume
+        .terminate(Duration::from_secs(20))
+        .expect("idem consume exits");
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        ledger.calls("slow-term:finished"),
+        vec![1],
+        "the call ran to its end"
+    );
+    // Acked: a new consumer process on the same durable consumer gets nothing to do.
+    let admin = common::free_addr();
+    let _again = start_consume(&setup, handler, admin).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        ledger.calls("slow-term"),
+        vec![1],
+        "the message came back: it was not acked"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let setup = setup().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let settings = ["--store", store.as_str(), "--lease", "4s"];
+    let mut consume = start_consume_with(&setup, handler, common::free_addr(), &settings).await;
+    setup.publish("slow-kill", b"charge").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ledger.calls("slow-kill").is_empty() {
+        assert!(Instant::now() < deadline, "the call never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    consume.kill9();
+    let killed_at = Instant::now();
+    let admin = common::free_addr();
+    let _consume = start_consume_with(&setup, handler, admin, &settings).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ledger.calls("slow-kill").len() < 2 {
+        assert!(Instant::now() < deadline, "the message never ran again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        killed_at.elapsed() >= Duration::from_secs(3),
+        "called again {:?} after the kill, inside the 4 s lease",
+        killed_at.elapsed()
+    );
+    assert_eq!(ledger.calls("slow-kill"), vec![1, 2], "the retry is attempt 2");
+    metric_at_least(admin, "executed", 1.0).await;
 }
