@@ -13,6 +13,7 @@
 
 mod aws;
 mod boxes;
+mod consume;
 mod consumers;
 mod gateway;
 mod http;
@@ -79,6 +80,9 @@ enum Target {
     GatewayMemory,
     /// The fast upstream the gateway benchmark starts (runs until killed).
     Upstream,
+    /// `idem consume` (memory and SQLite stores) vs a plain consumer feeding the same HTTP
+    /// handler from RabbitMQ (needs `target/release/idem`).
+    Consume,
     Consumers,
     Kafka,
     Inbox,
@@ -107,7 +111,7 @@ fn main() -> ExitCode {
         .filter(|t| {
             !matches!(
                 t,
-                Target::All | Target::Gateway | Target::GatewayMemory | Target::Upstream
+                Target::All | Target::Gateway | Target::GatewayMemory | Target::Upstream | Target::Consume
             )
         });
     let targets: Vec<Target> = if settings.targets.is_empty() || settings.targets.contains(&Target::All) {
@@ -148,6 +152,7 @@ fn main() -> ExitCode {
                 gateway::run_memory(usize::from(settings.connections), settings.requests)
             }
             Target::Upstream => Ok(()),
+            Target::Consume => consume::run(rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
             Target::Kafka => kafka::run(rounds),
             Target::Inbox => boxes::run_inbox(rounds),

@@ -1,0 +1,289 @@
+//! `idem consume` against a plain consumer feeding the same HTTP handler: messages per second
+//! from a RabbitMQ queue to a handler that answers `200` at once, with the record (`idem
+//! consume` as a process of its own, on the memory and the SQLite store) and without it (an
+//! in-process consumer that posts each message and acks it, no key, no record), alternating in
+//! one run.
+//!
+//! Each measurement fills a fresh queue with `MESSAGES` messages with distinct keys, then starts
+//! the consumer and times the handler's calls from the first to the last, so that process start,
+//! store opening and connecting are left out. Both variants have 64 messages in process at once.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_amqp::{Topology, publish};
+use idempotency_core::Key;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::measure::{Samples, per_second, runtime};
+
+const MESSAGES: u64 = 3000;
+const PREFETCH: u16 = 64;
+
+/// The handler: counts calls and notes when the first and the last came.
+#[derive(Default)]
+struct Calls {
+    count: AtomicU64,
+    span: Mutex<(Option<Instant>, Option<Instant>)>,
+}
+
+impl Calls {
+    fn reset(&self) {
+        self.count.store(0, Ordering::SeqCst);
+        *self
+            .span
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = (None, None);
+    }
+
+    fn call(&self) {
+        let now = Instant::now();
+        let mut span = self
+            .span
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        span.0.get_or_insert(now);
+        span.1 = Some(now);
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Messages per second between the first call and the last.
+    fn rate(&self) -> f64 {
+        let span = *self
+            .span
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match span {
+            (Some(first), Some(last)) if last > first => {
+                (self.count.load(Ordering::SeqCst) - 1) as f64 / (last - first).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+async fn start_handler(calls: Arc<Calls>) -> Result<SocketAddr, String> {
+    let app = axum::Router::new()
+        .route(
+            "/messages",
+            axum::routing::post(
+                |axum::extract::State(calls): axum::extract::State<Arc<Calls>>| async move {
+                    calls.call();
+                    "ok"
+                },
+            ),
+        )
+        .with_state(calls);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A fresh queue (deleted after a minute unused) holding `MESSAGES` messages with distinct keys.
+async fn filled_queue(channel: &Channel, round: usize, variant: usize) -> Result<String, String> {
+    let queue = format!("idem-bench-consume-{}-{round}-{variant}", std::process::id());
+    Topology::for_queue(&queue)
+        .expires(Duration::from_secs(60))
+        .declare(channel)
+        .await
+        .map_err(|e| e.to_string())?;
+    for i in 0..MESSAGES {
+        let key = Key::new(format!("bench-{round}-{variant}-{i}")).map_err(|e| e.to_string())?;
+        publish(channel, "", &queue, &key, b"{\"amount\":1000}")
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(queue)
+}
+
+/// Waits until the handler has had every message (at most a minute).
+async fn drained(calls: &Calls) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while calls.count.load(Ordering::SeqCst) < MESSAGES {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "only {} of {MESSAGES} messages reached the handler in a minute",
+                calls.count.load(Ordering::SeqCst)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// `idem consume` on `queue` with `store`, until dropped.
+struct IdemConsume(Child);
+
+impl Drop for IdemConsume {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(self.0.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn idem_consume(queue: &str, handler: SocketAddr, store: &str) -> Result<IdemConsume, String> {
+    let idem = std::env::current_exe()
+        .map_err(|e| e.to_string())?
+        .with_file_name("idem");
+    if !idem.is_file() {
+        return Err(format!(
+            "{} is missing: build it first (cargo build --release -p idem -p idempotency-bench)",
+            idem.display()
+        ));
+    }
+    Command::new(idem)
+        .args([
+            "consume",
+            "--from",
+            &format!("{}?queue={queue}", amqp_url()),
+            "--to",
+            &format!("http://{handler}/messages"),
+            "--store",
+            store,
+            "--prefetch",
+            &PREFETCH.to_string(),
+            "--name",
+            &format!("bench-{}", Key::generate()),
+        ])
+        .env("IDEM_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map(IdemConsume)
+        .map_err(|e| format!("cannot start idem consume: {e}"))
+}
+
+/// A consumer without the guard: posts each message to the handler and acks it.
+async fn plain(
+    connection: &Connection,
+    queue: &str,
+    handler: SocketAddr,
+    calls: &Calls,
+) -> Result<(), String> {
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    channel
+        .basic_qos(PREFETCH, BasicQosOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let deliveries = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let uri: http::Uri = format!("http://{handler}/messages")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let consuming = deliveries.for_each_concurrent(usize::from(PREFETCH), |delivery| {
+        let (client, uri) = (client.clone(), uri.clone());
+        async move {
+            let Ok(delivery) = delivery else { return };
+            let request = http::Request::post(uri)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(delivery.data.clone())));
+            if let Ok(request) = request
+                && let Ok(response) = client.request(request).await
+            {
+                let _ = response.into_body().collect().await;
+            }
+            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+        }
+    });
+    tokio::select! {
+        () = consuming => Err("the plain consumer's deliveries ended".into()),
+        done = drained(calls) => done,
+    }?;
+    let _ = channel.close(200, "done".into()).await;
+    Ok(())
+}
+
+pub(crate) fn run(rounds: usize) -> Result<(), String> {
+    runtime()?.block_on(run_async(rounds))
+}
+
+async fn run_async(rounds: usize) -> Result<(), String> {
+    let calls = Arc::new(Calls::default());
+    let handler = start_handler(Arc::clone(&calls)).await?;
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("RabbitMQ at {}: {e}", idempotency_core::redact_url(&amqp_url())))?;
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let sqlite = format!("sqlite://{}", dir.path().join("consume.db").display());
+    let variants = [
+        "idem consume, memory store",
+        "idem consume, SQLite store",
+        "plain consumer (post, ack)",
+    ];
+    let mut rates = vec![Vec::new(); variants.len()];
+    for round in 0..rounds {
+        for (variant, samples) in rates.iter_mut().enumerate() {
+            let queue = filled_queue(&channel, round, variant).await?;
+            calls.reset();
+            match variant {
+                0 | 1 => {
+                    let store = if variant == 0 {
+                        "memory://"
+                    } else {
+                        sqlite.as_str()
+                    };
+                    let _consume = idem_consume(&queue, handler, store)?;
+                    drained(&calls).await?;
+                }
+                _ => plain(&connection, &queue, handler, &calls).await?,
+            }
+            samples.push(calls.rate());
+            let _ = channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+    let samples: Vec<Samples> = rates.into_iter().map(Samples::of).collect();
+    let plain = samples[2].median;
+    println!(
+        "\n## idem consume vs a plain consumer: RabbitMQ to an HTTP handler, {MESSAGES} messages, {PREFETCH} in process, {rounds} alternating rounds, medians\n"
+    );
+    println!("| variant | messages/s | / plain | min–max |");
+    println!("|---|---:|---:|---:|");
+    for (name, sample) in variants.iter().zip(&samples) {
+        println!(
+            "| {name} | {} | {:.2} | {} |",
+            per_second(sample.median),
+            sample.median / plain,
+            sample.spread()
+        );
+    }
+    Ok(())
+}
