@@ -97,11 +97,12 @@ fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// A fresh queue (deleted after a minute unused) holding `MESSAGES` messages with distinct keys.
+/// A fresh queue holding `MESSAGES` messages with distinct keys.
 async fn filled_queue(channel: &Channel, round: usize, variant: usize) -> Result<String, String> {
     let queue = format!("idem-bench-consume-{}-{round}-{variant}", std::process::id());
+    // Declared as `idem consume` declares it (a queue with other arguments is refused); the
+    // bench deletes it, with its retry and dead-letter queues, after the measurement.
     Topology::for_queue(&queue)
-        .expires(Duration::from_secs(60))
         .declare(channel)
         .await
         .map_err(|e| e.to_string())?;
@@ -265,9 +266,11 @@ async fn run_async(rounds: usize) -> Result<(), String> {
                 _ => plain(&connection, &queue, handler, &calls).await?,
             }
             samples.push(calls.rate());
-            let _ = channel
-                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                .await;
+            for name in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dead")] {
+                let _ = channel
+                    .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+            }
         }
     }
     let samples: Vec<Samples> = rates.into_iter().map(Samples::of).collect();
