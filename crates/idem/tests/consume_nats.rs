@@ -67,10 +67,14 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap) -> (StatusCode
 }
 
 async fn start_handler(ledger: Ledger) -> SocketAddr {
+    start_handler_on("127.0.0.1:0".parse().unwrap(), ledger).await
+}
+
+async fn start_handler_on(addr: SocketAddr, ledger: Ledger) -> SocketAddr {
     let app = axum::Router::new()
         .route("/messages", axum::routing::post(handle))
         .with_state(ledger);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
@@ -353,4 +357,36 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
     );
     assert_eq!(ledger.calls("slow-kill"), vec![1, 2], "the retry is attempt 2");
     metric_at_least(admin, "executed", 1.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
+    let ledger = Ledger::default();
+    // Nothing listens on the handler's address for the first 5 s.
+    let handler = common::free_addr();
+    let setup = setup().await;
+    let admin = common::free_addr();
+    let _consume = start_consume(&setup, handler, admin).await;
+    let keys: Vec<String> = (0..10).map(|i| format!("waiting-{i}")).collect();
+    for key in &keys {
+        setup.publish(key, b"charge").await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let client = common::client();
+    let name = "idempotency_consumer_messages_total";
+    assert!(common::metric(&client, admin, name, &[("result", "retried")]).await >= 10.0);
+    assert_eq!(
+        common::metric(&client, admin, name, &[("result", "dead_lettered")]).await,
+        0.0
+    );
+    start_handler_on(handler, ledger.clone()).await;
+    metric_at_least(admin, "executed", 10.0).await;
+    for key in &keys {
+        assert_eq!(ledger.calls(key).len(), 1, "{key}");
+    }
+    assert_eq!(
+        common::metric(&client, admin, name, &[("result", "dead_lettered")]).await,
+        0.0
+    );
+    assert!(setup.dead_letters().await.is_empty());
 }
