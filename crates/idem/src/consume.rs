@@ -32,7 +32,9 @@ use idempotency_consumer::{Consumer, Delivery, Handler, HandlerError};
 use tokio::sync::Semaphore;
 
 use crate::error::Error;
-use crate::gateway::{ADMIN_PREFIX, Admin, admin_router, bind};
+use crate::gateway::{
+    ADMIN_PREFIX, Admin, FlagError, admin_router, bind, bounded_duration, parse_lease, parse_retention,
+};
 use crate::units;
 
 /// The most of a handler's answer that is read and stored as the outcome (a longer answer is
@@ -71,14 +73,14 @@ pub struct Config {
     #[arg(long, env = "IDEM_CONCURRENCY", value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: Option<u16>,
     /// How long a handler call may take, answer included; then it is retried.
-    #[arg(long, env = "IDEM_HANDLER_TIMEOUT", default_value = "30s", value_parser = handler_timeout)]
+    #[arg(long, env = "IDEM_HANDLER_TIMEOUT", default_value = "30s", value_parser = parse_handler_timeout)]
     pub handler_timeout: Duration,
     /// The lease of a running call, renewed while it runs; a consumer that died is taken over
     /// after it.
-    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = lease)]
+    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_lease)]
     pub lease: Duration,
     /// How long a handled key is remembered (duplicates within it are acked unhandled).
-    #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = retention)]
+    #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = parse_retention)]
     pub retention: Duration,
     /// Deliveries of one message before it is dead-lettered.
     #[arg(long, env = "IDEM_MAX_DELIVERIES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
@@ -94,31 +96,10 @@ fn consumer_name(text: &str) -> Result<String, String> {
         .map_err(|e| format!("not a valid consumer name: {e}"))
 }
 
-fn bounded(text: &str, (min, max): (Duration, Duration)) -> Result<Duration, String> {
-    let duration = units::parse_duration(text).map_err(|e| e.to_string())?;
-    if duration < min || duration > max {
-        return Err(format!(
-            "must be from {} to {}",
-            units::format_duration(min),
-            units::format_duration(max)
-        ));
-    }
-    Ok(duration)
-}
-
-fn handler_timeout(text: &str) -> Result<Duration, String> {
-    bounded(text, (Duration::from_millis(100), Duration::from_secs(24 * 3600)))
-}
-
-fn lease(text: &str) -> Result<Duration, String> {
-    bounded(text, (Duration::from_secs(1), Duration::from_secs(24 * 3600)))
-}
-
-fn retention(text: &str) -> Result<Duration, String> {
-    bounded(
-        text,
-        (Duration::from_secs(1), Duration::from_secs(3650 * 24 * 3600)),
-    )
+/// `--handler-timeout`: 100 ms to 24 h (zero would retry every message without calling).
+fn parse_handler_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(100), Duration::from_secs(86_400));
+    bounded_duration(text, "--handler-timeout", range, "must be from 100ms to 24h")
 }
 
 /// A source `idem consume` cannot consume from, or a handler URL it cannot call.
@@ -260,7 +241,8 @@ fn source(from: &str) -> Result<Source, ConsumeError> {
             let subject = take("subject");
             let ack_wait = take("ack_wait")
                 .map(|text| {
-                    bounded(&text, (Duration::from_secs(1), Duration::from_secs(24 * 3600)))
+                    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
+                    bounded_duration(&text, "ack_wait", range, "must be from 1s to 24h")
                         .map_err(|why| refuse(format!("ack_wait={text}: {why}")))
                 })
                 .transpose()?;

@@ -320,7 +320,7 @@ pub fn parse_status_set(text: &str) -> Result<StatusSet, FlagError> {
 }
 
 /// A duration flag within `[min, max]`.
-fn bounded_duration(
+pub(crate) fn bounded_duration(
     text: &str,
     setting: &'static str,
     (min, max): (Duration, Duration),
