@@ -9,7 +9,7 @@
 //! store opening and connecting are left out. Both variants have 64 messages in process at once.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +26,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, Queu
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 
+use crate::gateway::{Process, sibling};
 use crate::measure::{Samples, per_second, runtime};
 
 const MESSAGES: u64 = 3000;
@@ -131,55 +132,25 @@ async fn drained(calls: &Calls) -> Result<(), String> {
 }
 
 /// `idem consume` on `queue` with `store`, until dropped.
-struct IdemConsume(Child);
-
-impl Drop for IdemConsume {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if matches!(self.0.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn idem_consume(queue: &str, handler: SocketAddr, store: &str) -> Result<IdemConsume, String> {
-    let idem = std::env::current_exe()
-        .map_err(|e| e.to_string())?
-        .with_file_name("idem");
-    if !idem.is_file() {
-        return Err(format!(
-            "{} is missing: build it first (cargo build --release -p idem -p idempotency-bench)",
-            idem.display()
-        ));
-    }
-    Command::new(idem)
-        .args([
-            "consume",
-            "--from",
-            &format!("{}?queue={queue}", amqp_url()),
-            "--to",
-            &format!("http://{handler}/messages"),
-            "--store",
-            store,
-            "--prefetch",
-            &PREFETCH.to_string(),
-            "--name",
-            &format!("bench-{}", Key::generate()),
-        ])
-        .env("IDEM_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map(IdemConsume)
-        .map_err(|e| format!("cannot start idem consume: {e}"))
+fn idem_consume(queue: &str, handler: SocketAddr, store: &str) -> Result<Process, String> {
+    Process::spawn(
+        "idem consume",
+        Command::new(sibling("idem")?)
+            .args([
+                "consume",
+                "--from",
+                &format!("{}?queue={queue}", amqp_url()),
+                "--to",
+                &format!("http://{handler}/messages"),
+                "--store",
+                store,
+                "--prefetch",
+                &PREFETCH.to_string(),
+                "--name",
+                &format!("bench-{}", Key::generate()),
+            ])
+            .env("IDEM_LOG", "error"),
+    )
 }
 
 /// A consumer without the guard: posts each message to the handler and acks it.

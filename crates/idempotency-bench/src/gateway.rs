@@ -29,8 +29,8 @@ struct Run {
     errors: u64,
 }
 
-/// A process the bench started; killed when dropped.
-struct Process {
+/// A process the bench started; stopped when dropped.
+pub(crate) struct Process {
     name: String,
     child: Child,
 }
@@ -56,7 +56,7 @@ impl Drop for Process {
 }
 
 impl Process {
-    fn spawn(name: &str, command: &mut Command) -> Result<Self, String> {
+    pub(crate) fn spawn(name: &str, command: &mut Command) -> Result<Self, String> {
         let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -121,7 +121,7 @@ pub(crate) fn run_upstream(listen: &str) -> Result<(), String> {
 }
 
 /// The binaries next to this one (`target/release/idem`).
-fn sibling(name: &str) -> Result<PathBuf, String> {
+pub(crate) fn sibling(name: &str) -> Result<PathBuf, String> {
     let path = std::env::current_exe()
         .map_err(|e| e.to_string())?
         .with_file_name(name);
