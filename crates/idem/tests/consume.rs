@@ -132,33 +132,13 @@ async fn start_consume_with(queue: &str, handler: SocketAddr, admin: SocketAddr,
         .stderr(Stdio::inherit())
         .spawn()
         .expect("start idem consume");
-    let mut process = Process { child };
     // Ready once its admin endpoint answers (the store is open then).
-    let client = common::client();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(Some(status)) = process.child.try_wait() {
-            panic!("idem consume exited: {status}");
-        }
-        let seen = common::try_send(&client, admin, "GET", "/_idem/healthz", &[], b"").await;
-        if seen.is_some_and(|seen| seen.status == 200) {
-            return process;
-        }
-        if Instant::now() > deadline {
-            process.kill9();
-            panic!("idem consume did not become ready");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::ready(Process { child }, admin, "idem consume").await
 }
 
 /// Waits until `done` holds, at most 30 s.
 async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !done() {
-        assert!(Instant::now() < deadline, "not within 30 s: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    idempotency_testkit::eventually(Duration::from_secs(30), what, async || done()).await;
 }
 
 /// The messages waiting in `queue` (none in flight: a passive declare counts the ready ones).
@@ -238,11 +218,7 @@ async fn a_handler_failing_twice_is_called_three_times_and_the_message_acked_onc
     until("three calls", || ledger.calls("flaky").len() == 3).await;
     let client = common::client();
     let name = "idempotency_consumer_messages_total";
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while common::metric(&client, admin, name, &[("result", "executed")]).await < 1.0 {
-        assert!(Instant::now() < deadline, "the third call was not recorded");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::metric_at_least(admin, name, &[("result", "executed")], 1.0).await;
     assert_eq!(
         ledger.calls("flaky"),
         vec![1, 2, 3],
@@ -361,14 +337,7 @@ async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
         0.0
     );
     start_handler_on(handler, ledger.clone()).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while common::metric(&client, admin, name, &[("result", "executed")]).await < 10.0 {
-        assert!(
-            Instant::now() < deadline,
-            "not every message ran once the handler was back"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    common::metric_at_least(admin, name, &[("result", "executed")], 10.0).await;
     for key in &keys {
         assert_eq!(ledger.calls(key.as_str()).len(), 1, "{key}");
     }
@@ -432,13 +401,8 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
         killed_at.elapsed()
     );
     assert_eq!(ledger.calls("killed"), vec![1, 2], "the retry is attempt 2");
-    let client = common::client();
     let name = "idempotency_consumer_messages_total";
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while common::metric(&client, admin, name, &[("result", "executed")]).await < 1.0 {
-        assert!(Instant::now() < deadline, "attempt 2 was not recorded");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::metric_at_least(admin, name, &[("result", "executed")], 1.0).await;
     assert_eq!(waiting(&channel, &queue).await, 0);
 }
 

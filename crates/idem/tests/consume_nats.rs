@@ -185,33 +185,17 @@ async fn start_consume_with(setup: &Setup, handler: SocketAddr, admin: SocketAdd
         .stderr(Stdio::inherit())
         .spawn()
         .expect("start idem consume");
-    let mut process = Process { child };
-    let client = common::client();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(Some(status)) = process.child.try_wait() {
-            panic!("idem consume exited: {status}");
-        }
-        let seen = common::try_send(&client, admin, "GET", "/_idem/healthz", &[], b"").await;
-        if seen.is_some_and(|seen| seen.status == 200) {
-            return process;
-        }
-        assert!(Instant::now() < deadline, "idem consume did not become ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::ready(Process { child }, admin, "idem consume").await
 }
 
 async fn metric_at_least(admin: SocketAddr, result: &str, at_least: f64) {
-    let client = common::client();
-    let name = "idempotency_consumer_messages_total";
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while common::metric(&client, admin, name, &[("result", result)]).await < at_least {
-        assert!(
-            Instant::now() < deadline,
-            "fewer than {at_least} {result} after 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::metric_at_least(
+        admin,
+        "idempotency_consumer_messages_total",
+        &[("result", result)],
+        at_least,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

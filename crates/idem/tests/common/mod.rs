@@ -249,24 +249,53 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
             .spawn()
             .expect("start idem serve"),
     };
-    let client = client();
+    if healthy {
+        return ready(process, listen, "idem serve").await;
+    }
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         if let Ok(Some(status)) = process.child.try_wait() {
             panic!("idem serve exited: {status}");
         }
-        let ready = if healthy {
-            matches!(try_send(&client, listen, "GET", "/_idem/healthz", &[], b"").await, Some(seen) if seen.status == 200)
-        } else {
-            tokio::net::TcpStream::connect(listen).await.is_ok()
-        };
-        if ready {
+        if tokio::net::TcpStream::connect(listen).await.is_ok() {
             return process;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     process.kill9();
     panic!("idem serve did not become ready on {listen}");
+}
+
+/// Waits until `process` answers `200` on `GET /_idem/healthz` at `admin` (at most 20 s);
+/// panics naming `what` if it exits first or never does.
+pub async fn ready(mut process: Process, admin: SocketAddr, what: &str) -> Process {
+    let client = client();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(Some(status)) = process.child.try_wait() {
+            panic!("{what} exited: {status}");
+        }
+        let seen = try_send(&client, admin, "GET", "/_idem/healthz", &[], b"").await;
+        if seen.is_some_and(|seen| seen.status == 200) {
+            return process;
+        }
+        if Instant::now() > deadline {
+            process.kill9();
+            panic!("{what} did not become ready on {admin}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the series `name` with `labels` on `admin`'s metrics reaches `at_least` (at
+/// most 30 s).
+pub async fn metric_at_least(admin: SocketAddr, name: &str, labels: &[(&str, &str)], at_least: f64) {
+    let client = client();
+    let what = format!("{name} {labels:?} at least {at_least}");
+    idempotency_testkit::eventually(Duration::from_secs(30), &what, async || {
+        metric(&client, admin, name, labels).await >= at_least
+    })
+    .await;
 }
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
