@@ -316,16 +316,12 @@ impl fmt::Debug for HttpHandler {
     }
 }
 
-/// The message's content type: its `content-type` header if it has one.
-fn content_type(message: &dyn Delivery) -> Bytes {
+/// The message's content type (see [`Delivery::content_type`]), or `application/octet-stream`.
+fn content_type(message: &dyn Delivery) -> &str {
     message
-        .header("content-type")
-        .or_else(|| message.header("Content-Type"))
-        .filter(|value| http::HeaderValue::from_bytes(value).is_ok())
-        .map_or_else(
-            || Bytes::from_static(b"application/octet-stream"),
-            Bytes::copy_from_slice,
-        )
+        .content_type()
+        .filter(|value| http::HeaderValue::from_str(value).is_ok())
+        .unwrap_or("application/octet-stream")
 }
 
 impl HttpHandler {
@@ -335,7 +331,7 @@ impl HttpHandler {
         attempt: &Attempt,
     ) -> Result<Request<Full<Bytes>>, HandlerError> {
         let mut request = Request::post(self.to.clone())
-            .header(header::CONTENT_TYPE, content_type(message).as_ref())
+            .header(header::CONTENT_TYPE, content_type(message))
             .header("Idempotency-Key", attempt.key().as_str())
             .header("Idempotency-Scope", attempt.scope().as_str())
             .header("Idempotency-Attempt", attempt.number())

@@ -14,8 +14,9 @@ use axum::http::{HeaderMap, StatusCode};
 use common::Process;
 use idempotency::Key;
 use idempotency_amqp::{Topology, publish};
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::BasicProperties;
+use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties};
 
 fn amqp_url() -> String {
@@ -32,6 +33,8 @@ struct Ledger {
     script: Arc<Mutex<Script>>,
     /// Keys whose long call ran to its end.
     finished: Arc<Mutex<Vec<String>>>,
+    /// The `content-type` of each key's last call.
+    content_types: Arc<Mutex<HashMap<String, String>>>,
 }
 
 impl Ledger {
@@ -46,6 +49,13 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap, body: String) 
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
+    if let Some(content_type) = headers.get("content-type").and_then(|v| v.to_str().ok()) {
+        ledger
+            .content_types
+            .lock()
+            .unwrap()
+            .insert(key.clone(), content_type.to_owned());
+    }
     let attempt = headers
         .get("idempotency-attempt")
         .and_then(|v| v.to_str().ok())
@@ -404,6 +414,44 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
     let name = "idempotency_consumer_messages_total";
     common::metric_at_least(admin, name, &[("result", "executed")], 1.0).await;
     assert_eq!(waiting(&channel, &queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_content_type_property_reaches_the_handler() {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let (_connection, channel, queue) = fresh_queue("content-type").await;
+    let _consume = start_consume(&queue, handler, common::free_addr()).await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "Idempotency-Key".into(),
+        AMQPValue::LongString(LongString::from("typed")),
+    );
+    let properties = BasicProperties::default()
+        .with_headers(headers)
+        .with_content_type("application/json".into());
+    channel
+        .basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            b"{\"amount\":1000}",
+            properties,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    publish(&channel, "", &queue, &Key::new("untyped").unwrap(), b"raw")
+        .await
+        .unwrap();
+    until("both calls", || {
+        ledger.calls("typed").len() == 1 && ledger.calls("untyped").len() == 1
+    })
+    .await;
+    let seen = ledger.content_types.lock().unwrap().clone();
+    assert_eq!(seen["typed"], "application/json", "{seen:?}");
+    assert_eq!(seen["untyped"], "application/octet-stream", "{seen:?}");
 }
 
 #[test]

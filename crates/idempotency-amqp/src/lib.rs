@@ -225,6 +225,19 @@ impl Delivery for AmqpMessage {
         &self.delivery.data
     }
 
+    /// The message's `content_type` property, else a `content-type` header.
+    fn content_type(&self) -> Option<&str> {
+        self.delivery
+            .properties
+            .content_type()
+            .as_ref()
+            .map(ShortString::as_str)
+            .or_else(|| {
+                self.header("content-type")
+                    .and_then(|value| std::str::from_utf8(value).ok())
+            })
+    }
+
     fn delivery_count(&self) -> u32 {
         self.deliveries
     }

@@ -140,6 +140,14 @@ pub trait Delivery {
     fn payload(&self) -> &[u8];
     /// How many times this message has been delivered, this delivery included (1 the first time).
     fn delivery_count(&self) -> u32;
+    /// The payload's media type: by default a `content-type` (or `Content-Type`) header in
+    /// UTF-8; brokers with a property of their own for it (AMQP's `content_type`) answer from
+    /// that.
+    fn content_type(&self) -> Option<&str> {
+        self.header("content-type")
+            .or_else(|| self.header("Content-Type"))
+            .and_then(|value| std::str::from_utf8(value).ok())
+    }
     /// Every header, as name and raw value, for adapters that keep a message whole (the inbox
     /// stores them with the payload). None by default.
     fn headers(&self) -> Vec<(String, Vec<u8>)> {
