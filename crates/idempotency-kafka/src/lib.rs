@@ -50,6 +50,10 @@ use std::time::Duration;
 mod worker;
 pub use worker::Worker;
 
+/// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and
+/// messages, at the version this crate uses.
+pub use rdkafka;
+
 use futures_util::FutureExt;
 use idempotency_consumer::{Delivery, Disposition, Processor, dead_letter_headers};
 use idempotency_core::{IDEMPOTENCY_KEY_HEADER, Key};
@@ -136,6 +140,10 @@ pub enum KafkaAdapterError {
     /// the worker could not start.
     #[error("Kafka: {0}")]
     Config(String),
+    /// No broker could be reached (only [`Worker::check`] reports this: the worker itself
+    /// waits for brokers that are down).
+    #[error("Kafka: {0}")]
+    Unreachable(String),
     /// A produce (an event, or a dead letter) was not acknowledged.
     #[error("Kafka: a produce to {topic} was not acknowledged: {source}")]
     Produce {

@@ -190,6 +190,53 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
         self
     }
 
+    /// Asks the brokers for the metadata of the topic and the dead-letter topic, waiting at
+    /// most `timeout` for each: a fail-fast check for the start of a service, since
+    /// [`run_until`](Self::run_until) waits for brokers that are down (librdkafka reconnects)
+    /// and for a topic that does not exist yet, and a dead letter to a missing topic holds its
+    /// partition until the topic exists.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaAdapterError::Unreachable`] when no broker answered within `timeout`;
+    /// [`KafkaAdapterError::Config`] when the client refuses a setting, or a topic does not
+    /// exist (or the client may not see it).
+    pub async fn check(&self, timeout: Duration) -> Result<(), KafkaAdapterError> {
+        let consumer: BaseConsumer = self
+            .config
+            .create()
+            .map_err(|e| KafkaAdapterError::Config(format!("the consumer: {e}")))?;
+        let consumer = Arc::new(consumer);
+        for topic in [&self.topic, &self.dead_letter_topic] {
+            let metadata = tokio::task::spawn_blocking({
+                let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
+                move || consumer.fetch_metadata(Some(&topic), timeout)
+            })
+            .await
+            .map_err(|e| KafkaAdapterError::Config(format!("the metadata request failed: {e}")))?
+            .map_err(|e| {
+                KafkaAdapterError::Unreachable(format!(
+                    "no broker answered a metadata request within {timeout:?}: {e}"
+                ))
+            })?;
+            let found = metadata
+                .topics()
+                .iter()
+                .find(|found| found.name() == topic.as_str());
+            match found.map(|found| (found.error(), found.partitions().is_empty())) {
+                Some((None, false)) => {}
+                Some((Some(error), _)) => {
+                    return Err(KafkaAdapterError::Config(format!(
+                        "topic {topic}: {}",
+                        rdkafka::error::RDKafkaErrorCode::from(error)
+                    )));
+                }
+                _ => return Err(KafkaAdapterError::Config(format!("topic {topic} does not exist"))),
+            }
+        }
+        Ok(())
+    }
+
     /// Joins the group and consumes until `shutdown` completes; then stops taking messages,
     /// lets the running handlers settle (up to the settle timeout), commits and leaves the
     /// group.

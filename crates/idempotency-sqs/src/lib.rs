@@ -56,6 +56,8 @@ use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
 use idempotency_consumer::Delivery;
 
+/// The SQS client this crate is built on, at the version this crate uses.
+pub use aws_sdk_sqs;
 pub use idempotency_consumer::{
     Consumer, DEAD_LETTER_REASON_HEADER, Disposition, Handler, HandlerError, IDEMPOTENCY_KEY_HEADER,
     KeySource, Processor,

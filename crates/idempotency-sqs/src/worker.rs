@@ -204,7 +204,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
         tokio::select! {
-            checked = self.check() => checked?,
+            checked = self.wait_until_ready() => checked?,
             () = &mut shutdown => return Ok(()),
         }
         let shared = Arc::new(self.shared.clone());
@@ -284,10 +284,10 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
 
     /// Checks that the queues exist (and the redrive policy, when relied on), retrying while
     /// the service cannot be reached.
-    async fn check(&self) -> Result<(), SqsError> {
+    async fn wait_until_ready(&self) -> Result<(), SqsError> {
         let mut failures = 0_u32;
         loop {
-            match self.check_once().await {
+            match self.check().await {
                 Ok(()) => return Ok(()),
                 Err(error) if error.is_retryable() => {
                     failures = failures.saturating_add(1);
@@ -299,7 +299,15 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         }
     }
 
-    async fn check_once(&self) -> Result<(), SqsError> {
+    /// Checks once that the queue and the dead-letter queue exist (or that the queue has a
+    /// redrive policy, for [`DeadLetters::RedrivePolicy`]): a fail-fast check for the start of
+    /// a service, since [`run_until`](Self::run_until) waits for a service it cannot reach.
+    ///
+    /// # Errors
+    ///
+    /// [`SqsError::Config`] as [`run_until`](Self::run_until) returns it; a retryable
+    /// [`SqsError::Service`] when the service could not be reached.
+    pub async fn check(&self) -> Result<(), SqsError> {
         let shared = &self.shared;
         let attributes = shared
             .client
