@@ -37,6 +37,12 @@ use crate::gateway::{
 };
 use crate::units;
 
+mod kafka;
+mod source;
+mod sqs;
+
+use source::Source;
+
 /// The most of a handler's answer that is read and stored as the outcome (a longer answer is
 /// recorded without its body).
 const MAX_ANSWER: usize = 1 << 20;
@@ -47,13 +53,22 @@ const REASON_BODY: usize = 200;
 /// `idem consume`'s settings; each flag is also an `IDEM_*` environment variable.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// Where the messages come from: amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE
-    /// (RabbitMQ; the queue, QUEUE.retry and QUEUE.dead are declared if missing), or
+    /// Where the messages come from:
+    /// amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE (RabbitMQ; the queue, QUEUE.retry and
+    /// QUEUE.dead are declared if missing);
     /// nats://HOST:PORT?stream=STREAM&consumer=CONSUMER, with &subject=S, &dead_letter=D and
-    /// &ack_wait=30s
-    /// (JetStream; a durable pull consumer, created if missing, on subject S or the whole
-    /// stream; dead letters go to D, by default STREAM.dead, which a stream must store and the
-    /// consumer must not receive).
+    /// &ack_wait=30s (JetStream; a durable pull consumer, created if missing, on subject S or
+    /// the whole stream; dead letters go to D, by default STREAM.dead, which a stream must
+    /// store and the consumer must not receive);
+    /// kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]?topic=TOPIC&group=GROUP, with
+    /// &dead_letter=TOPIC (default TOPIC.dead) and any librdkafka setting
+    /// (&security.protocol=SASL_SSL&sasl.mechanisms=PLAIN; the user and password are
+    /// sasl.username and sasl.password; builds with the `kafka` feature);
+    /// sqs://[REGION]?queue_url=URL, with &dead_letter_url=URL (default: the queue's name
+    /// with -dead) or &dead_letter=redrive (the queue's redrive policy), &endpoint=URL (for a
+    /// queue outside AWS, its own origin by default), &visibility=30s and &wait=20s (0s: short
+    /// polling); credentials from the environment, as every AWS tool; builds with the `sqs`
+    /// feature.
     #[arg(long, env = "IDEM_FROM")]
     pub from: String,
     /// The handler each message is POSTed to: http://HOST:PORT/PATH.
@@ -131,146 +146,6 @@ pub enum ConsumeError {
         /// Why.
         why: String,
     },
-}
-
-/// Where messages come from.
-#[derive(Clone, PartialEq, Eq)]
-enum Source {
-    /// A RabbitMQ queue.
-    Amqp {
-        /// The broker URL without the `queue` parameter.
-        url: String,
-        queue: String,
-    },
-    /// A durable pull consumer of a JetStream stream.
-    Nats {
-        /// The server URL without the parameters.
-        url: String,
-        stream: String,
-        consumer: String,
-        /// Where dead letters are published (a subject some stream stores).
-        dead_letter: String,
-        /// The subject a consumer created by `idem consume` takes messages from.
-        subject: Option<String>,
-        /// The ack wait of a consumer created by `idem consume`.
-        ack_wait: Option<Duration>,
-    },
-}
-
-impl fmt::Debug for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Amqp { url, queue } => f
-                .debug_struct("Amqp")
-                .field("url", &idempotency::redact_url(url))
-                .field("queue", queue)
-                .finish(),
-            Self::Nats {
-                url,
-                stream,
-                consumer,
-                dead_letter,
-                subject,
-                ack_wait,
-            } => f
-                .debug_struct("Nats")
-                .field("url", &idempotency::redact_url(url))
-                .field("stream", stream)
-                .field("consumer", consumer)
-                .field("dead_letter", dead_letter)
-                .field("subject", subject)
-                .field("ack_wait", ack_wait)
-                .finish(),
-        }
-    }
-}
-
-/// Parses `--from`.
-fn source(from: &str) -> Result<Source, ConsumeError> {
-    let refuse = |why: String| ConsumeError::Source {
-        from: idempotency::redact_url(from),
-        why,
-    };
-    let mut url = url::Url::parse(from).map_err(|e| {
-        refuse(format!(
-            "not a URL ({e}); expected amqp://USER:PASSWORD@HOST/VHOST?queue=QUEUE"
-        ))
-    })?;
-    match url.scheme() {
-        "amqp" | "amqps" => {
-            let mut queue = None;
-            let mut rest = Vec::new();
-            for (name, value) in url.query_pairs() {
-                if name == "queue" {
-                    queue = Some(value.into_owned());
-                } else {
-                    rest.push((name.into_owned(), value.into_owned()));
-                }
-            }
-            let queue = queue
-                .filter(|q| !q.is_empty())
-                .ok_or_else(|| refuse("names no queue: add ?queue=QUEUE".into()))?;
-            if queue.len() > 200 || queue.chars().any(|c| c.is_control()) {
-                return Err(refuse(format!(
-                    "the queue name {queue:?} is not one RabbitMQ accepts"
-                )));
-            }
-            if rest.is_empty() {
-                url.set_query(None);
-            } else {
-                url.query_pairs_mut().clear().extend_pairs(rest);
-            }
-            Ok(Source::Amqp {
-                url: url.into(),
-                queue,
-            })
-        }
-        "nats" => {
-            let mut params: std::collections::HashMap<String, String> =
-                url.query_pairs().into_owned().collect();
-            let mut take = |name: &str| params.remove(name).filter(|value| !value.is_empty());
-            let stream = take("stream")
-                .ok_or_else(|| refuse("names no stream: add ?stream=STREAM&consumer=CONSUMER".into()))?;
-            let consumer = take("consumer").ok_or_else(|| {
-                refuse(
-                    "names no consumer: add &consumer=CONSUMER (a durable pull consumer, created if missing)"
-                        .into(),
-                )
-            })?;
-            let dead_letter = take("dead_letter").unwrap_or_else(|| format!("{stream}.dead"));
-            let subject = take("subject");
-            let ack_wait = take("ack_wait")
-                .map(|text| {
-                    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
-                    bounded_duration(&text, "ack_wait", range, "must be from 1s to 24h")
-                        .map_err(|why| refuse(format!("ack_wait={text}: {why}")))
-                })
-                .transpose()?;
-            if let Some(unknown) = params.keys().next() {
-                return Err(refuse(format!(
-                    "unknown parameter `{unknown}` (stream, consumer, subject, dead_letter, ack_wait)"
-                )));
-            }
-            url.set_query(None);
-            Ok(Source::Nats {
-                url: url.into(),
-                stream,
-                consumer,
-                dead_letter,
-                subject,
-                ack_wait,
-            })
-        }
-        "kafka" => Err(refuse(
-            "Kafka is not supported by idem consume yet (the Rust library idempotency-kafka is)".into(),
-        )),
-        "sqs" => Err(refuse(
-            "SQS is not supported by idem consume yet (the Rust library idempotency-sqs is)".into(),
-        )),
-        other => Err(refuse(format!(
-            "unknown scheme `{other}` (expected amqp://…?queue=QUEUE or nats://…?stream=STREAM&consumer=CONSUMER)"
-        ))),
-    }
 }
 
 /// Parses `--to`.
@@ -414,18 +289,25 @@ impl<M: Delivery + Sync> Handler<M> for HttpHandler {
     }
 }
 
+/// The consumer every source runs: the consumer core around the HTTP handler.
+type Processor = Consumer<Watched<idempotency::DynStore>, HttpHandler>;
+
+/// `idem consume`'s shutdown signal, awaited by the worker and the admin server alike.
+type Shutdown = futures_util::future::Shared<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>;
+
 /// Runs `idem consume` until `shutdown` completes: then it takes no new messages, lets the
 /// running calls finish and be recorded and acked, and returns.
 ///
 /// # Errors
 ///
-/// A malformed `--from` or `--to`, a store that cannot be opened, the broker refusing the
-/// queues' declaration, a listener that cannot be bound.
+/// A malformed `--from` or `--to`, a store that cannot be opened, a broker that cannot be
+/// reached or refuses the consumer's setup, a listener that cannot be bound.
 pub async fn consume(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let source = source(&config.from)?;
+    let source = source::source(&config.from)?;
+    source.available(&config.from)?;
     let to = handler_uri(&config.to)?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
@@ -435,7 +317,8 @@ pub async fn consume(
         .map_err(|e| Error::open(&config.store, e))?;
     let watched = Watched::new(store.clone());
     let health = watched.health();
-    let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    let shutdown: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(shutdown);
+    let shutdown: Shutdown = futures_util::FutureExt::shared(shutdown);
     if let Some(addr) = config.admin_listen {
         let listener = bind(addr).await?;
         let admin = admin_router(Admin::new(store, &config.store, health, metrics), ADMIN_PREFIX);
@@ -456,27 +339,17 @@ pub async fn consume(
             source,
             calls: Semaphore::new(calls),
         };
-        Consumer::new(name, watched, handler)
-            .lease(config.lease)
-            .retention(config.retention)
-            .max_deliveries(config.max_deliveries)
+        Arc::new(
+            Consumer::new(name, watched, handler)
+                .lease(config.lease)
+                .retention(config.retention)
+                .max_deliveries(config.max_deliveries),
+        )
     };
     match source {
         Source::Amqp { url, queue } => {
-            reachable(&url).await?;
-            tracing::info!(%queue, to = %config.to, "consuming");
-            Worker::new(
-                url.clone(),
-                Topology::for_queue(&queue),
-                Arc::new(consumer(queue.clone())),
-            )
-            .prefetch(config.prefetch)
-            .run_until(shutdown)
-            .await
-            .map_err(|e| ConsumeError::Broker {
-                from: idempotency::redact_url(&url),
-                why: e.to_string(),
-            })?;
+            let processor = consumer(queue.clone());
+            amqp(&config, &url, &queue, processor, shutdown).await?;
         }
         Source::Nats {
             url,
@@ -486,53 +359,119 @@ pub async fn consume(
             subject,
             ack_wait,
         } => {
-            let refuse = |why: String| ConsumeError::Broker {
-                from: idempotency::redact_url(&url),
-                why,
-            };
-            // The first connection must work (a wrong address is an error at start); after it,
-            // the client reconnects by itself for as long as it takes.
-            let options = async_nats::ConnectOptions::new().max_reconnects(None);
-            let client = tokio::time::timeout(Duration::from_secs(10), options.connect(url.as_str()))
-                .await
-                .map_err(|_| refuse("the server did not answer within 10 s".into()))?
-                .map_err(|e| {
-                    refuse(format!(
-                        "cannot connect to the server: {}",
-                        idempotency::redact_url(&e.to_string())
-                    ))
-                })?;
-            let jetstream = async_nats::jetstream::new(client);
-            if jetstream.stream_by_subject(dead_letter.as_str()).await.is_err() {
-                return Err(refuse(format!(
-                    "dead letters go to subject `{dead_letter}`, which no stream stores: add it to a stream's subjects, or name another with &dead_letter=SUBJECT"
-                ))
-                .into());
-            }
-            let mut worker = idempotency_nats::Worker::new(
-                jetstream,
-                stream.clone(),
-                durable.clone(),
+            let processor = consumer(format!("{stream}/{durable}"));
+            let nats = Nats {
+                url: &url,
+                stream: &stream,
+                durable: &durable,
                 dead_letter,
-                Arc::new(consumer(format!("{stream}/{durable}"))),
-            )
-            .concurrency(usize::from(config.prefetch));
-            if let Some(subject) = subject {
-                worker = worker.filter_subject(subject);
-            }
-            if let Some(ack_wait) = ack_wait {
-                worker = worker.ack_wait(ack_wait);
-            }
-            tracing::info!(%stream, consumer = %durable, to = %config.to, "consuming");
-            worker
-                .run_until(shutdown)
-                .await
-                .map_err(|e| refuse(e.to_string()))?;
+                subject,
+                ack_wait,
+            };
+            nats.run(&config, processor, shutdown).await?;
+        }
+        Source::Kafka(kafka) => {
+            let processor = consumer(kafka.topic.clone());
+            kafka::run(&config, kafka, processor, shutdown).await?;
+        }
+        Source::Sqs(sqs) => {
+            let processor = consumer(sqs.queue_name());
+            sqs::run(&config, sqs, processor, shutdown).await?;
         }
     }
     tracing::info!("stopped: the running calls were recorded and settled");
     Ok(())
 }
+
+/// Consumes a RabbitMQ queue.
+async fn amqp(
+    config: &Config,
+    url: &str,
+    queue: &str,
+    processor: Arc<Processor>,
+    shutdown: Shutdown,
+) -> Result<(), ConsumeError> {
+    reachable(url).await?;
+    tracing::info!(%queue, to = %config.to, "consuming");
+    Worker::new(url.to_owned(), Topology::for_queue(queue), processor)
+        .prefetch(config.prefetch)
+        .run_until(shutdown)
+        .await
+        .map_err(|e| ConsumeError::Broker {
+            from: idempotency::redact_url(url),
+            why: e.to_string(),
+        })
+}
+
+/// A JetStream source, parsed.
+struct Nats<'a> {
+    url: &'a str,
+    stream: &'a str,
+    durable: &'a str,
+    dead_letter: String,
+    subject: Option<String>,
+    ack_wait: Option<Duration>,
+}
+
+impl Nats<'_> {
+    /// Consumes with a durable pull consumer.
+    async fn run(
+        self,
+        config: &Config,
+        processor: Arc<Processor>,
+        shutdown: Shutdown,
+    ) -> Result<(), ConsumeError> {
+        let refuse = |why: String| ConsumeError::Broker {
+            from: idempotency::redact_url(self.url),
+            why,
+        };
+        // The first connection must work (a wrong address is an error at start); after it,
+        // the client reconnects by itself for as long as it takes.
+        let options = async_nats::ConnectOptions::new().max_reconnects(None);
+        let client = tokio::time::timeout(START_CHECK, options.connect(self.url))
+            .await
+            .map_err(|_| refuse("the server did not answer within 10 s".into()))?
+            .map_err(|e| {
+                refuse(format!(
+                    "cannot connect to the server: {}",
+                    idempotency::redact_url(&e.to_string())
+                ))
+            })?;
+        let jetstream = async_nats::jetstream::new(client);
+        if jetstream
+            .stream_by_subject(self.dead_letter.as_str())
+            .await
+            .is_err()
+        {
+            return Err(refuse(format!(
+                "dead letters go to subject `{}`, which no stream stores: add it to a stream's subjects, or name another with &dead_letter=SUBJECT",
+                self.dead_letter
+            )));
+        }
+        let mut worker = idempotency_nats::Worker::new(
+            jetstream,
+            self.stream.to_owned(),
+            self.durable.to_owned(),
+            self.dead_letter,
+            processor,
+        )
+        .concurrency(usize::from(config.prefetch));
+        if let Some(subject) = self.subject {
+            worker = worker.filter_subject(subject);
+        }
+        if let Some(ack_wait) = self.ack_wait {
+            worker = worker.ack_wait(ack_wait);
+        }
+        tracing::info!(stream = %self.stream, consumer = %self.durable, to = %config.to, "consuming");
+        worker
+            .run_until(shutdown)
+            .await
+            .map_err(|e| refuse(e.to_string()))
+    }
+}
+
+/// How long the checks at start wait for a broker to answer.
+const START_CHECK: Duration = Duration::from_secs(10);
 
 /// Connects to the broker once before consuming, so that a wrong address or credentials are a
 /// clear error at start rather than reconnection attempts forever (after a good start, a lost
@@ -543,7 +482,7 @@ async fn reachable(url: &str) -> Result<(), ConsumeError> {
         why,
     };
     let connect = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
-    let connection = tokio::time::timeout(Duration::from_secs(10), connect)
+    let connection = tokio::time::timeout(START_CHECK, connect)
         .await
         .map_err(|_| refuse("the broker did not answer within 10 s".into()))?
         .map_err(|e| {
@@ -559,74 +498,6 @@ async fn reachable(url: &str) -> Result<(), ConsumeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sources_are_parsed_and_refused_with_the_reason() {
-        let Source::Amqp { url, queue } =
-            source("amqp://app:s3cret@127.0.0.1:5672/%2f?queue=payments").unwrap()
-        else {
-            panic!("not an AMQP source")
-        };
-        assert_eq!(queue, "payments");
-        assert_eq!(url, "amqp://app:s3cret@127.0.0.1:5672/%2f");
-        let Source::Amqp { url, .. } = source("amqp://h/v?heartbeat=10&queue=q").unwrap() else {
-            panic!("not an AMQP source")
-        };
-        assert_eq!(url, "amqp://h/v?heartbeat=10");
-        for (from, why) in [
-            ("amqp://app:s3cret@127.0.0.1/%2f", "names no queue"),
-            ("amqp://app:s3cret@127.0.0.1/%2f?queue=", "names no queue"),
-            ("nats://127.0.0.1:4222?stream=S", "names no consumer"),
-            ("nats://127.0.0.1:4222?consumer=C", "names no stream"),
-            (
-                "nats://127.0.0.1:4222?stream=S&consumer=C&ack_wait=soon",
-                "ack_wait=soon",
-            ),
-            (
-                "nats://127.0.0.1:4222?stream=S&consumer=C&ack_wait=0s",
-                "must be from",
-            ),
-            (
-                "nats://127.0.0.1:4222?stream=S&consumer=C&queue=q",
-                "unknown parameter `queue`",
-            ),
-            (
-                "kafka://127.0.0.1:9092?topic=t&group=g",
-                "not supported by idem consume yet",
-            ),
-            ("sqs://queue?queue_url=x", "not supported by idem consume yet"),
-            ("ftp://app:s3cret@host/x", "unknown scheme `ftp`"),
-            ("app:s3cret@host", "unknown scheme"),
-            ("not a url", "not a URL"),
-        ] {
-            let error = source(from).unwrap_err().to_string();
-            assert!(error.contains(why), "{from}: {error}");
-            assert!(!error.contains("s3cret"), "{from}: {error}");
-        }
-    }
-
-    #[test]
-    fn nats_sources_name_their_stream_consumer_and_dead_letters() {
-        let Source::Nats {
-            url,
-            stream,
-            consumer,
-            dead_letter,
-            ..
-        } = source("nats://app:s3cret@127.0.0.1:4222?stream=PAYMENTS&consumer=charges").unwrap()
-        else {
-            panic!("not a NATS source")
-        };
-        assert_eq!(url, "nats://app:s3cret@127.0.0.1:4222");
-        assert_eq!((stream.as_str(), consumer.as_str()), ("PAYMENTS", "charges"));
-        assert_eq!(dead_letter, "PAYMENTS.dead");
-        let Source::Nats { dead_letter, .. } =
-            source("nats://h:4222?stream=S&consumer=C&dead_letter=x.dead").unwrap()
-        else {
-            panic!("not a NATS source")
-        };
-        assert_eq!(dead_letter, "x.dead");
-    }
 
     #[test]
     fn handler_urls_must_be_http() {

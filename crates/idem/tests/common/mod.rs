@@ -21,6 +21,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+pub mod consume;
+
 const UPSTREAM_ENV: &str = "IDEM_TEST_UPSTREAM";
 const UPSTREAM_READY: &str = "UPSTREAM LISTENING ON ";
 

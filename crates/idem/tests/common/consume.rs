@@ -1,0 +1,327 @@
+//! What every broker's `idem consume` tests share: a handler with a ledger of every call, the
+//! consumer as a process of its own, and the scenarios each broker must pass.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+
+use super::Process;
+
+/// What the handler answers for a key, call after call (then 200).
+type Script = HashMap<String, Vec<(u16, &'static str)>>;
+
+/// Every call the handler got: key → the `Idempotency-Attempt` of each call.
+#[derive(Clone, Default)]
+pub struct Ledger {
+    calls: Arc<Mutex<HashMap<String, Vec<u32>>>>,
+    script: Arc<Mutex<Script>>,
+    /// Keys whose long call ran to its end.
+    pub finished: Arc<Mutex<Vec<String>>>,
+    /// The request headers of each key's last call.
+    pub headers: Arc<Mutex<HashMap<String, HeaderMap>>>,
+}
+
+impl Ledger {
+    /// The attempts of each call for `key`, in order.
+    pub fn calls(&self, key: &str) -> Vec<u32> {
+        self.calls.lock().unwrap().get(key).cloned().unwrap_or_default()
+    }
+
+    /// The handler answers `key`'s next calls with these, then 200.
+    pub fn script(&self, key: &str, answers: Vec<(u16, &'static str)>) {
+        self.script.lock().unwrap().insert(key.into(), answers);
+    }
+
+    /// The header `name` of `key`'s last call.
+    pub fn header(&self, key: &str, name: &str) -> Option<String> {
+        let headers = self.headers.lock().unwrap();
+        let value = headers.get(key)?.get(name)?;
+        Some(value.to_str().ok()?.to_owned())
+    }
+}
+
+async fn handle(State(ledger): State<Ledger>, headers: HeaderMap, body: String) -> (StatusCode, String) {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let attempt = headers
+        .get("idempotency-attempt")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    ledger.headers.lock().unwrap().insert(key.clone(), headers);
+    ledger
+        .calls
+        .lock()
+        .unwrap()
+        .entry(key.clone())
+        .or_default()
+        .push(attempt);
+    // `sleep:N` in the body: a long handler, N ms.
+    if let Some(ms) = body.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        ledger.finished.lock().unwrap().push(key.clone());
+    }
+    let next = ledger
+        .script
+        .lock()
+        .unwrap()
+        .get_mut(&key)
+        .filter(|answers| !answers.is_empty())
+        .map(|answers| answers.remove(0));
+    // `big:N` in the body: an answer of N bytes.
+    if let Some(len) = body.strip_prefix("big:").and_then(|n| n.parse().ok()) {
+        return (StatusCode::OK, "x".repeat(len));
+    }
+    match next {
+        Some((status, text)) => (StatusCode::from_u16(status).unwrap(), text.to_owned()),
+        None => (StatusCode::OK, format!("handled {body}")),
+    }
+}
+
+/// The handler, on a loopback port of its own.
+pub async fn start_handler(ledger: Ledger) -> SocketAddr {
+    start_handler_on("127.0.0.1:0".parse().unwrap(), ledger).await
+}
+
+/// The handler on `addr`.
+pub async fn start_handler_on(addr: SocketAddr, ledger: Ledger) -> SocketAddr {
+    let app = axum::Router::new()
+        .route("/messages", axum::routing::post(handle))
+        .with_state(ledger);
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// A broker with a source of the test's own.
+#[allow(async_fn_in_trait)] // used by these tests only, never as `dyn`
+pub trait Broker {
+    /// `--from` for `idem consume`.
+    fn from(&self) -> String;
+
+    /// The lease of the `kill -9` scenario: longer than the broker takes to hand a dead
+    /// consumer's message to the next one, so that the next one finds the lease running.
+    fn kill_lease(&self) -> Duration {
+        Duration::from_secs(4)
+    }
+
+    /// Environment variables `idem consume` needs for this broker.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
+    /// Publishes `payload` with `key` as its `Idempotency-Key`.
+    async fn publish(&self, key: &str, payload: &[u8]);
+
+    /// The dead letters so far, as (key, reason), reading for a moment.
+    async fn dead_letters(&self) -> Vec<(String, String)>;
+}
+
+/// `idem consume` from `broker` to `handler`, its admin endpoint on `admin`, with `more` flags
+/// (by default a memory store and a 3 s lease: a copy that arrives while the first runs comes
+/// back once the lease's remaining time has passed).
+pub async fn start<B: Broker>(broker: &B, handler: SocketAddr, admin: SocketAddr, more: &[&str]) -> Process {
+    let defaults = ["--store", "memory://", "--lease", "3s"];
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "consume",
+            "--from",
+            &broker.from(),
+            "--to",
+            &format!("http://{handler}/messages"),
+            "--admin-listen",
+            &admin.to_string(),
+        ])
+        .args(if more.is_empty() { &defaults[..] } else { more })
+        .env(
+            "IDEM_LOG",
+            std::env::var("IDEM_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .envs(broker.env())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start idem consume");
+    // Ready once its admin endpoint answers (the store is open then).
+    super::ready(Process { child }, admin, "idem consume").await
+}
+
+/// Waits until `done` holds, at most 30 s.
+pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    idempotency_testkit::eventually(Duration::from_secs(30), what, async || done()).await;
+}
+
+const MESSAGES: &str = "idempotency_consumer_messages_total";
+
+/// The consumer core's count of messages with `result`.
+pub async fn count(admin: SocketAddr, result: &str) -> f64 {
+    super::metric(&super::client(), admin, MESSAGES, &[("result", result)]).await
+}
+
+/// Waits until the consumer core counted at least `at_least` messages with `result`.
+pub async fn count_at_least(admin: SocketAddr, result: &str, at_least: f64) {
+    super::metric_at_least(admin, MESSAGES, &[("result", result)], at_least).await;
+}
+
+/// Every message published three times with one key: one handler call per key, as attempt 1;
+/// the copies are acked from the record.
+pub async fn three_copies_run_once<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    let keys: Vec<String> = (0..10).map(|i| format!("order-{i}")).collect();
+    for _ in 0..3 {
+        for key in &keys {
+            broker.publish(key, key.as_bytes()).await;
+        }
+    }
+    count_at_least(admin, "duplicate", 20.0).await;
+    assert_eq!(count(admin, "executed").await, 10.0);
+    for key in &keys {
+        assert_eq!(ledger.calls(key), vec![1], "{key}");
+    }
+    assert_eq!(count(admin, "dead_lettered").await, 0.0);
+}
+
+/// A handler answering 500, then 503, then 200: called three times, as attempts 1, 2 and 3;
+/// no call after the success, nothing dead-lettered.
+pub async fn failing_twice_then_ok<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    ledger.script("flaky", vec![(500, "down"), (503, "still down")]);
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    broker.publish("flaky", b"charge").await;
+    until("three calls", || ledger.calls("flaky").len() == 3).await;
+    count_at_least(admin, "executed", 1.0).await;
+    assert_eq!(
+        ledger.calls("flaky"),
+        vec![1, 2, 3],
+        "each retry is the next attempt"
+    );
+    assert_eq!(count(admin, "retried").await, 2.0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(ledger.calls("flaky").len(), 3, "no call after the success");
+    assert_eq!(count(admin, "dead_lettered").await, 0.0);
+    assert!(broker.dead_letters().await.is_empty());
+}
+
+/// A handler answering 422: called once, the message dead-lettered with the status and the
+/// answer's body in the reason.
+pub async fn refused_is_dead_lettered<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    ledger.script("bad", vec![(422, "amount must be positive")]);
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    broker.publish("bad", b"-5").await;
+    count_at_least(admin, "dead_lettered", 1.0).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dead = loop {
+        let dead = broker.dead_letters().await;
+        if !dead.is_empty() {
+            break dead;
+        }
+        assert!(Instant::now() < deadline, "nothing reached the dead letters");
+    };
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let (key, reason) = &dead[0];
+    assert_eq!(key, "bad");
+    assert!(reason.contains("422"), "{reason}");
+    assert!(reason.contains("amount must be positive"), "{reason}");
+    assert_eq!(ledger.calls("bad"), vec![1], "a refused message is not retried");
+}
+
+/// `kill -9` of `idem consume` while the handler runs: after a restart the message comes
+/// back, and the handler is not called again while the first call's lease lives; then once
+/// more, as attempt 2.
+pub async fn kill_9_mid_call<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let lease = broker.kill_lease();
+    let lease_text = format!("{}s", lease.as_secs());
+    let settings = ["--store", store.as_str(), "--lease", lease_text.as_str()];
+    let mut consume = start(broker, handler, super::free_addr(), &settings).await;
+    broker.publish("killed", b"sleep:300").await;
+    until("the call started", || ledger.calls("killed").len() == 1).await;
+    let started = Instant::now();
+    consume.kill9();
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &settings).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ledger.calls("killed").len() < 2 {
+        assert!(Instant::now() < deadline, "the message never ran again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        started.elapsed() >= lease - Duration::from_secs(1),
+        "called again {:?} after the first call, inside the {lease:?} lease",
+        started.elapsed()
+    );
+    assert_eq!(ledger.calls("killed"), vec![1, 2], "the retry is attempt 2");
+    count_at_least(admin, "executed", 1.0).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(ledger.calls("killed").len(), 2, "no call after the success");
+}
+
+/// SIGTERM while the handler runs: the call finishes, is recorded and acked, and the process
+/// exits 0; a new consumer finds nothing to do.
+pub async fn sigterm_mid_call<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let mut consume = start(broker, handler, super::free_addr(), &[]).await;
+    broker.publish("long", b"sleep:1500").await;
+    until("the call started", || ledger.calls("long").len() == 1).await;
+    let status = consume
+        .terminate(Duration::from_secs(30))
+        .expect("idem consume exits");
+    assert!(status.success(), "{status}");
+    assert_eq!(*ledger.finished.lock().unwrap(), vec!["long".to_owned()]);
+    // Acked: a new consumer (whose memory store knows nothing of the first call) gets no copy.
+    let admin = super::free_addr();
+    let _again = start(broker, handler, admin, &[]).await;
+    broker.publish("after", b"charge").await;
+    until("the next message", || ledger.calls("after").len() == 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        ledger.calls("long"),
+        vec![1],
+        "the message came back: it was not acked"
+    );
+}
+
+/// Nothing listens on the handler's address for 5 s: the messages are retried, none is lost
+/// or dead-lettered; once the handler is up, each runs once.
+pub async fn handler_outage<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = super::free_addr();
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    let keys: Vec<String> = (0..10).map(|i| format!("waiting-{i}")).collect();
+    for key in &keys {
+        broker.publish(key, b"charge").await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(count(admin, "retried").await >= 2.0, "the messages were tried");
+    assert_eq!(count(admin, "executed").await, 0.0);
+    assert_eq!(count(admin, "dead_lettered").await, 0.0);
+    start_handler_on(handler, ledger.clone()).await;
+    count_at_least(admin, "executed", 10.0).await;
+    for key in &keys {
+        assert_eq!(ledger.calls(key).len(), 1, "{key}");
+    }
+    assert_eq!(count(admin, "dead_lettered").await, 0.0);
+    assert!(broker.dead_letters().await.is_empty());
+}

@@ -1,0 +1,173 @@
+//! `idem consume` from Kafka: the binary as a process of its own, a member of a consumer group
+//! on librdkafka's in-process cluster (which listens on loopback ports like a real one), and an
+//! HTTP handler with a ledger of every call.
+
+mod common;
+
+use std::time::Duration;
+
+use common::consume::{self, Broker};
+use idempotency::Key;
+use idempotency_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
+use idempotency_kafka::rdkafka::message::{Headers, Message};
+use idempotency_kafka::rdkafka::mocking::MockCluster;
+use idempotency_kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer};
+use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// A cluster of the test's own with a work topic (three partitions) and its dead-letter topic.
+struct Kafka {
+    // Declared first so it is dropped first: it talks to the cluster.
+    producer: FutureProducer,
+    cluster: MockCluster<'static, DefaultProducerContext>,
+    topic: String,
+}
+
+impl Kafka {
+    fn new() -> Self {
+        let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
+        let topic = format!("payments-{}", Key::generate());
+        cluster.create_topic(&topic, 3, 1).unwrap();
+        cluster.create_topic(&format!("{topic}.dead"), 1, 1).unwrap();
+        let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
+        Self {
+            producer,
+            cluster,
+            topic,
+        }
+    }
+}
+
+impl Broker for Kafka {
+    /// A group whose dead members are noticed within seconds (the default is 45 s).
+    fn from(&self) -> String {
+        format!(
+            "kafka://{}?topic={}&group=idem&session.timeout.ms=6000&heartbeat.interval.ms=500",
+            self.cluster.bootstrap_servers(),
+            self.topic
+        )
+    }
+
+    /// The killed member's partitions move once the group notices it is gone (the 6 s session
+    /// timeout); a 12 s lease is still running then.
+    fn kill_lease(&self) -> Duration {
+        Duration::from_secs(12)
+    }
+
+    async fn publish(&self, key: &str, payload: &[u8]) {
+        let key = Key::new(key).unwrap();
+        // The key is also the record key: copies of one message share a partition.
+        idempotency_kafka::publish(
+            &self.producer,
+            &self.topic,
+            &key,
+            Some(key.as_str().as_bytes()),
+            payload,
+        )
+        .await
+        .unwrap();
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let reader: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.cluster.bootstrap_servers())
+            .set("group.id", "dead-letter-readers")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(&format!("{}.dead", self.topic), 0, Offset::Beginning)
+            .unwrap();
+        reader.assign(&list).unwrap();
+        let mut found = Vec::new();
+        while let Ok(Ok(message)) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
+            let header = |name: &str| {
+                message
+                    .headers()
+                    .and_then(|headers| headers.iter().find(|header| header.key == name))
+                    .and_then(|header| header.value)
+                    .map(|value| String::from_utf8_lossy(value).into_owned())
+                    .unwrap_or_default()
+            };
+            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
+        }
+        found
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_message_published_three_times_is_handled_once() {
+    consume::three_copies_run_once(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_is_called_three_times_and_the_message_acked_once() {
+    consume::failing_twice_then_ok(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_is_dead_lettered_with_the_status() {
+    consume::refused_is_dead_lettered(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
+    consume::kill_9_mid_call(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_call_finishes_records_and_acks() {
+    consume::sigterm_mid_call(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
+    consume::handler_outage(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_brokers_and_missing_topics_are_clear_errors() {
+    let kafka = Kafka::new();
+    let unreachable = common::free_addr();
+    for (from, why) in [
+        (
+            format!("kafka://{unreachable}?topic={}&group=g", kafka.topic),
+            "no broker answered",
+        ),
+        (
+            format!(
+                "kafka://{}?topic=no-such-topic&group=g",
+                kafka.cluster.bootstrap_servers()
+            ),
+            "topic no-such-topic",
+        ),
+        (
+            format!(
+                "kafka://{}?topic={}&group=g&dead_letter=no-such-dead",
+                kafka.cluster.bootstrap_servers(),
+                kafka.topic
+            ),
+            "topic no-such-dead",
+        ),
+        (
+            format!(
+                "kafka://u:s3cret@{}?topic={}&group=g&no.such.setting=1",
+                kafka.cluster.bootstrap_servers(),
+                kafka.topic
+            ),
+            "no.such.setting",
+        ),
+    ] {
+        let (code, _, err) = common::idem(&[
+            "consume",
+            "--from",
+            &from,
+            "--to",
+            "http://127.0.0.1:1/m",
+            "--store",
+            "memory://",
+        ]);
+        assert_eq!(code, 1, "{from}: {err}");
+        assert!(err.contains(why), "{from}: {err}");
+        assert!(!err.contains("s3cret"), "{from}: the password leaked: {err}");
+    }
+}

@@ -1,0 +1,199 @@
+//! `idem consume` from SQS: the binary as a process of its own on queues of the local
+//! AWS-compatible server `scripts/services` starts (`AWS_ENDPOINT_URL`, by default
+//! http://127.0.0.1:5000), and an HTTP handler with a ledger of every call.
+
+mod common;
+
+use std::time::Duration;
+
+use common::consume::{self, Broker};
+use idempotency::Key;
+use idempotency_sqs::aws_sdk_sqs::config::{Credentials, Region};
+use idempotency_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+use idempotency_sqs::aws_sdk_sqs::{Client, Config};
+
+fn endpoint() -> String {
+    std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
+}
+
+/// A queue and its dead-letter queue, of the test's own.
+struct Sqs {
+    client: Client,
+    queue_url: String,
+    dead_url: String,
+}
+
+impl Sqs {
+    async fn new() -> Self {
+        let config = Config::builder()
+            .behavior_version_latest()
+            .http_client(idempotency_sqs::http_client())
+            .endpoint_url(endpoint())
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
+            .build();
+        let client = Client::from_conf(config);
+        let name = format!("idem-consume-{}", Key::generate());
+        let mut urls = Vec::new();
+        for name in [name.clone(), format!("{name}-dead")] {
+            let created = client
+                .create_queue()
+                .queue_name(name)
+                .attributes(QueueAttributeName::VisibilityTimeout, "3")
+                .send()
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "the local AWS server at {} is needed for this test (scripts/services starts it): {e:?}",
+                        endpoint()
+                    )
+                });
+            urls.push(created.queue_url.unwrap());
+        }
+        let dead_url = urls.pop().unwrap();
+        let queue_url = urls.pop().unwrap();
+        Self {
+            client,
+            queue_url,
+            dead_url,
+        }
+    }
+}
+
+impl Broker for Sqs {
+    /// Short polling (the local server answers one request at a time: a long poll would hold
+    /// up the heartbeats) and a 3 s visibility timeout; the dead-letter queue is found by its
+    /// name (QUEUE-dead) and the endpoint from the queue's URL.
+    fn from(&self) -> String {
+        format!("sqs://?queue_url={}&wait=0s&visibility=3s", self.queue_url)
+    }
+
+    /// A killed consumer's message comes back after the 3 s visibility timeout; an 8 s lease
+    /// is still running then.
+    fn kill_lease(&self) -> Duration {
+        Duration::from_secs(8)
+    }
+
+    /// The credentials the local server accepts, unless the environment has some.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+            .into_iter()
+            .filter(|name| std::env::var_os(name).is_none())
+            .map(|name| (name, "test".to_owned()))
+            .collect()
+    }
+
+    async fn publish(&self, key: &str, payload: &[u8]) {
+        let key = MessageAttributeValue::builder()
+            .data_type("String")
+            .string_value(key)
+            .build()
+            .unwrap();
+        self.client
+            .send_message()
+            .queue_url(&self.queue_url)
+            .message_body(String::from_utf8(payload.to_vec()).unwrap())
+            .message_attributes("Idempotency-Key", key)
+            .send()
+            .await
+            .unwrap();
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let received = self
+            .client
+            .receive_message()
+            .queue_url(&self.dead_url)
+            .max_number_of_messages(10)
+            .wait_time_seconds(1)
+            .visibility_timeout(30)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .unwrap();
+        received
+            .messages
+            .unwrap_or_default()
+            .iter()
+            .map(|message| {
+                let attribute = |name: &str| {
+                    message
+                        .message_attributes()
+                        .and_then(|attributes| attributes.get(name))
+                        .and_then(MessageAttributeValue::string_value)
+                        .unwrap_or_default()
+                        .to_owned()
+                };
+                (attribute("Idempotency-Key"), attribute("Idempotency-Dead-Reason"))
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_message_published_three_times_is_handled_once() {
+    consume::three_copies_run_once(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_is_called_three_times_and_the_message_acked_once() {
+    consume::failing_twice_then_ok(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_is_dead_lettered_with_the_status() {
+    consume::refused_is_dead_lettered(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
+    consume::kill_9_mid_call(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_call_finishes_records_and_acks() {
+    consume::sigterm_mid_call(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
+    consume::handler_outage(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_queues_and_an_unreachable_service_are_clear_errors() {
+    let sqs = Sqs::new().await;
+    let unreachable = common::free_addr();
+    for (from, why) in [
+        (
+            format!("sqs://?queue_url={}/123456789012/nowhere", endpoint()),
+            "does not exist",
+        ),
+        (
+            format!(
+                "sqs://?queue_url={}&dead_letter_url={}/123456789012/nowhere-dead",
+                sqs.queue_url,
+                endpoint()
+            ),
+            "does not exist",
+        ),
+        (
+            format!("sqs://?queue_url={}&dead_letter=redrive", sqs.queue_url),
+            "has no redrive policy",
+        ),
+        (
+            format!("sqs://?queue_url=http://{unreachable}/123456789012/q"),
+            "cannot reach SQS",
+        ),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["consume", "--from", &from, "--to", "http://127.0.0.1:1/m"])
+            .args(["--store", "memory://"])
+            .envs(sqs.env())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{from}: {err}");
+        assert!(err.contains(why), "{from}: {err}");
+    }
+}
