@@ -8,13 +8,16 @@ use std::time::Duration;
 
 use common::consume::{self, Broker};
 use idempotency::Key;
-use idempotency_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
+use idempotency_kafka::rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use idempotency_kafka::rdkafka::message::{Headers, Message};
 use idempotency_kafka::rdkafka::mocking::MockCluster;
 use idempotency_kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer};
 use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
-/// A cluster of the test's own with a work topic (three partitions) and its dead-letter topic.
+/// The work topic's partitions.
+const PARTITIONS: i32 = 3;
+
+/// A cluster of the test's own with a work topic and its dead-letter topic.
 struct Kafka {
     // Declared first so it is dropped first: it talks to the cluster.
     producer: FutureProducer,
@@ -26,7 +29,7 @@ impl Kafka {
     fn new() -> Self {
         let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
         let topic = format!("payments-{}", Key::generate());
-        cluster.create_topic(&topic, 3, 1).unwrap();
+        cluster.create_topic(&topic, PARTITIONS, 1).unwrap();
         cluster.create_topic(&format!("{topic}.dead"), 1, 1).unwrap();
         let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
         Self {
@@ -38,6 +41,10 @@ impl Kafka {
 }
 
 impl Broker for Kafka {
+    fn source_name(&self) -> String {
+        self.topic.clone()
+    }
+
     /// A group whose dead members are noticed within seconds (the default is 45 s).
     fn from(&self) -> String {
         format!(
@@ -92,6 +99,37 @@ impl Broker for Kafka {
         }
         found
     }
+
+    /// The group's committed offsets behind the partitions' ends.
+    async fn outstanding(&self) -> u64 {
+        let reader: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.cluster.bootstrap_servers())
+            .set("group.id", "idem")
+            .create()
+            .unwrap();
+        let topic = self.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut list = TopicPartitionList::new();
+            for partition in 0..PARTITIONS {
+                list.add_partition(&topic, partition);
+            }
+            let committed = reader.committed_offsets(list, Duration::from_secs(10)).unwrap();
+            (0..PARTITIONS)
+                .map(|partition| {
+                    let (_, end) = reader
+                        .fetch_watermarks(&topic, partition, Duration::from_secs(10))
+                        .unwrap();
+                    let done = match committed.find_partition(&topic, partition).map(|p| p.offset()) {
+                        Some(Offset::Offset(offset)) => offset,
+                        _ => 0,
+                    };
+                    u64::try_from(end - done).unwrap()
+                })
+                .sum()
+        })
+        .await
+        .unwrap()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,6 +155,11 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_call_finishes_records_and_acks() {
     consume::sigterm_mid_call(&Kafka::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_message_metadata_reaches_the_handler() {
+    consume::metadata_reaches_the_handler(&Kafka::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

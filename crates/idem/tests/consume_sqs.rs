@@ -61,6 +61,10 @@ impl Sqs {
 }
 
 impl Broker for Sqs {
+    fn source_name(&self) -> String {
+        self.queue_url.rsplit('/').next().unwrap().to_owned()
+    }
+
     /// Short polling (the local server answers one request at a time: a long poll would hold
     /// up the heartbeats) and a 3 s visibility timeout; the dead-letter queue is found by its
     /// name (QUEUE-dead) and the endpoint from the queue's URL.
@@ -128,6 +132,27 @@ impl Broker for Sqs {
             })
             .collect()
     }
+
+    /// Messages in the queue, visible or in flight.
+    async fn outstanding(&self) -> u64 {
+        let names = [
+            QueueAttributeName::ApproximateNumberOfMessages,
+            QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+        ];
+        let found = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.queue_url)
+            .set_attribute_names(Some(names.to_vec()))
+            .send()
+            .await
+            .unwrap();
+        let attributes = found.attributes().unwrap();
+        names
+            .iter()
+            .map(|name| attributes[name].parse::<u64>().unwrap())
+            .sum()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,6 +178,11 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_call_finishes_records_and_acks() {
     consume::sigterm_mid_call(&Sqs::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_message_metadata_reaches_the_handler() {
+    consume::metadata_reaches_the_handler(&Sqs::new().await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

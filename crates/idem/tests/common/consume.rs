@@ -114,6 +114,9 @@ pub trait Broker {
         Duration::from_secs(4)
     }
 
+    /// What `idem consume` names the source in the `Idempotency-Source` header.
+    fn source_name(&self) -> String;
+
     /// Environment variables `idem consume` needs for this broker.
     fn env(&self) -> Vec<(&'static str, String)> {
         Vec::new()
@@ -124,6 +127,19 @@ pub trait Broker {
 
     /// The dead letters so far, as (key, reason), reading for a moment.
     async fn dead_letters(&self) -> Vec<(String, String)>;
+
+    /// Messages of the source the consumer has not acknowledged (or committed past) yet.
+    async fn outstanding(&self) -> u64;
+}
+
+/// Waits until the broker has every message of the source acknowledged.
+pub async fn until_settled<B: Broker>(broker: &B) {
+    idempotency_testkit::eventually(
+        Duration::from_secs(30),
+        "every message acknowledged",
+        async || broker.outstanding().await == 0,
+    )
+    .await;
 }
 
 /// `idem consume` from `broker` to `handler`, its admin endpoint on `admin`, with `more` flags
@@ -191,6 +207,7 @@ pub async fn three_copies_run_once<B: Broker>(broker: &B) {
         assert_eq!(ledger.calls(key), vec![1], "{key}");
     }
     assert_eq!(count(admin, "dead_lettered").await, 0.0);
+    until_settled(broker).await;
 }
 
 /// A handler answering 500, then 503, then 200: called three times, as attempts 1, 2 and 3;
@@ -214,6 +231,7 @@ pub async fn failing_twice_then_ok<B: Broker>(broker: &B) {
     assert_eq!(ledger.calls("flaky").len(), 3, "no call after the success");
     assert_eq!(count(admin, "dead_lettered").await, 0.0);
     assert!(broker.dead_letters().await.is_empty());
+    until_settled(broker).await;
 }
 
 /// A handler answering 422: called once, the message dead-lettered with the status and the
@@ -240,6 +258,7 @@ pub async fn refused_is_dead_lettered<B: Broker>(broker: &B) {
     assert!(reason.contains("422"), "{reason}");
     assert!(reason.contains("amount must be positive"), "{reason}");
     assert_eq!(ledger.calls("bad"), vec![1], "a refused message is not retried");
+    until_settled(broker).await;
 }
 
 /// `kill -9` of `idem consume` while the handler runs: after a restart the message comes
@@ -272,7 +291,7 @@ pub async fn kill_9_mid_call<B: Broker>(broker: &B) {
     );
     assert_eq!(ledger.calls("killed"), vec![1, 2], "the retry is attempt 2");
     count_at_least(admin, "executed", 1.0).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    until_settled(broker).await;
     assert_eq!(ledger.calls("killed").len(), 2, "no call after the success");
 }
 
@@ -289,6 +308,7 @@ pub async fn sigterm_mid_call<B: Broker>(broker: &B) {
         .expect("idem consume exits");
     assert!(status.success(), "{status}");
     assert_eq!(*ledger.finished.lock().unwrap(), vec!["long".to_owned()]);
+    until_settled(broker).await;
     // Acked: a new consumer (whose memory store knows nothing of the first call) gets no copy.
     let admin = super::free_addr();
     let _again = start(broker, handler, admin, &[]).await;
@@ -324,4 +344,26 @@ pub async fn handler_outage<B: Broker>(broker: &B) {
     }
     assert_eq!(count(admin, "dead_lettered").await, 0.0);
     assert!(broker.dead_letters().await.is_empty());
+    until_settled(broker).await;
+}
+
+/// The handler gets the payload with the key, its scope, the attempt, the delivery count and
+/// the source as headers, and `application/octet-stream` for a message without a content type.
+pub async fn metadata_reaches_the_handler<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    broker.publish("meta-1", b"charge").await;
+    until("the call", || ledger.calls("meta-1").len() == 1).await;
+    let header = |name: &str| ledger.header("meta-1", name);
+    assert_eq!(header("idempotency-scope").as_deref(), Some("idem-consume"));
+    assert_eq!(header("idempotency-attempt").as_deref(), Some("1"));
+    assert_eq!(header("idempotency-delivery-count").as_deref(), Some("1"));
+    assert_eq!(header("idempotency-source"), Some(broker.source_name()));
+    assert_eq!(
+        header("content-type").as_deref(),
+        Some("application/octet-stream")
+    );
+    until_settled(broker).await;
 }
