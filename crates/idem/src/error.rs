@@ -39,6 +39,9 @@ pub enum Error {
         #[source]
         source: idempotency::KeyError,
     },
+    /// The demo could not set itself up.
+    #[error("the demo could not start: {0}")]
+    Demo(String),
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Listen {

@@ -209,7 +209,10 @@ struct StoreArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 struct DemoArgs {
+    #[command(subcommand)]
+    mode: Option<DemoMode>,
     /// About how many requests the client storm sends.
     #[arg(long, default_value_t = 3000)]
     requests: usize,
@@ -231,6 +234,38 @@ struct DemoArgs {
     direct: bool,
     /// The sample upstream does not pass the forwarded Idempotency-Key on to its payment
     /// provider: shows the double charges that passing it on prevents.
+    #[arg(long)]
+    no_key_propagation: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum DemoMode {
+    /// The same payments service fed from a broker that delivers at least once (copies of a
+    /// message, lost acks, a key reused with another payment), through `idem consume`'s
+    /// consumer on the embedded SQLite store; double charges counted from the provider's ledger.
+    Consume(DemoConsumeArgs),
+}
+
+#[derive(Debug, Args)]
+struct DemoConsumeArgs {
+    /// How many payments are published (each as one or more messages).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    payments: u32,
+    /// The consumer's store (default: a fresh SQLite file in a temporary directory).
+    #[arg(long)]
+    store: Option<String>,
+    /// Messages handled at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    concurrency: u16,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Feed the service straight from the broker without the record, to see what the
+    /// redeliveries do on their own.
+    #[arg(long)]
+    direct: bool,
+    /// The service does not pass the message's Idempotency-Key on to its payment provider:
+    /// shows the double charges that passing it on prevents.
     #[arg(long)]
     no_key_propagation: bool,
 }
@@ -412,6 +447,9 @@ async fn run(command: Command) -> Result<String, Error> {
 
 /// `idem demo`: the report, or an error carrying it when the ledger shows double charges.
 async fn demo(args: DemoArgs) -> Result<String, Error> {
+    if let Some(DemoMode::Consume(args)) = args.mode {
+        return demo_consume(args).await;
+    }
     let report = demo::run(demo::Options {
         requests: args.requests,
         store: args.store,
@@ -426,12 +464,44 @@ async fn demo(args: DemoArgs) -> Result<String, Error> {
     } else {
         report.to_table()
     };
-    // Through the gateway, with the key passed on, a double charge is a defect; the other modes
-    // exist to show them.
-    if report.double_charges > 0 && !args.direct && !args.no_key_propagation {
+    verdict(
+        text,
+        report.double_charges,
+        args.direct || args.no_key_propagation,
+    )
+}
+
+/// A demo's printed report, or an error carrying it when the provider's ledger shows double
+/// charges in a mode that must have none: through the gateway or the consumer, with the key
+/// passed on, a double charge is a defect; the other modes (`shows_doubles`) exist to show them.
+fn verdict(text: String, double_charges: u64, shows_doubles: bool) -> Result<String, Error> {
+    if double_charges > 0 && !shows_doubles {
         return Err(Error::DoubleCharges { report: text });
     }
     Ok(text)
+}
+
+/// `idem demo consume`: the report, or an error carrying it when the ledger shows double
+/// charges.
+async fn demo_consume(args: DemoConsumeArgs) -> Result<String, Error> {
+    let report = demo::consume::run(demo::consume::Options {
+        payments: args.payments as usize,
+        store: args.store,
+        concurrency: usize::from(args.concurrency),
+        direct: args.direct,
+        propagate: !args.no_key_propagation,
+    })
+    .await?;
+    let text = if args.json {
+        report.to_json().to_string()
+    } else {
+        report.to_table()
+    };
+    verdict(
+        text,
+        report.double_charges,
+        args.direct || args.no_key_propagation,
+    )
 }
 
 /// `idem inbox …`.

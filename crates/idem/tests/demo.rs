@@ -120,3 +120,97 @@ fn the_human_report_has_progress_and_the_table() {
         "the demo's expected faults are not logged as warnings: {err}"
     );
 }
+
+#[test]
+fn demo_consume_makes_no_double_charges_through_the_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("consume.db").display());
+    let args = [
+        "demo",
+        "consume",
+        "--payments",
+        "300",
+        "--json",
+        "--store",
+        &store,
+    ];
+    let (code, out, err) = idem(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let number = |name: &str| {
+        report[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{name}: {report}"))
+    };
+    assert_eq!(number("payments"), 300);
+    assert_eq!(number("double_charges"), 0, "{report}");
+    assert_eq!(number("charges"), 300, "one charge per payment: {report}");
+    // The broker misbehaved: copies, lost acks, a key reused with another payment every 50.
+    assert!(number("messages_published") > 300, "{report}");
+    assert!(number("deliveries") > number("messages_published"), "{report}");
+    assert!(number("lost_acks") > 0, "{report}");
+    let dead = report["dead_letters"].as_array().unwrap();
+    assert_eq!(dead.len(), 6, "{report}");
+    assert!(
+        dead.iter()
+            .all(|reason| reason.as_str().unwrap().contains("with a different payload")),
+        "{report}"
+    );
+    // Every message was settled: acked or dead-lettered, none lost.
+    assert_eq!(number("acked") + 6, number("messages_published"), "{report}");
+    // The service failed after charging and timed out; the consumer ran those payments again,
+    // and the key passed on to the provider kept them from charging twice.
+    assert!(number("faults_after_charging") > 0, "{report}");
+    assert!(number("re_executions") > 0, "{report}");
+    let (code, stats, err) = idem(&["keys", "stats", "--store", &store, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["completed"].as_u64(), Some(300), "{stats}");
+    assert_eq!(stats["in_flight"], 0, "{stats}");
+}
+
+#[test]
+fn demo_consume_without_the_record_or_the_key_double_charges() {
+    let args = [
+        "demo",
+        "consume",
+        "--payments",
+        "300",
+        "--json",
+        "--direct",
+        "--no-key-propagation",
+    ];
+    let (code, out, err) = idem(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let doubles = report["double_charges"].as_u64().unwrap();
+    assert!(doubles > 0, "{report}");
+    assert_eq!(report["through_consumer"], false, "{report}");
+    assert_eq!(report["charges"].as_u64().unwrap(), 300 + doubles, "{report}");
+    // Without the record every delivery runs the service: at least one run per message.
+    assert!(
+        report["service_executions"].as_u64().unwrap() >= report["messages_published"].as_u64().unwrap() - 1,
+        "{report}"
+    );
+}
+
+#[test]
+fn demo_consume_prints_its_table_and_refuses_bad_flags() {
+    let (code, out, err) = idem(&["demo", "consume", "--payments", "100"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("DOUBLE CHARGES (provider ledger)"), "{out}");
+    assert!(
+        out.contains("through idem consume's consumer on sqlite://"),
+        "{out}"
+    );
+    for bad in [
+        vec!["demo", "consume", "--payments", "0"],
+        vec!["demo", "consume", "--concurrency", "0"],
+        vec!["demo", "consume", "--payments", "many"],
+        vec!["demo", "consume", "--requests", "10"],
+        vec!["demo", "--requests", "10", "consume"],
+    ] {
+        let (code, _, err) = idem(&bad);
+        assert_eq!(code, 2, "{bad:?}: {err}");
+    }
+}

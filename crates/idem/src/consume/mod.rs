@@ -172,8 +172,20 @@ fn handler_uri(to: &str) -> Result<Uri, ConsumeError> {
     Ok(uri)
 }
 
+/// What a handler call says of the attempt it is: the `Idempotency-Key`, `-Scope` and
+/// `-Attempt` headers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call<'a> {
+    /// The message's key.
+    pub(crate) key: &'a str,
+    /// The consumer's scope.
+    pub(crate) scope: &'a str,
+    /// 1 for the first attempt, more after a takeover.
+    pub(crate) number: u32,
+}
+
 /// Calls the handler for each message.
-struct HttpHandler {
+pub(crate) struct HttpHandler {
     client: Client<HttpConnector, Full<Bytes>>,
     to: Uri,
     timeout: Duration,
@@ -200,16 +212,28 @@ fn content_type(message: &dyn Delivery) -> &str {
 }
 
 impl HttpHandler {
+    /// POSTs each message to `to` (an `http://` URL), at most `calls` at once, each answer
+    /// awaited at most `timeout`; `source` is sent as `Idempotency-Source`.
+    pub(crate) fn new(to: Uri, timeout: Duration, source: String, calls: usize) -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            to,
+            timeout,
+            source,
+            calls: Semaphore::new(calls),
+        }
+    }
+
     fn request(
         &self,
         message: &dyn Delivery,
-        attempt: &Attempt,
+        attempt: &Call<'_>,
     ) -> Result<Request<Full<Bytes>>, HandlerError> {
         let mut request = Request::post(self.to.clone())
             .header(header::CONTENT_TYPE, content_type(message))
-            .header("Idempotency-Key", attempt.key().as_str())
-            .header("Idempotency-Scope", attempt.scope().as_str())
-            .header("Idempotency-Attempt", attempt.number())
+            .header("Idempotency-Key", attempt.key)
+            .header("Idempotency-Scope", attempt.scope)
+            .header("Idempotency-Attempt", attempt.number)
             .header("Idempotency-Delivery-Count", message.delivery_count())
             .header("Idempotency-Source", self.source.as_str());
         if let Some(id) = message
@@ -223,10 +247,12 @@ impl HttpHandler {
             .map_err(|e| HandlerError::fatal(format!("the message cannot be sent as an HTTP request: {e}")))
     }
 
-    async fn call<M: Delivery + Sync>(
+    /// POSTs `message` as `attempt` and reads the answer into a disposition (see the module's
+    /// table).
+    pub(crate) async fn call<M: Delivery + Sync>(
         &self,
         message: &M,
-        attempt: &Attempt,
+        attempt: &Call<'_>,
     ) -> Result<Outcome, HandlerError> {
         let _call = self
             .calls
@@ -285,7 +311,12 @@ fn disposition(status: StatusCode, body: Bytes) -> Result<Outcome, HandlerError>
 
 impl<M: Delivery + Sync> Handler<M> for HttpHandler {
     async fn handle(&self, message: &M, attempt: &Attempt) -> Result<Outcome, HandlerError> {
-        self.call(message, attempt).await
+        let call = Call {
+            key: attempt.key().as_str(),
+            scope: attempt.scope().as_str(),
+            number: attempt.number(),
+        };
+        self.call(message, &call).await
     }
 }
 
@@ -327,18 +358,11 @@ pub async fn consume(
             let _ = axum::serve(listener, admin).with_graceful_shutdown(stop).await;
         });
     }
-    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
     // The name lives as long as the process: the consumer core keeps it as `&'static str`.
     let name: &'static str = Box::leak(config.name.clone().into_boxed_str());
     let consumer = |source: String| {
-        let handler = HttpHandler {
-            client,
-            to,
-            timeout: config.handler_timeout,
-            source,
-            calls: Semaphore::new(calls),
-        };
+        let handler = HttpHandler::new(to, config.handler_timeout, source, calls);
         Arc::new(
             Consumer::new(name, watched, handler)
                 .lease(config.lease)

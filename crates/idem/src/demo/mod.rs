@@ -30,6 +30,8 @@ use crate::error::Error;
 use crate::gateway::{self, Config};
 use crate::units::format_duration;
 
+pub mod consume;
+
 /// How the demo's clients back off between retries: 20 ms doubling to 320 ms.
 const CLIENT_RETRY: Backoff = Backoff {
     initial: Duration::from_millis(20),
@@ -448,7 +450,7 @@ impl Report {
     #[must_use]
     pub fn to_table(&self) -> String {
         let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1000.0);
-        let rows = vec![
+        let mut rows = vec![
             vec!["payments".into(), self.payments.to_string()],
             vec!["requests sent".into(), self.requests.to_string()],
             vec!["duplicates sent".into(), self.duplicates.to_string()],
@@ -460,25 +462,21 @@ impl Report {
             vec!["mismatches rejected (422)".into(), self.mismatches.to_string()],
             vec!["client timeouts".into(), self.client_timeouts.to_string()],
             vec!["5xx answers (retried)".into(), self.released.to_string()],
-            vec!["upstream executions".into(), self.executions.to_string()],
-            vec![
-                "re-executions (attempt 2+)".into(),
-                self.re_executions.to_string(),
-            ],
-            vec![
-                "upstream faults after charging".into(),
-                self.faults_after_charging.to_string(),
-            ],
-            vec!["provider charges".into(), self.charges.to_string()],
-            vec![
-                "DOUBLE CHARGES (provider ledger)".into(),
-                self.double_charges.to_string(),
-            ],
-            vec![
-                "latency p50 / p90 / p99 (ms)".into(),
-                format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
-            ],
         ];
+        rows.extend(ledger_rows(
+            "upstream",
+            [
+                self.executions,
+                self.re_executions,
+                self.faults_after_charging,
+                self.charges,
+                self.double_charges,
+            ],
+        ));
+        rows.push(vec![
+            "latency p50 / p90 / p99 (ms)".into(),
+            format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
+        ]);
         let route = match &self.store {
             Some(store) => format!("through the gateway on {store}"),
             None => "straight to the upstream, without the gateway".to_owned(),
@@ -507,6 +505,21 @@ impl Report {
         }
         out
     }
+}
+
+/// The table rows both demos end with: the `service`'s executions, its re-executions and
+/// faults after charging, and the provider's charges and double charges.
+fn ledger_rows(
+    service: &str,
+    [executions, re_executions, faults, charges, doubles]: [u64; 5],
+) -> Vec<Vec<String>> {
+    vec![
+        vec![format!("{service} executions"), executions.to_string()],
+        vec!["re-executions (attempt 2+)".into(), re_executions.to_string()],
+        vec![format!("{service} faults after charging"), faults.to_string()],
+        vec!["provider charges".into(), charges.to_string()],
+        vec!["DOUBLE CHARGES (provider ledger)".into(), doubles.to_string()],
+    ]
 }
 
 /// Latencies in an HDR histogram: constant memory however long the storm, quantiles to three
@@ -548,18 +561,7 @@ impl Latencies {
 ///
 /// The store cannot be opened, or a local listener cannot be bound.
 pub async fn run(options: Options) -> Result<Report, Error> {
-    // A store of its own unless told otherwise, removed when `_temp` is dropped.
-    let (store_url, _temp) = match &options.store {
-        Some(url) => (url.clone(), None),
-        None => {
-            let dir = tempfile::Builder::new()
-                .prefix("idem-demo-")
-                .tempdir()
-                .map_err(Error::TempDir)?;
-            let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-            (url, Some(dir))
-        }
-    };
+    let (store_url, _temp) = demo_store(options.store.as_deref())?;
     let service = Arc::new(Upstream {
         propagate: options.propagate,
         ..Upstream::default()
@@ -592,6 +594,22 @@ pub async fn run(options: Options) -> Result<Report, Error> {
         progress.abort();
     }
     Ok(report(&storm, &service, &options, &store_url, payments, elapsed))
+}
+
+/// The store `store` names, or a fresh SQLite file in a temporary directory, removed when the
+/// returned directory is dropped.
+fn demo_store(store: Option<&str>) -> Result<(String, Option<tempfile::TempDir>), Error> {
+    Ok(match store {
+        Some(url) => (url.to_owned(), None),
+        None => {
+            let dir = tempfile::Builder::new()
+                .prefix("idem-demo-")
+                .tempdir()
+                .map_err(Error::TempDir)?;
+            let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+            (url, Some(dir))
+        }
+    })
 }
 
 /// The gateway on `store_url` in front of `upstream`, as the README's `idem serve` would run it
