@@ -62,8 +62,9 @@ pub struct Config {
     /// store and the consumer must not receive);
     /// kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]?topic=TOPIC&group=GROUP, with
     /// &dead_letter=TOPIC (default TOPIC.dead) and any librdkafka setting
-    /// (&security.protocol=SASL_SSL&sasl.mechanisms=PLAIN; the user and password are
-    /// sasl.username and sasl.password; builds with the `kafka` feature);
+    /// (&security.protocol=SASL_PLAINTEXT&sasl.mechanisms=PLAIN; the user and password are
+    /// sasl.username and sasl.password; no TLS: librdkafka is built without OpenSSL; builds with
+    /// the `kafka` feature);
     /// sqs://[REGION]?queue_url=URL, with &dead_letter_url=URL (default: the queue's name
     /// with -dead) or &dead_letter=redrive (the queue's redrive policy), &endpoint=URL (for a
     /// queue outside AWS, its own origin by default), &visibility=30s and &wait=20s (0s: short
