@@ -168,7 +168,7 @@ async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreachable_brokers_and_missing_topics_are_clear_errors() {
+async fn unreachable_brokers_missing_topics_and_refused_settings_are_clear_errors() {
     let kafka = Kafka::new();
     let unreachable = common::free_addr();
     for (from, why) in [
@@ -198,6 +198,14 @@ async fn unreachable_brokers_and_missing_topics_are_clear_errors() {
                 kafka.topic
             ),
             "no.such.setting",
+        ),
+        (
+            format!(
+                "kafka://{}?topic={}&group=g&security.protocol=SASL_SSL",
+                kafka.cluster.bootstrap_servers(),
+                kafka.topic
+            ),
+            "OpenSSL not available",
         ),
     ] {
         let (code, _, err) = common::idem(&[

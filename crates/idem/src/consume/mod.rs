@@ -60,12 +60,13 @@ pub struct Config {
     /// &ack_wait=30s (JetStream; a durable pull consumer, created if missing, on subject S or
     /// the whole stream; dead letters go to D, by default STREAM.dead, which a stream must
     /// store and the consumer must not receive);
-    /// kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]?topic=TOPIC&group=GROUP, with
+    /// kafka://HOST:PORT?topic=TOPIC&group=GROUP (more brokers after commas, and USER:PASSWORD@
+    /// before them), with
     /// &dead_letter=TOPIC (default TOPIC.dead) and any librdkafka setting
     /// (&security.protocol=SASL_PLAINTEXT&sasl.mechanisms=PLAIN; the user and password are
     /// sasl.username and sasl.password; no TLS: librdkafka is built without OpenSSL; builds with
     /// the `kafka` feature);
-    /// sqs://[REGION]?queue_url=URL, with &dead_letter_url=URL (default: the queue's name
+    /// sqs://?queue_url=URL (or sqs://REGION?queue_url=URL), with &dead_letter_url=URL (default: the queue's name
     /// with -dead) or &dead_letter=redrive (the queue's redrive policy), &endpoint=URL (for a
     /// queue outside AWS, its own origin by default), &visibility=30s and &wait=20s (0s: short
     /// polling); credentials from the environment, as every AWS tool; builds with the `sqs`

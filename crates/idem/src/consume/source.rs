@@ -389,8 +389,7 @@ fn kafka(rest: &str) -> Result<Kafka, String> {
     })
 }
 
-/// `sqs://[REGION]?queue_url=URL[&dead_letter_url=URL | &dead_letter=redrive][&endpoint=URL]
-/// [&visibility=30s][&wait=20s]`
+/// `sqs://[REGION]?queue_url=URL[&dead_letter_url=URL | &dead_letter=redrive][&endpoint=URL][&visibility=30s][&wait=20s]`
 fn sqs(rest: &str) -> Result<Sqs, String> {
     let (region, query) = rest.split_once('?').unwrap_or((rest, ""));
     let region = region.trim_end_matches('/');
