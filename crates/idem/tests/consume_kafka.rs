@@ -221,4 +221,23 @@ async fn unreachable_brokers_missing_topics_and_refused_settings_are_clear_error
         assert!(err.contains(why), "{from}: {err}");
         assert!(!err.contains("s3cret"), "{from}: the password leaked: {err}");
     }
+    // The longest handler timeout makes settings librdkafka accepts: the start gets as far as
+    // the topic check.
+    let from = format!(
+        "kafka://{}?topic=no-such-topic&group=g",
+        kafka.cluster.bootstrap_servers()
+    );
+    let (code, _, err) = common::idem(&[
+        "consume",
+        "--from",
+        &from,
+        "--to",
+        "http://127.0.0.1:1/m",
+        "--store",
+        "memory://",
+        "--handler-timeout",
+        "24h",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("topic no-such-topic"), "{err}");
 }

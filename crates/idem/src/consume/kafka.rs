@@ -5,6 +5,10 @@ use std::sync::Arc;
 use super::source::Kafka;
 use super::{Config, ConsumeError, Processor, Shutdown};
 
+/// The longest `max.poll.interval.ms` librdkafka accepts.
+#[cfg(feature = "kafka")]
+const MAX_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// Consumes the topic until `shutdown`: partitions in parallel, each in order; offsets
 /// committed only past recorded messages; a refused message produced to the dead-letter topic.
 #[cfg(feature = "kafka")]
@@ -26,7 +30,10 @@ pub(super) async fn run(
     // recorded; meanwhile the poll thread waits for them, so the group must not count the
     // member as gone before that.
     let settle = config.handler_timeout + Duration::from_secs(5);
-    let poll_interval = settle + Duration::from_secs(60);
+    // librdkafka accepts at most 24 h; a handler timeout that long may see the member leave
+    // the group before a shutdown's last call ends (its message then comes back, answered by
+    // the record).
+    let poll_interval = (settle + Duration::from_secs(60)).min(MAX_POLL_INTERVAL);
     let mut client = ClientConfig::new();
     client
         .set("bootstrap.servers", &kafka.brokers)
