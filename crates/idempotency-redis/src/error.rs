@@ -6,8 +6,7 @@ use redis::ServerErrorKind;
 /// Classifies `error`; `doing` says what the store was doing.
 pub(crate) fn map_error(doing: &str, error: redis::RedisError) -> StoreError {
     let text = error.to_string();
-    let kind = if text.contains("WRONGTYPE") || text.contains("IDEM_FOREIGN") {
-        // Something else lives at the record's key: never overwrite it, never guess.
+    let kind = if foreign(&text) {
         ErrorKind::Protocol
     } else if error.is_timeout() {
         ErrorKind::Timeout
@@ -33,10 +32,29 @@ pub(crate) fn map_error(doing: &str, error: redis::RedisError) -> StoreError {
             _ => ErrorKind::Backend,
         }
     };
-    let hint = if text.contains("WRONGTYPE") {
+    StoreError::new(kind, format!("{doing}: {text}{}", hint(&text))).with_source(error)
+}
+
+/// Classifies the error one key of a batch script answered (`{'error', text}`): the same errors
+/// the script of one key fails with, a foreign value at the record's key above all.
+pub(crate) fn map_script_error(doing: &str, text: &str) -> StoreError {
+    let kind = if foreign(text) {
+        ErrorKind::Protocol
+    } else {
+        ErrorKind::Backend
+    };
+    StoreError::new(kind, format!("{doing}: {text}{}", hint(text)))
+}
+
+/// Whether something else lives at the record's key: never overwrite it, never guess.
+fn foreign(text: &str) -> bool {
+    text.contains("WRONGTYPE") || text.contains("IDEM_FOREIGN")
+}
+
+fn hint(text: &str) -> &'static str {
+    if text.contains("WRONGTYPE") {
         " (another value lives at the record's key: check the key prefix)"
     } else {
         ""
-    };
-    StoreError::new(kind, format!("{doing}: {text}{hint}")).with_source(error)
+    }
 }

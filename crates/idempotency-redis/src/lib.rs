@@ -4,6 +4,12 @@
 //!   and `get` are Lua scripts run with `EVALSHA` (reloaded transparently after `NOSCRIPT`). Each
 //!   touches only the record's own key, so each is atomic on a single server and on a cluster.
 //!   There is no check-then-act window between a read and a write.
+//! * **Concurrent calls share script calls** on a single server: `begin`s (and `complete`s)
+//!   issued while earlier ones are on the wire go out together as one call of a batch script,
+//!   which runs the same function for each key in turn, so each key gets the answer it would
+//!   have got alone. A lone call is sent at once; nothing waits for company. The histogram
+//!   `idempotency_redis_batch_size` (label `op`) shows how many rode together. On a cluster
+//!   every call is its own script, since the keys of one script must share a slot.
 //! * **Fencing.** `complete`, `release` and `extend` compare the caller's token in the script. A
 //!   stale worker whose lease was taken over cannot overwrite the newer attempt's outcome nor
 //!   delete its record. Recipes that end with an unconditional `SET` of the result do exactly
@@ -56,6 +62,7 @@
 //! # }
 //! ```
 
+mod batch;
 mod error;
 mod options;
 mod scripts;

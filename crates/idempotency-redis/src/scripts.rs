@@ -1,9 +1,12 @@
 //! The Lua scripts: one per operation, each on exactly one key (the record's), so each runs
-//! atomically and is safe on Redis Cluster.
+//! atomically and is safe on Redis Cluster. `begin` and `complete` also come in a batch form
+//! ([`begin_many`], [`complete_many`]) that runs the same function once per key, in order, in one
+//! script call: what a single server gets when callers are concurrent (see `Batcher` in the store).
 //!
 //! A record is a hash: `s` scope, `k` key (both readable for operators), `fp` fingerprint (hex),
 //! `a` attempt, `c` created, `e` expires, `t` fencing token (hex), `st` state (`f` in flight,
-//! `c` completed), `acq` acquired, `l` lease until, `done` completed at, `o` outcome. Times are
+//! `c` completed), `acq` acquired, `l` lease until (both left as they were once the record is
+//! completed, and read by nothing: one command less), `done` completed at, `o` outcome. Times are
 //! Unix milliseconds of the server's clock (`TIME`); the key's own expiry (`PEXPIREAT`) is `e`,
 //! so expired records vanish by themselves. Every script also treats `e <= now` as absent, since
 //! Redis only deletes a key strictly after its expiry time.
@@ -17,60 +20,109 @@ const PRELUDE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function n(x) return string.format('%d', x) end
-local function foreign()
-  return redis.error_reply('IDEM_FOREIGN the record key ' .. KEYS[1] .. ' holds a hash that is not an idempotency record')
+local function foreign(key)
+  return redis.error_reply('IDEM_FOREIGN the record key ' .. key .. ' holds a hash that is not an idempotency record')
 end
 ";
+
+/// The function behind `begin`: the record key and the six arguments of [`begin`].
+const BEGIN: &str = r"
+local function begin_one(key, scope, k, fp, token, lease, retention)
+lease, retention = tonumber(lease), tonumber(retention)
+local r = redis.call('HMGET', key, 'fp', 'a', 'e', 't', 'st', 'l', 'done', 'o')
+if r[1] == false then
+  if redis.call('EXISTS', key) == 1 then return foreign(key) end
+elseif tonumber(r[3]) <= now then
+  redis.call('DEL', key)
+  r[1] = false
+end
+if r[1] == false then
+  local lease_until = now + lease
+  local expires = math.max(now + retention, lease_until)
+  redis.call('HSET', key, 's', scope, 'k', k, 'fp', fp, 'a', '1', 'c', n(now),
+    'e', n(expires), 't', token, 'st', 'f', 'acq', n(now), 'l', n(lease_until))
+  redis.call('PEXPIREAT', key, n(expires))
+  return {'acquired', 1, lease_until, now}
+end
+if r[1] ~= fp then return {'mismatch', now} end
+if r[5] == 'c' then return {'replay', tonumber(r[2]), tonumber(r[7]), tonumber(r[3]), r[8], now} end
+if r[4] == token then return {'acquired', tonumber(r[2]), tonumber(r[6]), now} end
+local held = tonumber(r[6])
+if now < held then return {'in_flight', tonumber(r[2]), held - now, now} end
+local attempt = tonumber(r[2]) + 1
+local lease_until = now + lease
+local expires = math.max(tonumber(r[3]), now + retention, lease_until)
+redis.call('HSET', key, 'a', n(attempt), 'e', n(expires), 't', token, 'acq', n(now), 'l', n(lease_until))
+redis.call('PEXPIREAT', key, n(expires))
+return {'acquired', attempt, lease_until, now}
+end
+";
+
+/// The function behind `complete`: the record key and the three arguments of [`complete`].
+const COMPLETE: &str = r"
+local function complete_one(key, token, outcome, retention)
+local r = redis.call('HMGET', key, 't', 'st', 'e')
+if r[1] == false or tonumber(r[3]) <= now or r[1] ~= token then return {0} end
+if r[2] == 'c' then return {1, tonumber(r[3])} end
+local expires = now + tonumber(retention)
+redis.call('HSET', key, 'st', 'c', 'o', outcome, 'done', n(now), 'e', n(expires))
+if expires <= now then redis.call('DEL', key) else redis.call('PEXPIREAT', key, n(expires)) end
+return {1, expires}
+end
+";
+
+/// The loop of a batch script: `one` for each key, its arguments `per_key` at a time from ARGV.
+/// An error of one key (a foreign value at its key) is that key's reply, `{'error', text}`, not
+/// the script's: the other keys of the batch are not its business.
+fn many(one: &str, per_key: usize) -> String {
+    let args: Vec<String> = (1..=per_key).map(|i| format!("ARGV[j + {i}]")).collect();
+    format!(
+        r"
+local out = {{}}
+for i = 1, #KEYS do
+  local j = (i - 1) * {per_key}
+  local ok, r = pcall({one}, KEYS[i], {args})
+  if not ok or r.err then
+    out[i] = {{'error', type(r) == 'table' and r.err or tostring(r)}}
+  else
+    out[i] = r
+  end
+end
+return out
+",
+        args = args.join(", ")
+    )
+}
+
+/// How many arguments `begin` takes per key.
+pub(crate) const BEGIN_ARGS: usize = 6;
+/// How many arguments `complete` takes per key.
+pub(crate) const COMPLETE_ARGS: usize = 3;
 
 /// `begin`: ARGV scope, key, fingerprint, token, lease ms, retention ms.
 /// Returns `{'acquired', attempt, lease_until, now}`, `{'in_flight', attempt, retry_after_ms, now}`,
 /// `{'replay', attempt, completed_at, expires_at, outcome, now}` or `{'mismatch', now}`.
 pub(crate) fn begin() -> String {
     format!(
-        "{PRELUDE}{}",
-        r"
-local lease, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
-local r = redis.call('HMGET', KEYS[1], 'fp', 'a', 'e', 't', 'st', 'l', 'done', 'o')
-if r[1] == false and redis.call('EXISTS', KEYS[1]) == 1 then return foreign() end
-if r[1] == false or tonumber(r[3]) <= now then
-  local lease_until = now + lease
-  local expires = math.max(now + retention, lease_until)
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 's', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'a', '1', 'c', n(now),
-    'e', n(expires), 't', ARGV[4], 'st', 'f', 'acq', n(now), 'l', n(lease_until))
-  redis.call('PEXPIREAT', KEYS[1], n(expires))
-  return {'acquired', 1, lease_until, now}
-end
-if r[1] ~= ARGV[3] then return {'mismatch', now} end
-if r[5] == 'c' then return {'replay', tonumber(r[2]), tonumber(r[7]), tonumber(r[3]), r[8], now} end
-if r[4] == ARGV[4] then return {'acquired', tonumber(r[2]), tonumber(r[6]), now} end
-local held = tonumber(r[6])
-if now < held then return {'in_flight', tonumber(r[2]), held - now, now} end
-local attempt = tonumber(r[2]) + 1
-local lease_until = now + lease
-local expires = math.max(tonumber(r[3]), now + retention, lease_until)
-redis.call('HSET', KEYS[1], 'a', n(attempt), 'e', n(expires), 't', ARGV[4], 'acq', n(now), 'l', n(lease_until))
-redis.call('PEXPIREAT', KEYS[1], n(expires))
-return {'acquired', attempt, lease_until, now}
-"
+        "{PRELUDE}{BEGIN}return begin_one(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])\n"
     )
+}
+
+/// `begin` for each of KEYS, with [`BEGIN_ARGS`] arguments per key in ARGV: an array of the
+/// replies [`begin`] gives, or `{'error', text}` for a key that holds something else.
+pub(crate) fn begin_many() -> String {
+    format!("{PRELUDE}{BEGIN}{}", many("begin_one", BEGIN_ARGS))
 }
 
 /// `complete`: ARGV token, outcome, retention ms. Returns `{1, expires_at}` or `{0}`.
 pub(crate) fn complete() -> String {
-    format!(
-        "{PRELUDE}{}",
-        r"
-local r = redis.call('HMGET', KEYS[1], 't', 'st', 'e')
-if r[1] == false or tonumber(r[3]) <= now or r[1] ~= ARGV[1] then return {0} end
-if r[2] == 'c' then return {1, tonumber(r[3])} end
-local expires = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'st', 'c', 'o', ARGV[2], 'done', n(now), 'e', n(expires))
-redis.call('HDEL', KEYS[1], 'acq', 'l')
-if expires <= now then redis.call('DEL', KEYS[1]) else redis.call('PEXPIREAT', KEYS[1], n(expires)) end
-return {1, expires}
-"
-    )
+    format!("{PRELUDE}{COMPLETE}return complete_one(KEYS[1], ARGV[1], ARGV[2], ARGV[3])\n")
+}
+
+/// `complete` for each of KEYS, with [`COMPLETE_ARGS`] arguments per key in ARGV, as
+/// [`begin_many`] does for `begin`.
+pub(crate) fn complete_many() -> String {
+    format!("{PRELUDE}{COMPLETE}{}", many("complete_one", COMPLETE_ARGS))
 }
 
 /// `release`: ARGV token, the token of no attempt. Returns 1 (released) or 0. The record stays,
@@ -111,7 +163,7 @@ pub(crate) fn get() -> String {
         r"
 local r = redis.call('HMGET', KEYS[1], 's', 'k', 'fp', 'a', 'c', 'e', 't', 'st', 'acq', 'l', 'done', 'o')
 if r[3] == false then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return foreign() end
+  if redis.call('EXISTS', KEYS[1]) == 1 then return foreign(KEYS[1]) end
   return {}
 end
 if tonumber(r[6]) <= now then return {} end

@@ -16,6 +16,7 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use sha2::{Digest, Sha256};
 
+use crate::batch::{Batcher, Kind};
 use crate::error::map_error;
 use crate::scripts;
 
@@ -104,6 +105,8 @@ pub struct RedisStore {
     nodes: Arc<Vec<redis::ConnectionInfo>>,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
+    /// On a single server, `begin` and `complete` go through the batcher (see [`crate::batch`]).
+    batcher: Option<Batcher>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -138,7 +141,9 @@ impl RedisStore {
         let manager = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(|e| map_error("connect to Redis", e))?;
-        Ok(Self::with(Connection::Single(manager), vec![info]))
+        let connection = Connection::Single(manager);
+        let batcher = Batcher::start(connection.clone());
+        Ok(Self::with(connection, vec![info], Some(batcher)))
     }
 
     /// Connects to a Redis Cluster through any of its nodes.
@@ -170,11 +175,12 @@ impl RedisStore {
             .get_async_connection()
             .await
             .map_err(|e| map_error("connect to the Redis Cluster", e))?;
-        Ok(Self::with(Connection::Cluster(connection), infos))
+        Ok(Self::with(Connection::Cluster(connection), infos, None))
     }
 
-    fn with(connection: Connection, nodes: Vec<redis::ConnectionInfo>) -> Self {
+    fn with(connection: Connection, nodes: Vec<redis::ConnectionInfo>, batcher: Option<Batcher>) -> Self {
         Self {
+            batcher,
             connection,
             nodes: Arc::new(nodes),
             prefix: Arc::from("idem:"),
@@ -265,6 +271,24 @@ impl RedisStore {
         with_redirects(|| async { invocation.invoke_async(&mut self.connection.clone()).await })
             .await
             .map_err(|e| map_error("run a script", e))
+    }
+
+    /// Runs `begin` or `complete`: through the batcher on a single server, directly on a cluster.
+    async fn run_batched(&self, kind: Kind, key: String, args: &[&[u8]]) -> Result<Value, StoreError> {
+        match &self.batcher {
+            Some(batcher) => {
+                batcher
+                    .call(kind, key, args.iter().map(|a| a.to_vec()).collect())
+                    .await
+            }
+            None => {
+                let script = match kind {
+                    Kind::Begin => &self.scripts.begin,
+                    Kind::Complete => &self.scripts.complete,
+                };
+                self.run(script, &key, args).await
+            }
+        }
     }
 
     async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
@@ -488,20 +512,15 @@ impl Store for RedisStore {
         let token = request.token.to_hex();
         let lease = stored_millis(request.lease).to_string();
         let retention = stored_millis(request.retention).to_string();
-        let reply = self
-            .run(
-                &self.scripts.begin,
-                &key,
-                &[
-                    request.scope.as_str().as_bytes(),
-                    request.key.as_str().as_bytes(),
-                    fingerprint.as_bytes(),
-                    token.as_bytes(),
-                    lease.as_bytes(),
-                    retention.as_bytes(),
-                ],
-            )
-            .await?;
+        let args = [
+            request.scope.as_str().as_bytes(),
+            request.key.as_str().as_bytes(),
+            fingerprint.as_bytes(),
+            token.as_bytes(),
+            lease.as_bytes(),
+            retention.as_bytes(),
+        ];
+        let reply = self.run_batched(Kind::Begin, key, &args).await?;
         let fields = array(reply)?;
         let tag = fields.first().map(text).transpose()?.unwrap_or_default();
         match (tag, fields.len()) {
@@ -535,18 +554,10 @@ impl Store for RedisStore {
             return Ok(Fenced::LeaseLost);
         }
         let retention = stored_millis(retention).to_string();
-        let reply = self
-            .run(
-                &self.scripts.complete,
-                &self.record_key(&held.scope, &held.key),
-                &[
-                    held.token.to_hex().as_bytes(),
-                    outcome.as_bytes(),
-                    retention.as_bytes(),
-                ],
-            )
-            .await?;
-        fenced(reply)
+        let key = self.record_key(&held.scope, &held.key);
+        let token = held.token.to_hex();
+        let args = [token.as_bytes(), outcome.as_bytes(), retention.as_bytes()];
+        fenced(self.run_batched(Kind::Complete, key, &args).await?)
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {

@@ -48,12 +48,7 @@ async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore
     let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"x"));
 
     // A string where a record should be.
-    let _: () = redis::cmd("SET")
-        .arg(&record_key)
-        .arg("someone else's data")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    common::plant_foreign(&mut connection, &record_key).await;
     for error in [
         store.begin(&request).await.unwrap_err(),
         store.get(&scope, &key).await.unwrap_err(),
@@ -70,15 +65,7 @@ async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore
         assert!(error.to_string().contains("WRONGTYPE"), "{error}");
         assert!(!error.is_retryable());
     }
-    let kept: String = redis::cmd("GET")
-        .arg(&record_key)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(
-        kept, "someone else's data",
-        "the foreign value must not be overwritten"
-    );
+    common::assert_foreign_kept(&mut connection, &record_key).await;
 
     // A hash that is not a record.
     let _: () = redis::cmd("DEL")

@@ -100,3 +100,22 @@ impl idempotency_testkit::linearizability::Cutter for KillUser {
         }
     }
 }
+
+/// The value another application keeps at `key`, where a record's key would be.
+pub const FOREIGN: &str = "someone else's data";
+
+/// Writes [`FOREIGN`] at `key`.
+pub async fn plant_foreign(connection: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(FOREIGN)
+        .query_async(connection)
+        .await
+        .unwrap();
+}
+
+/// Asserts that [`FOREIGN`] is still at `key`: the store refused it and did not overwrite it.
+pub async fn assert_foreign_kept(connection: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let kept: String = redis::cmd("GET").arg(key).query_async(connection).await.unwrap();
+    assert_eq!(kept, FOREIGN, "the foreign value must not be overwritten");
+}
