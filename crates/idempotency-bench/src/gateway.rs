@@ -6,8 +6,14 @@
 //! - **The upstream** is `idem-bench upstream`: an axum server answering every request with
 //!   `201` and a small JSON body, as fast as a handler can be.
 //! - **New keys**: every request a `POST` with a fresh `Idempotency-Key` (a wrk Lua script);
-//!   **replays**: every request the same key (the first runs, the rest replay). nginx and the
-//!   direct calls get the same requests and do no idempotency at all.
+//!   **replays**: every request the same key (the first runs, the rest replay); **no key**: the
+//!   same `POST` without the header, which the gateway forwards unguarded: its proxying alone,
+//!   the floor under the other two. nginx and the direct calls get the same requests and do no
+//!   idempotency at all.
+//! - **CPU per request**: the proxy's own CPU time (user and system, all its threads and worker
+//!   processes, from `/proc`) over a run, divided by the requests wrk counted. The machine's cores
+//!   are shared by wrk, the upstream and the proxy, so a proxy's rate follows its cost per
+//!   request: this column says where a ratio comes from.
 //! - **Memory**: `gateway-memory` sends 200,000 new-key requests with 1 KiB bodies through the
 //!   gateway on SQLite and samples its resident memory (`/proc/PID/status`) as they go.
 
@@ -23,6 +29,8 @@ use crate::measure::{Samples, median, per_second};
 #[derive(Debug, Clone, Copy)]
 struct Run {
     requests_per_second: f64,
+    /// The proxy's CPU time per request, in microseconds (none for the upstream called directly).
+    cpu_us: Option<f64>,
     /// The 99th percentile latency, in milliseconds.
     p99_ms: f64,
     /// Non-2xx/3xx responses and socket errors together.
@@ -71,7 +79,44 @@ impl Process {
     fn pid(&self) -> u32 {
         self.child.id()
     }
+}
 
+/// The CPU time, in clock ticks, that process `pid`, its threads and its child processes (nginx's
+/// workers) have used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let own = |pid: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                // The fields after the command name, which is in parentheses and may hold spaces.
+                let rest = stat.rsplit_once(')')?.1;
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                // utime and stime are fields 14 and 15 of the line: 12 and 13 after the name.
+                Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+            })
+            .unwrap_or(0)
+    };
+    let children = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| list.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .collect::<Vec<_>>();
+    own(&pid.to_string()) + children.iter().map(|child| own(child)).sum::<u64>()
+}
+
+/// The clock ticks per second of `/proc`'s times.
+fn ticks_per_second() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok()?.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+impl Process {
     /// Waits until `port` accepts connections; fails with the process's stderr if it exits.
     fn wait_for(&mut self, port: u16) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -202,6 +247,8 @@ struct Target {
     name: String,
     port: u16,
     process: Option<Process>,
+    /// The process whose CPU time is the proxy's (nginx's master, or the gateway).
+    pid: Option<u32>,
 }
 
 /// The upstream (`idem-bench upstream`, this program) on a free port, once it listens.
@@ -246,12 +293,13 @@ fn start_gateway(idem: &Path, name: &str, store: &str, upstream: u16) -> Result<
     Ok(Target {
         name: name.to_owned(),
         port,
+        pid: Some(process.pid()),
         process: Some(process),
     })
 }
 
-/// The wrk scripts: a fresh key per request, or one key for every request.
-fn scripts(dir: &Path, body_bytes: usize) -> Result<(PathBuf, PathBuf), String> {
+/// The wrk scripts: a fresh key per request, one key for every request, and no key at all.
+fn scripts(dir: &Path, body_bytes: usize) -> Result<(PathBuf, PathBuf, PathBuf), String> {
     let body = format!(
         "{{\"amount\":1000,\"note\":\"{}\"}}",
         "x".repeat(body_bytes.saturating_sub(27))
@@ -292,11 +340,32 @@ end
         ),
     )
     .map_err(|e| e.to_string())?;
-    Ok((new_keys, replays))
+    let no_key = dir.join("no-key.lua");
+    std::fs::write(
+        &no_key,
+        format!(
+            "{common}
+request = function()
+  return wrk.format(\"POST\", \"/payments\", headers, body)
+end
+"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((new_keys, replays, no_key))
 }
 
-/// `wrk -t2 -c CONNECTIONS -d SECONDS --latency -s SCRIPT`, parsed.
-fn wrk(port: u16, script: &Path, connections: usize, window: Duration, run: &str) -> Result<Run, String> {
+/// `wrk -t2 -c CONNECTIONS -d SECONDS --latency -s SCRIPT` on `target`, parsed, with the
+/// target's CPU time per request.
+fn wrk(
+    target: &Target,
+    script: &Path,
+    connections: usize,
+    window: Duration,
+    run: &str,
+) -> Result<Run, String> {
+    let port = target.port;
+    let before = target.pid.map(cpu_ticks);
     let output = Command::new("wrk")
         .args([
             "-t2",
@@ -310,8 +379,18 @@ fn wrk(port: u16, script: &Path, connections: usize, window: Duration, run: &str
         .env("RUN", run)
         .output()
         .map_err(|e| format!("wrk: {e}"))?;
+    let after = target.pid.map(cpu_ticks);
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    parse_wrk(&text).ok_or_else(|| format!("cannot read wrk's output:\n{text}"))
+    let mut run = parse_wrk(&text).ok_or_else(|| format!("cannot read wrk's output:\n{text}"))?;
+    let requests = text
+        .lines()
+        .find_map(|line| line.trim().split_once(" requests in "))
+        .and_then(|(n, _)| n.trim().parse::<f64>().ok())
+        .filter(|n| *n > 0.0);
+    if let (Some(before), Some(after), Some(requests)) = (before, after, requests) {
+        run.cpu_us = Some(after.saturating_sub(before) as f64 / ticks_per_second() * 1e6 / requests);
+    }
+    Ok(run)
 }
 
 fn parse_wrk(text: &str) -> Option<Run> {
@@ -351,6 +430,7 @@ fn parse_wrk(text: &str) -> Option<Run> {
         });
     Some(Run {
         requests_per_second,
+        cpu_us: None,
         p99_ms,
         errors: count("Non-2xx or 3xx responses:") + socket_errors,
     })
@@ -361,7 +441,7 @@ fn targets(
     idem: &Path,
     dir: &Path,
     upstream: u16,
-    nginx: u16,
+    (nginx, nginx_pid): (u16, u32),
     stores: &[String],
 ) -> Result<Vec<Target>, String> {
     let mut targets = vec![
@@ -369,11 +449,13 @@ fn targets(
             name: "upstream called directly".into(),
             port: upstream,
             process: None,
+            pid: None,
         },
         Target {
             name: "nginx proxy_pass (keepalive pool, no idempotency)".into(),
             port: nginx,
             process: None,
+            pid: Some(nginx_pid),
         },
     ];
     let database =
@@ -418,30 +500,27 @@ pub(crate) fn run(
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let (_upstream, upstream_port) = start_upstream()?;
     let nginx_port = free_port()?;
-    let _nginx = start_nginx(dir.path(), nginx_port, upstream_port)?;
-    let targets = targets(&idem, dir.path(), upstream_port, nginx_port, stores)?;
-    let (new_keys, replays) = scripts(dir.path(), 64)?;
+    let nginx = start_nginx(dir.path(), nginx_port, upstream_port)?;
+    let targets = targets(
+        &idem,
+        dir.path(),
+        upstream_port,
+        (nginx_port, nginx.pid()),
+        stores,
+    )?;
+    let (new_keys, replays, no_key) = scripts(dir.path(), 64)?;
     let run_id = format!("{}", std::process::id());
 
     // Warm up every target once (connections, caches, the replayed key's first run).
     for target in &targets {
-        wrk(
-            target.port,
-            &new_keys,
-            connections,
-            Duration::from_secs(1),
-            &format!("{run_id}-warm"),
-        )?;
-        wrk(
-            target.port,
-            &replays,
-            connections,
-            Duration::from_secs(1),
-            &run_id,
-        )?;
+        let warm = Duration::from_secs(1);
+        wrk(target, &new_keys, connections, warm, &format!("{run_id}-warm"))?;
+        wrk(target, &replays, connections, warm, &run_id)?;
+        wrk(target, &no_key, connections, warm, &run_id)?;
     }
     let mut new_runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
     let mut replay_runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
+    let mut no_key_runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
     for round in 0..rounds {
         // Alternate the order, so that no variant always follows the same one.
         let mut order: Vec<usize> = (0..targets.len()).collect();
@@ -450,42 +529,62 @@ pub(crate) fn run(
         }
         for &i in &order {
             let run = wrk(
-                targets[i].port,
+                &targets[i],
                 &new_keys,
                 connections,
                 window,
                 &format!("{run_id}-{round}"),
             )?;
             new_runs[i].push(run);
-            let run = wrk(targets[i].port, &replays, connections, window, &run_id)?;
+            let run = wrk(&targets[i], &replays, connections, window, &run_id)?;
             replay_runs[i].push(run);
+            let run = wrk(&targets[i], &no_key, connections, window, &run_id)?;
+            no_key_runs[i].push(run);
         }
     }
 
     let rate = |runs: &[Run]| Samples::of(runs.iter().map(|r| r.requests_per_second).collect());
     let p99 = |runs: &[Run]| median(&mut runs.iter().map(|r| r.p99_ms).collect::<Vec<_>>());
+    let cpu = |runs: &[Run]| {
+        let mut values: Vec<f64> = runs.iter().filter_map(|r| r.cpu_us).collect();
+        if values.is_empty() {
+            "—".to_owned()
+        } else {
+            format!("{:.0} µs", median(&mut values))
+        }
+    };
     let nginx_new = rate(&new_runs[1]).median;
     let nginx_replay = rate(&replay_runs[1]).median;
+    let nginx_no_key = rate(&no_key_runs[1]).median;
     println!(
         "\n## Gateway vs nginx vs the upstream: wrk -t2 -c{connections}, {} s a run, {rounds} alternating rounds, medians\n",
         window.as_secs()
     );
     println!(
-        "| variant | new keys req/s | / nginx | replays req/s | / nginx | new-key p99 | replay p99 | new-key min–max | errors |"
+        "| variant | new keys req/s | / nginx | replays req/s | / nginx | no key req/s | / nginx | new-key p99 | replay p99 | CPU/request: new key | no key | new-key min–max | errors |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (i, target) in targets.iter().enumerate() {
-        let (new, replay) = (rate(&new_runs[i]), rate(&replay_runs[i]));
-        let errors: u64 = new_runs[i].iter().chain(&replay_runs[i]).map(|r| r.errors).sum();
+        let (new, replay, no_key) = (rate(&new_runs[i]), rate(&replay_runs[i]), rate(&no_key_runs[i]));
+        let errors: u64 = new_runs[i]
+            .iter()
+            .chain(&replay_runs[i])
+            .chain(&no_key_runs[i])
+            .map(|r| r.errors)
+            .sum();
         println!(
-            "| {} | {} | {:.2} | {} | {:.2} | {:.1} ms | {:.1} ms | {} | {errors} |",
+            "| {} | {} | {:.2} | {} | {:.2} | {} | {:.2} | {:.1} ms | {:.1} ms | {} | {} | {} | {errors} |",
             target.name,
             per_second(new.median),
             new.median / nginx_new,
             per_second(replay.median),
             replay.median / nginx_replay,
+            per_second(no_key.median),
+            no_key.median / nginx_no_key,
             p99(&new_runs[i]),
             p99(&replay_runs[i]),
+            cpu(&new_runs[i]),
+            cpu(&no_key_runs[i]),
             new.spread(),
         );
     }
@@ -507,7 +606,7 @@ pub(crate) fn run_memory(connections: usize, requests: u64) -> Result<(), String
         upstream_port,
     )?;
     let pid = gateway.process.as_ref().map_or(0, Process::pid);
-    let (new_keys, _) = scripts(dir.path(), 1024)?;
+    let (new_keys, _, _) = scripts(dir.path(), 1024)?;
     let rss = || -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
