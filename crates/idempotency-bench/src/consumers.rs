@@ -24,7 +24,7 @@ use lapin::types::FieldTable;
 
 use crate::measure::{Samples, per_second, runtime};
 
-pub(crate) const MESSAGES: usize = 3000;
+pub(crate) const MESSAGES: usize = 20_000;
 /// How long the bench's records live.
 pub(crate) const RETENTION: Duration = Duration::from_secs(60);
 /// Messages in process at once, in both variants (a consumer with a prefetch of 100 works so).
