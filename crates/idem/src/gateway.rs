@@ -16,9 +16,6 @@ use axum::routing::get;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, Request, Uri};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use idempotency::{
     BeginRequest, Claim, DynStore, Fingerprint, Key, Outcome, Scope, ScopeSecret, Watched, WriteHealth,
 };
@@ -27,6 +24,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tower::Service;
 
 use crate::error::Error;
+use crate::upstream::{Failure, Upstream};
 use crate::{server, units};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
@@ -249,7 +247,7 @@ pub fn parse_scope_secret(text: &str) -> Result<ScopeSecret, FlagError> {
 }
 
 /// Parses `--scope-secret` with [`parse_scope_secret`]. A plain `value_parser` function's
-/// error would make clap print "invalid value '<the secret>'": this one's error names the flag
+/// error would make clap print "invalid value '`<the secret>`'": this one's error names the flag
 /// and the reason only.
 #[derive(Debug, Clone, Copy)]
 struct SecretParser;
@@ -517,7 +515,7 @@ fn may_have_dot_segments(path: &str) -> bool {
 /// The proxy behind the layer: forwards a request to the upstream and brings the response back.
 #[derive(Clone)]
 pub struct Proxy {
-    client: Client<HttpConnector, Body>,
+    connections: Upstream,
     upstream: Uri,
     timeout: Duration,
 }
@@ -534,25 +532,24 @@ impl Proxy {
     /// A proxy to `upstream`.
     #[must_use]
     pub fn new(upstream: Uri, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
         Self {
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            connections: Upstream::new(&upstream),
             upstream,
             timeout,
         }
     }
 
-    fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
+    /// The path and query the upstream gets: the request's, behind the upstream's base path,
+    /// dot segments resolved.
+    fn target(&self, uri: &Uri) -> Result<PathAndQuery, http::Error> {
         let base = self.upstream.path().trim_end_matches('/');
         let path = uri.path();
-        let path_and_query = match uri.path_and_query() {
+        match uri.path_and_query() {
             // Nothing to resolve and no base path to put in front: the request's own path and
             // query, shared rather than parsed again (building the target cost a twentieth of
             // the gateway's instructions per request).
             Some(own) if base.is_empty() && path.starts_with('/') && !may_have_dot_segments(path) => {
-                own.clone()
+                Ok(own.clone())
             }
             _ => {
                 let path = remove_dot_segments(path);
@@ -560,14 +557,9 @@ impl Proxy {
                     Some(query) => format!("{base}{path}?{query}"),
                     None => format!("{base}{path}"),
                 };
-                PathAndQuery::try_from(path)?
+                Ok(PathAndQuery::try_from(path)?)
             }
-        };
-        let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(http::uri::Scheme::HTTP);
-        parts.authority = self.upstream.authority().cloned();
-        parts.path_and_query = Some(path_and_query);
-        Ok(Uri::from_parts(parts)?)
+        }
     }
 
     async fn forward(self, mut request: Request<Body>) -> Response {
@@ -578,7 +570,8 @@ impl Proxy {
                 return problem(&Problem::BadTarget(why.to_string()));
             }
         };
-        *request.uri_mut() = target;
+        // Origin form: the connection is to the upstream already, and `Upstream` sets `Host`.
+        *request.uri_mut() = Uri::from(target);
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         // Only the gateway says which attempt this is: a client's own value never reaches the
@@ -595,80 +588,30 @@ impl Proxy {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(key.attempt));
         }
         // The timeout covers the whole response, its body included.
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
-            Err(_) => {
+        let deadline = Box::pin(tokio::time::sleep(self.timeout));
+        let response = match self.connections.send(request, deadline).await {
+            Err(Failure::TimedOut) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
                 tracing::warn!(upstream = %self.upstream, "upstream timed out; the outcome is unknown");
                 return problem(&Problem::UpstreamTimeout);
             }
             // Only a failure to connect proves that nothing was sent: the key may be released.
-            Ok(Err(error)) if error.is_connect() => {
+            Err(Failure::Unreachable(error)) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "unreachable").increment(1);
                 tracing::warn!(%error, upstream = %self.upstream, "upstream unreachable");
                 return problem(&Problem::UpstreamUnreachable);
             }
             // Anything else happened after the request (or part of it) was sent.
-            Ok(Err(error)) => {
+            Err(Failure::AnswerLost(error)) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "answer_lost").increment(1);
                 tracing::warn!(%error, upstream = %self.upstream, "upstream answer lost; the outcome is unknown");
                 return problem(&Problem::UpstreamAnswerLost);
             }
-            Ok(Ok(response)) => response,
+            Ok(response) => response,
         };
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        Response::from_parts(parts, Body::new(UpstreamBody::new(body, deadline)))
-    }
-}
-
-/// The upstream's response body, bounded by the upstream timeout: it fails with
-/// [`Problem::UpstreamTimeout`] when the deadline passes before its end, and with
-/// [`Problem::UpstreamAnswerLost`] when the upstream breaks it off, so that the layer answers
-/// with the problem and keeps the key in flight (the upstream ran).
-struct UpstreamBody {
-    inner: hyper::body::Incoming,
-    deadline: Pin<Box<tokio::time::Sleep>>,
-}
-
-impl UpstreamBody {
-    fn new(inner: hyper::body::Incoming, deadline: tokio::time::Instant) -> Self {
-        Self {
-            inner,
-            deadline: Box::pin(tokio::time::sleep_until(deadline)),
-        }
-    }
-}
-
-impl hyper::body::Body for UpstreamBody {
-    type Data = bytes::Bytes;
-    type Error = Problem;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Problem>>> {
-        if self.deadline.as_mut().poll(cx).is_ready() {
-            metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
-            tracing::warn!("the upstream's response body did not end within the upstream timeout");
-            return Poll::Ready(Some(Err(Problem::UpstreamTimeout)));
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Err(error))) => {
-                metrics::counter!("idem_upstream_errors_total", "kind" => "answer_lost").increment(1);
-                tracing::warn!(%error, "the upstream broke its response body off");
-                Poll::Ready(Some(Err(Problem::UpstreamAnswerLost)))
-            }
-            other => other.map_err(|_| Problem::UpstreamAnswerLost),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+        Response::from_parts(parts, Body::new(body))
     }
 }
 
@@ -1009,7 +952,7 @@ mod target_tests {
         let base = upstream.path().trim_end_matches('/');
         let path = remove_dot_segments(uri.path());
         let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-        format!("http://{}{base}{path}{query}", upstream.authority().unwrap())
+        format!("{base}{path}{query}")
     }
 
     #[test]

@@ -18,3 +18,4 @@ pub mod gateway;
 pub mod ops;
 pub mod server;
 pub mod units;
+mod upstream;

@@ -9,6 +9,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,15 @@ struct Head {
     path: String,
     key: String,
     attempt: String,
+}
+
+/// Notes that the upstream received `head`'s attempt of its key.
+fn note(seen: &Seen, head: &Head) {
+    seen.lock()
+        .unwrap()
+        .entry(head.key.clone())
+        .or_default()
+        .push(head.attempt.clone());
 }
 
 /// Reads one request (head and `Content-Length` body) from `stream`.
@@ -78,11 +88,7 @@ async fn faulty_upstream() -> (SocketAddr, Seen) {
                 let Some(head) = read_request(&mut stream).await else {
                     return;
                 };
-                seen.lock()
-                    .unwrap()
-                    .entry(head.key.clone())
-                    .or_default()
-                    .push(head.attempt.clone());
+                note(&seen, &head);
                 if head.attempt != "1" {
                     let body = format!("{{\"attempt\":\"{}\"}}", head.attempt);
                     let answer = format!(
@@ -267,12 +273,7 @@ async fn a_refused_connection_sent_nothing_and_releases_the_key_at_once() {
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
             if let Some(head) = read_request(&mut stream).await {
-                record
-                    .lock()
-                    .unwrap()
-                    .entry(head.key)
-                    .or_default()
-                    .push(head.attempt);
+                note(&record, &head);
                 let _ = stream
                     .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
                     .await;
@@ -282,4 +283,73 @@ async fn a_refused_connection_sent_nothing_and_releases_the_key_at_once() {
     let retry = send(&client, addr, "POST", "/pay", &headers, b"{}").await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert_eq!(seen.lock().unwrap()["refused-1"], ["2"]);
+}
+
+/// A keep-alive upstream that answers `201` and counts the connections it accepted; with
+/// `close_after_answer` it closes each connection right after its first answer, without saying
+/// so (as a server whose keep-alive timeout is shorter than the gateway's does).
+async fn keep_alive_upstream(close_after_answer: bool) -> (SocketAddr, Seen, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Seen::default();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (record, accepted) = (Arc::clone(&seen), Arc::clone(&connections));
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            let record = Arc::clone(&record);
+            tokio::spawn(async move {
+                while let Some(head) = read_request(&mut stream).await {
+                    note(&record, &head);
+                    let answer = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.write_all(answer).await.is_err() || close_after_answer {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen, connections)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_reused_and_one_the_upstream_closed_is_replaced_without_a_lost_answer() {
+    for close_after_answer in [false, true] {
+        let (upstream, seen, accepted) = keep_alive_upstream(close_after_answer).await;
+        let addr = free_addr();
+        let up = format!("http://{upstream}");
+        let _gateway = start_gateway(addr, &["--upstream", &up, "--store", "memory://"], true).await;
+        let client = client();
+        for i in 0..10 {
+            let key = format!("keep-alive-{i}");
+            let answer = send(&client, addr, "POST", "/pay", &[("idempotency-key", &key)], b"{}").await;
+            assert_eq!(answer.status, 201, "{close_after_answer} {key}: {answer:?}");
+            // Give a closing upstream's FIN time to arrive: the gateway must then notice the
+            // closed connection before it sends on it.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let seen = seen.lock().unwrap().clone();
+        for i in 0..10 {
+            assert_eq!(
+                seen[&format!("keep-alive-{i}")],
+                ["1"],
+                "{close_after_answer}: {seen:?}"
+            );
+        }
+        let expected = if close_after_answer { 10 } else { 1 };
+        assert_eq!(accepted.load(Ordering::SeqCst), expected, "{close_after_answer}");
+        let opened = metric(&client, addr, "idem_upstream_connections_opened_total", &[]).await;
+        assert_eq!(opened, expected as f64, "{close_after_answer}");
+        let lost = metric(
+            &client,
+            addr,
+            "idem_upstream_errors_total",
+            &[("kind", "answer_lost")],
+        )
+        .await;
+        assert_eq!(
+            lost, 0.0,
+            "{close_after_answer}: a closed idle connection was taken for a lost answer"
+        );
+    }
 }
