@@ -474,11 +474,15 @@ fn targets(
                 format!("sqlite://{}?max_batch=1", dir.join("single.db").display()),
             ),
             "redis" => ("idem serve, Redis", redis.clone()),
+            "redis-single" => (
+                "idem serve, Redis (batch=off)",
+                format!("{redis}{}batch=off", if redis.contains('?') { '&' } else { '?' }),
+            ),
             "postgres" => ("idem serve, PostgreSQL", database.clone()),
             "mysql" => ("idem serve, MariaDB", mysql.clone()),
             other => {
                 return Err(format!(
-                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, postgres, mysql)"
+                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, redis-single, postgres, mysql)"
                 ));
             }
         };

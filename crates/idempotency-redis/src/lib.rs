@@ -9,7 +9,8 @@
 //!   which runs the same function for each key in turn, so each key gets the answer it would
 //!   have got alone. A lone call is sent at once; nothing waits for company. The histogram
 //!   `idempotency_redis_batch_size` (label `op`) shows how many rode together. On a cluster
-//!   every call is its own script, since the keys of one script must share a slot.
+//!   every call is its own script, since the keys of one script must share a slot; on a single
+//!   server `?batch=off` in the URL does the same (`redis://host:6379?batch=off`).
 //! * **Fencing.** `complete`, `release` and `extend` compare the caller's token in the script. A
 //!   stale worker whose lease was taken over cannot overwrite the newer attempt's outcome nor
 //!   delete its record. Recipes that end with an unconditional `SET` of the result do exactly

@@ -42,7 +42,8 @@ fn check_url(url: &str) -> Result<(), StoreError> {
             }
         }
         None => {
-            crate::store::parse_url(url)?;
+            let (url, _) = crate::store::split_options(url)?;
+            crate::store::parse_url(&url)?;
         }
     }
     Ok(())
@@ -80,5 +81,31 @@ mod tests {
         }
         assert!(check_url("redis-cluster://127.0.0.1:7000,127.0.0.1:7001").is_ok());
         assert!(check_url("redis-cluster://").is_err());
+    }
+
+    #[test]
+    fn batch_is_the_stores_option_and_the_rest_of_the_url_is_the_clients() {
+        use crate::store::split_options;
+        for (url, rest, batch) in [
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379", true),
+            (
+                "redis://127.0.0.1:6379/2?batch=off",
+                "redis://127.0.0.1:6379/2",
+                false,
+            ),
+            ("redis://127.0.0.1:6379?batch=on", "redis://127.0.0.1:6379", true),
+            (
+                "redis://u:p@127.0.0.1:6379?protocol=resp3&batch=off",
+                "redis://u:p@127.0.0.1:6379?protocol=resp3",
+                false,
+            ),
+        ] {
+            assert_eq!(split_options(url).unwrap(), (rest.to_owned(), batch), "{url}");
+        }
+        for url in ["redis://h?batch=no", "redis://h?batch=", "redis://h?batch=OFF"] {
+            let error = split_options(url).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(check_url(url).is_err(), "{url}");
+        }
     }
 }

@@ -127,12 +127,16 @@ impl fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to one Redis server (`redis://[user:password@]host:port[/db]`, or `rediss://`).
     ///
+    /// Concurrent `begin`s and `complete`s are batched (see the crate docs); `?batch=off` sends
+    /// each as its own script call, as on a cluster.
+    ///
     /// # Errors
     ///
-    /// [`ErrorKind::InvalidConfig`] for a malformed URL or rejected credentials,
-    /// [`ErrorKind::Unavailable`] when the server cannot be reached.
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL, a `batch` other than `on` or `off`, or
+    /// rejected credentials; [`ErrorKind::Unavailable`] when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let info = parse_url(url)?;
+        let (url, batch) = split_options(url)?;
+        let info = parse_url(&url)?;
         let client = redis::Client::open(info.clone()).map_err(|e| map_error("open the Redis client", e))?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
@@ -142,8 +146,8 @@ impl RedisStore {
             .await
             .map_err(|e| map_error("connect to Redis", e))?;
         let connection = Connection::Single(manager);
-        let batcher = Batcher::start(connection.clone());
-        Ok(Self::with(connection, vec![info], Some(batcher)))
+        let batcher = batch.then(|| Batcher::start(connection.clone()));
+        Ok(Self::with(connection, vec![info], batcher))
     }
 
     /// Connects to a Redis Cluster through any of its nodes.
@@ -396,6 +400,44 @@ fn masters(nodes: &str) -> Vec<String> {
                 .then(|| address.split('@').next().unwrap_or(address).to_owned())
         })
         .collect()
+}
+
+/// Takes the store's own option off a single server's URL: `batch=on` (the default) or
+/// `batch=off`. The rest of the URL, other query parameters included, is the Redis client's.
+pub(crate) fn split_options(url: &str) -> Result<(String, bool), StoreError> {
+    // A URL this cannot parse is left whole, for the client's parser to refuse with its reason.
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return Ok((url.to_owned(), true));
+    };
+    let mut batch = true;
+    let mut rest = Vec::new();
+    for (name, value) in parsed.query_pairs() {
+        if name == "batch" {
+            batch = match &*value {
+                "on" => true,
+                "off" => false,
+                other => {
+                    return Err(StoreError::new(
+                        ErrorKind::InvalidConfig,
+                        format!("`batch` in a Redis URL is `on` or `off`, not `{other}`"),
+                    ));
+                }
+            };
+        } else {
+            rest.push((name.into_owned(), value.into_owned()));
+        }
+    }
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest);
+    }
+    // Only a URL that had a query is rebuilt: the others reach the client exactly as given.
+    if url.contains('?') {
+        Ok((parsed.to_string(), batch))
+    } else {
+        Ok((url.to_owned(), batch))
+    }
 }
 
 pub(crate) fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {

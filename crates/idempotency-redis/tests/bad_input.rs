@@ -14,6 +14,8 @@ async fn malformed_urls_are_invalid_config() {
         "postgres://u:secret@h/db",
         "redis://h:notaport",
         "redis://u:secret@[::1",
+        "redis://u:secret@127.0.0.1:6379?batch=maybe",
+        "redis://u:secret@127.0.0.1:6379?batch",
     ] {
         let error = RedisStore::connect(url).await.expect_err(url);
         assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}: {error}");

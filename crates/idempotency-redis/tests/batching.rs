@@ -89,3 +89,37 @@ async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn with_batch_off_every_call_is_its_own_script() {
+    let metrics = idempotency_testkit::recorded::global();
+    drop(metrics);
+    let url = format!("{}?batch=off", common::redis_url());
+    let store = idempotency_redis::RedisStore::connect(&url)
+        .await
+        .unwrap()
+        .prefix(&common::unique_prefix())
+        .unwrap();
+    let keys: Vec<Key> = (0..64).map(|i| Key::new(format!("alone-{i}")).unwrap()).collect();
+    let requests: Vec<BeginRequest> = keys.iter().map(request).collect();
+    let claims = join_all(requests.iter().map(|r| store.begin(r))).await;
+    let held: Vec<_> = claims
+        .into_iter()
+        .map(|claim| match claim.unwrap() {
+            Claim::Acquired(held) => held,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    for h in &held {
+        let done = store.complete(h, Outcome::empty(), Duration::from_secs(60)).await;
+        assert!(!done.unwrap().is_lease_lost());
+    }
+    let recorded = idempotency_testkit::recorded::global();
+    for op in ["begin", "complete"] {
+        assert_eq!(
+            recorded.histogram_max("idempotency_redis_batch_size", &[("op", op)]),
+            None,
+            "{op}s went through the batcher"
+        );
+    }
+}
