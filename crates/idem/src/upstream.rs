@@ -108,12 +108,16 @@ impl Upstream {
     /// Connections to the authority of `upstream` (an `http` URI with a host; `parse_upstream`
     /// checked it).
     pub(crate) fn new(upstream: &Uri) -> Self {
-        let authority = upstream.authority().map_or("", |a| a.as_str());
         let host = upstream.host().unwrap_or("localhost");
         let port = upstream.port_u16().unwrap_or(80);
         // An IPv6 literal keeps its brackets in `host()`, which is what `connect` wants.
         let address = format!("{host}:{port}");
-        let host = HeaderValue::from_str(authority).unwrap_or_else(|_| HeaderValue::from_static("localhost"));
+        // The host and a port other than 80, never the URL's user information.
+        let header = match upstream.port_u16() {
+            Some(port) if port != 80 => address.clone(),
+            _ => host.to_owned(),
+        };
+        let host = HeaderValue::from_str(&header).unwrap_or_else(|_| HeaderValue::from_static("localhost"));
         Self {
             inner: Arc::new(Inner {
                 address,
@@ -331,6 +335,30 @@ impl Drop for UpstreamBody {
             && let Some(connection) = self.connection.take()
         {
             self.upstream.put(connection);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_header_is_the_host_and_a_port_other_than_80_never_the_user_information() {
+        for (upstream, address, host) in [
+            ("http://127.0.0.1:3000", "127.0.0.1:3000", "127.0.0.1:3000"),
+            ("http://up.internal", "up.internal:80", "up.internal"),
+            ("http://up.internal:80/base", "up.internal:80", "up.internal"),
+            (
+                "http://app:s3cret@up.internal:8080",
+                "up.internal:8080",
+                "up.internal:8080",
+            ),
+            ("http://[::1]:9000", "[::1]:9000", "[::1]:9000"),
+        ] {
+            let upstream = Upstream::new(&upstream.parse().unwrap());
+            assert_eq!(upstream.inner.address, address);
+            assert_eq!(upstream.inner.host, host);
         }
     }
 }
