@@ -53,7 +53,7 @@ struct Settings {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "memory,redis,redis-single,sqlite,sqlite-single,postgres,mysql"
+        default_value = "memory,redis,redis-batched,sqlite,sqlite-single,postgres,mysql"
     )]
     stores: Vec<String>,
     /// `gateway-memory`: how many requests to send.

@@ -28,6 +28,11 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
             .await
             .and_then(|s| s.prefix(&prefix))
             .map_err(|e| format!("Redis at {url}: {e}"))?;
+        let batched_url = format!("{url}{}batch=on", if url.contains('?') { '&' } else { '?' });
+        let batched = RedisStore::connect(&batched_url)
+            .await
+            .and_then(|s| s.prefix(&prefix))
+            .map_err(|e| format!("Redis at {url}: {e}"))?;
         let clustered = RedisStore::connect_cluster(&cluster)
             .await
             .and_then(|s| s.prefix(&prefix))
@@ -35,7 +40,12 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
         println!("\n## Redis store vs the same scripts as bare EVALSHA on the same connection: begin→complete cycles/s\n");
         println!("| server | callers | store | raw EVALSHA | store / raw | store min–max | raw min–max |");
         println!("|---|---:|---:|---:|---:|---:|---:|");
-        for (name, store) in [("single", single), ("cluster (3 masters)", clustered)] {
+        let servers = [
+            ("single", single),
+            ("single, `?batch=on`", batched),
+            ("cluster (3 masters)", clustered),
+        ];
+        for (name, store) in servers {
             for callers in [1usize, 16, 64] {
                 let rates = alternate_async(rounds, 2, |variant| {
                     let store = store.clone();

@@ -87,7 +87,7 @@ mod tests {
     fn batch_is_the_stores_option_and_the_rest_of_the_url_is_the_clients() {
         use crate::store::split_options;
         for (url, rest, batch) in [
-            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379", true),
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379", false),
             (
                 "redis://127.0.0.1:6379/2?batch=off",
                 "redis://127.0.0.1:6379/2",

@@ -105,7 +105,8 @@ pub struct RedisStore {
     nodes: Arc<Vec<redis::ConnectionInfo>>,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
-    /// On a single server, `begin` and `complete` go through the batcher (see [`crate::batch`]).
+    /// On a single server with `?batch=on`, `begin` and `complete` go through the batcher (see
+    /// [`crate::batch`]).
     batcher: Option<Batcher>,
 }
 
@@ -127,8 +128,8 @@ impl fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to one Redis server (`redis://[user:password@]host:port[/db]`, or `rediss://`).
     ///
-    /// Concurrent `begin`s and `complete`s are batched (see the crate docs); `?batch=off` sends
-    /// each as its own script call, as on a cluster.
+    /// Each `begin` and `complete` is its own script call, pipelined on the multiplexed
+    /// connection; `?batch=on` batches concurrent ones (see the crate docs).
     ///
     /// # Errors
     ///
@@ -402,14 +403,14 @@ fn masters(nodes: &str) -> Vec<String> {
         .collect()
 }
 
-/// Takes the store's own option off a single server's URL: `batch=on` (the default) or
-/// `batch=off`. The rest of the URL, other query parameters included, is the Redis client's.
+/// Takes the store's own option off a single server's URL: `batch=off` (the default) or
+/// `batch=on`. The rest of the URL, other query parameters included, is the Redis client's.
 pub(crate) fn split_options(url: &str) -> Result<(String, bool), StoreError> {
     // A URL this cannot parse is left whole, for the client's parser to refuse with its reason.
     let Ok(mut parsed) = url::Url::parse(url) else {
-        return Ok((url.to_owned(), true));
+        return Ok((url.to_owned(), false));
     };
-    let mut batch = true;
+    let mut batch = false;
     let mut rest = Vec::new();
     for (name, value) in parsed.query_pairs() {
         if name == "batch" {

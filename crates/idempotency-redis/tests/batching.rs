@@ -1,5 +1,5 @@
-//! Concurrent `begin`s and `complete`s on a single server share script calls, and every key in a
-//! batch gets the answer it would have got alone: a foreign value at one key fails that key only,
+//! With `?batch=on`, concurrent `begin`s and `complete`s on a single server share script calls,
+//! and every key in a batch gets the answer it would have got alone: a foreign value at one key fails that key only,
 //! two `begin`s of one key in one batch give one acquisition.
 
 mod common;
@@ -8,6 +8,16 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Outcome, Scope, Store};
+
+/// A store on the single server with `query` in its URL.
+async fn connect(query: &str) -> idempotency_redis::RedisStore {
+    let url = format!("{}?{query}", common::redis_url());
+    idempotency_redis::RedisStore::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("Redis at {url} is needed for this test: {e}"))
+        .prefix(&common::unique_prefix())
+        .unwrap()
+}
 
 fn request(key: &Key) -> BeginRequest {
     BeginRequest::new(Scope::global(), key.clone(), Fingerprint::of_bytes(b"charge"))
@@ -21,7 +31,7 @@ fn request(key: &Key) -> BeginRequest {
 async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
     let metrics = idempotency_testkit::recorded::global();
     drop(metrics);
-    let store = common::single().await;
+    let store = connect("batch=on").await;
     let raw = redis::Client::open(common::redis_url()).unwrap();
     let mut connection = raw.get_multiplexed_async_connection().await.unwrap();
 
@@ -91,28 +101,28 @@ async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
 }
 
 #[tokio::test]
-async fn with_batch_off_every_call_is_its_own_script() {
+async fn by_default_and_with_batch_off_every_call_is_its_own_script() {
     let metrics = idempotency_testkit::recorded::global();
     drop(metrics);
-    let url = format!("{}?batch=off", common::redis_url());
-    let store = idempotency_redis::RedisStore::connect(&url)
-        .await
-        .unwrap()
-        .prefix(&common::unique_prefix())
-        .unwrap();
-    let keys: Vec<Key> = (0..64).map(|i| Key::new(format!("alone-{i}")).unwrap()).collect();
-    let requests: Vec<BeginRequest> = keys.iter().map(request).collect();
-    let claims = join_all(requests.iter().map(|r| store.begin(r))).await;
-    let held: Vec<_> = claims
-        .into_iter()
-        .map(|claim| match claim.unwrap() {
-            Claim::Acquired(held) => held,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    for h in &held {
-        let done = store.complete(h, Outcome::empty(), Duration::from_secs(60)).await;
-        assert!(!done.unwrap().is_lease_lost());
+    for store in [common::single().await, connect("batch=off").await] {
+        let keys: Vec<Key> = (0..64).map(|i| Key::new(format!("alone-{i}")).unwrap()).collect();
+        let requests: Vec<BeginRequest> = keys.iter().map(request).collect();
+        let claims = join_all(requests.iter().map(|r| store.begin(r))).await;
+        let held: Vec<_> = claims
+            .into_iter()
+            .map(|claim| match claim.unwrap() {
+                Claim::Acquired(held) => held,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let completions = join_all(
+            held.iter()
+                .map(|h| store.complete(h, Outcome::empty(), Duration::from_secs(60))),
+        )
+        .await;
+        for completion in completions {
+            assert!(!completion.unwrap().is_lease_lost());
+        }
     }
     let recorded = idempotency_testkit::recorded::global();
     for op in ["begin", "complete"] {

@@ -156,8 +156,8 @@ pub fn registry() -> &'static Registry {
 ///   missing (feature `postgres`);
 /// * `mysql://USER:PASSWORD@HOST:PORT/DATABASE`, `mariadb://…` — the MySQL/MariaDB store on its
 ///   default table in that database, created if missing (feature `mysql`);
-/// * `redis://host:port`, `rediss://…` — the Redis store on one server (`?batch=off`: each
-///   `begin` and `complete` its own script call); `redis-cluster://h1:p1,h2:p2` — on a Redis
+/// * `redis://host:port`, `rediss://…` — the Redis store on one server (`?batch=on`: concurrent
+///   `begin`s and `complete`s share script calls); `redis-cluster://h1:p1,h2:p2` — on a Redis
 ///   Cluster, through any of the listed nodes (feature `redis`);
 /// * `dynamodb://TABLE?region=…&endpoint=…` — the DynamoDB store on that table, created with
 ///   on-demand billing if missing; credentials from the usual AWS environment (feature
