@@ -287,35 +287,42 @@ async fn a_refused_connection_sent_nothing_and_releases_the_key_at_once() {
 
 /// A keep-alive upstream that answers `201` and counts the connections it accepted; with
 /// `close_after_answer` it closes each connection right after its first answer, without saying
-/// so (as a server whose keep-alive timeout is shorter than the gateway's does).
-async fn keep_alive_upstream(close_after_answer: bool) -> (SocketAddr, Seen, Arc<AtomicUsize>) {
+/// so (as a server whose keep-alive timeout is shorter than the gateway's does). The semaphore
+/// gains a permit each time a connection has been closed.
+async fn keep_alive_upstream(
+    close_after_answer: bool,
+) -> (SocketAddr, Seen, Arc<AtomicUsize>, Arc<tokio::sync::Semaphore>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Seen::default();
     let connections = Arc::new(AtomicUsize::new(0));
-    let (record, accepted) = (Arc::clone(&seen), Arc::clone(&connections));
+    let closed = Arc::new(tokio::sync::Semaphore::new(0));
+    let (record, accepted, closes) = (Arc::clone(&seen), Arc::clone(&connections), Arc::clone(&closed));
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
             accepted.fetch_add(1, Ordering::SeqCst);
-            let record = Arc::clone(&record);
+            let (record, closes) = (Arc::clone(&record), Arc::clone(&closes));
             tokio::spawn(async move {
                 while let Some(head) = read_request(&mut stream).await {
                     note(&record, &head);
                     let answer = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
                     if stream.write_all(answer).await.is_err() || close_after_answer {
-                        return;
+                        break;
                     }
                 }
+                // On loopback the FIN is in the gateway's receive queue once this returns.
+                drop(stream);
+                closes.add_permits(1);
             });
         }
     });
-    (addr, seen, connections)
+    (addr, seen, connections, closed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_reused_and_one_the_upstream_closed_is_replaced_without_a_lost_answer() {
     for close_after_answer in [false, true] {
-        let (upstream, seen, accepted) = keep_alive_upstream(close_after_answer).await;
+        let (upstream, seen, accepted, closed) = keep_alive_upstream(close_after_answer).await;
         let addr = free_addr();
         let up = format!("http://{upstream}");
         let _gateway = start_gateway(addr, &["--upstream", &up, "--store", "memory://"], true).await;
@@ -324,9 +331,11 @@ async fn connections_are_reused_and_one_the_upstream_closed_is_replaced_without_
             let key = format!("keep-alive-{i}");
             let answer = send(&client, addr, "POST", "/pay", &[("idempotency-key", &key)], b"{}").await;
             assert_eq!(answer.status, 201, "{close_after_answer} {key}: {answer:?}");
-            // Give a closing upstream's FIN time to arrive: the gateway must then notice the
-            // closed connection before it sends on it.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            if close_after_answer {
+                // The upstream has closed the connection: the gateway must notice it before it
+                // sends the next request on it.
+                closed.acquire().await.unwrap().forget();
+            }
         }
         let seen = seen.lock().unwrap().clone();
         for i in 0..10 {

@@ -278,7 +278,8 @@ impl RedisStore {
             .map_err(|e| map_error("run a script", e))
     }
 
-    /// Runs `begin` or `complete`: through the batcher on a single server, directly on a cluster.
+    /// Runs `begin` or `complete`: through the batcher when there is one (`?batch=on` on a single
+    /// server), else as its own script call.
     async fn run_batched(&self, kind: Kind, key: String, args: &[&[u8]]) -> Result<Value, StoreError> {
         match &self.batcher {
             Some(batcher) => {
