@@ -24,6 +24,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod codec;
+#[cfg(feature = "sqlx")]
+pub mod connections;
 pub mod fingerprint;
 pub mod guard;
 pub mod guide;

@@ -34,6 +34,11 @@
 //!   [`ErrorKind::Timeout`](idempotency_core::ErrorKind) (so are a lock wait timeout and a
 //!   deadlock), never a wrong answer; wrong credentials and an unknown database are
 //!   [`ErrorKind::InvalidConfig`](idempotency_core::ErrorKind).
+//! * **One round trip per statement.** The store's operations run on connections of their own
+//!   ([`idempotency_core::connections`]) that go back without the `COM_PING` sqlx's pool sends
+//!   on every release; one left mid-statement (a cancelled caller) is closed, never reused.
+//!   [`MysqlStore::pool`] is the application's (same-transaction mode), so up to twice
+//!   `max_connections` can be open.
 //! * **Capacity kept for lease-keeping**, as on PostgreSQL ([`idempotency_core::Lanes`]).
 //! * **Bounded purges.** `purge_expired(limit)` is one `DELETE … ORDER BY expires_at LIMIT n`
 //!   along the expiry index.

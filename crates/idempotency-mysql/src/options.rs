@@ -27,7 +27,9 @@ pub struct MysqlOptions {
     pub connect: MySqlConnectOptions,
     /// The records table, in the URL's database (default `idempotency_records`).
     pub table: Identifier,
-    /// The most connections the pool opens (default 16).
+    /// The most connections the store's operations use (default 16); the sqlx pool the
+    /// application's own transactions use ([`crate::MysqlStore::pool`]) has the same bound,
+    /// and opens connections as they are needed.
     pub max_connections: u32,
     /// How long an operation waits for a free connection before failing with a retryable
     /// [`ErrorKind::Timeout`] (default 5 s). A `begin` or a read waits at most this long for

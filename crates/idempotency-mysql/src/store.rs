@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idempotency_core::connections::{AfterConnect, Connections};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
     Access, BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome,
@@ -76,7 +77,10 @@ struct Shared {
 /// `UPDATE` each. [`MysqlStore::sql`] shows every statement.
 #[derive(Debug, Clone)]
 pub struct MysqlStore {
+    /// The application's transactions and the schema's creation run here.
     pool: MySqlPool,
+    /// The store's own operations run here: connections that go back without a ping.
+    connections: Connections<MySqlConnection>,
     shared: Arc<Shared>,
     /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
     /// connections left for it.
@@ -142,8 +146,30 @@ impl MysqlStore {
             options.lease_connections,
             options.acquire_timeout,
         );
+        // The store's own connections: in UTC whatever the application's pool says, and read-only
+        // when the store was opened to read.
+        let connect = (*pool.connect_options())
+            .clone()
+            .timezone(Some("+00:00".to_owned()));
+        let after_connect: Option<AfterConnect<MySqlConnection>> =
+            (options.access == Access::ReadOnly).then(|| -> AfterConnect<MySqlConnection> {
+                Arc::new(|connection| {
+                    Box::pin(async move {
+                        connection.execute("SET SESSION TRANSACTION READ ONLY").await?;
+                        Ok(())
+                    })
+                })
+            });
+        let connections = Connections::new(
+            Arc::new(connect),
+            after_connect,
+            usize::try_from(options.max_connections).unwrap_or(usize::MAX),
+            options.acquire_timeout,
+            map_error,
+        );
         Self {
             pool,
+            connections,
             shared: Arc::new(Shared {
                 sql: Statements::new(&options.table),
                 deadlock_retries: AtomicU64::new(0),
@@ -298,13 +324,6 @@ impl MysqlStore {
 
     pub(crate) fn statements(&self) -> &Statements {
         &self.shared.sql
-    }
-
-    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
-        self.pool
-            .acquire()
-            .await
-            .map_err(|e| map_error("get a connection from the pool", e))
     }
 }
 
@@ -563,8 +582,9 @@ fn returned_time(millis: u64) -> Result<Timestamp, StoreError> {
 impl Store for MysqlStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let mut connection = self.acquire().await?;
-        begin_on(&mut connection, self, request, Within::Autocommit).await
+        self.connections
+            .run(async |connection| begin_on(connection, self, request, Within::Autocommit).await)
+            .await
     }
 
     async fn complete(
@@ -573,22 +593,30 @@ impl Store for MysqlStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        let mut connection = self.acquire().await?;
-        complete_on(&mut connection, self.statements(), held, &outcome, retention).await
+        self.connections
+            .run(async |connection| {
+                complete_on(connection, self.statements(), held, &outcome, retention).await
+            })
+            .await
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().release)))
-            .bind(&Token::NONE.to_bytes()[..])
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .execute(&self.pool)
-            .await
-            .map_err(|e| map_error("release", e))?;
+        let done = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().release)))
+                    .bind(&Token::NONE.to_bytes()[..])
+                    .bind(held.scope.as_str())
+                    .bind(held.key.as_str())
+                    .bind(&held.token.to_bytes()[..])
+                    .execute(connection)
+                    .await
+                    .map_err(|e| map_error("release", e))
+            })
+            .await?;
         Ok(if done.rows_affected() == 1 {
             Fenced::Accepted(())
         } else {
@@ -601,15 +629,20 @@ impl Store for MysqlStore {
             return Ok(Fenced::LeaseLost);
         }
         let lease = stored_millis(lease);
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().extend)))
-            .bind(lease)
-            .bind(lease)
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .execute(&self.pool)
-            .await
-            .map_err(|e| map_error("extend", e))?;
+        let done = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().extend)))
+                    .bind(lease)
+                    .bind(lease)
+                    .bind(held.scope.as_str())
+                    .bind(held.key.as_str())
+                    .bind(&held.token.to_bytes()[..])
+                    .execute(connection)
+                    .await
+                    .map_err(|e| map_error("extend", e))
+            })
+            .await?;
         if done.rows_affected() == 1 {
             Ok(Fenced::Accepted(returned_time(done.last_insert_id())?))
         } else {
@@ -619,12 +652,17 @@ impl Store for MysqlStore {
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().get)))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| map_error("get", e))?;
+        let row = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().get)))
+                    .bind(scope.as_str())
+                    .bind(key.as_str())
+                    .fetch_optional(connection)
+                    .await
+                    .map_err(|e| map_error("get", e))
+            })
+            .await?;
         row.map(|row| decode_record(&row, 0)).transpose()
     }
 }
@@ -633,22 +671,32 @@ impl Store for MysqlStore {
 impl StoreAdmin for MysqlStore {
     async fn now(&self) -> Result<Timestamp, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let millis: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.statements().now)))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| map_error("read the server's clock", e))?;
+        let millis: i64 = self
+            .connections
+            .run(async |connection| {
+                sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.statements().now)))
+                    .fetch_one(connection)
+                    .await
+                    .map_err(|e| map_error("read the server's clock", e))
+            })
+            .await?;
         Ok(Timestamp::from_unix_millis(millis))
     }
 
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let _lane = self.lanes.new_work().await?;
         let scope = scope.map(Scope::as_str);
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().stats)))
-            .bind(scope)
-            .bind(scope)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| map_error("stats", e))?;
+        let row = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().stats)))
+                    .bind(scope)
+                    .bind(scope)
+                    .fetch_one(connection)
+                    .await
+                    .map_err(|e| map_error("stats", e))
+            })
+            .await?;
         let read = |e| map_error("decode stats", e);
         let count = |i: usize| -> Result<u64, StoreError> {
             let n: i64 = row.try_get(i).map_err(read)?;
@@ -674,30 +722,40 @@ impl StoreAdmin for MysqlStore {
         let completed = filter.state.map(|state| state == StateFilter::Completed);
         let older_than = filter.older_than.map(duration_millis);
         let _lane = self.lanes.new_work().await?;
-        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().list)))
-            .bind(scope)
-            .bind(scope)
-            .bind(completed)
-            .bind(completed)
-            .bind(older_than)
-            .bind(older_than)
-            .bind(after_scope)
-            .bind(after_scope)
-            .bind(after_key)
-            .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| map_error("list", e))?;
+        let rows = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().list)))
+                    .bind(scope)
+                    .bind(scope)
+                    .bind(completed)
+                    .bind(completed)
+                    .bind(older_than)
+                    .bind(older_than)
+                    .bind(after_scope)
+                    .bind(after_scope)
+                    .bind(after_key)
+                    .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
+                    .fetch_all(connection)
+                    .await
+                    .map_err(|e| map_error("list", e))
+            })
+            .await?;
         rows.iter().map(decode_summary).collect()
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().purge)))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .execute(&self.pool)
-            .await
-            .map_err(|e| map_error("purge expired records", e))?;
+        let done = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().purge)))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(connection)
+                    .await
+                    .map_err(|e| map_error("purge expired records", e))
+            })
+            .await?;
         Ok(done.rows_affected())
     }
 }

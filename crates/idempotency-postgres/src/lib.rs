@@ -7,10 +7,13 @@
 //!   conditional statement that decides again on what it finds: the insert of a new key (which
 //!   returns a record a concurrent caller committed first) and the claim of an expired record or
 //!   a takeover (under the row lock).
-//! * **No ping before each statement.** The pool hands out connections without checking them
-//!   first (a round trip per statement). A connection the server closed (a restart) fails its
-//!   next statement with a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) and
-//!   is replaced.
+//! * **One round trip per statement, no ping before or after.** The store's operations run on
+//!   connections of their own ([`idempotency_core::connections`]) that are handed out and taken
+//!   back without a check (sqlx's pool pings every connection it takes back: a second round
+//!   trip per statement). A connection the server closed (a restart) fails its next statement
+//!   with a retryable [`ErrorKind::Unavailable`](idempotency_core::ErrorKind) and is replaced;
+//!   one left mid-statement (a cancelled caller) is closed, never reused. [`PostgresStore::pool`]
+//!   is the application's (same-transaction mode), so up to twice `max_connections` can be open.
 //! * **Server time.** Leases and retention use the server's `now()`, so application instances
 //!   with skewed clocks agree.
 //! * **Operators' view.** Times are `timestamptz`, keys and scopes readable `text`; indexes on

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idempotency_core::connections::Connections;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
     Access, BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome,
@@ -60,7 +61,10 @@ const BEGIN_TRIES: u32 = 8;
 /// a lock or a write; only a takeover or an expired record takes a second statement.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
+    /// The application's transactions and the schema's creation run here.
     pool: PgPool,
+    /// The store's own operations run here: connections that go back without a ping.
+    connections: Connections<PgConnection>,
     sql: Arc<Statements>,
     /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
     /// connections left for it.
@@ -143,11 +147,19 @@ impl PostgresStore {
     /// created: call [`PostgresStore::migrate`] if needed).
     #[must_use]
     pub fn from_pool(pool: PgPool, options: &PostgresOptions) -> Self {
-        let connections = pool.options().get_max_connections();
+        let max = pool.options().get_max_connections();
+        let connections = Connections::new(
+            pool.connect_options(),
+            None,
+            usize::try_from(max).unwrap_or(usize::MAX),
+            options.acquire_timeout,
+            map_error,
+        );
         Self {
             pool,
+            connections,
             sql: Arc::new(Statements::new(&options.schema, &options.table)),
-            lanes: Lanes::new(connections, options.lease_connections, options.acquire_timeout),
+            lanes: Lanes::new(max, options.lease_connections, options.acquire_timeout),
         }
     }
 
@@ -235,13 +247,6 @@ impl PostgresStore {
             Operation::List => &self.sql.list,
             Operation::PurgeExpired => &self.sql.purge,
         }
-    }
-
-    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
-        self.pool
-            .acquire()
-            .await
-            .map_err(|e| map_error("get a connection from the pool", e))
     }
 }
 
@@ -353,8 +358,9 @@ pub(crate) async fn complete_on(
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let mut connection = self.acquire().await?;
-        begin_on(&mut connection, &self.sql, request).await
+        self.connections
+            .run(async |connection| begin_on(connection, &self.sql, request).await)
+            .await
     }
 
     async fn complete(
@@ -363,22 +369,28 @@ impl Store for PostgresStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        let mut connection = self.acquire().await?;
-        complete_on(&mut connection, &self.sql, held, &outcome, retention).await
+        self.connections
+            .run(async |connection| complete_on(connection, &self.sql, held, &outcome, retention).await)
+            .await
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .bind(&Token::NONE.to_bytes()[..])
-            .execute(&self.pool)
-            .await
-            .map_err(|e| map_error("release", e))?;
+        let done = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+                    .bind(held.scope.as_str())
+                    .bind(held.key.as_str())
+                    .bind(&held.token.to_bytes()[..])
+                    .bind(&Token::NONE.to_bytes()[..])
+                    .execute(connection)
+                    .await
+                    .map_err(|e| map_error("release", e))
+            })
+            .await?;
         Ok(if done.rows_affected() == 1 {
             Fenced::Accepted(())
         } else {
@@ -390,14 +402,19 @@ impl Store for PostgresStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let lease_until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .bind(stored_millis(lease))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| map_error("extend", e))?;
+        let lease_until: Option<i64> = self
+            .connections
+            .run(async |connection| {
+                sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
+                    .bind(held.scope.as_str())
+                    .bind(held.key.as_str())
+                    .bind(&held.token.to_bytes()[..])
+                    .bind(stored_millis(lease))
+                    .fetch_optional(connection)
+                    .await
+                    .map_err(|e| map_error("extend", e))
+            })
+            .await?;
         Ok(lease_until.map_or(Fenced::LeaseLost, |ms| {
             Fenced::Accepted(Timestamp::from_unix_millis(ms))
         }))
@@ -405,12 +422,17 @@ impl Store for PostgresStore {
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.get)))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| map_error("get", e))?;
+        let row = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.get)))
+                    .bind(scope.as_str())
+                    .bind(key.as_str())
+                    .fetch_optional(connection)
+                    .await
+                    .map_err(|e| map_error("get", e))
+            })
+            .await?;
         row.map(|row| decode_record(&row, 0)).transpose()
     }
 }
@@ -419,20 +441,30 @@ impl Store for PostgresStore {
 impl StoreAdmin for PostgresStore {
     async fn now(&self) -> Result<Timestamp, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let millis: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| map_error("read the server's clock", e))?;
+        let millis: i64 = self
+            .connections
+            .run(async |connection| {
+                sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
+                    .fetch_one(connection)
+                    .await
+                    .map_err(|e| map_error("read the server's clock", e))
+            })
+            .await?;
         Ok(Timestamp::from_unix_millis(millis))
     }
 
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))
-            .bind(scope.map(Scope::as_str))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| map_error("stats", e))?;
+        let row = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))
+                    .bind(scope.map(Scope::as_str))
+                    .fetch_one(connection)
+                    .await
+                    .map_err(|e| map_error("stats", e))
+            })
+            .await?;
         let read = |e| map_error("decode stats", e);
         let count = |i: usize| -> Result<u64, StoreError> {
             let n: i64 = row.try_get(i).map_err(read)?;
@@ -455,26 +487,36 @@ impl StoreAdmin for PostgresStore {
             None => (None, None),
         };
         let _lane = self.lanes.new_work().await?;
-        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
-            .bind(filter.scope.as_ref().map(Scope::as_str))
-            .bind(filter.state.map(|state| state == StateFilter::Completed))
-            .bind(filter.older_than.map(duration_millis))
-            .bind(after_scope)
-            .bind(after_key)
-            .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| map_error("list", e))?;
+        let rows = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
+                    .bind(filter.scope.as_ref().map(Scope::as_str))
+                    .bind(filter.state.map(|state| state == StateFilter::Completed))
+                    .bind(filter.older_than.map(duration_millis))
+                    .bind(after_scope)
+                    .bind(after_key)
+                    .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
+                    .fetch_all(connection)
+                    .await
+                    .map_err(|e| map_error("list", e))
+            })
+            .await?;
         rows.iter().map(decode_summary).collect()
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         let _lane = self.lanes.new_work().await?;
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .execute(&self.pool)
-            .await
-            .map_err(|e| map_error("purge expired records", e))?;
+        let done = self
+            .connections
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(connection)
+                    .await
+                    .map_err(|e| map_error("purge expired records", e))
+            })
+            .await?;
         Ok(done.rows_affected())
     }
 }

@@ -7,6 +7,8 @@
 //! also refuses new connections until it is brought back up, as a stopped server would;
 //! [`TcpProxy::set_latency`] delays every byte by a one-way latency in each direction, as a
 //! server in another zone would (the bytes are pipelined, not serialised: throughput stays).
+//! [`TcpProxy::sent`] counts the bytes clients sent the server: what a client costs the server
+//! on the wire, exactly, whatever the timing.
 
 use std::io;
 use std::net::SocketAddr;
@@ -26,6 +28,8 @@ struct State {
     accepted: AtomicU64,
     /// The one-way latency, in microseconds.
     latency_us: AtomicU64,
+    /// Bytes read from clients (and forwarded to the server).
+    sent: Arc<AtomicU64>,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -52,6 +56,7 @@ impl TcpProxy {
             cuts: watch::channel(0).0,
             accepted: AtomicU64::new(0),
             latency_us: AtomicU64::new(0),
+            sent: Arc::new(AtomicU64::new(0)),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -83,6 +88,13 @@ impl TcpProxy {
         self.state.latency_us.store(micros, Ordering::SeqCst);
     }
 
+    /// How many bytes clients have sent the server through the proxy, on every connection so
+    /// far. A client that waited for its answers has had all its bytes counted.
+    #[must_use]
+    pub fn sent(&self) -> u64 {
+        self.state.sent.load(Ordering::SeqCst)
+    }
+
     /// How many client connections the proxy has accepted (while up).
     #[must_use]
     pub fn accepted(&self) -> u64 {
@@ -110,34 +122,33 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
         let mut cuts = state.cuts.subscribe();
         let upstream = state.upstream;
         let latency = Duration::from_micros(state.latency_us.load(Ordering::SeqCst));
+        let sent = Arc::clone(&state.sent);
         tokio::spawn(async move {
             let Ok(mut server) = TcpStream::connect(upstream).await else {
                 return;
             };
             let mut client = client;
-            if latency.is_zero() {
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                    _ = cuts.changed() => {}
-                }
-            } else {
-                let (client_read, client_write) = client.split();
-                let (server_read, server_write) = server.split();
-                tokio::select! {
-                    () = delayed_copy(client_read, server_write, latency) => {}
-                    () = delayed_copy(server_read, client_write, latency) => {}
-                    _ = cuts.changed() => {}
-                }
+            let (client_read, client_write) = client.split();
+            let (server_read, server_write) = server.split();
+            tokio::select! {
+                () = delayed_copy(client_read, server_write, latency, Some(&sent)) => {}
+                () = delayed_copy(server_read, client_write, latency, None) => {}
+                _ = cuts.changed() => {}
             }
             // Dropping both sockets closes them: the client sees the server go away.
         });
     }
 }
 
-/// Copies `from` to `to`, each chunk written `latency` after it was read; chunks read meanwhile
-/// queue behind it, so the delay adds to every byte once and throughput is kept. Ends when
-/// either side closes or fails.
-async fn delayed_copy(mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite + Unpin, latency: Duration) {
+/// Copies `from` to `to`, each chunk written `latency` after it was read (at once when zero);
+/// chunks read meanwhile queue behind it, so the delay adds to every byte once and throughput
+/// is kept. Adds what it reads to `count`. Ends when either side closes or fails.
+async fn delayed_copy(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    latency: Duration,
+    count: Option<&AtomicU64>,
+) {
     let (queue, mut due) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
     let read = async move {
         let mut buffer = vec![0_u8; 64 * 1024];
@@ -145,6 +156,9 @@ async fn delayed_copy(mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite 
             match from.read(&mut buffer).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
+                    if let Some(count) = count {
+                        count.fetch_add(n as u64, Ordering::SeqCst);
+                    }
                     let at = tokio::time::Instant::now() + latency;
                     if queue.send((at, buffer[..n].to_vec())).is_err() {
                         return;
@@ -155,7 +169,9 @@ async fn delayed_copy(mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite 
     };
     let write = async move {
         while let Some((at, bytes)) = due.recv().await {
-            tokio::time::sleep_until(at).await;
+            if !latency.is_zero() {
+                tokio::time::sleep_until(at).await;
+            }
             if to.write_all(&bytes).await.is_err() {
                 return;
             }

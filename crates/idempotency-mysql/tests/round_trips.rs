@@ -1,0 +1,71 @@
+//! A statement through the store costs the server what the statement alone costs: the store's
+//! connections go back to its pool without a ping. (sqlx's pool sent `COM_PING` on every
+//! connection it took back, a second round trip for each statement: a replay cost twice its
+//! read.) Counted in bytes on the wire, which no timing changes.
+
+mod common;
+
+use std::time::Duration;
+
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_mysql::Operation;
+use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection};
+use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection};
+
+const READS: u64 = 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
+    let store = common::fresh_store().await;
+    let scope = Scope::new("wire").unwrap();
+    let key = Key::new("paid").unwrap();
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
+    let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
+        panic!("not acquired")
+    };
+    let done = store
+        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert!(!done.is_lease_lost());
+
+    let proxy = common::start_proxy().await;
+    // One connection: with a ping on release, each begin would wait for the previous one's.
+    let through = common::proxied(&store, &proxy, 1).await;
+    // The first prepares the statement; the next ones are what every replay costs.
+    assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
+    let before = proxy.sent();
+    for _ in 0..READS {
+        assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
+    }
+    let replays = proxy.sent() - before;
+
+    // The same read on a bare connection through the same proxy: no pool at all.
+    let options: MySqlConnectOptions = common::database_url().parse().unwrap();
+    let mut bare = MySqlConnection::connect_with(&options.host("127.0.0.1").port(proxy.addr().port()))
+        .await
+        .unwrap();
+    let peek = store.sql(Operation::Peek);
+    read(&mut bare, peek, &scope, &key).await;
+    let before = proxy.sent();
+    for _ in 0..READS {
+        read(&mut bare, peek, &scope, &key).await;
+    }
+    let reads = proxy.sent() - before;
+
+    assert!(reads > 0);
+    assert_eq!(
+        replays, reads,
+        "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
+    );
+}
+
+/// The store's first look at a record, on `bare`.
+async fn read(bare: &mut MySqlConnection, peek: &str, scope: &Scope, key: &Key) {
+    sqlx::query(AssertSqlSafe(peek.to_owned()))
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .fetch_one(bare)
+        .await
+        .unwrap();
+}

@@ -1,0 +1,126 @@
+//! A statement through the store costs the server what the statement alone costs: the store's
+//! connections go back to its pool without a ping. (sqlx's pool pinged every connection it took
+//! back, a second round trip and a second wakeup of the server for each statement: a replay
+//! cost twice its read.) Counted in bytes on the wire, which no timing changes.
+
+mod common;
+
+use std::time::Duration;
+
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection};
+use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
+use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
+
+const READS: u64 = 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
+    let store = common::fresh_store().await;
+    let scope = Scope::new("wire").unwrap();
+    let key = Key::new("paid").unwrap();
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
+    let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
+        panic!("not acquired")
+    };
+    let done = store
+        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert!(!done.is_lease_lost());
+
+    let proxy = common::start_proxy().await;
+    // One connection: with a ping on release, each begin would wait for the previous one's.
+    let through = common::proxied(&store, &proxy, 1).await;
+    // The first prepares the statement; the next ones are what every replay costs.
+    assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
+    let before = proxy.sent();
+    for _ in 0..READS {
+        assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
+    }
+    let replays = proxy.sent() - before;
+
+    // The same read on a bare connection through the same proxy: no pool at all.
+    let options: PgConnectOptions = common::database_url().parse().unwrap();
+    let mut bare = PgConnection::connect_with(&options.host("127.0.0.1").port(proxy.addr().port()))
+        .await
+        .unwrap();
+    let peek = store.sql(Operation::Peek);
+    assert!(read(&mut bare, peek, &scope, &key).await);
+    let before = proxy.sent();
+    for _ in 0..READS {
+        assert!(read(&mut bare, peek, &scope, &key).await);
+    }
+    let reads = proxy.sent() - before;
+
+    assert!(reads > 0);
+    assert_eq!(
+        replays, reads,
+        "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
+    );
+}
+
+/// The store's first look at a record, on `bare`; whether it found one.
+async fn read(bare: &mut PgConnection, peek: &str, scope: &Scope, key: &Key) -> bool {
+    sqlx::query(AssertSqlSafe(peek.to_owned()))
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .fetch_optional(bare)
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// A connection whose statement was abandoned mid-way (the caller's future dropped) is closed,
+/// not handed to the next caller with an answer still on its way; the next caller gets a new
+/// connection and the right answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_left_mid_statement_is_replaced_not_reused() {
+    let store = common::fresh_store().await;
+    let proxy = common::start_proxy().await;
+    // One connection, waited for long enough to open one through the slow proxy.
+    let qualified = store.table();
+    let (schema, table) = qualified.split_once('.').unwrap();
+    let mut options = PostgresOptions::from_url(&common::database_url())
+        .unwrap()
+        .schema(schema)
+        .unwrap()
+        .table(table)
+        .unwrap()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(30));
+    options.connect = options
+        .connect
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.addr().port());
+    let through = PostgresStore::connect_with(options).await.unwrap();
+    let scope = Scope::new("wire").unwrap();
+    let key = Key::new("left").unwrap();
+    assert!(through.get(&scope, &key).await.unwrap().is_none());
+    let opened = proxy.accepted();
+
+    // Connections opened from now on answer 200 ms late; the fast one is cut (its next read
+    // fails and closes it), and the caller gives up on the slow one after 20 ms.
+    proxy.set_latency(Duration::from_millis(200));
+    proxy.cut();
+    let cut = through.get(&scope, &key).await.unwrap_err();
+    assert!(cut.is_retryable(), "{cut}");
+    assert!(through.get(&scope, &key).await.unwrap().is_none());
+    let slow = proxy.accepted();
+    assert_eq!(slow, opened + 1, "the cut connection was replaced");
+    let abandoned = tokio::time::timeout(Duration::from_millis(20), through.get(&scope, &key)).await;
+    assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
+
+    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
+    assert!(matches!(
+        through.begin(&request).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    assert!(through.get(&scope, &key).await.unwrap().is_some());
+    assert_eq!(
+        proxy.accepted(),
+        slow + 1,
+        "the abandoned connection was replaced by exactly one new one"
+    );
+}
