@@ -205,3 +205,30 @@ pub(crate) fn cycle_key(caller: usize, n: usize) -> (idempotency_core::Scope, id
         idempotency_core::Key::new(format!("key-{}", n % 1024)).expect("a valid key"),
     )
 }
+
+/// Connections like a sqlx-based store's own (`max` of them, taken back without a ping), for the
+/// raw statements a store is compared with.
+pub(crate) fn raw_connections<C: sqlx::Connection>(
+    options: std::sync::Arc<C::Options>,
+    max: u32,
+) -> idempotency_core::connections::Connections<C> {
+    idempotency_core::connections::Connections::new(
+        options,
+        None,
+        usize::try_from(max).unwrap_or(usize::MAX),
+        Duration::from_secs(5),
+        |doing, error| {
+            idempotency_core::StoreError::new(
+                idempotency_core::ErrorKind::Backend,
+                format!("{doing}: {error}"),
+            )
+            .with_source(error)
+        },
+    )
+}
+
+/// A driver error as the raw statements report it.
+pub(crate) fn backend(error: sqlx::Error) -> idempotency_core::StoreError {
+    idempotency_core::StoreError::new(idempotency_core::ErrorKind::Backend, error.to_string())
+        .with_source(error)
+}

@@ -1,5 +1,6 @@
 //! MySQL/MariaDB store: begin→complete cycles per second at 1, 16 and 64 callers against the
-//! same SQL issued directly on the same pool, replays against a raw `SELECT` by key, and a
+//! same SQL issued directly on a pool of connections like the store's own (as many, taken back
+//! without a ping: `idempotency_core::connections`), replays against a raw `SELECT` by key, and a
 //! same-transaction cycle against the bare business transaction, in one run.
 //!
 //! The server is `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`). The bench works in
@@ -8,13 +9,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency_core::connections::Connections;
 use idempotency_core::{
     Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
 };
-use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlPool};
+use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlConnection, MySqlPool};
 use idempotency_mysql::{MysqlOptions, MysqlStore, Operation};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus};
+use crate::measure::{
+    alternate_async, backend, cycle_key, cycles_per_second, raw_connections, runtime, store_cycle, versus,
+};
+
+/// Connections for the store's operations, and as many for the raw statements; with the
+/// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
+/// server's default limit (100 on PostgreSQL).
+const POOL: u32 = 30;
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
@@ -27,15 +36,18 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     let options = MysqlOptions::from_url(&url)
         .and_then(|o| o.table(&table))
         .map_err(|e| e.to_string())?
-        .max_connections(64);
+        .max_connections(POOL);
     let store = MysqlStore::connect_with(options)
         .await
         .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(&url)))?;
+    // The raw statements' connections: as many as the store's, taken back the same way.
+    let raw = raw_connections(store.pool().connect_options(), POOL);
+    let store = Target { store, raw };
     let business = format!("bench_charges_{}", std::process::id());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {business} (id BIGINT AUTO_INCREMENT PRIMARY KEY, idem_key VARCHAR(255) NOT NULL, cents INT NOT NULL) ENGINE = InnoDB"
     )))
-    .execute(store.pool())
+    .execute(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
 
@@ -45,12 +57,12 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
                                  'INNODB_BUFFER_POOL_SIZE', 'MAX_CONNECTIONS', 'TRANSACTION_ISOLATION', 'TX_ISOLATION')
          ORDER BY VARIABLE_NAME",
     )
-    .fetch_all(store.pool())
+    .fetch_all(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
-    println!("\n## MySQL store vs the same SQL on the same pool: begin→complete cycles/s\n");
+    println!("\n## MySQL store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
     println!(
-        "Server settings: {}; pool of 64 connections.\n",
+        "Server settings: {}; {POOL} connections for the store and {POOL} for the raw statements.\n",
         settings
             .iter()
             .map(|(n, v)| format!("{n}={v}"))
@@ -69,11 +81,11 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     }
 
     println!(
-        "\n## MySQL replays: begin on a completed record vs a raw SELECT by key on the same pool (operations/s)\n"
+        "\n## MySQL replays: begin on a completed record vs a raw SELECT by key on a pool like the store's (operations/s)\n"
     );
     println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(&store, 64 * 16).await?;
+    let completed = completed_keys(&store.store, 64 * 16).await?;
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
             let cycle = if variant == 0 {
@@ -108,9 +120,9 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
 
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {business}; DROP TABLE {}",
-        store.table()
+        store.store.table()
     )))
-    .execute(store.pool())
+    .execute(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
     Ok(())
@@ -155,26 +167,34 @@ async fn completed_keys(store: &MysqlStore, count: usize) -> Result<Arc<Vec<(Sco
     Ok(Arc::new(keys))
 }
 
+/// The store, and connections like its own for the raw statements.
+#[derive(Clone)]
+struct Target {
+    store: MysqlStore,
+    raw: Connections<MySqlConnection>,
+}
+
 impl Cycle {
     fn of(variant: usize) -> Self {
         if variant == 0 { Self::Store } else { Self::RawSql }
     }
 }
 
-async fn measure(store: &MysqlStore, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
+async fn measure(store: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
     measure_on(store, callers, cycle, window, Arc::new(Vec::new())).await
 }
 
 async fn measure_on(
-    store: &MysqlStore,
+    target: &Target,
     callers: usize,
     cycle: Cycle,
     window: Duration,
     completed: Arc<Vec<(Scope, Key)>>,
 ) -> Result<f64, String> {
-    let store = store.clone();
+    let Target { store, raw } = target.clone();
     cycles_per_second(callers, window, move |caller, n| {
-        let (store, cycle, completed) = (store.clone(), cycle.clone(), Arc::clone(&completed));
+        let (store, raw, cycle, completed) =
+            (store.clone(), raw.clone(), cycle.clone(), Arc::clone(&completed));
         async move {
             // New keys every cycle: a key reused after its zero retention would be an expired
             // record, which `begin` claims with a second statement.
@@ -194,16 +214,21 @@ async fn measure_on(
                 }
                 Cycle::RawSelect => {
                     let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
-                    sqlx::query(AssertSqlSafe(store.sql(Operation::Get).to_owned()))
-                        .bind(scope.as_str())
-                        .bind(key.as_str())
-                        .fetch_optional(store.pool())
-                        .await
-                        .map(drop)
-                        .map_err(|e| e.to_string())
+                    let get = store.sql(Operation::Get).to_owned();
+                    raw.run(async |connection| {
+                        sqlx::query(AssertSqlSafe(get))
+                            .bind(scope.as_str())
+                            .bind(key.as_str())
+                            .fetch_optional(connection)
+                            .await
+                            .map(drop)
+                            .map_err(backend)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())
                 }
                 Cycle::Store => store_cycle(&store, scope, key).await,
-                Cycle::RawSql => raw_cycle(&store, &scope, &key).await,
+                Cycle::RawSql => raw_cycle(&store, &raw, &scope, &key).await,
                 Cycle::SameTransaction(table) => same_transaction_cycle(&store, table, &scope, &key).await,
                 Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, &key).await,
             }
@@ -212,44 +237,62 @@ async fn measure_on(
     .await
 }
 
-/// The store's three statements for a new key (the first look, the insert, the completing
-/// update), bound with the same values, on the same pool.
-async fn raw_cycle(store: &MysqlStore, scope: &Scope, key: &Key) -> Result<(), String> {
+/// The store's three statements for a new key (the first look and the insert on one connection
+/// of `raw`, the completing update on another, as the store runs `begin` and `complete`),
+/// bound with the same values.
+async fn raw_cycle(
+    store: &MysqlStore,
+    raw: &Connections<MySqlConnection>,
+    scope: &Scope,
+    key: &Key,
+) -> Result<(), String> {
     let token = Token::random().to_bytes();
     let fingerprint = Fingerprint::of_bytes(b"payload");
-    let pool = store.pool();
-    let now: i64 = sqlx::query(AssertSqlSafe(store.sql(Operation::Peek).to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .fetch_one(pool)
-        .await
-        .and_then(|row| sqlx::Row::try_get(&row, 0))
-        .map_err(|e| e.to_string())?;
-    sqlx::query(AssertSqlSafe(store.sql(Operation::Insert).to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&fingerprint.as_bytes()[..])
-        .bind(1_i64)
-        .bind(now)
-        .bind(now + 60_000)
-        .bind(&token[..])
-        .bind(false)
-        .bind(Some(now))
-        .bind(Some(now + 60_000))
-        .bind(None::<i64>)
-        .bind(None::<&[u8]>)
-        .execute(pool)
-        .await
-        .map_err(|e| e.to_string())?;
-    sqlx::query(AssertSqlSafe(store.sql(Operation::Complete).to_owned()))
-        .bind(0_i64)
-        .bind(&[0u8; 0][..])
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&token[..])
-        .execute(pool)
-        .await
-        .map_err(|e| e.to_string())?;
+    let (peek, insert) = (
+        store.sql(Operation::Peek).to_owned(),
+        store.sql(Operation::Insert).to_owned(),
+    );
+    raw.run(async |connection| {
+        let now: i64 = sqlx::query(AssertSqlSafe(peek))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_one(&mut *connection)
+            .await
+            .and_then(|row| sqlx::Row::try_get(&row, 0))
+            .map_err(backend)?;
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(1_i64)
+            .bind(now)
+            .bind(now + 60_000)
+            .bind(&token[..])
+            .bind(false)
+            .bind(Some(now))
+            .bind(Some(now + 60_000))
+            .bind(None::<i64>)
+            .bind(None::<&[u8]>)
+            .execute(connection)
+            .await
+            .map_err(backend)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let complete = store.sql(Operation::Complete).to_owned();
+    raw.run(async |connection| {
+        sqlx::query(AssertSqlSafe(complete))
+            .bind(0_i64)
+            .bind(&[0u8; 0][..])
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&token[..])
+            .execute(connection)
+            .await
+            .map_err(backend)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! PostgreSQL store: begin→complete cycles per second at 1, 16 and 64 callers against the same
-//! SQL issued directly on the same pool, and a same-transaction cycle against the bare business
-//! transaction, in one run.
+//! SQL issued directly on a pool of connections like the store's own (as many, taken back
+//! without a ping: `idempotency_core::connections`), and a same-transaction cycle against the
+//! bare business transaction, in one run.
 //!
 //! The server is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`). The bench
 //! works in a table of its own (`idempotency_bench.records_<pid>`), dropped at the end.
@@ -8,15 +9,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency_core::connections::Connections;
 use idempotency_core::{
     Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
 };
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus};
+use crate::measure::{
+    alternate_async, backend, cycle_key, cycles_per_second, raw_connections, runtime, store_cycle, versus,
+};
 
 const SCHEMA: &str = "idempotency_bench";
+
+/// Connections for the store's operations, and as many for the raw statements; with the
+/// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
+/// server's default limit (100 on PostgreSQL).
+const POOL: u32 = 30;
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
@@ -31,15 +40,18 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         .and_then(|o| o.schema(SCHEMA))
         .and_then(|o| o.table(&table))
         .map_err(|e| e.to_string())?
-        .max_connections(64);
+        .max_connections(POOL);
     let store = PostgresStore::connect_with(options)
         .await
         .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
+    // The raw statements' connections: as many as the store's, taken back the same way.
+    let raw = raw_connections(store.pool().connect_options(), POOL);
+    let store = Target { store, raw };
     let business = format!("{SCHEMA}.charges_{}", std::process::id());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {business} (id bigserial PRIMARY KEY, key text NOT NULL, cents int NOT NULL)"
     )))
-    .execute(store.pool())
+    .execute(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
 
@@ -48,12 +60,12 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
          ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
          ORDER BY name",
     )
-    .fetch_all(store.pool())
+    .fetch_all(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
-    println!("\n## PostgreSQL store vs the same SQL on the same pool: begin→complete cycles/s\n");
+    println!("\n## PostgreSQL store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
     println!(
-        "Server settings: {}; pool of 64 connections.\n",
+        "Server settings: {}; {POOL} connections for the store and {POOL} for the raw statements.\n",
         settings
             .iter()
             .map(|(n, v)| format!("{n}={v}"))
@@ -72,11 +84,11 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     }
 
     println!(
-        "\n## PostgreSQL replays: begin on a completed record vs a raw SELECT by key on the same pool (operations/s)\n"
+        "\n## PostgreSQL replays: begin on a completed record vs a raw SELECT by key on a pool like the store's (operations/s)\n"
     );
     println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(&store, 64 * 16).await?;
+    let completed = completed_keys(&store.store, 64 * 16).await?;
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
             let cycle = if variant == 0 {
@@ -111,9 +123,9 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
 
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {business}; DROP TABLE {}",
-        store.table()
+        store.store.table()
     )))
-    .execute(store.pool())
+    .execute(store.store.pool())
     .await
     .map_err(|e| e.to_string())?;
     Ok(())
@@ -158,31 +170,34 @@ async fn completed_keys(store: &PostgresStore, count: usize) -> Result<Arc<Vec<(
     Ok(Arc::new(keys))
 }
 
+/// The store, and connections like its own for the raw statements.
+#[derive(Clone)]
+struct Target {
+    store: PostgresStore,
+    raw: Connections<PgConnection>,
+}
+
 impl Cycle {
     fn of(variant: usize) -> Self {
         if variant == 0 { Self::Store } else { Self::RawSql }
     }
 }
 
-async fn measure(
-    store: &PostgresStore,
-    callers: usize,
-    cycle: Cycle,
-    window: Duration,
-) -> Result<f64, String> {
+async fn measure(store: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
     measure_on(store, callers, cycle, window, Arc::new(Vec::new())).await
 }
 
 async fn measure_on(
-    store: &PostgresStore,
+    target: &Target,
     callers: usize,
     cycle: Cycle,
     window: Duration,
     completed: Arc<Vec<(Scope, Key)>>,
 ) -> Result<f64, String> {
-    let store = store.clone();
+    let Target { store, raw } = target.clone();
     cycles_per_second(callers, window, move |caller, n| {
-        let (store, cycle, completed) = (store.clone(), cycle.clone(), Arc::clone(&completed));
+        let (store, raw, cycle, completed) =
+            (store.clone(), raw.clone(), cycle.clone(), Arc::clone(&completed));
         async move {
             // New keys every cycle: a key reused after its zero retention would be an expired
             // record, which `begin` claims with a second statement.
@@ -202,16 +217,21 @@ async fn measure_on(
                 }
                 Cycle::RawSelect => {
                     let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
-                    sqlx::query(AssertSqlSafe(store.sql(Operation::Get).to_owned()))
-                        .bind(scope.as_str())
-                        .bind(key.as_str())
-                        .fetch_optional(store.pool())
-                        .await
-                        .map(drop)
-                        .map_err(|e| e.to_string())
+                    let get = store.sql(Operation::Get).to_owned();
+                    raw.run(async |connection| {
+                        sqlx::query(AssertSqlSafe(get))
+                            .bind(scope.as_str())
+                            .bind(key.as_str())
+                            .fetch_optional(connection)
+                            .await
+                            .map(drop)
+                            .map_err(backend)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())
                 }
                 Cycle::Store => store_cycle(&store, scope, key).await,
-                Cycle::RawSql => raw_cycle(&store, &scope, &key).await,
+                Cycle::RawSql => raw_cycle(&store, &raw, &scope, &key).await,
                 Cycle::SameTransaction(table) => same_transaction_cycle(&store, table, &scope, &key).await,
                 Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, &key).await,
             }
@@ -220,29 +240,45 @@ async fn measure_on(
     .await
 }
 
-/// The store's two statements, bound with the same values, on the same pool.
-async fn raw_cycle(store: &PostgresStore, scope: &Scope, key: &Key) -> Result<(), String> {
+/// The store's two statements, bound with the same values, each on a connection of `raw` (as
+/// the store takes one for `begin` and one for `complete`).
+async fn raw_cycle(
+    store: &PostgresStore,
+    raw: &Connections<PgConnection>,
+    scope: &Scope,
+    key: &Key,
+) -> Result<(), String> {
     let token = Token::random().to_bytes();
     let fingerprint = Fingerprint::of_bytes(b"payload");
-    sqlx::query(AssertSqlSafe(store.sql(Operation::Begin).to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&fingerprint.as_bytes()[..])
-        .bind(&token[..])
-        .bind(60_000_i64)
-        .bind(0_i64)
-        .fetch_optional(store.pool())
-        .await
-        .map_err(|e| e.to_string())?;
-    sqlx::query(AssertSqlSafe(store.sql(Operation::Complete).to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&token[..])
-        .bind(&[0u8; 0][..])
-        .bind(0_i64)
-        .fetch_optional(store.pool())
-        .await
-        .map_err(|e| e.to_string())?;
+    let begin = store.sql(Operation::Begin).to_owned();
+    raw.run(async |connection| {
+        sqlx::query(AssertSqlSafe(begin))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(&token[..])
+            .bind(60_000_i64)
+            .bind(0_i64)
+            .fetch_optional(connection)
+            .await
+            .map_err(backend)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let complete = store.sql(Operation::Complete).to_owned();
+    raw.run(async |connection| {
+        sqlx::query(AssertSqlSafe(complete))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&token[..])
+            .bind(&[0u8; 0][..])
+            .bind(0_i64)
+            .fetch_optional(connection)
+            .await
+            .map_err(backend)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
     Ok(())
 }
 
