@@ -7,8 +7,7 @@
 //! therefore take their connections from a [`deadpool`] pool that takes them back as they are
 //! when there is no doubt about their state:
 //!
-//! * a connection whose operation succeeded ([`Checked::settle`]) goes back unchecked, ready
-//!   for the next statement;
+//! * a connection whose operation succeeded goes back unchecked, ready for the next statement;
 //! * one whose operation failed, or that was dropped mid-statement (the caller's future was
 //!   cancelled), is closed at once, not kept: whatever it left half sent, unread or open (a
 //!   transaction sqlx would roll back on its next use, holding its row locks until then) ends
@@ -26,7 +25,6 @@
 //!     .await?;
 //! ```
 
-use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,7 +48,7 @@ pub type AfterConnect<C> =
     Arc<dyn for<'c> Fn(&'c mut C) -> BoxFuture<'c, Result<(), sqlx::Error>> + Send + Sync>;
 
 /// Opens and checks the connections of one [`Connections`].
-pub struct Opener<C: Connection> {
+struct Opener<C: Connection> {
     options: Arc<C::Options>,
     after_connect: Option<AfterConnect<C>>,
 }
@@ -134,15 +132,33 @@ impl<C: Connection> Connections<C> {
         Self { pool, map_error }
     }
 
-    /// A connection for one operation. It goes back unchecked only if [`Checked::settle`] says
-    /// the operation succeeded.
+    /// Runs `operation` on a connection, which goes back for the next operation only if this
+    /// one succeeded; otherwise it is closed.
     ///
     /// # Errors
     ///
-    /// [`ErrorKind::Timeout`] when none became free within the wait; a failure to connect as
-    /// the store names it ([`ErrorKind::Unavailable`] when the server cannot be reached).
-    pub async fn get(&self) -> Result<Checked<C>, StoreError> {
-        let object = self.pool.get().await.map_err(|error| match error {
+    /// [`ErrorKind::Timeout`] when no connection became free within the wait; a failure to
+    /// connect as the store names it ([`ErrorKind::Unavailable`] when the server cannot be
+    /// reached); or the operation's error.
+    pub async fn run<T>(
+        &self,
+        operation: impl AsyncFnOnce(&mut C) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut checked = Checked {
+            object: Some(self.get().await?),
+            settled: false,
+        };
+        let connection = checked
+            .object
+            .as_deref_mut()
+            .unwrap_or_else(|| unreachable!("taken only when dropped"));
+        let result = operation(connection).await;
+        checked.settled = result.is_ok();
+        result
+    }
+
+    async fn get(&self) -> Result<Object<Opener<C>>, StoreError> {
+        self.pool.get().await.map_err(|error| match error {
             PoolError::Timeout(TimeoutType::Wait) => StoreError::new(
                 ErrorKind::Timeout,
                 "get a connection: none became free in time (all busy, or the server is slow)",
@@ -153,52 +169,16 @@ impl<C: Connection> Connections<C> {
             ),
             PoolError::Backend(error) => (self.map_error)("connect", error),
             other => StoreError::new(ErrorKind::Unavailable, format!("get a connection: {other}")),
-        })?;
-        Ok(Checked {
-            object: Some(object),
-            settled: false,
         })
     }
 }
 
-impl<C: Connection> Connections<C> {
-    /// Runs `operation` on a connection, which goes back for the next one only if the
-    /// operation succeeded ([`Connections::get`] and [`Checked::settle`] in one).
-    ///
-    /// # Errors
-    ///
-    /// As [`Connections::get`], or the operation's error.
-    pub async fn run<T>(
-        &self,
-        operation: impl AsyncFnOnce(&mut C) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let mut connection = self.get().await?;
-        let result = operation(&mut connection).await;
-        connection.settle(&result);
-        result
-    }
-}
-
-/// A connection taken for one operation; derefs to the connection. Dropped without a
-/// successful [`Checked::settle`], it closes the connection instead of giving it back.
-#[derive(Debug)]
-pub struct Checked<C: Connection> {
+/// A connection taken for one operation. Dropped unsettled (its operation failed, or its future
+/// was dropped mid-statement), it closes the connection instead of giving it back.
+struct Checked<C: Connection> {
     /// `Some` until dropped.
     object: Option<Object<Opener<C>>>,
     settled: bool,
-}
-
-impl<C: Connection> Checked<C> {
-    /// Marks the operation finished: a success lets the connection go back for the next one.
-    pub fn settle<T, E>(&mut self, result: &Result<T, E>) {
-        self.settled = result.is_ok();
-    }
-
-    fn object(&self) -> &Object<Opener<C>> {
-        self.object
-            .as_ref()
-            .unwrap_or_else(|| unreachable!("a connection is taken only when dropped"))
-    }
 }
 
 impl<C: Connection> Drop for Checked<C> {
@@ -206,25 +186,9 @@ impl<C: Connection> Drop for Checked<C> {
         if !self.settled
             && let Some(object) = self.object.take()
         {
-            // Out of the pool (which opens another when needed) and closed with the socket: the
-            // server ends the session and whatever it left open.
+            // Out of the pool (which opens another when needed), and closed with its socket:
+            // the server ends the session and whatever it left open.
             drop(Object::take(object));
         }
-    }
-}
-
-impl<C: Connection> Deref for Checked<C> {
-    type Target = C;
-
-    fn deref(&self) -> &C {
-        self.object()
-    }
-}
-
-impl<C: Connection> DerefMut for Checked<C> {
-    fn deref_mut(&mut self) -> &mut C {
-        self.object
-            .as_mut()
-            .unwrap_or_else(|| unreachable!("a connection is taken only when dropped"))
     }
 }
