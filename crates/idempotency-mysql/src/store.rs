@@ -12,7 +12,7 @@ use idempotency_core::{
     Record, RecordColumns, RecordParts, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
     StoreError, Timestamp, Token, duration_millis, stored_millis,
 };
-use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
 use crate::error::{DEADLOCK, DUPLICATE_KEY, map_error, number};
@@ -107,25 +107,18 @@ impl MysqlStore {
     ///
     /// As [`MysqlStore::connect`].
     pub async fn connect_with(options: MysqlOptions) -> Result<Self, StoreError> {
-        // Times are written and compared in UTC: `SYSDATE()` follows the session's zone.
-        let connect = options.connect.clone().timezone(Some("+00:00".to_owned()));
-        let read_only = options.access == Access::ReadOnly;
-        let pool = MySqlPoolOptions::new()
+        let mut pool = MySqlPoolOptions::new()
             // No ping before each statement: it doubles the round trips of a replay. A
             // connection the server closed fails its next statement with a retryable error
             // and is dropped from the pool (tests/connection_loss.rs).
             .test_before_acquire(false)
             .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            .after_connect(move |connection, _| {
-                Box::pin(async move {
-                    if read_only {
-                        connection.execute("SET SESSION TRANSACTION READ ONLY").await?;
-                    }
-                    Ok(())
-                })
-            })
-            .connect_with(connect)
+            .acquire_timeout(options.acquire_timeout);
+        if options.access == Access::ReadOnly {
+            pool = pool.after_connect(|connection, _| read_only_session(connection));
+        }
+        let pool = pool
+            .connect_with(in_utc(options.connect.clone()))
             .await
             .map_err(|e| map_error("connect to MySQL", e))?;
         let store = Self::from_pool(pool, &options);
@@ -148,20 +141,10 @@ impl MysqlStore {
         );
         // The store's own connections: in UTC whatever the application's pool says, and read-only
         // when the store was opened to read.
-        let connect = (*pool.connect_options())
-            .clone()
-            .timezone(Some("+00:00".to_owned()));
-        let after_connect: Option<AfterConnect<MySqlConnection>> =
-            (options.access == Access::ReadOnly).then(|| -> AfterConnect<MySqlConnection> {
-                Arc::new(|connection| {
-                    Box::pin(async move {
-                        connection.execute("SET SESSION TRANSACTION READ ONLY").await?;
-                        Ok(())
-                    })
-                })
-            });
+        let after_connect: Option<AfterConnect<MySqlConnection>> = (options.access == Access::ReadOnly)
+            .then(|| -> AfterConnect<MySqlConnection> { Arc::new(read_only_session) });
         let connections = Connections::new(
-            Arc::new(connect),
+            Arc::new(in_utc((*pool.connect_options()).clone())),
             after_connect,
             usize::try_from(options.max_connections).unwrap_or(usize::MAX),
             options.acquire_timeout,
@@ -325,6 +308,21 @@ impl MysqlStore {
     pub(crate) fn statements(&self) -> &Statements {
         &self.shared.sql
     }
+}
+
+/// Times are written and compared in UTC: `SYSDATE()` follows the session's zone.
+fn in_utc(options: MySqlConnectOptions) -> MySqlConnectOptions {
+    options.timezone(Some("+00:00".to_owned()))
+}
+
+/// Makes a new session read-only, for a store opened to read.
+fn read_only_session(
+    connection: &mut MySqlConnection,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + '_>> {
+    Box::pin(async move {
+        connection.execute("SET SESSION TRANSACTION READ ONLY").await?;
+        Ok(())
+    })
 }
 
 /// Where `begin` runs.
