@@ -29,7 +29,7 @@ struct State {
     /// The one-way latency, in microseconds.
     latency_us: AtomicU64,
     /// Bytes read from clients (and forwarded to the server).
-    sent: Arc<AtomicU64>,
+    sent: AtomicU64,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -56,7 +56,7 @@ impl TcpProxy {
             cuts: watch::channel(0).0,
             accepted: AtomicU64::new(0),
             latency_us: AtomicU64::new(0),
-            sent: Arc::new(AtomicU64::new(0)),
+            sent: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -122,7 +122,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
         let mut cuts = state.cuts.subscribe();
         let upstream = state.upstream;
         let latency = Duration::from_micros(state.latency_us.load(Ordering::SeqCst));
-        let sent = Arc::clone(&state.sent);
+        let counts = Arc::clone(&state);
         tokio::spawn(async move {
             let Ok(mut server) = TcpStream::connect(upstream).await else {
                 return;
@@ -131,7 +131,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
             let (client_read, client_write) = client.split();
             let (server_read, server_write) = server.split();
             tokio::select! {
-                () = delayed_copy(client_read, server_write, latency, Some(&sent)) => {}
+                () = delayed_copy(client_read, server_write, latency, Some(&counts.sent)) => {}
                 () = delayed_copy(server_read, client_write, latency, None) => {}
                 _ = cuts.changed() => {}
             }
