@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection, Row};
 use idempotency_mysql::{MysqlOptions, MysqlStore};
 
@@ -21,14 +21,7 @@ fn request(key: &str, payload: &[u8]) -> BeginRequest {
 
 /// A record completed as `done` and one in flight as `running`.
 async fn setup(store: &MysqlStore) {
-    let Claim::Acquired(held) = store.begin(&request("done", b"a")).await.unwrap() else {
-        panic!("not acquired")
-    };
-    let done = store
-        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
-        .await
-        .unwrap();
-    assert!(!done.is_lease_lost());
+    idempotency_testkit::completed(store, &request("done", b"a"), "charged").await;
     assert!(matches!(
         store.begin(&request("running", b"a")).await.unwrap(),
         Claim::Acquired(_)

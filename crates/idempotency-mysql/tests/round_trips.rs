@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::time::Duration;
-
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_mysql::Operation;
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection};
@@ -20,14 +18,7 @@ async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
     let scope = Scope::new("wire").unwrap();
     let key = Key::new("paid").unwrap();
     let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
-    let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
-        panic!("not acquired")
-    };
-    let done = store
-        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
-        .await
-        .unwrap();
-    assert!(!done.is_lease_lost());
+    idempotency_testkit::completed(&store, &request, "charged").await;
 
     let proxy = common::start_proxy().await;
     // One connection: with a ping on release, each begin would wait for the previous one's.

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
 
 fn request(key: &str, payload: &[u8]) -> BeginRequest {
@@ -21,14 +21,7 @@ fn request(key: &str, payload: &[u8]) -> BeginRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_conflicts_and_mismatches_answer_while_the_row_is_locked() {
     let store = common::fresh_store().await;
-    let Claim::Acquired(held) = store.begin(&request("done", b"a")).await.unwrap() else {
-        panic!("not acquired")
-    };
-    let done = store
-        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
-        .await
-        .unwrap();
-    assert!(!done.is_lease_lost());
+    idempotency_testkit::completed(&store, &request("done", b"a"), "charged").await;
     assert!(matches!(
         store.begin(&request("running", b"a")).await.unwrap(),
         Claim::Acquired(_)

@@ -7,10 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
+use idempotency_postgres::Operation;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
-use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
 
 const READS: u64 = 10;
 
@@ -20,14 +20,7 @@ async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
     let scope = Scope::new("wire").unwrap();
     let key = Key::new("paid").unwrap();
     let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
-    let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
-        panic!("not acquired")
-    };
-    let done = store
-        .complete(&held, Outcome::new("charged"), Duration::from_secs(3600))
-        .await
-        .unwrap();
-    assert!(!done.is_lease_lost());
+    idempotency_testkit::completed(&store, &request, "charged").await;
 
     let proxy = common::start_proxy().await;
     // One connection: with a ping on release, each begin would wait for the previous one's.
@@ -78,38 +71,17 @@ async fn read(bare: &mut PgConnection, peek: &str, scope: &Scope, key: &Key) -> 
 async fn a_connection_left_mid_statement_is_replaced_not_reused() {
     let store = common::fresh_store().await;
     let proxy = common::start_proxy().await;
-    // One connection, waited for long enough to open one through the slow proxy.
-    let qualified = store.table();
-    let (schema, table) = qualified.split_once('.').unwrap();
-    let mut options = PostgresOptions::from_url(&common::database_url())
-        .unwrap()
-        .schema(schema)
-        .unwrap()
-        .table(table)
-        .unwrap()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(30));
-    options.connect = options
-        .connect
-        .clone()
-        .host("127.0.0.1")
-        .port(proxy.addr().port());
-    let through = PostgresStore::connect_with(options).await.unwrap();
+    // Every byte 50 ms late each way: no answer comes sooner than 100 ms after its question.
+    proxy.set_latency(Duration::from_millis(50));
+    let through = common::proxied_waiting(&store, &proxy, 1, Duration::from_secs(30)).await;
     let scope = Scope::new("wire").unwrap();
     let key = Key::new("left").unwrap();
+    // The store's one connection, opened and given back settled.
     assert!(through.get(&scope, &key).await.unwrap().is_none());
     let opened = proxy.accepted();
 
-    // Connections opened from now on answer 200 ms late; the fast one is cut (its next read
-    // fails and closes it), and the caller gives up on the slow one after 20 ms.
-    proxy.set_latency(Duration::from_millis(200));
-    proxy.cut();
-    let cut = through.get(&scope, &key).await.unwrap_err();
-    assert!(cut.is_retryable(), "{cut}");
-    assert!(through.get(&scope, &key).await.unwrap().is_none());
-    let slow = proxy.accepted();
-    assert_eq!(slow, opened + 1, "the cut connection was replaced");
-    let abandoned = tokio::time::timeout(Duration::from_millis(20), through.get(&scope, &key)).await;
+    // The caller gives up after 10 ms, its read on the wire.
+    let abandoned = tokio::time::timeout(Duration::from_millis(10), through.get(&scope, &key)).await;
     assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
 
     let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
@@ -120,7 +92,7 @@ async fn a_connection_left_mid_statement_is_replaced_not_reused() {
     assert!(through.get(&scope, &key).await.unwrap().is_some());
     assert_eq!(
         proxy.accepted(),
-        slow + 1,
+        opened + 1,
         "the abandoned connection was replaced by exactly one new one"
     );
 }

@@ -109,6 +109,19 @@ impl<S: StoreAdmin + Clone + 'static> Ctx<S> {
     }
 }
 
+/// Claims `request`'s key and completes it with `outcome`, kept an hour: a record already done,
+/// for tests of what its replays cost. Panics if the key was not free or the completion failed.
+pub async fn completed<S: Store + ?Sized>(store: &S, request: &BeginRequest, outcome: &'static str) {
+    let Claim::Acquired(held) = store.begin(request).await.expect("begin") else {
+        panic!("{} was not free", request.key);
+    };
+    let done = store
+        .complete(&held, Outcome::new(outcome), KEEP)
+        .await
+        .expect("complete");
+    assert!(!done.is_lease_lost(), "the completion lost its lease");
+}
+
 /// A handle naming `(scope, key)` under `token`, for tests that drive a store's fencing
 /// directly: a stale token, a foreign one, or one whose `begin` reply was lost. Stores read only
 /// the scope, the key and the token of a handle; the other fields are the acquisition's report.

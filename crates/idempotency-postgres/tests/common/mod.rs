@@ -73,6 +73,23 @@ pub async fn start_proxy() -> TcpProxy {
 /// `max_connections`. The pool waits at most 300 ms for a connection, so an outage shows as
 /// errors rather than as waiting.
 pub async fn proxied(store: &PostgresStore, proxy: &TcpProxy, max_connections: u32) -> PostgresStore {
+    proxied_waiting(
+        store,
+        proxy,
+        max_connections,
+        std::time::Duration::from_millis(300),
+    )
+    .await
+}
+
+/// [`proxied`], waiting at most `wait` for a connection (through a slow proxy, opening one
+/// takes several round trips).
+pub async fn proxied_waiting(
+    store: &PostgresStore,
+    proxy: &TcpProxy,
+    max_connections: u32,
+    wait: std::time::Duration,
+) -> PostgresStore {
     let qualified = store.table();
     let (schema, table) = qualified.split_once('.').unwrap();
     let mut options = PostgresOptions::from_url(&database_url())
@@ -82,7 +99,7 @@ pub async fn proxied(store: &PostgresStore, proxy: &TcpProxy, max_connections: u
         .table(table)
         .unwrap()
         .max_connections(max_connections)
-        .acquire_timeout(std::time::Duration::from_millis(300));
+        .acquire_timeout(wait);
     options.connect = options
         .connect
         .clone()
