@@ -217,13 +217,7 @@ pub(crate) fn raw_connections<C: sqlx::Connection>(
         None,
         usize::try_from(max).unwrap_or(usize::MAX),
         Duration::from_secs(5),
-        |doing, error| {
-            idempotency_core::StoreError::new(
-                idempotency_core::ErrorKind::Backend,
-                format!("{doing}: {error}"),
-            )
-            .with_source(error)
-        },
+        |_, error| backend(error),
     )
 }
 

@@ -22,7 +22,7 @@ use crate::measure::{
 
 /// Connections for the store's operations, and as many for the raw statements; with the
 /// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
-/// server's default limit (100 on PostgreSQL).
+/// server's default limit (151 on MariaDB; PostgreSQL's bench keeps the same numbers under 100).
 const POOL: u32 = 30;
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
@@ -42,12 +42,15 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(&url)))?;
     // The raw statements' connections: as many as the store's, taken back the same way.
     let raw = raw_connections(store.pool().connect_options(), POOL);
-    let store = Target { store, raw };
+    let target = Target {
+        store: store.clone(),
+        raw,
+    };
     let business = format!("bench_charges_{}", std::process::id());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {business} (id BIGINT AUTO_INCREMENT PRIMARY KEY, idem_key VARCHAR(255) NOT NULL, cents INT NOT NULL) ENGINE = InnoDB"
     )))
-    .execute(store.store.pool())
+    .execute(store.pool())
     .await
     .map_err(|e| e.to_string())?;
 
@@ -57,7 +60,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
                                  'INNODB_BUFFER_POOL_SIZE', 'MAX_CONNECTIONS', 'TRANSACTION_ISOLATION', 'TX_ISOLATION')
          ORDER BY VARIABLE_NAME",
     )
-    .fetch_all(store.store.pool())
+    .fetch_all(store.pool())
     .await
     .map_err(|e| e.to_string())?;
     println!("\n## MySQL store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
@@ -73,7 +76,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     println!("|---:|---:|---:|---:|---:|---:|");
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
-            measure(&store, callers, Cycle::of(variant), window)
+            measure(&target, callers, Cycle::of(variant), window)
         })
         .await?;
         let (ours, raw) = (&rates[0], &rates[1]);
@@ -85,7 +88,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     );
     println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(&store.store, 64 * 16).await?;
+    let completed = completed_keys(&store, 64 * 16).await?;
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
             let cycle = if variant == 0 {
@@ -93,7 +96,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
             } else {
                 Cycle::RawSelect
             };
-            measure_on(&store, callers, cycle, window, Arc::clone(&completed))
+            measure_on(&target, callers, cycle, window, Arc::clone(&completed))
         })
         .await?;
         let (ours, raw) = (&rates[0], &rates[1]);
@@ -111,7 +114,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
             } else {
                 Cycle::BusinessOnly(Arc::clone(&business))
             };
-            measure(&store, callers, cycle, window)
+            measure(&target, callers, cycle, window)
         })
         .await?;
         let (ours, bare) = (&rates[0], &rates[1]);
@@ -120,9 +123,9 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
 
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {business}; DROP TABLE {}",
-        store.store.table()
+        store.table()
     )))
-    .execute(store.store.pool())
+    .execute(store.pool())
     .await
     .map_err(|e| e.to_string())?;
     Ok(())
@@ -180,8 +183,8 @@ impl Cycle {
     }
 }
 
-async fn measure(store: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
-    measure_on(store, callers, cycle, window, Arc::new(Vec::new())).await
+async fn measure(target: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
+    measure_on(target, callers, cycle, window, Arc::new(Vec::new())).await
 }
 
 async fn measure_on(

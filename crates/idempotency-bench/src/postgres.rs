@@ -46,12 +46,15 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
     // The raw statements' connections: as many as the store's, taken back the same way.
     let raw = raw_connections(store.pool().connect_options(), POOL);
-    let store = Target { store, raw };
+    let target = Target {
+        store: store.clone(),
+        raw,
+    };
     let business = format!("{SCHEMA}.charges_{}", std::process::id());
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {business} (id bigserial PRIMARY KEY, key text NOT NULL, cents int NOT NULL)"
     )))
-    .execute(store.store.pool())
+    .execute(store.pool())
     .await
     .map_err(|e| e.to_string())?;
 
@@ -60,7 +63,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
          ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
          ORDER BY name",
     )
-    .fetch_all(store.store.pool())
+    .fetch_all(store.pool())
     .await
     .map_err(|e| e.to_string())?;
     println!("\n## PostgreSQL store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
@@ -76,7 +79,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     println!("|---:|---:|---:|---:|---:|---:|");
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
-            measure(&store, callers, Cycle::of(variant), window)
+            measure(&target, callers, Cycle::of(variant), window)
         })
         .await?;
         let (ours, raw) = (&rates[0], &rates[1]);
@@ -88,7 +91,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     );
     println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(&store.store, 64 * 16).await?;
+    let completed = completed_keys(&store, 64 * 16).await?;
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
             let cycle = if variant == 0 {
@@ -96,7 +99,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
             } else {
                 Cycle::RawSelect
             };
-            measure_on(&store, callers, cycle, window, Arc::clone(&completed))
+            measure_on(&target, callers, cycle, window, Arc::clone(&completed))
         })
         .await?;
         let (ours, raw) = (&rates[0], &rates[1]);
@@ -114,7 +117,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
             } else {
                 Cycle::BusinessOnly(Arc::clone(&business))
             };
-            measure(&store, callers, cycle, window)
+            measure(&target, callers, cycle, window)
         })
         .await?;
         let (ours, bare) = (&rates[0], &rates[1]);
@@ -123,9 +126,9 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
 
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {business}; DROP TABLE {}",
-        store.store.table()
+        store.table()
     )))
-    .execute(store.store.pool())
+    .execute(store.pool())
     .await
     .map_err(|e| e.to_string())?;
     Ok(())
@@ -183,8 +186,8 @@ impl Cycle {
     }
 }
 
-async fn measure(store: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
-    measure_on(store, callers, cycle, window, Arc::new(Vec::new())).await
+async fn measure(target: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
+    measure_on(target, callers, cycle, window, Arc::new(Vec::new())).await
 }
 
 async fn measure_on(
