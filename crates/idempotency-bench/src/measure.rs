@@ -213,6 +213,7 @@ pub(crate) fn raw_connections<C: sqlx::Connection>(
     max: u32,
 ) -> idempotency_core::connections::Connections<C> {
     idempotency_core::connections::Connections::new(
+        "raw",
         options,
         None,
         usize::try_from(max).unwrap_or(usize::MAX),

@@ -19,11 +19,16 @@
 //! and for creating its schema. How a store uses it:
 //!
 //! ```text
-//! let connections = Connections::new(pool.connect_options(), None, max, wait, map_error);
+//! let connections = Connections::new("postgres", pool.connect_options(), None, max, wait, map_error);
 //! let row = connections
 //!     .run(async |connection| statement.fetch_optional(connection).await.map_err(map))
 //!     .await?;
 //! ```
+//!
+//! Metrics, labelled `store` with the name given to [`Connections::new`]:
+//! `idempotency_store_connections_opened_total` (counter), `idempotency_store_connections_closed_total`
+//! (counter, `reason`: `failed`, `abandoned` or `lifetime`), `idempotency_store_connections_open`
+//! and `idempotency_store_connections_in_use` (gauges).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +38,7 @@ use deadpool::managed::{
     self, Metrics, Object, PoolError, QueueMode, RecycleError, RecycleResult, TimeoutType,
 };
 use futures_util::future::BoxFuture;
+use metrics::{Counter, Gauge};
 use sqlx::Connection;
 
 use crate::{ErrorKind, StoreError};
@@ -47,10 +53,49 @@ pub type MapError = fn(&str, sqlx::Error) -> StoreError;
 pub type AfterConnect<C> =
     Arc<dyn for<'c> Fn(&'c mut C) -> BoxFuture<'c, Result<(), sqlx::Error>> + Send + Sync>;
 
+/// The metrics of one [`Connections`], registered once: an operation only moves them.
+#[derive(Clone)]
+struct Meters {
+    opened: Counter,
+    failed: Counter,
+    abandoned: Counter,
+    past_lifetime: Counter,
+    open: Gauge,
+    in_use: Gauge,
+}
+
+impl Meters {
+    fn new(store: &'static str) -> Self {
+        let closed = |reason: &'static str| metrics::counter!("idempotency_store_connections_closed_total", "store" => store, "reason" => reason);
+        Self {
+            opened: metrics::counter!("idempotency_store_connections_opened_total", "store" => store),
+            failed: closed("failed"),
+            abandoned: closed("abandoned"),
+            past_lifetime: closed("lifetime"),
+            open: metrics::gauge!("idempotency_store_connections_open", "store" => store),
+            in_use: metrics::gauge!("idempotency_store_connections_in_use", "store" => store),
+        }
+    }
+}
+
+/// A connection and the gauge of open ones, which it leaves when it is closed, wherever that
+/// happens (after a failure, past its lifetime, with the pool).
+struct Tracked<C> {
+    connection: C,
+    open: Gauge,
+}
+
+impl<C> Drop for Tracked<C> {
+    fn drop(&mut self) {
+        self.open.decrement(1.0);
+    }
+}
+
 /// Opens and checks the connections of one [`Connections`].
 struct Opener<C: Connection> {
     options: Arc<C::Options>,
     after_connect: Option<AfterConnect<C>>,
+    meters: Meters,
 }
 
 impl<C: Connection> std::fmt::Debug for Opener<C> {
@@ -61,20 +106,26 @@ impl<C: Connection> std::fmt::Debug for Opener<C> {
 }
 
 impl<C: Connection> managed::Manager for Opener<C> {
-    type Type = C;
+    type Type = Tracked<C>;
     type Error = sqlx::Error;
 
-    async fn create(&self) -> Result<C, sqlx::Error> {
+    async fn create(&self) -> Result<Tracked<C>, sqlx::Error> {
         let mut connection = C::connect_with(&self.options).await?;
         if let Some(after_connect) = &self.after_connect {
             after_connect(&mut connection).await?;
         }
-        Ok(connection)
+        self.meters.opened.increment(1);
+        self.meters.open.increment(1.0);
+        Ok(Tracked {
+            connection,
+            open: self.meters.open.clone(),
+        })
     }
 
-    async fn recycle(&self, _: &mut C, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
+    async fn recycle(&self, _: &mut Tracked<C>, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
         // Only settled connections come back (`Checked`'s drop closes the others).
         if metrics.age() > MAX_LIFETIME {
+            self.meters.past_lifetime.increment(1);
             return Err(RecycleError::message("the connection is past its lifetime"));
         }
         Ok(())
@@ -85,6 +136,7 @@ impl<C: Connection> managed::Manager for Opener<C> {
 pub struct Connections<C: Connection> {
     pool: managed::Pool<Opener<C>>,
     map_error: MapError,
+    meters: Meters,
 }
 
 impl<C: Connection> Clone for Connections<C> {
@@ -92,6 +144,7 @@ impl<C: Connection> Clone for Connections<C> {
         Self {
             pool: self.pool.clone(),
             map_error: self.map_error,
+            meters: self.meters.clone(),
         }
     }
 }
@@ -106,18 +159,22 @@ impl<C: Connection> std::fmt::Debug for Connections<C> {
 
 impl<C: Connection> Connections<C> {
     /// Connections opened with `options` (a sqlx pool's `connect_options()`) and prepared by
-    /// `after_connect`; `map_error` names a failure to connect.
+    /// `after_connect`; `map_error` names a failure to connect. `store` labels the metrics
+    /// (`postgres`, `mysql`).
     #[must_use]
     pub fn new(
+        store: &'static str,
         options: Arc<C::Options>,
         after_connect: Option<AfterConnect<C>>,
         max: usize,
         wait: Duration,
         map_error: MapError,
     ) -> Self {
+        let meters = Meters::new(store);
         let pool = managed::Pool::builder(Opener {
             options,
             after_connect,
+            meters: meters.clone(),
         })
         .max_size(max.max(1))
         // The most recently used first: under a light load the same few stay warm and the
@@ -129,7 +186,11 @@ impl<C: Connection> Connections<C> {
         .runtime(Runtime::Tokio1)
         .build()
         .unwrap_or_else(|error| unreachable!("a runtime and a size are set: {error}"));
-        Self { pool, map_error }
+        Self {
+            pool,
+            map_error,
+            meters,
+        }
     }
 
     /// Runs `operation` on a connection, which goes back for the next operation only if this
@@ -146,14 +207,21 @@ impl<C: Connection> Connections<C> {
     ) -> Result<T, StoreError> {
         let mut checked = Checked {
             object: Some(self.get().await?),
-            settled: false,
+            state: State::Running,
+            meters: &self.meters,
         };
-        let connection = checked
+        self.meters.in_use.increment(1.0);
+        let connection = &mut checked
             .object
             .as_deref_mut()
-            .unwrap_or_else(|| unreachable!("taken only when dropped"));
+            .unwrap_or_else(|| unreachable!("taken only when dropped"))
+            .connection;
         let result = operation(connection).await;
-        checked.settled = result.is_ok();
+        checked.state = if result.is_ok() {
+            State::Settled
+        } else {
+            State::Failed
+        };
         result
     }
 
@@ -173,19 +241,36 @@ impl<C: Connection> Connections<C> {
     }
 }
 
-/// A connection taken for one operation. Dropped unsettled (its operation failed, or its future
-/// was dropped mid-statement), it closes the connection instead of giving it back.
-struct Checked<C: Connection> {
-    /// `Some` until dropped.
-    object: Option<Object<Opener<C>>>,
-    settled: bool,
+/// Where the operation on a [`Checked`] connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not finished: dropped in this state, the caller's future was dropped mid-operation.
+    Running,
+    /// Succeeded: the connection goes back.
+    Settled,
+    /// Failed: the connection is closed.
+    Failed,
 }
 
-impl<C: Connection> Drop for Checked<C> {
+/// A connection taken for one operation. Dropped unsettled (its operation failed, or its future
+/// was dropped mid-statement), it closes the connection instead of giving it back.
+struct Checked<'a, C: Connection> {
+    /// `Some` until dropped.
+    object: Option<Object<Opener<C>>>,
+    state: State,
+    meters: &'a Meters,
+}
+
+impl<C: Connection> Drop for Checked<'_, C> {
     fn drop(&mut self) {
-        if !self.settled
-            && let Some(object) = self.object.take()
-        {
+        self.meters.in_use.decrement(1.0);
+        let closed = match self.state {
+            State::Settled => return,
+            State::Failed => &self.meters.failed,
+            State::Running => &self.meters.abandoned,
+        };
+        if let Some(object) = self.object.take() {
+            closed.increment(1);
             // Out of the pool (which opens another when needed), and closed with its socket:
             // the server ends the session and whatever it left open.
             drop(Object::take(object));

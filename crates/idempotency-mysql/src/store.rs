@@ -144,6 +144,7 @@ impl MysqlStore {
         let after_connect: Option<AfterConnect<MySqlConnection>> = (options.access == Access::ReadOnly)
             .then(|| -> AfterConnect<MySqlConnection> { Arc::new(read_only_session) });
         let connections = Connections::new(
+            "mysql",
             Arc::new(in_utc((*pool.connect_options()).clone())),
             after_connect,
             usize::try_from(options.max_connections).unwrap_or(usize::MAX),

@@ -149,6 +149,7 @@ impl PostgresStore {
     pub fn from_pool(pool: PgPool, options: &PostgresOptions) -> Self {
         let max = pool.options().get_max_connections();
         let connections = Connections::new(
+            "postgres",
             pool.connect_options(),
             None,
             usize::try_from(max).unwrap_or(usize::MAX),

@@ -11,6 +11,7 @@ use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_postgres::Operation;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
+use idempotency_testkit::recorded::record_metrics;
 
 const READS: u64 = 10;
 
@@ -66,33 +67,73 @@ async fn read(bare: &mut PgConnection, peek: &str, scope: &Scope, key: &Key) -> 
 
 /// A connection whose statement was abandoned mid-way (the caller's future dropped) is closed,
 /// not handed to the next caller with an answer still on its way; the next caller gets a new
-/// connection and the right answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_left_mid_statement_is_replaced_not_reused() {
-    let store = common::fresh_store().await;
-    let proxy = common::start_proxy().await;
-    // Every byte 50 ms late each way: no answer comes sooner than 100 ms after its question.
-    proxy.set_latency(Duration::from_millis(50));
-    let through = common::proxied_waiting(&store, &proxy, 1, Duration::from_secs(30)).await;
-    let scope = Scope::new("wire").unwrap();
-    let key = Key::new("left").unwrap();
-    // The store's one connection, opened and given back settled.
-    assert!(through.get(&scope, &key).await.unwrap().is_none());
-    let opened = proxy.accepted();
+/// connection and the right answer. So is one whose statement failed. The metrics say so.
+#[test]
+fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
+    let metrics = record_metrics(async {
+        let store = common::fresh_store().await;
+        let proxy = common::start_proxy().await;
+        // Every byte 50 ms late each way: no answer comes sooner than 100 ms after its question.
+        proxy.set_latency(Duration::from_millis(50));
+        let through = common::proxied_waiting(&store, &proxy, 1, Duration::from_secs(30)).await;
+        let scope = Scope::new("wire").unwrap();
+        let key = Key::new("left").unwrap();
+        // The store's one connection, opened and given back settled.
+        assert!(through.get(&scope, &key).await.unwrap().is_none());
+        let opened = proxy.accepted();
 
-    // The caller gives up after 10 ms, its read on the wire.
-    let abandoned = tokio::time::timeout(Duration::from_millis(10), through.get(&scope, &key)).await;
-    assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
+        // The caller gives up after 10 ms, its read on the wire.
+        let abandoned = tokio::time::timeout(Duration::from_millis(10), through.get(&scope, &key)).await;
+        assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
 
-    let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
-    assert!(matches!(
-        through.begin(&request).await.unwrap(),
-        Claim::Acquired(_)
-    ));
-    assert!(through.get(&scope, &key).await.unwrap().is_some());
+        let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
+        assert!(matches!(
+            through.begin(&request).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        assert!(through.get(&scope, &key).await.unwrap().is_some());
+        assert_eq!(
+            proxy.accepted(),
+            opened + 1,
+            "the abandoned connection was replaced by exactly one new one"
+        );
+
+        // The server's side of the connection goes away: the first statement that notices
+        // fails, and its connection is not used again.
+        proxy.set_latency(Duration::ZERO);
+        proxy.cut();
+        let mut failures = 0;
+        for _ in 0..100 {
+            if through.get(&scope, &key).await.is_err() {
+                failures += 1;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(failures, 1, "a statement on the cut connection failed");
+        assert!(through.get(&scope, &key).await.unwrap().is_some());
+        assert_eq!(proxy.accepted(), opened + 2, "the failed connection was replaced");
+    });
+    let store = [("store", "postgres")];
+    let closed = |reason| {
+        metrics.counter(
+            "idempotency_store_connections_closed_total",
+            &[("store", "postgres"), ("reason", reason)],
+        )
+    };
     assert_eq!(
-        proxy.accepted(),
-        opened + 1,
-        "the abandoned connection was replaced by exactly one new one"
+        metrics.counter("idempotency_store_connections_opened_total", &store),
+        3
+    );
+    assert_eq!(closed("abandoned"), 1);
+    assert_eq!(closed("failed"), 1);
+    assert_eq!(closed("lifetime"), 0);
+    // The store was dropped with its last connection: none open, none in use.
+    assert!(metrics.gauge("idempotency_store_connections_open", &store).abs() < f64::EPSILON);
+    assert!(
+        metrics
+            .gauge("idempotency_store_connections_in_use", &store)
+            .abs()
+            < f64::EPSILON
     );
 }
