@@ -218,6 +218,7 @@ pub(crate) fn raw_connections<C: sqlx::Connection>(
         None,
         usize::try_from(max).unwrap_or(usize::MAX),
         Duration::from_secs(5),
+        None,
         |_, error| backend(error),
     )
 }

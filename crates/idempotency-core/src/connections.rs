@@ -12,14 +12,16 @@
 //!   cancelled), is closed at once, not kept: whatever it left half sent, unread or open (a
 //!   transaction sqlx would roll back on its next use, holding its row locks until then) ends
 //!   with the session, and the next caller gets a fresh connection;
-//! * one older than [`MAX_LIFETIME`] is replaced, as sqlx's pool does, so that connections
-//!   move to a server that failed over or reloaded its configuration.
+//! * one older than the store's sqlx pool's `max_lifetime` (30 minutes unless the application's
+//!   pool sets another) is replaced, as sqlx's pool does, so that connections move to a server
+//!   that failed over or reloaded its configuration.
 //!
 //! A store keeps its sqlx pool for the application's own transactions (same-transaction mode)
 //! and for creating its schema. How a store uses it:
 //!
 //! ```text
-//! let connections = Connections::new("postgres", pool.connect_options(), None, max, wait, map_error);
+//! let lifetime = pool.options().get_max_lifetime();
+//! let connections = Connections::new("postgres", pool.connect_options(), None, max, wait, lifetime, map_error);
 //! let row = connections
 //!     .run(async |connection| statement.fetch_optional(connection).await.map_err(map))
 //!     .await?;
@@ -42,9 +44,6 @@ use metrics::{Counter, Gauge};
 use sqlx::Connection;
 
 use crate::{ErrorKind, StoreError};
-
-/// How long a connection serves before it is replaced (sqlx's pool's default, kept).
-pub const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
 
 /// How a store names a driver error: `doing` says what it was doing.
 pub type MapError = fn(&str, sqlx::Error) -> StoreError;
@@ -95,6 +94,8 @@ impl<C> Drop for Tracked<C> {
 struct Opener<C: Connection> {
     options: Arc<C::Options>,
     after_connect: Option<AfterConnect<C>>,
+    /// How long a connection serves before it is replaced; `None`: as long as it works.
+    lifetime: Option<Duration>,
     meters: Meters,
 }
 
@@ -124,7 +125,7 @@ impl<C: Connection> managed::Manager for Opener<C> {
 
     async fn recycle(&self, _: &mut Tracked<C>, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
         // Only settled connections come back (`Checked`'s drop closes the others).
-        if metrics.age() > MAX_LIFETIME {
+        if self.lifetime.is_some_and(|lifetime| metrics.age() > lifetime) {
             self.meters.past_lifetime.increment(1);
             return Err(RecycleError::message("the connection is past its lifetime"));
         }
@@ -159,7 +160,8 @@ impl<C: Connection> std::fmt::Debug for Connections<C> {
 
 impl<C: Connection> Connections<C> {
     /// Connections opened with `options` (a sqlx pool's `connect_options()`) and prepared by
-    /// `after_connect`; `map_error` names a failure to connect. `store` labels the metrics
+    /// `after_connect`, each replaced once older than `lifetime` (the sqlx pool's
+    /// `get_max_lifetime()`); `map_error` names a failure to connect. `store` labels the metrics
     /// (`postgres`, `mysql`).
     #[must_use]
     pub fn new(
@@ -168,12 +170,14 @@ impl<C: Connection> Connections<C> {
         after_connect: Option<AfterConnect<C>>,
         max: usize,
         wait: Duration,
+        lifetime: Option<Duration>,
         map_error: MapError,
     ) -> Self {
         let meters = Meters::new(store);
         let pool = managed::Pool::builder(Opener {
             options,
             after_connect,
+            lifetime,
             meters: meters.clone(),
         })
         .max_size(max.max(1))

@@ -149,6 +149,7 @@ impl MysqlStore {
             after_connect,
             usize::try_from(options.max_connections).unwrap_or(usize::MAX),
             options.acquire_timeout,
+            pool.options().get_max_lifetime(),
             map_error,
         );
         Self {

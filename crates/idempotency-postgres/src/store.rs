@@ -154,6 +154,7 @@ impl PostgresStore {
             None,
             usize::try_from(max).unwrap_or(usize::MAX),
             options.acquire_timeout,
+            pool.options().get_max_lifetime(),
             map_error,
         );
         Self {

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_postgres::Operation;
-use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection};
+use idempotency_postgres::PostgresStore;
+use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
 use idempotency_testkit::recorded::record_metrics;
 
@@ -136,4 +137,38 @@ fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
             .abs()
             < f64::EPSILON
     );
+}
+
+/// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the
+/// next operation opens a new one, as sqlx's own pool does: an application that shortens the
+/// lifetime of its pool's connections (to follow a failover, say) gets it for the store's too.
+#[test]
+fn a_connection_past_the_pools_lifetime_is_replaced() {
+    let metrics = record_metrics(async {
+        let store = common::fresh_store().await;
+        let proxy = common::start_proxy().await;
+        let options = common::proxied_options(&store, &proxy);
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(Duration::from_millis(200))
+            .connect_lazy_with(options.connect.clone());
+        let through = PostgresStore::from_pool(pool, &options);
+        let (scope, key) = (Scope::new("wire").unwrap(), Key::new("old").unwrap());
+        assert!(through.get(&scope, &key).await.unwrap().is_none());
+        assert!(through.get(&scope, &key).await.unwrap().is_none());
+        let opened = proxy.accepted();
+        assert_eq!(opened, 1, "one connection served both reads");
+
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(through.get(&scope, &key).await.unwrap().is_none());
+        assert_eq!(proxy.accepted(), opened + 1, "the old connection was replaced");
+    });
+    let closed = |reason| {
+        metrics.counter(
+            "idempotency_store_connections_closed_total",
+            &[("store", "postgres"), ("reason", reason)],
+        )
+    };
+    assert_eq!(closed("lifetime"), 1);
+    assert_eq!(closed("failed") + closed("abandoned"), 0);
 }

@@ -90,6 +90,14 @@ pub async fn proxied_waiting(
     max_connections: u32,
     wait: std::time::Duration,
 ) -> PostgresStore {
+    let options = proxied_options(store, proxy)
+        .max_connections(max_connections)
+        .acquire_timeout(wait);
+    PostgresStore::connect_with(options).await.unwrap()
+}
+
+/// The options of a store on `store`'s table that reaches the server through `proxy`.
+pub fn proxied_options(store: &PostgresStore, proxy: &TcpProxy) -> PostgresOptions {
     let qualified = store.table();
     let (schema, table) = qualified.split_once('.').unwrap();
     let mut options = PostgresOptions::from_url(&database_url())
@@ -97,13 +105,11 @@ pub async fn proxied_waiting(
         .schema(schema)
         .unwrap()
         .table(table)
-        .unwrap()
-        .max_connections(max_connections)
-        .acquire_timeout(wait);
+        .unwrap();
     options.connect = options
         .connect
         .clone()
         .host("127.0.0.1")
         .port(proxy.addr().port());
-    PostgresStore::connect_with(options).await.unwrap()
+    options
 }
