@@ -155,10 +155,10 @@ fn a_connection_past_the_pools_lifetime_is_replaced() {
         let through = PostgresStore::from_pool(pool, &options);
         let (scope, key) = (Scope::new("wire").unwrap(), Key::new("old").unwrap());
         assert!(through.get(&scope, &key).await.unwrap().is_none());
-        assert!(through.get(&scope, &key).await.unwrap().is_none());
         let opened = proxy.accepted();
-        assert_eq!(opened, 1, "one connection served both reads");
+        assert_eq!(opened, 1, "the first read opened the store's one connection");
 
+        // Past the lifetime whatever the machine's speed: the connection was opened before.
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(through.get(&scope, &key).await.unwrap().is_none());
         assert_eq!(proxy.accepted(), opened + 1, "the old connection was replaced");
