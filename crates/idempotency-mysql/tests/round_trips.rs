@@ -6,9 +6,9 @@
 mod common;
 
 use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
-use idempotency_mysql::Operation;
-use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection};
+use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection};
+use idempotency_mysql::{MysqlStore, Operation};
 
 const READS: u64 = 10;
 
@@ -59,4 +59,20 @@ async fn read(bare: &mut MySqlConnection, peek: &str, scope: &Scope, key: &Key) 
         .fetch_one(bare)
         .await
         .unwrap();
+}
+
+/// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the
+/// next operation opens a new one, as sqlx's own pool does.
+#[test]
+fn a_connection_past_the_pools_lifetime_is_replaced() {
+    idempotency_testkit::replaced_past_lifetime("mysql", async |lifetime| {
+        let store = common::fresh_store().await;
+        let proxy = common::start_proxy().await;
+        let options = common::proxied_options(&store, &proxy).max_connections(1);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(lifetime)
+            .connect_lazy_with(options.connect.clone());
+        (MysqlStore::from_pool(pool, &options), proxy)
+    });
 }

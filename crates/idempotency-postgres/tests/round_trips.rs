@@ -144,31 +144,14 @@ fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
 /// lifetime of its pool's connections (to follow a failover, say) gets it for the store's too.
 #[test]
 fn a_connection_past_the_pools_lifetime_is_replaced() {
-    let metrics = record_metrics(async {
+    idempotency_testkit::replaced_past_lifetime("postgres", async |lifetime| {
         let store = common::fresh_store().await;
         let proxy = common::start_proxy().await;
         let options = common::proxied_options(&store, &proxy);
         let pool = PgPoolOptions::new()
             .max_connections(1)
-            .max_lifetime(Duration::from_millis(200))
+            .max_lifetime(lifetime)
             .connect_lazy_with(options.connect.clone());
-        let through = PostgresStore::from_pool(pool, &options);
-        let (scope, key) = (Scope::new("wire").unwrap(), Key::new("old").unwrap());
-        assert!(through.get(&scope, &key).await.unwrap().is_none());
-        let opened = proxy.accepted();
-        assert_eq!(opened, 1, "the first read opened the store's one connection");
-
-        // Past the lifetime whatever the machine's speed: the connection was opened before.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(through.get(&scope, &key).await.unwrap().is_none());
-        assert_eq!(proxy.accepted(), opened + 1, "the old connection was replaced");
+        (PostgresStore::from_pool(pool, &options), proxy)
     });
-    let closed = |reason| {
-        metrics.counter(
-            "idempotency_store_connections_closed_total",
-            &[("store", "postgres"), ("reason", reason)],
-        )
-    };
-    assert_eq!(closed("lifetime"), 1);
-    assert_eq!(closed("failed") + closed("abandoned"), 0);
 }

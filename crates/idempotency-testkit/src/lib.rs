@@ -50,7 +50,7 @@ pub mod wait;
 pub mod cases;
 pub mod model;
 
-pub use cases::{completed, held};
+pub use cases::{completed, held, replaced_past_lifetime};
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 pub use proxy::TcpProxy;

@@ -78,16 +78,22 @@ pub async fn start_proxy() -> TcpProxy {
 /// `max_connections`. The pool waits at most 300 ms for a connection, so an outage shows as
 /// errors rather than as waiting.
 pub async fn proxied(store: &MysqlStore, proxy: &TcpProxy, max_connections: u32) -> MysqlStore {
+    let options = proxied_options(store, proxy)
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_millis(300));
+    MysqlStore::connect_with(options).await.unwrap()
+}
+
+/// The options of a store on `store`'s table that reaches the server through `proxy`.
+pub fn proxied_options(store: &MysqlStore, proxy: &TcpProxy) -> MysqlOptions {
     let mut options = MysqlOptions::from_url(&database_url())
         .unwrap()
         .table(store.table())
-        .unwrap()
-        .max_connections(max_connections)
-        .acquire_timeout(Duration::from_millis(300));
+        .unwrap();
     options.connect = options
         .connect
         .clone()
         .host("127.0.0.1")
         .port(proxy.addr().port());
-    MysqlStore::connect_with(options).await.unwrap()
+    options
 }
