@@ -208,23 +208,41 @@ pub(crate) fn cycle_key(caller: usize, n: usize) -> (idempotency_core::Scope, id
 
 /// Connections like a sqlx-based store's own (`max` of them, taken back without a ping), for the
 /// raw statements a store is compared with.
-pub(crate) fn raw_connections<C: sqlx::Connection>(
-    options: std::sync::Arc<C::Options>,
-    max: u32,
-) -> idempotency_core::connections::Connections<C> {
-    idempotency_core::connections::Connections::new(
-        "raw",
-        options,
-        None,
-        usize::try_from(max).unwrap_or(usize::MAX),
-        Duration::from_secs(5),
-        None,
-        |_, error| backend(error),
-    )
+pub(crate) struct RawConnections<C: sqlx::Connection>(idempotency_core::connections::Connections<C>);
+
+impl<C: sqlx::Connection> Clone for RawConnections<C> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<C: sqlx::Connection> RawConnections<C> {
+    pub(crate) fn new(options: std::sync::Arc<C::Options>, max: u32) -> Self {
+        Self(idempotency_core::connections::Connections::new(
+            "raw",
+            options,
+            None,
+            usize::try_from(max).unwrap_or(usize::MAX),
+            Duration::from_secs(5),
+            None,
+            |_, error| backend(error),
+        ))
+    }
+
+    /// Runs `statements` on one connection, as a store runs one operation.
+    pub(crate) async fn run<T>(
+        &self,
+        statements: impl AsyncFnOnce(&mut C) -> Result<T, sqlx::Error>,
+    ) -> Result<T, String> {
+        self.0
+            .run(async |connection| statements(connection).await.map_err(backend))
+            .await
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// A driver error as the raw statements report it.
-pub(crate) fn backend(error: sqlx::Error) -> idempotency_core::StoreError {
+fn backend(error: sqlx::Error) -> idempotency_core::StoreError {
     idempotency_core::StoreError::new(idempotency_core::ErrorKind::Backend, error.to_string())
         .with_source(error)
 }

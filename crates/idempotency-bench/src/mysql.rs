@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::connections::Connections;
 use idempotency_core::{
     Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
 };
@@ -17,7 +16,7 @@ use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlConnection, MySqlPool};
 use idempotency_mysql::{MysqlOptions, MysqlStore, Operation};
 
 use crate::measure::{
-    alternate_async, backend, cycle_key, cycles_per_second, raw_connections, runtime, store_cycle, versus,
+    RawConnections, alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus,
 };
 
 /// Connections for the store's operations, and as many for the raw statements; with the
@@ -41,7 +40,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         .await
         .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(&url)))?;
     // The raw statements' connections: as many as the store's, taken back the same way.
-    let raw = raw_connections(store.pool().connect_options(), POOL);
+    let raw = RawConnections::new(store.pool().connect_options(), POOL);
     let target = Target {
         store: store.clone(),
         raw,
@@ -174,7 +173,7 @@ async fn completed_keys(store: &MysqlStore, count: usize) -> Result<Arc<Vec<(Sco
 #[derive(Clone)]
 struct Target {
     store: MysqlStore,
-    raw: Connections<MySqlConnection>,
+    raw: RawConnections<MySqlConnection>,
 }
 
 impl Cycle {
@@ -225,10 +224,8 @@ async fn measure_on(
                             .fetch_optional(connection)
                             .await
                             .map(drop)
-                            .map_err(backend)
                     })
                     .await
-                    .map_err(|e| e.to_string())
                 }
                 Cycle::Store => store_cycle(&store, scope, key).await,
                 Cycle::RawSql => raw_cycle(&store, &raw, &scope, &key).await,
@@ -245,7 +242,7 @@ async fn measure_on(
 /// bound with the same values.
 async fn raw_cycle(
     store: &MysqlStore,
-    raw: &Connections<MySqlConnection>,
+    raw: &RawConnections<MySqlConnection>,
     scope: &Scope,
     key: &Key,
 ) -> Result<(), String> {
@@ -261,8 +258,7 @@ async fn raw_cycle(
             .bind(key.as_str())
             .fetch_one(&mut *connection)
             .await
-            .and_then(|row| sqlx::Row::try_get(&row, 0))
-            .map_err(backend)?;
+            .and_then(|row| sqlx::Row::try_get(&row, 0))?;
         sqlx::query(AssertSqlSafe(insert))
             .bind(scope.as_str())
             .bind(key.as_str())
@@ -278,10 +274,8 @@ async fn raw_cycle(
             .bind(None::<&[u8]>)
             .execute(connection)
             .await
-            .map_err(backend)
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     let complete = store.sql(Operation::Complete).to_owned();
     raw.run(async |connection| {
         sqlx::query(AssertSqlSafe(complete))
@@ -292,10 +286,8 @@ async fn raw_cycle(
             .bind(&token[..])
             .execute(connection)
             .await
-            .map_err(backend)
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     Ok(())
 }
 

@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::connections::Connections;
 use idempotency_core::{
     Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
 };
@@ -17,7 +16,7 @@ use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::measure::{
-    alternate_async, backend, cycle_key, cycles_per_second, raw_connections, runtime, store_cycle, versus,
+    RawConnections, alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus,
 };
 
 const SCHEMA: &str = "idempotency_bench";
@@ -45,7 +44,7 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
         .await
         .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
     // The raw statements' connections: as many as the store's, taken back the same way.
-    let raw = raw_connections(store.pool().connect_options(), POOL);
+    let raw = RawConnections::new(store.pool().connect_options(), POOL);
     let target = Target {
         store: store.clone(),
         raw,
@@ -177,7 +176,7 @@ async fn completed_keys(store: &PostgresStore, count: usize) -> Result<Arc<Vec<(
 #[derive(Clone)]
 struct Target {
     store: PostgresStore,
-    raw: Connections<PgConnection>,
+    raw: RawConnections<PgConnection>,
 }
 
 impl Cycle {
@@ -228,10 +227,8 @@ async fn measure_on(
                             .fetch_optional(connection)
                             .await
                             .map(drop)
-                            .map_err(backend)
                     })
                     .await
-                    .map_err(|e| e.to_string())
                 }
                 Cycle::Store => store_cycle(&store, scope, key).await,
                 Cycle::RawSql => raw_cycle(&store, &raw, &scope, &key).await,
@@ -247,7 +244,7 @@ async fn measure_on(
 /// the store takes one for `begin` and one for `complete`).
 async fn raw_cycle(
     store: &PostgresStore,
-    raw: &Connections<PgConnection>,
+    raw: &RawConnections<PgConnection>,
     scope: &Scope,
     key: &Key,
 ) -> Result<(), String> {
@@ -264,10 +261,8 @@ async fn raw_cycle(
             .bind(0_i64)
             .fetch_optional(connection)
             .await
-            .map_err(backend)
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     let complete = store.sql(Operation::Complete).to_owned();
     raw.run(async |connection| {
         sqlx::query(AssertSqlSafe(complete))
@@ -278,10 +273,8 @@ async fn raw_cycle(
             .bind(0_i64)
             .fetch_optional(connection)
             .await
-            .map_err(backend)
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     Ok(())
 }
 
