@@ -40,6 +40,7 @@
 
 mod harness;
 
+pub mod connections;
 pub mod faults;
 pub mod history;
 pub mod linearizability;
@@ -50,7 +51,8 @@ pub mod wait;
 pub mod cases;
 pub mod model;
 
-pub use cases::{completed, held, replaced_past_lifetime};
+pub use cases::{completed, held};
+pub use connections::replaced_past_lifetime;
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 pub use proxy::TcpProxy;
