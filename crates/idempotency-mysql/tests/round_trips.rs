@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection};
@@ -59,6 +61,19 @@ async fn read(bare: &mut MySqlConnection, peek: &str, scope: &Scope, key: &Key) 
         .fetch_one(bare)
         .await
         .unwrap();
+}
+
+/// A connection whose statement was abandoned mid-way (the caller's future dropped) is closed,
+/// not handed to the next caller with an answer still on its way; the next caller gets a new
+/// connection and the right answer. So is one whose statement failed. The metrics say so.
+#[test]
+fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
+    idempotency_testkit::replaced_when_abandoned_or_failed("mysql", async || {
+        let store = common::fresh_store().await;
+        let proxy = common::start_proxy().await;
+        let through = common::proxied_waiting(&store, &proxy, 1, Duration::from_secs(30)).await;
+        (through, proxy)
+    });
 }
 
 /// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the

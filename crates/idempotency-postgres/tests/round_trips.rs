@@ -12,7 +12,6 @@ use idempotency_postgres::Operation;
 use idempotency_postgres::PostgresStore;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
-use idempotency_testkit::recorded::record_metrics;
 
 const READS: u64 = 10;
 
@@ -71,69 +70,12 @@ async fn read(bare: &mut PgConnection, peek: &str, scope: &Scope, key: &Key) -> 
 /// connection and the right answer. So is one whose statement failed. The metrics say so.
 #[test]
 fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
-    let metrics = record_metrics(async {
+    idempotency_testkit::replaced_when_abandoned_or_failed("postgres", async || {
         let store = common::fresh_store().await;
         let proxy = common::start_proxy().await;
-        // Every byte 50 ms late each way: no answer comes sooner than 100 ms after its question.
-        proxy.set_latency(Duration::from_millis(50));
         let through = common::proxied_waiting(&store, &proxy, 1, Duration::from_secs(30)).await;
-        let scope = Scope::new("wire").unwrap();
-        let key = Key::new("left").unwrap();
-        // The store's one connection, opened and given back settled.
-        assert!(through.get(&scope, &key).await.unwrap().is_none());
-        let opened = proxy.accepted();
-
-        // The caller gives up after 10 ms, its read on the wire.
-        let abandoned = tokio::time::timeout(Duration::from_millis(10), through.get(&scope, &key)).await;
-        assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
-
-        let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
-        assert!(matches!(
-            through.begin(&request).await.unwrap(),
-            Claim::Acquired(_)
-        ));
-        assert!(through.get(&scope, &key).await.unwrap().is_some());
-        assert_eq!(
-            proxy.accepted(),
-            opened + 1,
-            "the abandoned connection was replaced by exactly one new one"
-        );
-
-        // The server's side of the connection goes away: the first statement that notices
-        // fails, and its connection is not used again.
-        proxy.set_latency(Duration::ZERO);
-        proxy.cut();
-        idempotency_testkit::eventually(
-            Duration::from_secs(10),
-            "a statement on the cut connection fails",
-            async || through.get(&scope, &key).await.is_err(),
-        )
-        .await;
-        assert!(through.get(&scope, &key).await.unwrap().is_some());
-        assert_eq!(proxy.accepted(), opened + 2, "the failed connection was replaced");
+        (through, proxy)
     });
-    let store = [("store", "postgres")];
-    let closed = |reason| {
-        metrics.counter(
-            "idempotency_store_connections_closed_total",
-            &[("store", "postgres"), ("reason", reason)],
-        )
-    };
-    assert_eq!(
-        metrics.counter("idempotency_store_connections_opened_total", &store),
-        3
-    );
-    assert_eq!(closed("abandoned"), 1);
-    assert_eq!(closed("failed"), 1);
-    assert_eq!(closed("lifetime"), 0);
-    // The store was dropped with its last connection: none open, none in use.
-    assert!(metrics.gauge("idempotency_store_connections_open", &store).abs() < f64::EPSILON);
-    assert!(
-        metrics
-            .gauge("idempotency_store_connections_in_use", &store)
-            .abs()
-            < f64::EPSILON
-    );
 }
 
 /// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the

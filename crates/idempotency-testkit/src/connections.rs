@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idempotency_core::{Key, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 
 use crate::TcpProxy;
 use crate::recorded::record_metrics;
@@ -43,4 +43,77 @@ pub fn replaced_past_lifetime<S: Store>(label: &str, setup: impl AsyncFnOnce(Dur
     };
     assert_eq!(closed("lifetime"), 1);
     assert_eq!(closed("failed") + closed("abandoned"), 0);
+}
+
+/// Checks that a store closes a connection whose statement was abandoned mid-way (the caller's
+/// future dropped, the answer still on its way) and one whose statement failed, instead of
+/// handing either to the next caller, and counts each under
+/// `idempotency_store_connections_closed_total{store=label}` (`abandoned`, `failed`). `setup`
+/// returns a store that holds one connection at most, waits for one long enough to open it
+/// through a proxy 100 ms slower each round trip, and reaches its server only through the proxy
+/// it returns. After the store is dropped, the gauges of open and in-use connections are back
+/// at zero. Runs on a runtime of its own ([`record_metrics`]); panics otherwise.
+pub fn replaced_when_abandoned_or_failed<S: Store>(label: &str, setup: impl AsyncFnOnce() -> (S, TcpProxy)) {
+    let metrics = record_metrics(async {
+        let (store, proxy) = setup().await;
+        // Every byte 50 ms late each way: no answer comes sooner than 100 ms after its question.
+        proxy.set_latency(Duration::from_millis(50));
+        let scope = Scope::new("wire").expect("a valid scope");
+        let key = Key::new("left").expect("a valid key");
+        // The store's one connection, opened and given back settled.
+        assert!(store.get(&scope, &key).await.expect("get").is_none());
+        let opened = proxy.accepted();
+
+        // The caller gives up after 10 ms, its read on the wire.
+        let abandoned = tokio::time::timeout(Duration::from_millis(10), store.get(&scope, &key)).await;
+        assert!(abandoned.is_err(), "the read was meant to be abandoned mid-way");
+
+        let request = BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"a"));
+        assert!(matches!(
+            store.begin(&request).await.expect("begin"),
+            Claim::Acquired(_)
+        ));
+        assert!(store.get(&scope, &key).await.expect("get").is_some());
+        assert_eq!(
+            proxy.accepted(),
+            opened + 1,
+            "the abandoned connection was replaced by exactly one new one"
+        );
+
+        // The server's side of the connection goes away: the first statement that notices
+        // fails, and its connection is not used again.
+        proxy.set_latency(Duration::ZERO);
+        proxy.cut();
+        crate::eventually(
+            Duration::from_secs(10),
+            "a statement on the cut connection fails",
+            async || store.get(&scope, &key).await.is_err(),
+        )
+        .await;
+        assert!(store.get(&scope, &key).await.expect("get").is_some());
+        assert_eq!(proxy.accepted(), opened + 2, "the failed connection was replaced");
+    });
+    let store = [("store", label)];
+    let closed = |reason| {
+        metrics.counter(
+            "idempotency_store_connections_closed_total",
+            &[("store", label), ("reason", reason)],
+        )
+    };
+    assert_eq!(
+        metrics.counter("idempotency_store_connections_opened_total", &store),
+        3,
+        "the first connection and one replacement for each closed"
+    );
+    assert_eq!(closed("abandoned"), 1);
+    assert_eq!(closed("failed"), 1);
+    assert_eq!(closed("lifetime"), 0);
+    // The store was dropped with its last connection: none open, none in use.
+    assert!(metrics.gauge("idempotency_store_connections_open", &store).abs() < f64::EPSILON);
+    assert!(
+        metrics
+            .gauge("idempotency_store_connections_in_use", &store)
+            .abs()
+            < f64::EPSILON
+    );
 }

@@ -52,7 +52,7 @@ pub mod cases;
 pub mod model;
 
 pub use cases::{completed, held};
-pub use connections::replaced_past_lifetime;
+pub use connections::{replaced_past_lifetime, replaced_when_abandoned_or_failed};
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 pub use proxy::TcpProxy;

@@ -78,9 +78,20 @@ pub async fn start_proxy() -> TcpProxy {
 /// `max_connections`. The pool waits at most 300 ms for a connection, so an outage shows as
 /// errors rather than as waiting.
 pub async fn proxied(store: &MysqlStore, proxy: &TcpProxy, max_connections: u32) -> MysqlStore {
+    proxied_waiting(store, proxy, max_connections, Duration::from_millis(300)).await
+}
+
+/// [`proxied`], waiting at most `wait` for a connection (through a slow proxy, opening one
+/// takes several round trips).
+pub async fn proxied_waiting(
+    store: &MysqlStore,
+    proxy: &TcpProxy,
+    max_connections: u32,
+    wait: Duration,
+) -> MysqlStore {
     let options = proxied_options(store, proxy)
         .max_connections(max_connections)
-        .acquire_timeout(Duration::from_millis(300));
+        .acquire_timeout(wait);
     MysqlStore::connect_with(options).await.unwrap()
 }
 
