@@ -119,4 +119,13 @@ pub trait Harness: Send + Sync + fmt::Debug {
     fn linearizability(&self) -> crate::linearizability::Scale {
         crate::linearizability::Scale::default()
     }
+
+    /// Whether the comparison with the reference model ([`check_against_model`](crate::model::check_against_model))
+    /// gives each random sequence a fresh store (`true`), or runs every sequence on one store,
+    /// each under a scope of its own (`false`, the default: cheap where a store is a key prefix
+    /// or a table). A store whose `list` and `stats` read the whole store and filter afterwards
+    /// (a DynamoDB `Scan`) slows down with every sequence on a shared one.
+    fn model_store_per_case(&self) -> bool {
+        false
+    }
 }

@@ -143,7 +143,11 @@ pub fn check_against_model<H: Harness>(harness: &H, cases: u32) {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let store = runtime.block_on(harness.store());
+    let shared = if harness.model_store_per_case() {
+        None
+    } else {
+        Some(runtime.block_on(harness.store()))
+    };
     let time = harness.time();
     let exact = time.is_exact();
     let mut runner = TestRunner::new(Config {
@@ -155,7 +159,12 @@ pub fn check_against_model<H: Harness>(harness: &H, cases: u32) {
     let strategy = proptest::collection::vec(op_strategy(exact), 1..40);
     let result = runner.run(&strategy, |ops| {
         let case = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        runtime.block_on(run_case(&store, &time, case, &ops))
+        runtime.block_on(async {
+            match &shared {
+                Some(store) => run_case(store, &time, case, &ops).await,
+                None => run_case(&harness.store().await, &time, case, &ops).await,
+            }
+        })
     });
     if let Err(failure) = result {
         panic!("the store disagrees with the reference model: {failure}");
