@@ -76,8 +76,8 @@ fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
     });
 }
 
-/// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the
-/// next operation opens a new one, as sqlx's own pool does.
+/// A connection older than the pool's `max_lifetime` is closed when the next operation
+/// would take it, and that operation opens a new one, as sqlx's own pool does.
 #[test]
 fn a_connection_past_the_pools_lifetime_is_replaced() {
     idempotency_testkit::replaced_past_lifetime("mysql", async |lifetime| {

@@ -78,9 +78,10 @@ fn a_connection_left_mid_statement_or_failed_is_replaced_not_reused() {
     });
 }
 
-/// A connection older than the pool's `max_lifetime` is closed when its operation ends, and the
-/// next operation opens a new one, as sqlx's own pool does: an application that shortens the
-/// lifetime of its pool's connections (to follow a failover, say) gets it for the store's too.
+/// A connection older than the pool's `max_lifetime` is closed when the next operation would
+/// take it, and that operation opens a new one, as sqlx's own pool does: an application that
+/// shortens the lifetime of its pool's connections (to follow a failover, say) gets it for the
+/// store's too.
 #[test]
 fn a_connection_past_the_pools_lifetime_is_replaced() {
     idempotency_testkit::replaced_past_lifetime("postgres", async |lifetime| {
