@@ -9,9 +9,9 @@ use std::time::Duration;
 use common::consume::{self, Broker};
 use idempotency::Key;
 use idempotency_kafka::rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
-use idempotency_kafka::rdkafka::message::{Headers, Message};
+use idempotency_kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use idempotency_kafka::rdkafka::mocking::MockCluster;
-use idempotency_kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer};
+use idempotency_kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 /// The work topic's partitions.
@@ -37,6 +37,22 @@ impl Kafka {
             cluster,
             topic,
         }
+    }
+}
+
+impl Kafka {
+    /// Publishes `key` (its `Idempotency-Key` and record key) to `partition`.
+    async fn publish_to(&self, partition: i32, key: &str) {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "Idempotency-Key",
+            value: Some(key),
+        });
+        let record = FutureRecord::to(&self.topic)
+            .partition(partition)
+            .key(key)
+            .payload("charge")
+            .headers(headers);
+        self.producer.send(record, Duration::from_secs(30)).await.unwrap();
     }
 }
 
@@ -165,6 +181,76 @@ async fn the_message_metadata_reaches_the_handler() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
     consume::handler_outage(&Kafka::new()).await;
+}
+
+/// Two `idem consume` members with `--prefetch 4` and a backlog of 20 messages a partition:
+/// while the first member's calls wait, its three partitions are paused at the broker; a second
+/// member joins, and the rebalance hands some of them back to the first and moves the others.
+/// Both members call the handler for the rest of what they got, and every partition's
+/// committed offset reaches its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_paused_before_a_rebalance_are_drained_after_it() {
+    let kafka = Kafka::new();
+    for partition in 0..PARTITIONS {
+        for n in 0..20 {
+            kafka.publish_to(partition, &format!("p{partition}-{n}")).await;
+        }
+    }
+    let (first, second) = (consume::Ledger::default(), consume::Ledger::default());
+    first.closed.send_replace(true);
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let settings = ["--store", store.as_str(), "--prefetch", "4"];
+    let (admin_a, admin_b) = (common::free_addr(), common::free_addr());
+    let handler_a = consume::start_handler(first.clone()).await;
+    let _a = consume::start(&kafka, handler_a, admin_a, &settings).await;
+    let client = common::client();
+    let gauge = async |admin, name| common::metric(&client, admin, name, &[]).await;
+    idempotency_testkit::eventually(
+        Duration::from_secs(60),
+        "the first member's partitions paused",
+        async || gauge(admin_a, "idempotency_kafka_fetch_paused_partitions").await == f64::from(PARTITIONS),
+    )
+    .await;
+    let handler_b = consume::start_handler(second.clone()).await;
+    let _b = consume::start(&kafka, handler_b, admin_b, &settings).await;
+    common::metric_at_least(
+        admin_a,
+        "idempotency_kafka_rebalances_total",
+        &[("kind", "revoke")],
+        1.0,
+    )
+    .await;
+    // The revocation waits for the held calls: they finish once it has begun.
+    first.closed.send_replace(false);
+    idempotency_testkit::eventually(
+        Duration::from_secs(120),
+        "every partition committed to its end",
+        async || kafka.outstanding().await == 0,
+    )
+    .await;
+    let drained = |ledger: &consume::Ledger| {
+        let mut partitions: Vec<String> = ledger
+            .keys()
+            .into_iter()
+            .filter(|key| !key.ends_with("-0"))
+            .filter_map(|key| key.split('-').next().map(str::to_owned))
+            .collect();
+        partitions.sort();
+        partitions.dedup();
+        partitions
+    };
+    let (kept, moved) = (drained(&first), drained(&second));
+    assert!(!kept.is_empty(), "the first member drained no partition");
+    assert!(!moved.is_empty(), "the second member drained no partition");
+    assert_eq!(kept.len() + moved.len(), 3, "{kept:?} {moved:?}");
+    for partition in 0..PARTITIONS {
+        for n in 0..20 {
+            let key = format!("p{partition}-{n}");
+            let calls = first.calls(&key).len() + second.calls(&key).len();
+            assert_eq!(calls, 1, "{key} was called {calls} times");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,7 +54,9 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// - **Polling**: a thread of the runtime's blocking pool polls the consumer all the time (it
 ///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
 ///   partition with more than [`max_queued`](Self::max_queued) fetched messages waiting is
-///   paused at the broker until it has drained half of them.
+///   paused at the broker until it has drained half of them. A partition assigned to the
+///   worker is always fetched from the start, whatever state an earlier assignment left it in
+///   (librdkafka keeps a pause across a revocation).
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -78,8 +80,10 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// `idempotency_kafka_messages_total{result}` (`acked`, `retried`, `dead_lettered`),
 /// `idempotency_kafka_commits_total{result}` (`ok`, `failed`),
 /// `idempotency_kafka_rebalances_total{kind}` (`assign`, `revoke`), and the gauges
-/// `idempotency_kafka_commit_lag` (messages settled and not yet committed) and
-/// `idempotency_kafka_paused_partitions` (partitions held on a message being retried).
+/// `idempotency_kafka_commit_lag` (messages settled and not yet committed),
+/// `idempotency_kafka_paused_partitions` (partitions held on a message being retried) and
+/// `idempotency_kafka_fetch_paused_partitions` (partitions whose fetching is paused at the
+/// broker because [`max_queued`](Self::max_queued) messages wait).
 pub struct Worker<P> {
     config: ClientConfig,
     topic: String,
@@ -400,7 +404,7 @@ impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> 
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(list) => {
                 self.shared.metrics.assigned.increment(1);
@@ -411,7 +415,7 @@ impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> 
                     .map(|element| element.partition())
                     .collect();
                 tracing::info!(consumer = %self.shared.name, ?partitions, "partitions assigned");
-                Shared::assign(&self.shared, &partitions);
+                Shared::assign(&self.shared, consumer, &partitions);
             }
             Rebalance::Revoke(_) => {}
             Rebalance::Error(error) => {
@@ -445,6 +449,8 @@ struct Partition {
     stop: watch::Sender<bool>,
     /// The partition's task; taken when it is awaited.
     task: Option<tokio::task::JoinHandle<()>>,
+    /// Whether fetching is paused at the broker (its queue was full), as the broker last
+    /// accepted it.
     paused: bool,
 }
 
@@ -469,6 +475,7 @@ struct Metrics {
     revoked: metrics::Counter,
     commit_lag: metrics::Gauge,
     paused: metrics::Gauge,
+    fetch_paused: metrics::Gauge,
 }
 
 impl Metrics {
@@ -499,6 +506,7 @@ impl Metrics {
             revoked: rebalances("revoke"),
             commit_lag: metrics::gauge!("idempotency_kafka_commit_lag", &labels),
             paused: metrics::gauge!("idempotency_kafka_paused_partitions", &labels),
+            fetch_paused: metrics::gauge!("idempotency_kafka_fetch_paused_partitions", &labels),
         }
     }
 }
@@ -508,13 +516,21 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         self.partitions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts a task for each newly assigned partition.
-    fn assign(this: &Arc<Self>, assigned: &[i32]) {
+    /// Starts a task for each newly assigned partition, and makes sure the broker fetches it.
+    ///
+    /// librdkafka keeps a partition's pause across its revocation and a later assignment: a
+    /// partition this worker paused (its queue was full) and that comes back to it, in the next
+    /// rebalance or much later, would start paused while its new task counts it as fetching,
+    /// and nothing would ever resume it. A new task starts with an empty queue, so the
+    /// partition is resumed: the worker's view is the one the broker is made to follow.
+    fn assign(this: &Arc<Self>, consumer: &BaseConsumer<WorkerContext<P>>, assigned: &[i32]) {
         let mut partitions = this.lock();
+        let mut fetch = TopicPartitionList::new();
         for &partition in assigned {
             if partitions.contains_key(&partition) {
                 continue;
             }
+            fetch.add_partition(&this.topic, partition);
             let (messages, receiver) = mpsc::unbounded_channel();
             let (stop, stopped) = watch::channel(false);
             let progress = Arc::new(Progress {
@@ -540,6 +556,18 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                 },
             );
         }
+        if fetch.count() > 0
+            && let Err(error) = consumer.resume(&fetch)
+        {
+            // Counted as paused, the partitions are resumed by the next housekeeping, as any
+            // paused partition whose queue has drained.
+            tracing::warn!(consumer = %this.name, %error, "could not resume newly assigned partitions; trying again");
+            for element in fetch.elements() {
+                if let Some(state) = partitions.get_mut(&element.partition()) {
+                    state.paused = true;
+                }
+            }
+        }
     }
 
     /// Hands a fetched message to its partition's task.
@@ -564,28 +592,42 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
     fn housekeeping(&self, consumer: &BaseConsumer<WorkerContext<P>>, last_commit: &mut Instant) {
         let mut partitions = self.lock();
         let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
-        for (&partition, state) in partitions.iter_mut() {
+        for (&partition, state) in partitions.iter() {
             let queued = state.progress.queued.load(Ordering::SeqCst);
             if !state.paused && queued >= self.options.max_queued {
                 pause.add_partition(&self.topic, partition);
-                state.paused = true;
             } else if state.paused && queued <= self.options.max_queued / 2 {
                 resume.add_partition(&self.topic, partition);
-                state.paused = false;
             }
         }
-        for (list, what) in [(&pause, "pause"), (&resume, "resume")] {
-            if list.count() > 0 {
-                let done = if what == "pause" {
-                    consumer.pause(list)
-                } else {
-                    consumer.resume(list)
-                };
-                if let Err(error) = done {
+        for (list, paused) in [(&pause, true), (&resume, false)] {
+            if list.count() == 0 {
+                continue;
+            }
+            let done = if paused {
+                consumer.pause(list)
+            } else {
+                consumer.resume(list)
+            };
+            match done {
+                // Only what the broker took is recorded: a partition whose resume failed stays
+                // counted as paused and is resumed by the next housekeeping.
+                Ok(()) => {
+                    for element in list.elements() {
+                        if let Some(state) = partitions.get_mut(&element.partition()) {
+                            state.paused = paused;
+                        }
+                    }
+                }
+                Err(error) => {
+                    let what = if paused { "pause" } else { "resume" };
                     tracing::warn!(consumer = %self.name, %error, "could not {what} partitions");
                 }
             }
         }
+        let fetch_paused = partitions.values().filter(|state| state.paused).count();
+        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
+        self.metrics.fetch_paused.set(fetch_paused as f64);
         let uncommitted = uncommitted(&partitions);
         let due = uncommitted >= self.options.commit_count
             || (uncommitted > 0 && last_commit.elapsed() >= self.options.commit_interval);

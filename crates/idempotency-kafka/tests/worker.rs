@@ -16,8 +16,8 @@ use tokio::sync::Notify;
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Records one effect per call; the key `poison` panics, and `hold` (when set) waits for
-/// `release` before its effect.
+/// Records one effect per call; the key `poison` panics, `hold` (when set) waits for
+/// `release` before its effect, and every call waits while `closed` is true.
 #[derive(Default)]
 struct Charger {
     ledger: Ledger,
@@ -25,6 +25,7 @@ struct Charger {
     holding: AtomicBool,
     release: Notify,
     pause: Duration,
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 impl Handler<KafkaMessage> for Charger {
@@ -34,6 +35,7 @@ impl Handler<KafkaMessage> for Charger {
         if key == "poison" {
             panic!("poison message: cannot parse the payment");
         }
+        let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
         let hold = self.hold.lock().unwrap().as_deref() == Some(key);
         if hold {
             self.holding.store(true, Ordering::SeqCst);
@@ -165,11 +167,14 @@ type Running = (
 
 /// Starts a worker of `group` on `topic`.
 fn start(cluster: &Cluster, group: &str, topic: &str, name: &str, processor: Arc<Processor>) -> Running {
+    start_worker(Worker::new(cluster.config(group), topic, processor).name(name))
+}
+
+/// Starts `worker`, committing every 200 ms or 100 messages.
+fn start_worker(worker: Worker<Processor>) -> Running {
     // The process-wide recorder is installed before any worker creates its metrics.
     let _ = idempotency_testkit::recorded::global();
-    let worker = Worker::new(cluster.config(group), topic, processor)
-        .name(name)
-        .commit_every(Duration::from_millis(200), 100);
+    let worker = worker.commit_every(Duration::from_millis(200), 100);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     (stop, running)
@@ -227,6 +232,93 @@ async fn a_rebalance_storm_runs_every_key_once() {
         (0, 0),
         "dead letters"
     );
+}
+
+/// A member whose six partitions are all paused at the broker (more fetched messages wait
+/// than `max_queued`, its handlers held) when a second member joins: the rebalance hands
+/// three of them back to it and moves three to the newcomer. Both drain what they got to the
+/// end; when the newcomer leaves, the first member gets back the three it had paused before
+/// the first rebalance, and drains them too. Liveness, not only safety: a member that never
+/// reads a partition again loses nothing, and only the offsets reaching the end show it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them() {
+    const PARTITIONS: i32 = 6;
+    let cluster = Cluster::new(1, &[("backlog", PARTITIONS), ("backlog.dead", 1)]);
+    let publish = async |first: usize, last: usize| {
+        for partition in 0..PARTITIONS {
+            for n in first..last {
+                cluster
+                    .publish_to("backlog", partition, &format!("p{partition}-{n}"))
+                    .await;
+            }
+        }
+    };
+    publish(0, 20).await;
+    let store = MemoryStore::new();
+    let (a, b) = (Arc::new(Charger::default()), Arc::new(Charger::default()));
+    // The first member's calls wait: each partition's first message runs, the rest queue up.
+    a.closed.send_replace(true);
+    let member = |name: &str, charger: &Arc<Charger>| {
+        Worker::new(cluster.config("paused"), "backlog", processor(&store, charger))
+            .name(name)
+            .max_queued(4)
+    };
+    let mut workers = vec![start_worker(member("paused-a", &a))];
+    let metrics = idempotency_testkit::recorded::global;
+    let labels = |consumer| [("consumer", consumer), ("topic", "backlog")];
+    eventually(LIMIT, "all six partitions paused at the broker", || {
+        metrics().gauge("idempotency_kafka_fetch_paused_partitions", &labels("paused-a")) == 6.0
+    })
+    .await;
+    workers.push(start_worker(member("paused-b", &b)));
+    let revoked = || {
+        let mut labels = labels("paused-a").to_vec();
+        labels.push(("kind", "revoke"));
+        metrics().counter("idempotency_kafka_rebalances_total", &labels)
+    };
+    // The revocation waits for the held calls: let them finish once it has begun.
+    eventually(LIMIT, "the first member's partitions revoked", || revoked() >= 1).await;
+    a.closed.send_replace(false);
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("paused", "backlog", PARTITIONS) == (120, 120)
+    })
+    .await;
+    // Each member ran the rest of the partitions it got (the first messages ran in the first
+    // member before the rebalance).
+    let drained = |charger: &Charger| {
+        let mut partitions: Vec<String> = charger
+            .ledger
+            .effects()
+            .into_keys()
+            .filter(|key| !key.ends_with("-0"))
+            .filter_map(|key| key.split('-').next().map(str::to_owned))
+            .collect();
+        partitions.sort();
+        partitions.dedup();
+        partitions
+    };
+    let (kept, moved) = (drained(&a), drained(&b));
+    assert_eq!(kept.len(), 3, "the first member drained {kept:?}");
+    assert_eq!(moved.len(), 3, "the newcomer drained {moved:?}");
+    assert!(kept.iter().all(|p| !moved.contains(p)), "{kept:?} {moved:?}");
+
+    // The newcomer leaves: the first member gets back the partitions it paused before.
+    let (stop, running) = workers.remove(1);
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    publish(20, 30).await;
+    eventually(LIMIT, "the group's offsets at the end again", || {
+        cluster.committed_and_end("paused", "backlog", PARTITIONS) == (180, 180)
+    })
+    .await;
+    stop_all(workers).await;
+    let mut all = a.ledger.effects();
+    for (key, count) in b.ledger.effects() {
+        *all.entry(key).or_default() += count;
+    }
+    assert_eq!(all.len(), 180);
+    assert!(all.values().all(|count| *count == 1), "a key ran twice");
+    assert_eq!(drained(&a).len(), 6, "the first member drained {:?}", drained(&a));
 }
 
 /// Each of three brokers goes down and comes back while events flow: no event is lost and

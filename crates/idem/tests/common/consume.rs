@@ -24,6 +24,8 @@ pub struct Ledger {
     pub finished: Arc<Mutex<Vec<String>>>,
     /// The request headers of each key's last call.
     pub headers: Arc<Mutex<HashMap<String, HeaderMap>>>,
+    /// While true, every call waits (after it is counted) until it turns false.
+    pub closed: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Ledger {
@@ -35,6 +37,11 @@ impl Ledger {
     /// The handler answers `key`'s next calls with these, then 200.
     pub fn script(&self, key: &str, answers: Vec<(u16, &'static str)>) {
         self.script.lock().unwrap().insert(key.into(), answers);
+    }
+
+    /// Every key called so far.
+    pub fn keys(&self) -> Vec<String> {
+        self.calls.lock().unwrap().keys().cloned().collect()
     }
 
     /// The header `name` of `key`'s last call.
@@ -64,6 +71,7 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap, body: String) 
         .entry(key.clone())
         .or_default()
         .push(attempt);
+    let _ = ledger.closed.subscribe().wait_for(|closed| !closed).await;
     // `sleep:N` in the body: a long handler, N ms.
     if let Some(ms) = body.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
         tokio::time::sleep(Duration::from_millis(ms)).await;

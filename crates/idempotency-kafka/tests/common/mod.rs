@@ -8,12 +8,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idempotency_core::Key;
+use idempotency_core::{IDEMPOTENCY_KEY_HEADER, Key};
 use idempotency_kafka::{idempotent_producer, publish};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
-use rdkafka::message::OwnedMessage;
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{DefaultProducerContext, FutureProducer};
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 /// An in-process cluster and an idempotent producer on it.
@@ -60,6 +60,20 @@ impl Cluster {
         )
         .await
         .unwrap();
+    }
+
+    /// Publishes `key` (its Idempotency-Key and record key) to `partition` of `topic`.
+    pub async fn publish_to(&self, topic: &str, partition: i32, key: &str) {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: IDEMPOTENCY_KEY_HEADER,
+            value: Some(key),
+        });
+        let record = FutureRecord::to(topic)
+            .partition(partition)
+            .key(key)
+            .payload("EUR 10")
+            .headers(headers);
+        self.producer.send(record, Duration::from_secs(30)).await.unwrap();
     }
 
     /// Publishes one event per key of `keys` (each its own record key), all at once.
