@@ -10,7 +10,11 @@
 //!   [`ErrorKind::Timeout`](idempotency_core::ErrorKind::Timeout).
 //! * **Self-installing**: the schema is created on first open and versioned with
 //!   `PRAGMA user_version`; a database from a newer version, or another application's database,
-//!   is refused with [`ErrorKind::Schema`](idempotency_core::ErrorKind::Schema).
+//!   is refused with [`ErrorKind::Schema`](idempotency_core::ErrorKind::Schema). Any number of
+//!   processes may open a new file at once (replicas started together): the schema is created
+//!   by the first to take the write lock and found by the others, and each open waits for a
+//!   lock another holds up to the busy timeout (`busy_timeout_ms`), including the locks
+//!   SQLite's own busy handler does not wait for (switching a new file to write-ahead logging).
 //! * **Same behaviour as the reference model**: decisions are made by
 //!   [`idempotency_core::machine`] inside the write transaction, and the store passes the
 //!   conformance suite and the model-based property test of `idempotency-testkit`.

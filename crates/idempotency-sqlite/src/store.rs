@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::{Arc, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
@@ -618,17 +618,31 @@ fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
     connection
         .busy_timeout(options.busy_timeout)
         .map_err(|e| map_error("set the busy timeout", e))?;
+    while_locked(options.busy_timeout, || prepare(&connection, options))?;
+    Ok(connection)
+}
+
+/// Makes a freshly opened write connection ready: checks the file (unless it may be created),
+/// switches it to write-ahead logging, sets `synchronous`, and creates or checks the schema.
+/// Every step may be repeated: [`while_locked`] runs it again when another process held a
+/// lock.
+fn prepare(connection: &Connection, options: &SqliteOptions) -> Result<(), StoreError> {
     if options.access != Access::Create {
         // Before any pragma that writes: the file must be a store of ours, as it is.
-        verify(&connection, &options.location)?;
+        verify(connection, &options.location)?;
         if options.access == Access::ReadOnly {
-            return Ok(connection);
+            return Ok(());
         }
     }
     if let Location::File(_) = options.location {
         let mode: String = connection
             .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
-            .map_err(|e| map_error(&format!("open {}", describe(&options.location)), e))?;
+            .map_err(|e| {
+                map_error(
+                    &format!("switch {} to write-ahead logging", describe(&options.location)),
+                    e,
+                )
+            })?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::new(
                 ErrorKind::Backend,
@@ -643,9 +657,45 @@ fn open_connection(options: &SqliteOptions) -> Result<Connection, StoreError> {
         .execute_batch(&format!("PRAGMA synchronous = {};", options.synchronous.pragma()))
         .map_err(|e| map_error("set synchronous", e))?;
     if options.access == Access::Create {
-        migrate(&connection)?;
+        migrate(connection)?;
     }
-    Ok(connection)
+    Ok(())
+}
+
+/// Runs `step` again while it fails because another process holds a lock, for up to
+/// `busy_timeout` in all, pausing 1 ms and doubling up to 50 ms between tries.
+///
+/// SQLite's busy handler waits for most locks, but not all: switching a new file to
+/// write-ahead logging while another process does the same fails at once with "database is
+/// locked", and processes opening one new file together (replicas started at once) would
+/// fail on it. Bounded by the same busy timeout (`busy_timeout_ms`) that bounds every other
+/// wait for the lock.
+fn while_locked<T>(
+    busy_timeout: Duration,
+    mut step: impl FnMut() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match step() {
+            Err(error) if error.kind() == ErrorKind::Timeout => {
+                let waited = started.elapsed();
+                if waited >= busy_timeout {
+                    return Err(StoreError::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "{error}; still locked after {} ms (the busy timeout, `busy_timeout_ms` in the URL)",
+                            waited.as_millis()
+                        ),
+                    )
+                    .with_source(error));
+                }
+                std::thread::sleep(pause.min(busy_timeout - waited));
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            done => return done,
+        }
+    }
 }
 
 /// The read connection: the file the writer opened, read with `PRAGMA query_only` so that no
@@ -743,13 +793,20 @@ fn describe(location: &Location) -> String {
     }
 }
 
-fn migrate(connection: &Connection) -> Result<(), StoreError> {
+/// The schema version and application id in the file's header.
+fn schema_of(connection: &Connection) -> Result<(i64, i64), StoreError> {
     let version: i64 = connection
         .query_row("PRAGMA user_version", [], |row| row.get(0))
         .map_err(|e| map_error("read the schema version", e))?;
     let application: i64 = connection
         .query_row("PRAGMA application_id", [], |row| row.get(0))
         .map_err(|e| map_error("read the application id", e))?;
+    Ok((version, application))
+}
+
+/// Whether a file with this header needs the schema created (`Ok(true)`), has it (`Ok(false)`),
+/// or is not ours to touch.
+fn needs_schema((version, application): (i64, i64)) -> Result<bool, StoreError> {
     if version != 0 && application != sql::APPLICATION_ID {
         return Err(StoreError::new(
             ErrorKind::Schema,
@@ -759,26 +816,8 @@ fn migrate(connection: &Connection) -> Result<(), StoreError> {
         ));
     }
     match version {
-        sql::SCHEMA_VERSION => Ok(()),
-        0 => {
-            connection
-                .execute_batch(&format!(
-                    "BEGIN IMMEDIATE;
-                     {}
-                     PRAGMA application_id = {};
-                     PRAGMA user_version = {};
-                     COMMIT;",
-                    sql::SCHEMA_V1,
-                    sql::APPLICATION_ID,
-                    sql::SCHEMA_VERSION
-                ))
-                .map_err(|e| {
-                    let _ = connection.execute_batch("ROLLBACK");
-                    map_error("create the schema", e)
-                })?;
-            tracing::info!(version = sql::SCHEMA_VERSION, "created the SQLite schema");
-            Ok(())
-        }
+        sql::SCHEMA_VERSION => Ok(false),
+        0 => Ok(true),
         newer => Err(StoreError::new(
             ErrorKind::Schema,
             format!(
@@ -786,6 +825,54 @@ fn migrate(connection: &Connection) -> Result<(), StoreError> {
                 sql::SCHEMA_VERSION
             ),
         )),
+    }
+}
+
+/// Creates the schema in a new file, or checks the one there.
+///
+/// Any number of processes may open a new file at once (replicas started together): the
+/// header is read again under the write lock (`BEGIN IMMEDIATE`, which waits for it), so the
+/// first to get the lock creates the schema and every later one finds it there. Reading it
+/// only before taking the lock, each saw an empty file and all but one failed on
+/// `table idempotency_records already exists`.
+fn migrate(connection: &Connection) -> Result<(), StoreError> {
+    if !needs_schema(schema_of(connection)?)? {
+        return Ok(());
+    }
+    connection
+        .execute_batch("BEGIN IMMEDIATE")
+        .map_err(|e| map_error("lock the database to create the schema", e))?;
+    let created = needs_schema(schema_of(connection)?).and_then(|needed| {
+        if needed {
+            connection
+                .execute_batch(&format!(
+                    "{}
+                     PRAGMA application_id = {};
+                     PRAGMA user_version = {};",
+                    sql::SCHEMA_V1,
+                    sql::APPLICATION_ID,
+                    sql::SCHEMA_VERSION
+                ))
+                .map_err(|e| map_error("create the schema", e))?;
+        }
+        Ok(needed)
+    });
+    match created.and_then(|created| {
+        connection
+            .execute_batch("COMMIT")
+            .map_err(|e| map_error("commit the schema", e))
+            .map(|()| created)
+    }) {
+        Ok(created) => {
+            if created {
+                tracing::info!(version = sql::SCHEMA_VERSION, "created the SQLite schema");
+            }
+            Ok(())
+        }
+        Err(error) => {
+            let _ = connection.execute_batch("ROLLBACK");
+            Err(error)
+        }
     }
 }
 

@@ -1,0 +1,237 @@
+//! Many processes starting together on a store nobody has prepared yet, as a compose file with
+//! replicas or a restart of several workers does: every `idem migrate` and every `idem serve`
+//! starts, they agree on one schema, and the gateways share one scope secret.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+
+use common::{Process, free_addr, idem};
+use idempotency::mysql::sqlx::{self as mysql_sqlx, MySqlPool};
+use idempotency::postgres::sqlx::{self as pg_sqlx, PgPool};
+
+/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
+/// `--ignored` on this name.
+#[test]
+#[ignore = "helper: the upstream process the gateway tests start"]
+fn upstream_process() {
+    common::upstream_child();
+}
+
+/// Processes started at once.
+const PROCESSES: usize = 8;
+
+/// Rounds, each on a new store.
+const ROUNDS: usize = 10;
+
+/// `idem migrate` `PROCESSES` times at once on `store`: every one must succeed.
+fn migrate_together(store: &str, round: usize) {
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_idem"))
+                .args(["migrate", "--store", store])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start idem migrate")
+        })
+        .collect();
+    for (n, child) in children.into_iter().enumerate() {
+        let output = child.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "round {round}, process {n}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+/// `idem serve` `PROCESSES` times at once on `store` with `--scope-header Authorization` and
+/// no secret (the first gateway keeps one in the store): every one becomes healthy, and a key
+/// sent to the first is replayed by the last, so they share the schema and the secret.
+async fn serve_together(store: &str, round: usize) {
+    let (_upstream, upstream) = common::start_upstream();
+    let upstream = format!("http://{upstream}");
+    let listens: Vec<SocketAddr> = (0..PROCESSES).map(|_| free_addr()).collect();
+    let started: Vec<Process> = listens
+        .iter()
+        .map(|listen| Process {
+            child: Command::new(env!("CARGO_BIN_EXE_idem"))
+                .args(["serve", "--listen", &listen.to_string(), "--upstream", &upstream])
+                .args(["--store", store, "--scope-header", "Authorization"])
+                .env("IDEM_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start idem serve"),
+        })
+        .collect();
+    let mut gateways = Vec::new();
+    for (process, listen) in started.into_iter().zip(&listens) {
+        gateways.push(common::ready(process, *listen, &format!("round {round}: idem serve")).await);
+    }
+    let client = common::client();
+    let key = format!("first-start-{round}");
+    let request = [
+        ("Idempotency-Key", key.as_str()),
+        ("Authorization", "Bearer alice"),
+    ];
+    let first = common::send(&client, listens[0], "POST", "/echo", &request, b"EUR 10").await;
+    assert_eq!(first.status, 201, "round {round}: {first:?}");
+    let last = common::send(
+        &client,
+        listens[PROCESSES - 1],
+        "POST",
+        "/echo",
+        &request,
+        b"EUR 10",
+    )
+    .await;
+    assert_eq!(last.status, 201, "round {round}: {last:?}");
+    assert_eq!(
+        last.header("idempotent-replayed"),
+        Some("true"),
+        "round {round}: the last gateway ran the key again (another secret or another schema)"
+    );
+    assert_eq!(last.body, first.body);
+}
+
+/// Read-only inspection of `store` works: the schema is the one this version writes.
+fn inspectable(store: &str, round: usize) {
+    let (code, _, err) = idem(&["keys", "stats", "--store", store]);
+    assert_eq!(code, 0, "round {round}: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_new_file_many_first_starts() {
+    for round in 0..ROUNDS {
+        for serve in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("idem.db");
+            let store = format!("sqlite://{}", path.display());
+            if serve {
+                serve_together(&store, round).await;
+            } else {
+                migrate_together(&store, round);
+            }
+            inspectable(&store, round);
+            let connection = rusqlite::Connection::open(&path).unwrap();
+            let objects: Vec<String> = connection
+                .prepare("SELECT type || ' ' || name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")
+                .unwrap()
+                .query_map([], |row| row.get(0))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
+            assert_eq!(
+                objects,
+                [
+                    "table idempotency_records",
+                    "index idempotency_records_expiry",
+                    "index idempotency_records_in_flight"
+                ],
+                "round {round}"
+            );
+            let check: String = connection
+                .query_row("PRAGMA integrity_check", [], |row| row.get(0))
+                .unwrap();
+            assert_eq!(check, "ok", "round {round}");
+        }
+    }
+}
+
+fn postgres_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let mut url = url::Url::parse(url).unwrap();
+    url.set_path(&format!("/{database}"));
+    url.to_string()
+}
+
+/// A database name of this run's own.
+fn new_database(round: usize, serve: bool) -> String {
+    let what = if serve { "serve" } else { "migrate" };
+    format!("idem_first_start_{}_{what}_{round}", std::process::id())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_new_database_many_first_starts() {
+    let admin = PgPool::connect(&postgres_url())
+        .await
+        .expect("PostgreSQL at DATABASE_URL");
+    for round in 0..ROUNDS {
+        for serve in [false, true] {
+            let database = new_database(round, serve);
+            pg_sqlx::raw_sql(pg_sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+                .execute(&admin)
+                .await
+                .unwrap();
+            let store = with_database(&postgres_url(), &database);
+            if serve {
+                serve_together(&store, round).await;
+            } else {
+                migrate_together(&store, round);
+            }
+            inspectable(&store, round);
+            let pool = PgPool::connect(&store).await.unwrap();
+            let tables: Vec<String> = pg_sqlx::query_scalar(
+                "SELECT table_schema || '.' || table_name FROM information_schema.tables
+                 WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1",
+            )
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            assert_eq!(tables, ["public.idempotency_records"], "round {round}");
+            pool.close().await;
+            pg_sqlx::raw_sql(pg_sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE {database} WITH (FORCE)"
+            )))
+            .execute(&admin)
+            .await
+            .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_new_database_many_first_starts() {
+    let admin = MySqlPool::connect(&mysql_url())
+        .await
+        .expect("MariaDB at MYSQL_URL");
+    for round in 0..ROUNDS {
+        for serve in [false, true] {
+            let database = new_database(round, serve);
+            mysql_sqlx::raw_sql(mysql_sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+                .execute(&admin)
+                .await
+                .unwrap();
+            let store = with_database(&mysql_url(), &database);
+            if serve {
+                serve_together(&store, round).await;
+            } else {
+                migrate_together(&store, round);
+            }
+            inspectable(&store, round);
+            let tables: Vec<String> = mysql_sqlx::query_scalar(
+                "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? ORDER BY 1",
+            )
+            .bind(&database)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            assert_eq!(tables, ["idempotency_records"], "round {round}");
+            mysql_sqlx::raw_sql(mysql_sqlx::AssertSqlSafe(format!("DROP DATABASE {database}")))
+                .execute(&admin)
+                .await
+                .unwrap();
+        }
+    }
+}
