@@ -139,6 +139,11 @@ async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded() {
+    consume::duplicate_in_flight_settles_with_the_first(&Rabbit::new("copy").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_success_too_long_to_keep_is_recorded_not_run_again() {
     let ledger = Ledger::default();
     let handler = start_handler(ledger.clone()).await;

@@ -41,8 +41,8 @@ impl Kafka {
 }
 
 impl Kafka {
-    /// Publishes `key` (its `Idempotency-Key` and record key) to `partition`.
-    async fn publish_to(&self, partition: i32, key: &str) {
+    /// Publishes `payload` with `key` (its `Idempotency-Key` and record key) to `partition`.
+    async fn publish_to(&self, partition: i32, key: &str, payload: &[u8]) {
         let headers = OwnedHeaders::new().insert(Header {
             key: "Idempotency-Key",
             value: Some(key),
@@ -50,7 +50,7 @@ impl Kafka {
         let record = FutureRecord::to(&self.topic)
             .partition(partition)
             .key(key)
-            .payload("charge")
+            .payload(payload)
             .headers(headers);
         self.producer.send(record, Duration::from_secs(30)).await.unwrap();
     }
@@ -88,6 +88,11 @@ impl Broker for Kafka {
         )
         .await
         .unwrap();
+    }
+
+    /// Each copy to a partition of its own: copies in one partition are handled in order.
+    async fn publish_copy(&self, key: &str, payload: &[u8], copy: i32) {
+        self.publish_to(copy % PARTITIONS, key, payload).await;
     }
 
     async fn dead_letters(&self) -> Vec<(String, String)> {
@@ -183,6 +188,11 @@ async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
     consume::handler_outage(&Kafka::new()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded() {
+    consume::duplicate_in_flight_settles_with_the_first(&Kafka::new()).await;
+}
+
 /// Two `idem consume` members with `--prefetch 4` and a backlog of 20 messages a partition:
 /// while the first member's calls wait, its three partitions are paused at the broker; a second
 /// member joins, and the rebalance hands some of them back to the first and moves the others.
@@ -193,7 +203,9 @@ async fn partitions_paused_before_a_rebalance_are_drained_after_it() {
     let kafka = Kafka::new();
     for partition in 0..PARTITIONS {
         for n in 0..20 {
-            kafka.publish_to(partition, &format!("p{partition}-{n}")).await;
+            kafka
+                .publish_to(partition, &format!("p{partition}-{n}"), b"charge")
+                .await;
         }
     }
     let (first, second) = (consume::Ledger::default(), consume::Ledger::default());

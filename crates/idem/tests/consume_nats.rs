@@ -149,6 +149,11 @@ async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded() {
+    consume::duplicate_in_flight_settles_with_the_first(&Nats::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
     let setup = Nats::new().await;
     for (from, why) in [

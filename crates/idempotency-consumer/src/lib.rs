@@ -14,7 +14,7 @@
 //! | | `Err(Retry)` | `release`, then `Nack` with exponential backoff; `DeadLetter` after the delivery limit |
 //! | | `Err(Fatal)` | `release`, then `DeadLetter` with the reason |
 //! | completed (a duplicate) | — | `Ack`, no side effect |
-//! | in flight elsewhere | — | `Nack` with a delay: never ack (if the holder dies, the message must still be processed) |
+//! | in flight (another copy runs) | — | waits up to [`Consumer::in_flight_wait`] for that copy's outcome (woken at once when it runs in this consumer), then `Ack` as a duplicate; still in flight: `Nack` with a delay, never ack (if the holder dies, the message must still be processed) |
 //! | key reused with another payload | — | `DeadLetter` with the reason |
 //! | store unreachable | — | `Nack` with a delay (fail closed) |
 //!
@@ -206,9 +206,9 @@ impl KeySource {
     /// }
     ///
     /// let missing = KeySource::Header("Idempotency-Key".into()).find(&Bare).unwrap_err();
-    /// assert!(missing.starts_with("the message has no idempotency key"));
+    /// assert_eq!(missing, "no Idempotency-Key header");
     /// let invalid = KeySource::MessageId.find(&Bare).unwrap_err();
-    /// assert!(invalid.starts_with("the message's idempotency key is invalid"));
+    /// assert!(invalid.starts_with("invalid key in the message id: "), "{invalid}");
     /// ```
     ///
     /// # Errors
@@ -216,9 +216,31 @@ impl KeySource {
     /// The reason, when the key is missing or invalid.
     pub fn find(&self, message: &dyn Delivery) -> Result<Key, String> {
         self.key_of(message).map_err(|problem| match problem {
-            KeyProblem::Missing => format!("the message has no idempotency key ({self:?})"),
-            KeyProblem::Invalid(why) => format!("the message's idempotency key is invalid: {why}"),
+            KeyProblem::Missing => self.missing(),
+            KeyProblem::Invalid(why) => format!("invalid key in {}: {why}", self.place()),
         })
+    }
+
+    /// What a dead letter says of a message without a key: where the key was looked for, in
+    /// words (never a Rust value).
+    fn missing(&self) -> String {
+        match self {
+            Self::Header(name) => format!("no {name} header"),
+            Self::MessageId => "no message id (the consumer keys messages by it)".to_owned(),
+            // Not reached: every payload has a hash.
+            Self::ContentHash => "no key could be made from the payload".to_owned(),
+            Self::Custom(_) => "no key: the consumer's key function found none".to_owned(),
+        }
+    }
+
+    /// Where the key comes from, for a reason's text.
+    fn place(&self) -> String {
+        match self {
+            Self::Header(name) => format!("the {name} header"),
+            Self::MessageId => "the message id".to_owned(),
+            Self::ContentHash => "the payload's hash".to_owned(),
+            Self::Custom(_) => "the key function's answer".to_owned(),
+        }
     }
 
     fn key_of(&self, message: &dyn Delivery) -> Result<Key, KeyProblem> {
@@ -404,6 +426,7 @@ struct Rules {
     keys: KeySource,
     backoff: Backoff,
     max_deliveries: u32,
+    in_flight_wait: Duration,
 }
 
 impl Rules {
@@ -555,8 +578,21 @@ impl<S: Store, H> Consumer<S, H> {
                 keys: KeySource::Header(IDEMPOTENCY_KEY_HEADER.into()),
                 backoff: Backoff::default(),
                 max_deliveries: 5,
+                in_flight_wait: DEFAULT_IN_FLIGHT_WAIT,
             },
         }
+    }
+
+    /// How long a delivery whose key is in flight (another copy of the message is being
+    /// handled) waits for that copy's outcome before it is put back (default 5 s). It is woken
+    /// at once when the other copy is handled by this consumer (or a clone), and reads the
+    /// record again every 20 to 250 ms otherwise; the outcome, once recorded, acks it as a
+    /// duplicate. `Duration::ZERO` puts it back at once. While it waits it holds its place
+    /// like a running handler (a prefetch slot, a Kafka partition).
+    #[must_use]
+    pub fn in_flight_wait(mut self, wait: Duration) -> Self {
+        self.rules.in_flight_wait = wait;
+        self
     }
 
     /// Where keys come from.
@@ -599,7 +635,37 @@ impl<S: Store, H> Consumer<S, H> {
     pub fn name(&self) -> &'static str {
         self.rules.name
     }
+
+    /// Calls `run` (one guarded attempt at `key`) again while it answers that the key is in
+    /// flight, for up to the in-flight wait (see [`Consumer::in_flight_wait`]), and returns the
+    /// last answer: the one place both kinds of consumer wait for another copy's outcome.
+    async fn waiting<V, Fut>(
+        &self,
+        key: &Key,
+        mut run: impl FnMut() -> Fut,
+    ) -> Result<Execution<V>, StoreError>
+    where
+        Fut: Future<Output = Result<Execution<V>, StoreError>>,
+    {
+        let mut waiting = None;
+        loop {
+            let answer = run().await;
+            if let Ok(Execution::InFlight { retry_after, .. }) = &answer {
+                let waiting = waiting.get_or_insert_with(|| {
+                    self.guard
+                        .wait_in_flight(&self.rules.scope, key, self.rules.in_flight_wait)
+                });
+                if waiting.again(*retry_after).await {
+                    continue;
+                }
+            }
+            return answer;
+        }
+    }
 }
+
+/// How long a delivery of a key in flight waits for its outcome by default.
+pub const DEFAULT_IN_FLIGHT_WAIT: Duration = Duration::from_secs(5);
 
 impl<S, H, M> Processor<M> for Consumer<S, H>
 where
@@ -615,14 +681,15 @@ where
         };
         let fingerprint = Fingerprint::of_bytes(message.payload());
         let run = self
-            .guard
-            .run(
-                rules.scope.clone(),
-                key.clone(),
-                fingerprint,
-                complete_on_success,
-                |attempt| async move { catching_panics(self.handler.handle(message, &attempt)).await },
-            )
+            .waiting(&key, || {
+                self.guard.run(
+                    rules.scope.clone(),
+                    key.clone(),
+                    fingerprint,
+                    complete_on_success,
+                    |attempt| async move { catching_panics(self.handler.handle(message, &attempt)).await },
+                )
+            })
             .await;
         rules.settle(run, &key, message.delivery_count())
     }

@@ -118,6 +118,16 @@ impl<S: TransactionalStore, H> TxConsumer<S, H> {
         }
     }
 
+    /// How long a delivery whose key another (non-transactional) consumer holds waits for its
+    /// outcome; see [`Consumer::in_flight_wait`]. Copies handled by transactional consumers
+    /// wait on the record's row lock instead.
+    #[must_use]
+    pub fn in_flight_wait(self, wait: Duration) -> Self {
+        Self {
+            inner: self.inner.in_flight_wait(wait),
+        }
+    }
+
     /// The consumer's name.
     #[must_use]
     pub fn name(&self) -> &'static str {
@@ -160,14 +170,18 @@ where
             Ok(key) => key,
             Err(dead) => return dead,
         };
-        let run = guard
-            .run_operation_in_transaction(
-                rules.scope.clone(),
-                key.clone(),
-                Fingerprint::of_bytes(message.payload()),
-                complete_on_success,
-                Handle { handler, message },
-            )
+        let fingerprint = Fingerprint::of_bytes(message.payload());
+        let run = self
+            .inner
+            .waiting(&key, || {
+                guard.run_operation_in_transaction(
+                    rules.scope.clone(),
+                    key.clone(),
+                    fingerprint,
+                    complete_on_success,
+                    Handle { handler, message },
+                )
+            })
             .await;
         rules.settle(run, &key, message.delivery_count())
     }

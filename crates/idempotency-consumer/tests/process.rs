@@ -124,12 +124,15 @@ async fn a_message_without_a_key_is_dead_lettered_unless_keyed_by_content() {
     let Disposition::DeadLetter { reason } = consumer.process(&keyless).await else {
         panic!("dead-letter")
     };
-    assert!(reason.contains("no idempotency key"), "{reason}");
+    assert_eq!(reason, "no Idempotency-Key header");
     let bad = Message::keyed("has space", "EUR 10");
     let Disposition::DeadLetter { reason } = consumer.process(&bad).await else {
         panic!("dead-letter")
     };
-    assert!(reason.contains("invalid"), "{reason}");
+    assert!(
+        reason.starts_with("invalid key in the Idempotency-Key header: "),
+        "{reason}"
+    );
     assert_eq!(charger.calls.load(Ordering::SeqCst), 0, "nothing may run");
 
     let by_content = consumer.clone().keys(KeySource::ContentHash);
@@ -173,27 +176,89 @@ async fn a_reused_key_with_another_payload_is_dead_lettered() {
     assert_eq!(charger.charges.lock().unwrap().len(), 1);
 }
 
+/// A copy of a message whose first delivery is still running (5 s): handled by the same
+/// consumer, it is woken the moment the first records its outcome and acked as a duplicate,
+/// without waiting for the lease (60 s) or a redelivery.
 #[tokio::test(start_paused = true)]
-async fn a_duplicate_of_a_message_in_flight_is_requeued_not_acked() {
+async fn a_duplicate_of_a_message_in_flight_is_acked_when_the_first_copy_completes() {
     let (consumer, charger, _) = consumer(Charger {
         slow: Some(Duration::from_secs(5)),
         ..Charger::default()
     });
     let consumer = Arc::new(consumer);
     let message = Message::keyed("pay-1", "EUR 10");
+    let started = tokio::time::Instant::now();
     let first = {
         let (consumer, message) = (Arc::clone(&consumer), message.clone());
         tokio::spawn(async move { consumer.process(&message).await })
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let duplicate = consumer.process(&message.redelivered()).await;
-    let Disposition::Nack { after } = duplicate else {
-        panic!("{duplicate:?}")
-    };
-    assert!(after >= Duration::from_secs(1), "{after:?}");
-    assert_eq!(first.await.unwrap(), Disposition::Ack);
     assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
-    assert_eq!(charger.charges.lock().unwrap().len(), 1);
+    assert_eq!(
+        charger.charges.lock().unwrap().len(),
+        1,
+        "acked before the first copy's outcome"
+    );
+    // The paused clock stands still while anything can run: the duplicate was answered at
+    // the very instant the first copy completed, woken rather than polling.
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(first.await.unwrap(), Disposition::Ack);
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 1);
+}
+
+/// A copy handled by another consumer (another process: a guard of its own) over the same
+/// store learns of the first copy's outcome by reading the record again: within one pause
+/// (at most 250 ms) of the completion, not at the lease's end.
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_in_another_consumer_reads_the_outcome_within_a_pause() {
+    let (consumer, charger, store) = consumer(Charger {
+        slow: Some(Duration::from_secs(5)),
+        ..Charger::default()
+    });
+    let elsewhere = Consumer::new("payments", store.clone(), Arc::clone(&charger));
+    let message = Message::keyed("pay-1", "EUR 10");
+    let started = tokio::time::Instant::now();
+    let (first, duplicate) = tokio::join!(consumer.process(&message), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let answer = elsewhere.process(&message.redelivered()).await;
+        (answer, started.elapsed())
+    });
+    assert_eq!(first, Disposition::Ack);
+    assert_eq!(duplicate.0, Disposition::Ack);
+    assert!(
+        duplicate.1 > Duration::from_secs(5) && duplicate.1 <= Duration::from_millis(5250),
+        "answered at {:?} on the paused clock",
+        duplicate.1
+    );
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 1);
+}
+
+/// A copy that waited `in_flight_wait` without the first copy finishing is put back for the
+/// lease's remaining time, never acked; with no wait, at once. The first copy's outcome
+/// answers the redelivery.
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_still_in_flight_after_its_wait_is_requeued_not_acked() {
+    let (consumer, charger, _) = consumer(Charger {
+        slow: Some(Duration::from_secs(5)),
+        ..Charger::default()
+    });
+    for wait in [Duration::from_secs(2), Duration::ZERO] {
+        let impatient = consumer.clone().in_flight_wait(wait);
+        let key = format!("pay-wait-{}", wait.as_secs());
+        let message = Message::keyed(&key, "EUR 10");
+        let (first, duplicate) = tokio::join!(consumer.process(&message), async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let answer = impatient.process(&message.redelivered()).await;
+            (answer, charger.charges.lock().unwrap().contains(&key))
+        });
+        let (Disposition::Nack { after }, false) = duplicate else {
+            panic!("{wait:?}: {duplicate:?}")
+        };
+        assert!(after >= Duration::from_secs(1), "{after:?}");
+        assert_eq!(first, Disposition::Ack);
+        assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);
+    }
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 2, "one call per key");
 }
 
 #[tokio::test(start_paused = true)]
@@ -382,9 +447,10 @@ fn every_consumer_metric_moves_when_its_event_happens() {
             ..Charger::default()
         });
         let copy = Message::keyed("pay-5", "EUR 10");
+        let impatient = slow.clone().in_flight_wait(Duration::ZERO);
         let (first, second) = tokio::join!(slow.process(&copy), async {
             tokio::time::sleep(Duration::from_millis(10)).await;
-            slow.process(&copy.redelivered()).await
+            impatient.process(&copy.redelivered()).await
         });
         assert_eq!(first, Disposition::Ack);
         assert!(matches!(second, Disposition::Nack { .. }));

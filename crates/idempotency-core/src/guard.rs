@@ -52,6 +52,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use tracing::Instrument;
 
+use crate::wait::{InFlightWait, Waiters};
 use crate::{
     Backoff, BeginRequest, Claim, Completed, DEFAULT_LEASE, DEFAULT_RETENTION, ErrorKind, Fenced,
     Fingerprint, Held, InTransaction, Key, Outcome, Scope, Store, StoreError, Timestamp, Token,
@@ -247,6 +248,9 @@ pub struct Guard<S> {
     /// clones: looking a labelled metric up in the recorder on every call cost as much as a
     /// store call on the memory store.
     hot: Arc<std::sync::OnceLock<HotMetrics>>,
+    /// The runs of this guard and its clones waiting on a key in flight: woken when an outcome
+    /// is recorded here ([`Guard::wait_in_flight`]).
+    waiters: Arc<Waiters>,
 }
 
 /// The metrics of every run, by handle.
@@ -320,6 +324,7 @@ impl<S: Store> Guard<S> {
             retention: DEFAULT_RETENTION,
             heartbeat: None,
             hot: Arc::default(),
+            waiters: Arc::default(),
         }
     }
 
@@ -369,6 +374,14 @@ impl<S: Store> Guard<S> {
     /// The configured retention.
     pub fn retention_duration(&self) -> Duration {
         self.retention
+    }
+
+    /// Paces the re-reads of `(scope, key)` after [`Execution::InFlight`] answers, for up to
+    /// `wait`: a run of this guard (or a clone) that records the key's outcome ends the pause at
+    /// once; otherwise the key is read again after 20 ms, doubling to 250 ms, and when its
+    /// lease ends. See [`wait`](crate::wait).
+    pub fn wait_in_flight(&self, scope: &Scope, key: &Key, wait: Duration) -> InFlightWait {
+        InFlightWait::new(&self.waiters, scope, key, wait)
     }
 
     /// Runs `operation` at most once per `(scope, key)`; see the [module docs](self).
@@ -642,7 +655,10 @@ impl<S: Store> Guard<S> {
             )
             .await;
         match result {
-            Ok(Fenced::Accepted(expires_at)) => Recorded::Completed { expires_at },
+            Ok(Fenced::Accepted(expires_at)) => {
+                self.waiters.wake(&held.scope, &held.key);
+                Recorded::Completed { expires_at }
+            }
             Ok(Fenced::LeaseLost) => {
                 metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "complete")
                     .increment(1);
@@ -675,7 +691,10 @@ impl<S: Store> Guard<S> {
             )
             .await
         {
-            Ok(Fenced::Accepted(())) => Recorded::Released,
+            Ok(Fenced::Accepted(())) => {
+                self.waiters.wake(&held.scope, &held.key);
+                Recorded::Released
+            }
             Ok(Fenced::LeaseLost) => {
                 metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "release")
                     .increment(1);
@@ -888,7 +907,10 @@ impl<S: TransactionalStore> Guard<S> {
         let failed = match completed {
             Ok(Fenced::Accepted(expires_at)) => {
                 return match self.timed(Op::Commit, self.store.commit(tx)).await {
-                    Ok(()) => Recorded::Completed { expires_at },
+                    Ok(()) => {
+                        self.waiters.wake(&held.scope, &held.key);
+                        Recorded::Completed { expires_at }
+                    }
                     Err(error) => {
                         tracing::error!(
                             scope = %held.scope.redacted(),

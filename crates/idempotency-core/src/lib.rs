@@ -42,6 +42,7 @@ pub mod secret;
 mod store;
 mod time;
 pub mod transaction;
+pub mod wait;
 
 pub use codec::{DecodeError, RecordColumns, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
@@ -63,3 +64,4 @@ pub use time::{
     Backoff, Clock, MAX_DURATION, ManualClock, SystemClock, Timestamp, duration_millis, stored_millis,
 };
 pub use transaction::{InTransaction, TransactionalStore, TxFuture, TxOperation};
+pub use wait::InFlightWait;

@@ -253,7 +253,10 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     }
 
     /// Wait mode: a request whose key is in flight waits up to `deadline` for the first one to
-    /// finish and gets its replay, instead of an immediate `409`.
+    /// finish and gets its replay, instead of an immediate `409`. It is answered the moment the
+    /// first request's outcome is recorded when that request runs through this layer (or a
+    /// clone), and reads the record again every 20 to 250 ms otherwise
+    /// ([`Guard::wait_in_flight`](idempotency_core::Guard::wait_in_flight)).
     #[must_use]
     pub fn wait(self, deadline: Duration) -> Self {
         self.with(|c| c.wait = Some(deadline))

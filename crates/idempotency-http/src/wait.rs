@@ -2,12 +2,11 @@
 //! mode) or the `409` that says it is still running.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use idempotency_core::{Execution, Fingerprint, Guard, Key, Scope, Store};
+use idempotency_core::{Execution, Fingerprint, Guard, InFlightWait, Key, Scope, Store};
 use tower::Service;
 
 use crate::body::{BoxError, ResponseBody};
@@ -36,11 +35,9 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // A wait too long for an `Instant` is a wait without a deadline.
-    let deadline = config
-        .wait
-        .and_then(|wait| tokio::time::Instant::now().checked_add(wait));
-    let mut poll = Duration::from_millis(20);
+    // Created at the first in-flight answer (wait mode only): woken at once when this
+    // gateway records the key's outcome, reading it again every 20 to 250 ms otherwise.
+    let mut waiting: Option<InFlightWait> = None;
     // The handler runs at most once, whichever loop iteration acquires the key.
     let mut pending = Some((inner, request));
     loop {
@@ -70,13 +67,18 @@ where
             Ok(Execution::Replayed(done)) => return Ok(replay(&done)),
             Ok(Execution::Mismatch) => return Ok(problem(&Problem::KeyReused)),
             Ok(Execution::InFlight { retry_after, .. }) => {
-                let now = tokio::time::Instant::now();
-                match deadline {
-                    Some(deadline) if now < deadline => {
-                        tokio::time::sleep(poll.min(retry_after).min(deadline - now)).await;
-                        poll = (poll * 2).min(Duration::from_millis(250));
+                let again = match (&mut waiting, config.wait) {
+                    (_, None) => false,
+                    (Some(waiting), _) => waiting.again(retry_after).await,
+                    (None, Some(wait)) => {
+                        waiting
+                            .insert(guard.wait_in_flight(&scope, &key, wait))
+                            .again(retry_after)
+                            .await
                     }
-                    _ => return Ok(problem(&Problem::InFlight { retry_after })),
+                };
+                if !again {
+                    return Ok(problem(&Problem::InFlight { retry_after }));
                 }
             }
             // A saturated store sheds new work to keep its running attempts' leases: never run

@@ -423,6 +423,25 @@ async fn dead_letters_leave_the_worker_running_and_the_metrics_move() {
     );
     assert!(header(&dead[0], "Idempotency-Dead-Reason").contains("different payload"));
     assert_eq!(header(&dead[0], "Idempotency-Dead-Source"), "payments");
+    // Both from account-1's partition: the reused key at offset 1, the poison at offset 2.
+    let partition = header(&dead[0], "Idempotency-Dead-Partition");
+    assert!(["0", "1"].contains(&partition.as_str()), "{partition}");
+    assert_eq!(header(&dead[1], "Idempotency-Dead-Partition"), partition);
+    assert_eq!(header(&dead[0], "Idempotency-Dead-Offset"), "1");
+    assert_eq!(header(&dead[1], "Idempotency-Dead-Offset"), "2");
+    // The consumer guide's header tables describe every header a dead letter carries.
+    let guide = include_str!("../../../docs/CONSUMERS.md");
+    let written: Vec<_> = all
+        .iter()
+        .filter(|(name, _)| name.starts_with("Idempotency-Dead-"))
+        .collect();
+    assert_eq!(written.len(), 6, "{written:?}");
+    for (name, _) in written {
+        assert!(
+            guide.contains(&format!("| `{name}` |")),
+            "docs/CONSUMERS.md does not describe {name}"
+        );
+    }
     assert_eq!(header(&dead[1], "Idempotency-Key"), "poison");
     assert!(header(&dead[1], "Idempotency-Dead-Reason").starts_with("panic:"));
     assert_eq!(header(&dead[1], "Idempotency-Dead-Deliveries"), "3");

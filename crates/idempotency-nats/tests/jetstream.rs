@@ -382,7 +382,7 @@ async fn a_missing_key_and_a_reused_key_are_dead_lettered_not_dropped() {
     dead.sort();
     assert_eq!(dead.len(), 2, "{dead:?}");
     assert!(
-        dead[0].0.is_empty() && dead[0].1.contains("no idempotency key"),
+        dead[0].0.is_empty() && dead[0].1 == "no Idempotency-Key header",
         "{dead:?}"
     );
     assert!(

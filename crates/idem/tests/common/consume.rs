@@ -133,6 +133,13 @@ pub trait Broker {
     /// Publishes `payload` with `key` as its `Idempotency-Key`.
     async fn publish(&self, key: &str, payload: &[u8]);
 
+    /// Publishes copy number `copy` of a message: where copies of one key are delivered in
+    /// order (a Kafka partition), each copy goes elsewhere, so that they can arrive at once.
+    async fn publish_copy(&self, key: &str, payload: &[u8], copy: i32) {
+        let _ = copy;
+        self.publish(key, payload).await;
+    }
+
     /// The dead letters so far, as (key, reason), reading for a moment.
     async fn dead_letters(&self) -> Vec<(String, String)>;
 
@@ -151,8 +158,8 @@ pub async fn until_settled<B: Broker>(broker: &B) {
 }
 
 /// `idem consume` from `broker` to `handler`, its admin endpoint on `admin`, with `more` flags
-/// (by default a memory store and a 3 s lease: a copy that arrives while the first runs comes
-/// back once the lease's remaining time has passed).
+/// (by default a memory store and a 3 s lease: a consumer killed mid-call is taken over
+/// soon).
 pub async fn start<B: Broker>(broker: &B, handler: SocketAddr, admin: SocketAddr, more: &[&str]) -> Process {
     let defaults = ["--store", "memory://", "--lease", "3s"];
     let child = Command::new(env!("CARGO_BIN_EXE_idem"))
@@ -328,6 +335,41 @@ pub async fn sigterm_mid_call<B: Broker>(broker: &B) {
         vec![1],
         "the message came back: it was not acked"
     );
+}
+
+/// A copy of a message arriving while the first copy's call runs (1.5 s), with a 60 s lease:
+/// the copy waits for the first call's outcome and is acked as a duplicate as soon as it is
+/// recorded, never put back to come again after the lease; the handler is called once. The
+/// bound is an event, not a timing: the duplicate is counted within 30 s, half the lease.
+pub async fn duplicate_in_flight_settles_with_the_first<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let settings = ["--store", "memory://", "--lease", "60s"];
+    let _consume = start(broker, handler, admin, &settings).await;
+    broker.publish_copy("twice", b"sleep:1500", 0).await;
+    until("the first call started", || ledger.calls("twice").len() == 1).await;
+    let published = Instant::now();
+    broker.publish_copy("twice", b"sleep:1500", 1).await;
+    count_at_least(admin, "duplicate", 1.0).await;
+    eprintln!(
+        "{}: the copy was acked {:?} after it was published, the first call taking 1.5 s (lease 60 s)",
+        broker.source_name(),
+        published.elapsed()
+    );
+    assert_eq!(
+        *ledger.finished.lock().unwrap(),
+        ["twice"],
+        "acked before the first call finished"
+    );
+    assert_eq!(ledger.calls("twice"), vec![1]);
+    assert_eq!(
+        count(admin, "in_flight").await,
+        0.0,
+        "the copy was put back instead of waiting for the outcome"
+    );
+    assert_eq!(count(admin, "executed").await, 1.0);
+    until_settled(broker).await;
 }
 
 /// Nothing listens on the handler's address for 5 s: the messages are retried, none is lost
