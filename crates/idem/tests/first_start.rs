@@ -97,8 +97,14 @@ async fn serve_together(store: &str, round: usize) {
     assert_eq!(last.body, first.body);
 }
 
-/// Read-only inspection of `store` works: the schema is the one this version writes.
-fn inspectable(store: &str, round: usize) {
+/// `PROCESSES` `idem serve` (when `serve`) or `idem migrate` at once on the new `store`; then
+/// read-only inspection works: the schema is the one this version writes.
+async fn start_together(store: &str, round: usize, serve: bool) {
+    if serve {
+        serve_together(store, round).await;
+    } else {
+        migrate_together(store, round);
+    }
     let (code, _, err) = idem(&["keys", "stats", "--store", store]);
     assert_eq!(code, 0, "round {round}: {err}");
 }
@@ -110,12 +116,7 @@ async fn sqlite_new_file_many_first_starts() {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("idem.db");
             let store = format!("sqlite://{}", path.display());
-            if serve {
-                serve_together(&store, round).await;
-            } else {
-                migrate_together(&store, round);
-            }
-            inspectable(&store, round);
+            start_together(&store, round, serve).await;
             let connection = rusqlite::Connection::open(&path).unwrap();
             let objects: Vec<String> = connection
                 .prepare("SELECT type || ' ' || name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")
@@ -162,43 +163,60 @@ fn new_database(round: usize, serve: bool) -> String {
     format!("idem_first_start_{}_{what}_{round}", std::process::id())
 }
 
+/// Every round twice (`idem migrate`, then `idem serve`), each time on a new database of the
+/// server at `url`: `run` executes a statement on the server (creating and dropping the
+/// database, `drop` after the name), and `tables` lists a database's tables (its name and
+/// URL), which must be `expected` alone.
+async fn on_new_databases(
+    url: &str,
+    run: impl AsyncFn(String),
+    tables: impl AsyncFn(&str, &str) -> Vec<String>,
+    expected: &str,
+    drop: &str,
+) {
+    for round in 0..ROUNDS {
+        for serve in [false, true] {
+            let database = new_database(round, serve);
+            run(format!("CREATE DATABASE {database}")).await;
+            let store = with_database(url, &database);
+            start_together(&store, round, serve).await;
+            assert_eq!(tables(&database, &store).await, [expected], "round {round}");
+            run(format!("DROP DATABASE {database}{drop}")).await;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_new_database_many_first_starts() {
     let admin = PgPool::connect(&postgres_url())
         .await
         .expect("PostgreSQL at DATABASE_URL");
-    for round in 0..ROUNDS {
-        for serve in [false, true] {
-            let database = new_database(round, serve);
-            pg_sqlx::raw_sql(pg_sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-                .execute(&admin)
-                .await
-                .unwrap();
-            let store = with_database(&postgres_url(), &database);
-            if serve {
-                serve_together(&store, round).await;
-            } else {
-                migrate_together(&store, round);
-            }
-            inspectable(&store, round);
-            let pool = PgPool::connect(&store).await.unwrap();
-            let tables: Vec<String> = pg_sqlx::query_scalar(
-                "SELECT table_schema || '.' || table_name FROM information_schema.tables
-                 WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1",
-            )
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-            assert_eq!(tables, ["public.idempotency_records"], "round {round}");
-            pool.close().await;
-            pg_sqlx::raw_sql(pg_sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE {database} WITH (FORCE)"
-            )))
+    let run = async |statement: String| {
+        pg_sqlx::raw_sql(pg_sqlx::AssertSqlSafe(statement))
             .execute(&admin)
             .await
             .unwrap();
-        }
-    }
+    };
+    let tables = async |_: &str, store: &str| {
+        let pool = PgPool::connect(store).await.unwrap();
+        let tables = pg_sqlx::query_scalar(
+            "SELECT table_schema || '.' || table_name FROM information_schema.tables
+             WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+        tables
+    };
+    on_new_databases(
+        &postgres_url(),
+        run,
+        tables,
+        "public.idempotency_records",
+        " WITH (FORCE)",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -206,32 +224,20 @@ async fn mysql_new_database_many_first_starts() {
     let admin = MySqlPool::connect(&mysql_url())
         .await
         .expect("MariaDB at MYSQL_URL");
-    for round in 0..ROUNDS {
-        for serve in [false, true] {
-            let database = new_database(round, serve);
-            mysql_sqlx::raw_sql(mysql_sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-                .execute(&admin)
-                .await
-                .unwrap();
-            let store = with_database(&mysql_url(), &database);
-            if serve {
-                serve_together(&store, round).await;
-            } else {
-                migrate_together(&store, round);
-            }
-            inspectable(&store, round);
-            let tables: Vec<String> = mysql_sqlx::query_scalar(
-                "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? ORDER BY 1",
-            )
-            .bind(&database)
-            .fetch_all(&admin)
+    let run = async |statement: String| {
+        mysql_sqlx::raw_sql(mysql_sqlx::AssertSqlSafe(statement))
+            .execute(&admin)
             .await
             .unwrap();
-            assert_eq!(tables, ["idempotency_records"], "round {round}");
-            mysql_sqlx::raw_sql(mysql_sqlx::AssertSqlSafe(format!("DROP DATABASE {database}")))
-                .execute(&admin)
-                .await
-                .unwrap();
-        }
-    }
+    };
+    let tables = async |database: &str, _: &str| {
+        mysql_sqlx::query_scalar(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? ORDER BY 1",
+        )
+        .bind(database)
+        .fetch_all(&admin)
+        .await
+        .unwrap()
+    };
+    on_new_databases(&mysql_url(), run, tables, "idempotency_records", "").await;
 }
