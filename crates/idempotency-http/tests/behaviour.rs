@@ -849,3 +849,42 @@ async fn the_outcome_policy_decides_per_status() {
     let (_, second) = twice("/stripe?status=429".into(), "k-stripe-429".into()).await;
     assert_eq!(second.text(), "attempt 2");
 }
+
+/// Wait mode, a duplicate through the same layer: answered with the replay at the very
+/// instant the first request's outcome is recorded (the paused clock stands still while
+/// anything can run), not at the next re-read of the record.
+#[tokio::test(start_paused = true)]
+async fn wait_mode_answers_a_duplicate_the_moment_the_first_completes() {
+    use axum::body::Body;
+    use tower::{Layer, ServiceExt};
+
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let service = IdempotencyLayer::new(idempotency_core::MemoryStore::new())
+        .wait(Duration::from_secs(30))
+        .layer(tower::service_fn({
+            let runs = Arc::clone(&runs);
+            move |_: http::Request<Body>| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("charged")))
+                }
+            }
+        }));
+    let request = || {
+        http::Request::post("/charges")
+            .header("idempotency-key", "k-wait-wake")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let started = tokio::time::Instant::now();
+    let first = tokio::spawn(service.clone().oneshot(request()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let duplicate = service.oneshot(request()).await.unwrap();
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(duplicate.status(), StatusCode::OK);
+    assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
