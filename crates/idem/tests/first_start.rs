@@ -4,10 +4,9 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 
-use common::{Process, free_addr, idem};
+use common::{Process, idem};
 use idempotency::mysql::sqlx::{self as mysql_sqlx, MySqlPool};
 use idempotency::postgres::sqlx::{self as pg_sqlx, PgPool};
 
@@ -53,7 +52,7 @@ fn migrate_together(store: &str, round: usize) {
 async fn serve_together(store: &str, round: usize) {
     let (_upstream, upstream) = common::start_upstream();
     let upstream = format!("http://{upstream}");
-    let listens: Vec<SocketAddr> = (0..PROCESSES).map(|_| free_addr()).collect();
+    let listens = common::free_addrs(PROCESSES);
     let started: Vec<Process> = listens
         .iter()
         .map(|listen| Process {

@@ -223,6 +223,22 @@ pub fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
+/// `n` distinct free loopback ports below the kernel's range for outgoing connections
+/// (32768 and up here), so that no client connection of another test takes one between the
+/// choice and the bind; each is held until all are chosen.
+pub fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    let mut held = Vec::new();
+    while held.len() < n {
+        let port = rand::random_range(20_000..32_000_u16);
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(listener);
+        }
+    }
+    held.iter()
+        .map(|listener| listener.local_addr().unwrap())
+        .collect()
+}
+
 /// `idem` with `args`, run to completion: (exit code, stdout, stderr).
 pub fn idem(args: &[&str]) -> (i32, String, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_idem"))
