@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Outcome, Scope, Store};
+use idempotency_testkit::recorded::record_metrics;
 
 /// A store on the single server with `query` in its URL.
 async fn connect(query: &str) -> idempotency_redis::RedisStore {
@@ -25,12 +26,24 @@ fn request(key: &Key) -> BeginRequest {
         .retention(Duration::from_secs(60))
 }
 
-// One thread: every call below is queued before the dispatcher first runs, so they ride in
-// batches whatever the machine's speed.
-#[tokio::test]
-async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
-    let metrics = idempotency_testkit::recorded::global();
-    drop(metrics);
+// One thread (the recorder's runtime): every call below is queued before the dispatcher first
+// runs, so they ride in batches whatever the machine's speed. The metrics go to a recorder of
+// this test's own: the other test's batches never count here, whatever runs at the same time.
+#[test]
+fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
+    let recorded = record_metrics(concurrent_calls_share_batches());
+    for op in ["begin", "complete"] {
+        let largest = recorded
+            .histogram_max("idempotency_redis_batch_size", &[("op", op)])
+            .unwrap_or(0.0);
+        assert!(
+            largest >= 16.0,
+            "the {op}s did not share script calls: largest batch {largest}"
+        );
+    }
+}
+
+async fn concurrent_calls_share_batches() {
     let store = connect("batch=on").await;
     let raw = redis::Client::open(common::redis_url()).unwrap();
     let mut connection = raw.get_multiplexed_async_connection().await.unwrap();
@@ -82,17 +95,6 @@ async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
             other => panic!("{}: {other:?}", h.key),
         }
     }
-
-    let recorded = idempotency_testkit::recorded::global();
-    for op in ["begin", "complete"] {
-        let largest = recorded
-            .histogram_max("idempotency_redis_batch_size", &[("op", op)])
-            .unwrap_or(0.0);
-        assert!(
-            largest >= 16.0,
-            "the {op}s did not share script calls: largest batch {largest}"
-        );
-    }
     let _: () = redis::cmd("DEL")
         .arg(&foreign)
         .query_async(&mut connection)
@@ -100,10 +102,19 @@ async fn concurrent_calls_share_batches_and_each_key_gets_its_own_answer() {
         .unwrap();
 }
 
-#[tokio::test]
-async fn by_default_and_with_batch_off_every_call_is_its_own_script() {
-    let metrics = idempotency_testkit::recorded::global();
-    drop(metrics);
+#[test]
+fn by_default_and_with_batch_off_every_call_is_its_own_script() {
+    let recorded = record_metrics(every_call_alone());
+    for op in ["begin", "complete"] {
+        assert_eq!(
+            recorded.histogram_max("idempotency_redis_batch_size", &[("op", op)]),
+            None,
+            "{op}s went through the batcher"
+        );
+    }
+}
+
+async fn every_call_alone() {
     for store in [common::single().await, connect("batch=off").await] {
         let keys: Vec<Key> = (0..64).map(|i| Key::new(format!("alone-{i}")).unwrap()).collect();
         let requests: Vec<BeginRequest> = keys.iter().map(request).collect();
@@ -123,13 +134,5 @@ async fn by_default_and_with_batch_off_every_call_is_its_own_script() {
         for completion in completions {
             assert!(!completion.unwrap().is_lease_lost());
         }
-    }
-    let recorded = idempotency_testkit::recorded::global();
-    for op in ["begin", "complete"] {
-        assert_eq!(
-            recorded.histogram_max("idempotency_redis_batch_size", &[("op", op)]),
-            None,
-            "{op}s went through the batcher"
-        );
     }
 }
