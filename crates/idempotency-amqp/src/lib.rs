@@ -33,8 +33,9 @@ use std::time::Duration;
 mod worker;
 pub use worker::Worker;
 
-use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
+pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
+use idempotency_consumer::adapter::{Broker, DEFAULT_SETTLE_TIMEOUT, Pipeline};
 use idempotency_consumer::{
     DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_REASON_HEADER,
     DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
@@ -52,32 +53,23 @@ pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;
 /// The header that counts deliveries across delayed retries.
 pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
 
-/// A broker operation that failed (connection, channel, or an unconfirmed publish).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum AmqpError {
-    /// The client or the broker reported an error (the connection, the channel, a declaration).
-    #[error("RabbitMQ: {0}")]
-    Broker(#[source] lapin::Error),
-    /// The broker refused a publish (a negative publisher confirm).
-    #[error("RabbitMQ: the broker refused a publish (nack)")]
-    Nacked,
-    /// A settlement (an ack, or a confirmed copy to the retry or dead-letter queue) did not
-    /// finish within [`SETTLE_TIMEOUT`]: the connection is gone or stalled. The broker redelivers
-    /// the message, and the record makes the redelivery a duplicate.
-    #[error("RabbitMQ: a settlement did not finish within {SETTLE_TIMEOUT:?}")]
-    SettleTimeout,
-    /// The connection was lost while consuming.
-    #[error("RabbitMQ: the connection was lost")]
-    Disconnected,
-}
+/// A RabbitMQ operation that failed: the adapter error every broker shares, with
+/// [`Broker::NAME`](idempotency_consumer::adapter::Broker::NAME) `rabbitmq`. A lost or refused
+/// connection is [`Lost`](AdapterErrorKind::Lost), a declaration the broker refused (a queue
+/// that exists with other arguments) [`Refused`](AdapterErrorKind::Refused), an unconfirmed or
+/// late settlement [`Settle`](AdapterErrorKind::Settle).
+pub type AmqpError = AdapterError;
 
 /// How long a settlement may take before it is given up: on a connection that died, an ack or a
 /// publisher confirm may never answer, and a worker waiting for it would never reconnect.
-pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const SETTLE_TIMEOUT: Duration = DEFAULT_SETTLE_TIMEOUT;
 
-fn amqp(error: lapin::Error) -> AmqpError {
-    AmqpError::Broker(error)
+/// The broker's name in metrics and errors.
+pub const BROKER: &str = "rabbitmq";
+
+/// A client or broker error while doing `what`, as an error of `kind`.
+fn amqp(kind: AdapterErrorKind, what: &str) -> impl FnOnce(lapin::Error) -> AdapterError {
+    move |error| AdapterError::new(kind, BROKER, format!("{what}: {error}")).with_source(error)
 }
 
 /// The queues of one consumer; see the [crate docs](crate).
@@ -120,6 +112,11 @@ impl Topology {
     /// # Errors
     ///
     /// The broker refused a declaration (for example a queue exists with other arguments).
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Refused`] when the broker refuses a declaration (a queue that exists
+    /// with other arguments), [`AdapterErrorKind::Lost`] when the channel fails.
     pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
         let durable = QueueDeclareOptions {
             durable: true,
@@ -133,7 +130,10 @@ impl Topology {
         channel
             .queue_declare(self.queue.as_str().into(), durable, common.clone())
             .await
-            .map_err(amqp)?;
+            .map_err(amqp(
+                AdapterErrorKind::Refused,
+                &format!("declaring queue {}", self.queue),
+            ))?;
         let mut retry = common.clone();
         retry.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
         retry.insert(
@@ -143,15 +143,24 @@ impl Topology {
         channel
             .queue_declare(self.retry_queue.as_str().into(), durable, retry)
             .await
-            .map_err(amqp)?;
+            .map_err(amqp(
+                AdapterErrorKind::Refused,
+                &format!("declaring queue {}", self.retry_queue),
+            ))?;
         channel
             .queue_declare(self.dead_queue.as_str().into(), durable, common)
             .await
-            .map_err(amqp)?;
+            .map_err(amqp(
+                AdapterErrorKind::Refused,
+                &format!("declaring queue {}", self.dead_queue),
+            ))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
-            .map_err(amqp)
+            .map_err(amqp(
+                AdapterErrorKind::Lost,
+                "putting the channel in confirm mode",
+            ))
     }
 }
 
@@ -291,7 +300,7 @@ pub async fn replay_dead_letters(
                 BasicGetOptions { no_ack: false },
             )
             .await
-            .map_err(amqp)?
+            .map_err(amqp(AdapterErrorKind::Lost, "reading the dead-letter queue"))?
         else {
             break;
         };
@@ -321,21 +330,54 @@ pub async fn replay_dead_letters(
             topology.queue.clone(),
             delivery.data.clone(),
             properties,
+            AdapterErrorKind::Publish,
         )
         .await?;
-        delivery.ack(BasicAckOptions::default()).await.map_err(amqp)?;
+        delivery
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(amqp(AdapterErrorKind::Settle, "acking a replayed dead letter"))?;
         moved += 1;
     }
     Ok(moved)
 }
 
-/// Processes one delivery with `consumer`, then settles it on `channel`.
+/// RabbitMQ as the per-message pipeline sees it: one channel (in confirm mode) and the
+/// consumer's queues. RabbitMQ holds an unacknowledged delivery for as long as the consumer's
+/// channel is open, so there is no hold to keep alive.
+#[derive(Debug, Clone)]
+pub struct RabbitMq {
+    channel: Channel,
+    topology: Topology,
+}
+
+impl RabbitMq {
+    /// Settles deliveries of `topology`'s queue on `channel`.
+    #[must_use]
+    pub fn new(channel: Channel, topology: Topology) -> Self {
+        Self { channel, topology }
+    }
+}
+
+impl Broker for RabbitMq {
+    type Message = AmqpMessage;
+    const NAME: &'static str = BROKER;
+
+    /// See the [crate docs](crate): a copy to `Q.retry` or `Q.dead`, confirmed by the broker,
+    /// then the ack.
+    async fn settle(&self, message: &AmqpMessage, disposition: &Disposition) -> Result<(), AdapterError> {
+        settle(&self.channel, &self.topology, message, disposition).await
+    }
+}
+
+/// Processes one delivery with `consumer`, then settles it on `channel`, through the shared
+/// per-message [`Pipeline`] (named after the queue).
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when the settlement could not be confirmed, or did not finish within
-/// [`SETTLE_TIMEOUT`]; the message is then redelivered by the broker, and the record makes it a
-/// duplicate.
+/// [`AdapterErrorKind::Settle`] when the settlement could not be confirmed, or did not finish
+/// within [`SETTLE_TIMEOUT`]; the message is then redelivered by the broker, and the record makes
+/// it a duplicate.
 pub async fn process<P>(
     consumer: &P,
     channel: &Channel,
@@ -345,29 +387,18 @@ pub async fn process<P>(
 where
     P: Processor<AmqpMessage>,
 {
-    let message = AmqpMessage::new(delivery);
-    // A processor that panics (the consumer core catches its handler's panics; this catches
-    // any other processor's) must not end the worker: the message is retried later.
-    let disposition = std::panic::AssertUnwindSafe(consumer.process(&message))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| {
-            tracing::error!(queue = %topology.queue, "the message processor panicked; requeueing");
-            Disposition::Nack {
-                after: Duration::from_secs(1),
-            }
-        });
-    tokio::time::timeout(SETTLE_TIMEOUT, settle(channel, topology, &message, &disposition))
-        .await
-        .map_err(|_| AmqpError::SettleTimeout)??;
-    Ok(disposition)
+    let pipeline = Pipeline::new(
+        RabbitMq::new(channel.clone(), topology.clone()),
+        topology.queue.clone(),
+    );
+    pipeline.process(consumer, &AmqpMessage::new(delivery)).await
 }
 
 /// Carries out `disposition`; see the [crate docs](crate).
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when a publish was not confirmed or the ack could not be sent.
+/// [`AdapterErrorKind::Settle`] when a publish was not confirmed or the ack could not be sent.
 pub async fn settle(
     channel: &Channel,
     topology: &Topology,
@@ -387,6 +418,7 @@ pub async fn settle(
             queue.to_owned(),
             message.delivery.data.clone(),
             properties,
+            AdapterErrorKind::Settle,
         )
     };
     match disposition {
@@ -420,30 +452,38 @@ pub async fn settle(
         .ack(BasicAckOptions::default())
         .await
         .map(|_| ())
-        .map_err(amqp)
+        .map_err(amqp(AdapterErrorKind::Settle, "acking a delivery"))
 }
 
+/// Publishes and waits for the broker's confirm; a failure is an error of `kind`.
 async fn publish_confirmed(
     channel: &Channel,
     exchange: &str,
     routing_key: String,
     payload: Vec<u8>,
     properties: BasicProperties,
+    kind: AdapterErrorKind,
 ) -> Result<(), AmqpError> {
-    let confirm = channel
+    let failed = amqp(kind, "publishing");
+    let confirm = match channel
         .basic_publish(
             exchange.into(),
-            routing_key.into(),
+            routing_key.as_str().into(),
             BasicPublishOptions::default(),
             &payload,
             properties,
         )
         .await
-        .map_err(amqp)?
-        .await
-        .map_err(amqp)?;
+    {
+        Ok(confirm) => confirm.await.map_err(failed)?,
+        Err(error) => return Err(failed(error)),
+    };
     if confirm.is_nack() {
-        return Err(AmqpError::Nacked);
+        return Err(AdapterError::new(
+            kind,
+            BROKER,
+            format!("the broker refused a publish to {routing_key} (nack)"),
+        ));
     }
     Ok(())
 }
@@ -499,6 +539,7 @@ pub async fn publish_with_headers(
         routing_key.to_owned(),
         payload.to_vec(),
         properties,
+        AdapterErrorKind::Publish,
     )
     .await
 }

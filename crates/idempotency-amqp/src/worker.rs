@@ -14,7 +14,9 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 
-use crate::{AmqpError, AmqpMessage, Topology, amqp, process};
+use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
+
+use crate::{AdapterError, AmqpError, AmqpMessage, BROKER, RabbitMq, Topology, amqp};
 
 /// Consumes a queue with a [`Processor`], `prefetch` deliveries at a time, and reconnects
 /// (with backoff) when the connection or the channel is lost.
@@ -41,6 +43,7 @@ pub struct Worker<P> {
     processor: Arc<P>,
     prefetch: u16,
     reconnect: Backoff,
+    name: Option<String>,
 }
 
 impl<P> fmt::Debug for Worker<P> {
@@ -63,6 +66,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             topology,
             processor,
             prefetch: 16,
+            name: None,
             reconnect: Backoff {
                 initial: Duration::from_millis(100),
                 max: Duration::from_secs(5),
@@ -78,11 +82,23 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         self
     }
 
+    /// The name the metrics and logs carry (`consumer`); the queue's name by default.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
     /// The wait between reconnection attempts.
     #[must_use]
     pub fn reconnect(mut self, backoff: Backoff) -> Self {
         self.reconnect = backoff;
         self
+    }
+
+    /// The worker's name: set with [`name`](Self::name), or the queue's.
+    fn consumer_name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| self.topology.queue.clone())
     }
 
     /// Consumes until `shutdown` completes, then stops taking deliveries, lets the running ones
@@ -137,6 +153,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         };
         let (connection, channel, deliveries) = set_up;
         tracing::info!(queue = %self.topology.queue, prefetch = self.prefetch, "consuming");
+        let pipeline = Pipeline::new(
+            RabbitMq::new(channel.clone(), self.topology.clone()),
+            self.consumer_name(),
+        );
         let lost = std::sync::Mutex::new(None);
         deliveries
             .take_until(shutdown.clone())
@@ -145,18 +165,19 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             .take_while(|delivery| {
                 if let Err(error) = delivery {
                     *lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                        Some(amqp(error.clone()));
+                        Some(amqp(AdapterErrorKind::Lost, "consuming")(error.clone()));
                 }
                 std::future::ready(delivery.is_ok())
             })
             .for_each_concurrent(usize::from(self.prefetch), |delivery| {
-                let channel = &channel;
+                let pipeline = &pipeline;
                 async move {
                     let Ok(delivery) = delivery else { return };
-                    if let Err(error) = process(&*self.processor, channel, &self.topology, delivery).await {
-                        // The broker redelivers an unsettled message; the record decides again.
-                        tracing::warn!(queue = %self.topology.queue, %error, "settlement failed");
-                    }
+                    // A failed settlement is logged and counted by the pipeline; the broker
+                    // redelivers the unsettled message, and the record decides again.
+                    let _ = pipeline
+                        .process(&*self.processor, &AmqpMessage::new(delivery))
+                        .await;
                 }
             })
             .await;
@@ -168,25 +189,33 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
         {
             Some(error) => Err(Session::Lost(error)),
-            None if !connected => Err(Session::Lost(AmqpError::Disconnected)),
+            None if !connected => Err(Session::Lost(AdapterError::new(
+                AdapterErrorKind::Lost,
+                BROKER,
+                "the connection was lost",
+            ))),
             None => Ok(()),
         }
     }
 
     /// Connects, declares the topology and starts consuming.
     async fn set_up(&self) -> Result<(Connection, Channel, lapin::Consumer), Session> {
+        let lost = |what| move |e| Session::Lost(amqp(AdapterErrorKind::Lost, what)(e));
         let connection = Connection::connect(&self.url, ConnectionProperties::default())
             .await
-            .map_err(|e| Session::Lost(amqp(e)))?;
+            .map_err(|e| {
+                let what = format!("connecting to {}", idempotency_core::redact_url(&self.url));
+                Session::Lost(amqp(AdapterErrorKind::Unreachable, &what)(e))
+            })?;
         let channel = connection
             .create_channel()
             .await
-            .map_err(|e| Session::Lost(amqp(e)))?;
+            .map_err(lost("opening a channel"))?;
         self.topology.declare(&channel).await.map_err(Session::Refused)?;
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
-            .map_err(|e| Session::Lost(amqp(e)))?;
+            .map_err(lost("setting the prefetch"))?;
         let deliveries = channel
             .basic_consume(
                 self.topology.queue.as_str().into(),
@@ -195,7 +224,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| Session::Lost(amqp(e)))?;
+            .map_err(lost("starting to consume"))?;
         Ok((connection, channel, deliveries))
     }
 }

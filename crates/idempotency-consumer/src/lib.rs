@@ -83,6 +83,7 @@ use idempotency_core::{
 #[doc = include_str!("../../../docs/CONSUMERS.md")]
 pub mod guide {}
 
+pub mod adapter;
 pub mod transactional;
 pub use transactional::{TxConsumer, TxHandler};
 

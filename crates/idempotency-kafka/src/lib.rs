@@ -54,7 +54,8 @@ pub use worker::Worker;
 /// messages, at the version this crate uses.
 pub use rdkafka;
 
-use futures_util::FutureExt;
+pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
+use idempotency_consumer::adapter::{Broker, Pipeline};
 use idempotency_consumer::{Delivery, Disposition, Processor, dead_letter_headers};
 use idempotency_core::{IDEMPOTENCY_KEY_HEADER, Key};
 use rdkafka::consumer::{CommitMode, Consumer};
@@ -130,52 +131,81 @@ impl Delivery for KafkaMessage {
     }
 }
 
-/// Why [`process`], [`publish`] or a [`Worker`] failed: the settings were refused, or the broker
-/// did not acknowledge a produce or a commit. No offset was committed past an unsettled
-/// message, so it is read again; the record makes that a duplicate.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KafkaAdapterError {
-    /// The client settings are incomplete or refused (no `group.id`, an unknown setting), or
-    /// the worker could not start.
-    #[error("Kafka: {0}")]
-    Config(String),
-    /// No broker could be reached (only [`Worker::check`] reports this: the worker itself
-    /// waits for brokers that are down).
-    #[error("Kafka: {0}")]
-    Unreachable(String),
-    /// A produce (an event, or a dead letter) was not acknowledged.
-    #[error("Kafka: a produce to {topic} was not acknowledged: {source}")]
-    Produce {
-        /// The topic.
-        topic: String,
-        /// Why.
-        #[source]
-        source: KafkaError,
-    },
-    /// The offset commit failed.
-    #[error("Kafka: committing offset {offset} of {topic}/{partition} failed: {source}")]
-    Commit {
-        /// The topic.
-        topic: String,
-        /// The partition.
-        partition: i32,
-        /// The offset after the message.
-        offset: i64,
-        /// Why.
-        #[source]
-        source: KafkaError,
-    },
+/// Why [`process`], [`publish`] or a [`Worker`] failed: the adapter error every broker shares,
+/// with [`Broker::NAME`] `kafka`. Settings the client refuses are
+/// [`Config`](AdapterErrorKind::Config), no broker answering at start
+/// [`Unreachable`](AdapterErrorKind::Unreachable), a topic that does not exist
+/// [`Refused`](AdapterErrorKind::Refused), an unacknowledged produce
+/// [`Publish`](AdapterErrorKind::Publish) (an event) or [`Settle`](AdapterErrorKind::Settle) (a
+/// dead letter), a failed offset commit [`Settle`](AdapterErrorKind::Settle). No offset was
+/// committed past an unsettled message, so it is read again; the record makes that a duplicate.
+pub type KafkaAdapterError = AdapterError;
+
+/// The broker's name in metrics and errors.
+pub const BROKER: &str = "kafka";
+
+/// A client error while doing `what`, as an error of `kind`.
+pub(crate) fn kafka(
+    kind: AdapterErrorKind,
+    what: impl Into<String>,
+) -> impl FnOnce(KafkaError) -> AdapterError {
+    let what = what.into();
+    move |error| AdapterError::new(kind, BROKER, format!("{what}: {error}")).with_source(error)
+}
+
+/// Kafka as the per-message pipeline sees it: only dead letters need the broker (a copy
+/// produced to the dead-letter topic and acknowledged). An ack is the offset, committed by the
+/// caller past settled messages; a nack holds the partition on the message, which the caller
+/// processes again after the delay. A live member's partitions are never taken from it, so
+/// there is no hold to keep alive.
+#[derive(Clone)]
+pub struct KafkaBroker {
+    producer: FutureProducer,
+    dead_letter_topic: String,
+}
+
+impl std::fmt::Debug for KafkaBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaBroker")
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaBroker {
+    /// Dead-letters to `dead_letter_topic` with `producer`.
+    #[must_use]
+    pub fn new(producer: FutureProducer, dead_letter_topic: impl Into<String>) -> Self {
+        Self {
+            producer,
+            dead_letter_topic: dead_letter_topic.into(),
+        }
+    }
+}
+
+impl Broker for KafkaBroker {
+    type Message = KafkaMessage;
+    const NAME: &'static str = BROKER;
+
+    async fn settle(&self, message: &KafkaMessage, disposition: &Disposition) -> Result<(), AdapterError> {
+        match disposition {
+            Disposition::Ack | Disposition::Nack { .. } => Ok(()),
+            Disposition::DeadLetter { reason } => {
+                dead_letter(&self.producer, &self.dead_letter_topic, message, reason).await
+            }
+        }
+    }
 }
 
 /// Processes one message with `processor` until it is settled, then commits past it; returns
 /// the final disposition (`Ack` or `DeadLetter`). See the [crate docs](crate) for what each
-/// disposition becomes.
+/// disposition becomes. Runs through the shared per-message [`Pipeline`] (named after the
+/// topic).
 ///
 /// # Errors
 ///
-/// [`KafkaAdapterError`] when the dead-letter copy or the commit was not acknowledged: nothing
-/// was committed past the message.
+/// [`AdapterErrorKind::Settle`] when the dead-letter copy or the commit was not acknowledged:
+/// nothing was committed past the message.
 pub async fn process<P, C>(
     processor: &P,
     consumer: &C,
@@ -187,39 +217,26 @@ where
     P: Processor<KafkaMessage>,
     C: Consumer,
 {
+    let pipeline = Pipeline::new(
+        KafkaBroker::new(producer.clone(), dead_letter_topic),
+        message.topic().to_owned(),
+    );
     let mut message = KafkaMessage::new(message);
     loop {
-        match attempt(processor, &message).await {
+        let disposition = pipeline.decide(processor, &message).await;
+        pipeline.settle(&message, &disposition).await?;
+        match disposition {
             Disposition::Nack { after } => {
                 // No nack in Kafka: the partition waits on this message, in order.
                 tokio::time::sleep(after).await;
                 message.deliveries = message.deliveries.saturating_add(1);
             }
-            Disposition::DeadLetter { reason } => {
-                dead_letter(producer, dead_letter_topic, &message, &reason).await?;
+            settled => {
                 commit_past(consumer, &message.message)?;
-                return Ok(Disposition::DeadLetter { reason });
-            }
-            Disposition::Ack => {
-                commit_past(consumer, &message.message)?;
-                return Ok(Disposition::Ack);
+                return Ok(settled);
             }
         }
     }
-}
-
-/// One attempt at `message`. A processor that panics (the consumer core catches its handler's
-/// panics; this catches any other processor's) is retried like a nack.
-async fn attempt<P: Processor<KafkaMessage>>(processor: &P, message: &KafkaMessage) -> Disposition {
-    std::panic::AssertUnwindSafe(processor.process(message))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| {
-            tracing::error!(topic = message.message.topic(), "the message processor panicked");
-            Disposition::Nack {
-                after: Duration::from_secs(1),
-            }
-        })
 }
 
 /// Produces the dead-letter copy of `message` and waits for the acknowledgement.
@@ -228,7 +245,7 @@ async fn dead_letter(
     topic: &str,
     message: &KafkaMessage,
     reason: &str,
-) -> Result<(), KafkaAdapterError> {
+) -> Result<(), AdapterError> {
     let original = &message.message;
     let mut headers = OwnedHeaders::new();
     if let Some(kept) = original.headers() {
@@ -261,9 +278,11 @@ async fn dead_letter(
         .send(record, PRODUCE_TIMEOUT)
         .await
         .map(drop)
-        .map_err(|(source, _)| KafkaAdapterError::Produce {
-            topic: topic.to_owned(),
-            source,
+        .map_err(|(source, _)| {
+            kafka(
+                AdapterErrorKind::Settle,
+                format!("a dead letter to {topic} was not acknowledged"),
+            )(source)
         })
 }
 
@@ -271,15 +290,16 @@ async fn dead_letter(
 fn commit_past<C: Consumer>(consumer: &C, message: &OwnedMessage) -> Result<(), KafkaAdapterError> {
     let next = message.offset() + 1;
     let mut list = TopicPartitionList::new();
-    let failed = |source| KafkaAdapterError::Commit {
-        topic: message.topic().to_owned(),
-        partition: message.partition(),
-        offset: next,
-        source,
-    };
+    let what = format!(
+        "committing offset {next} of {}/{}",
+        message.topic(),
+        message.partition()
+    );
     list.add_partition_offset(message.topic(), message.partition(), Offset::Offset(next))
-        .map_err(failed)?;
-    consumer.commit(&list, CommitMode::Sync).map_err(failed)
+        .map_err(kafka(AdapterErrorKind::Settle, what.clone()))?;
+    consumer
+        .commit(&list, CommitMode::Sync)
+        .map_err(kafka(AdapterErrorKind::Settle, what))
 }
 
 /// Produces `payload` to `topic` with `key` as the `Idempotency-Key` header and `record_key` as
@@ -290,7 +310,7 @@ fn commit_past<C: Consumer>(consumer: &C, message: &OwnedMessage) -> Result<(), 
 ///
 /// # Errors
 ///
-/// [`KafkaAdapterError::Produce`]: publishing again with the same key is safe.
+/// [`AdapterErrorKind::Publish`]: publishing again with the same key is safe.
 pub async fn publish(
     producer: &FutureProducer,
     topic: &str,
@@ -310,9 +330,11 @@ pub async fn publish(
         .send(record, PRODUCE_TIMEOUT)
         .await
         .map(|delivery| (delivery.partition, delivery.offset))
-        .map_err(|(source, _)| KafkaAdapterError::Produce {
-            topic: topic.to_owned(),
-            source,
+        .map_err(|(source, _)| {
+            kafka(
+                AdapterErrorKind::Publish,
+                format!("a produce to {topic} was not acknowledged"),
+            )(source)
         })
 }
 

@@ -17,7 +17,9 @@ use tokio::runtime::Handle;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tracing::Instrument;
 
-use crate::{KafkaAdapterError, KafkaMessage, attempt, dead_letter};
+use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
+
+use crate::{KafkaAdapterError, KafkaBroker, KafkaMessage, kafka};
 
 /// How long one poll of the consumer waits for a message; also the longest a shutdown or an
 /// abandoned worker waits to be noticed.
@@ -202,14 +204,14 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`KafkaAdapterError::Unreachable`] when no broker answered within `timeout`;
-    /// [`KafkaAdapterError::Config`] when the client refuses a setting, or a topic does not
-    /// exist (or the client may not see it).
+    /// [`AdapterErrorKind::Unreachable`] when no broker answered within `timeout`;
+    /// [`AdapterErrorKind::Config`] when the client refuses a setting;
+    /// [`AdapterErrorKind::Refused`] when a topic does not exist (or the client may not see it).
     pub async fn check(&self, timeout: Duration) -> Result<(), KafkaAdapterError> {
         let consumer: BaseConsumer = self
             .config
             .create()
-            .map_err(|e| KafkaAdapterError::Config(format!("the consumer: {e}")))?;
+            .map_err(kafka(AdapterErrorKind::Config, "the consumer"))?;
         let consumer = Arc::new(consumer);
         for topic in [&self.topic, &self.dead_letter_topic] {
             let metadata = tokio::task::spawn_blocking({
@@ -217,11 +219,12 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                 move || consumer.fetch_metadata(Some(&topic), timeout)
             })
             .await
-            .map_err(|e| KafkaAdapterError::Config(format!("the metadata request failed: {e}")))?
+            .map_err(|e| config_error(format!("the metadata request failed: {e}")))?
             .map_err(|e| {
-                KafkaAdapterError::Unreachable(format!(
-                    "no broker answered a metadata request within {timeout:?}: {e}"
-                ))
+                kafka(
+                    AdapterErrorKind::Unreachable,
+                    format!("no broker answered a metadata request within {timeout:?}"),
+                )(e)
             })?;
             let found = metadata
                 .topics()
@@ -230,12 +233,12 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
             match found.map(|found| (found.error(), found.partitions().is_empty())) {
                 Some((None, false)) => {}
                 Some((Some(error), _)) => {
-                    return Err(KafkaAdapterError::Config(format!(
+                    return Err(refused(format!(
                         "topic {topic}: {}",
                         rdkafka::error::RDKafkaErrorCode::from(error)
                     )));
                 }
-                _ => return Err(KafkaAdapterError::Config(format!("topic {topic} does not exist"))),
+                _ => return Err(refused(format!("topic {topic} does not exist"))),
             }
         }
         Ok(())
@@ -251,14 +254,13 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`KafkaAdapterError::Config`] when `config` names no group or the client refuses a
+    /// [`AdapterErrorKind::Config`] when `config` names no group or the client refuses a
     /// setting, or the topic cannot be subscribed to. A broker that is down is not an error:
     /// librdkafka reconnects, and the partitions wait.
     pub async fn run_until<F>(&self, shutdown: F) -> Result<(), KafkaAdapterError>
     where
         F: Future<Output = ()> + Send,
     {
-        let config_error = |what: String| KafkaAdapterError::Config(what);
         let group = self
             .config
             .get("group.id")
@@ -278,9 +280,11 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
         let shared = Arc::new(Shared {
             runtime: Handle::current(),
             processor: Arc::clone(&self.processor),
-            producer,
+            pipeline: Pipeline::new(
+                KafkaBroker::new(producer, self.dead_letter_topic.clone()),
+                name.clone(),
+            ),
             topic: self.topic.clone(),
-            dead_letter_topic: self.dead_letter_topic.clone(),
             permits: Semaphore::new(self.options.partitions_at_once),
             options: self.options.clone(),
             partitions: Mutex::new(HashMap::new()),
@@ -318,7 +322,7 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
             None => poller.await,
         };
         abandon.disarm();
-        ended.map_err(|e| KafkaAdapterError::Config(format!("the worker's poll thread failed: {e}")))
+        ended.map_err(|e| config_error(format!("the worker's poll thread failed: {e}")))
     }
 }
 
@@ -425,14 +429,23 @@ impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> 
     }
 }
 
+/// A settings error.
+fn config_error(what: String) -> KafkaAdapterError {
+    crate::AdapterError::new(AdapterErrorKind::Config, crate::BROKER, what)
+}
+
+/// The broker refused the setup (a topic it does not have).
+fn refused(what: String) -> KafkaAdapterError {
+    crate::AdapterError::new(AdapterErrorKind::Refused, crate::BROKER, what)
+}
+
 /// What the poll thread, the callbacks and the partition tasks share.
 struct Shared<P> {
     runtime: Handle,
     processor: Arc<P>,
-    producer: FutureProducer,
+    pipeline: Pipeline<KafkaBroker>,
     name: String,
     topic: String,
-    dead_letter_topic: String,
     options: Options,
     permits: Semaphore,
     partitions: Mutex<HashMap<i32, Partition>>,
@@ -784,33 +797,35 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                     () = stopped(stop) => return None,
                     permit = self.permits.acquire() => permit.ok()?,
                 };
-                attempt(&*self.processor, &message).await
+                self.pipeline.decide(&*self.processor, &message).await
             };
             match disposition {
                 Disposition::Ack => {
+                    // Nothing to ask the broker: the offset is committed with the next batch.
+                    let _ = self.pipeline.settle(&message, &Disposition::Ack).await;
                     self.metrics.acked.increment(1);
                     return Some(Disposition::Ack);
                 }
                 Disposition::Nack { after } => {
                     // No nack in Kafka: the partition holds on this message, in order.
+                    let _ = self.pipeline.settle(&message, &Disposition::Nack { after }).await;
                     self.metrics.retried.increment(1);
                     held.hold();
                     wait(after, stop).await?;
                     message.deliveries = message.deliveries.saturating_add(1);
                 }
                 Disposition::DeadLetter { reason } => {
+                    // The partition moves on only once the copy is acknowledged: an
+                    // unacknowledged one is produced again (the pipeline counts and logs it).
+                    let dead = Disposition::DeadLetter { reason };
                     let mut failures = 0_u32;
-                    while let Err(error) =
-                        dead_letter(&self.producer, &self.dead_letter_topic, &message, &reason).await
-                    {
+                    while self.pipeline.settle(&message, &dead).await.is_err() {
                         failures = failures.saturating_add(1);
-                        tracing::warn!(consumer = %self.name, %error, "dead-letter copy not acknowledged; producing it again");
                         held.hold();
                         wait(self.options.dead_letter_backoff.delay(failures), stop).await?;
                     }
                     self.metrics.dead_lettered.increment(1);
-                    tracing::warn!(consumer = %self.name, %reason, "dead-lettered");
-                    return Some(Disposition::DeadLetter { reason });
+                    return Some(dead);
                 }
             }
         }

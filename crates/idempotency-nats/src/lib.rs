@@ -23,8 +23,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{HeaderMap, HeaderValue};
 use bytes::Bytes;
-use futures_util::FutureExt;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
+pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
+use idempotency_consumer::adapter::{Broker, Pipeline};
 use idempotency_consumer::{
     DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_REASON_HEADER,
     DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
@@ -106,31 +107,79 @@ impl Delivery for NatsMessage {
     }
 }
 
-/// A failure to reach the server while acknowledging or dead-lettering. The message was not
-/// acknowledged; the server redelivers it after its ack wait, and the record makes that
-/// redelivery a duplicate.
-#[derive(Debug, thiserror::Error)]
-#[error("could not settle a JetStream message: {source}")]
-pub struct SettleError {
-    #[source]
-    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+/// A JetStream operation that failed: the adapter error every broker shares, with
+/// [`Broker::NAME`] `nats`. A settlement (an ack, a nak, a dead-letter copy) that was not
+/// confirmed is [`Settle`](AdapterErrorKind::Settle): the message was not acknowledged, the
+/// server redelivers it after its ack wait, and the record makes that redelivery a duplicate.
+pub type SettleError = AdapterError;
+
+/// The broker's name in metrics and errors.
+pub const BROKER: &str = "nats";
+
+/// A client or server error while doing `what`, as an error of `kind`.
+pub(crate) fn nats<E>(kind: AdapterErrorKind, what: &str) -> impl FnOnce(E) -> AdapterError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    move |error| AdapterError::new(kind, BROKER, format!("{what}: {error}")).with_source(error)
 }
 
-impl SettleError {
-    fn new(source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+/// JetStream as the per-message pipeline sees it: where dead letters go, and how often a
+/// message being processed gets a progress ack (`+WPI`), which restarts its ack wait.
+#[derive(Debug, Clone)]
+pub struct JetStream {
+    jetstream: jetstream::Context,
+    dead_letter_subject: String,
+    progress_every: Duration,
+}
+
+impl JetStream {
+    /// Dead-letters to `dead_letter_subject` through `jetstream`, and sends progress acks every
+    /// `progress_every` (below the consumer's ack wait: a third of it is a good choice).
+    #[must_use]
+    pub fn new(
+        jetstream: jetstream::Context,
+        dead_letter_subject: impl Into<String>,
+        progress_every: Duration,
+    ) -> Self {
         Self {
-            source: source.into(),
+            jetstream,
+            dead_letter_subject: dead_letter_subject.into(),
+            progress_every,
         }
     }
 }
 
-/// Processes one message with `consumer` and settles it; returns what was done.
+impl Broker for JetStream {
+    type Message = NatsMessage;
+    const NAME: &'static str = BROKER;
+
+    fn keep_alive_every(&self) -> Option<Duration> {
+        Some(self.progress_every)
+    }
+
+    async fn keep_alive(&self, message: &NatsMessage) -> Result<(), AdapterError> {
+        message
+            .message
+            .ack_with(AckKind::Progress)
+            .await
+            .map_err(|e| AdapterError::new(AdapterErrorKind::Lost, BROKER, format!("a progress ack: {e}")))
+    }
+
+    async fn settle(&self, message: &NatsMessage, disposition: &Disposition) -> Result<(), AdapterError> {
+        settle(&self.jetstream, &self.dead_letter_subject, message, disposition).await
+    }
+}
+
+/// Processes one message with `consumer` and settles it, through the shared per-message
+/// [`Pipeline`] (named after the message's subject); returns what was done.
 ///
 /// `progress_every` should be below the consumer's ack wait (a third of it is a good choice).
 ///
 /// # Errors
 ///
-/// [`SettleError`] when the ack, nak, or dead-letter publish could not be confirmed.
+/// [`AdapterErrorKind::Settle`] when the ack, nak, or dead-letter publish could not be
+/// confirmed, or took longer than the settle timeout.
 pub async fn process<P>(
     consumer: &P,
     jetstream: &jetstream::Context,
@@ -142,40 +191,16 @@ where
     P: Processor<NatsMessage>,
 {
     let message = NatsMessage::new(message);
-    // A processor that panics (the consumer core catches its handler's panics; this catches
-    // any other processor's) must not end the consuming task: the message is retried later.
-    let work = async {
-        std::panic::AssertUnwindSafe(consumer.process(&message))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|_| {
-                tracing::error!("the message processor panicked; requeueing");
-                Disposition::Nack {
-                    after: Duration::from_secs(1),
-                }
-            })
-    };
-    let progress = async {
-        loop {
-            tokio::time::sleep(progress_every).await;
-            if let Err(error) = message.message.ack_with(AckKind::Progress).await {
-                tracing::warn!(%error, "progress ack failed");
-            }
-        }
-    };
-    let disposition = tokio::select! {
-        disposition = work => disposition,
-        never = progress => never,
-    };
-    settle(jetstream, dead_letter_subject, &message, &disposition).await?;
-    Ok(disposition)
+    let broker = JetStream::new(jetstream.clone(), dead_letter_subject, progress_every);
+    let pipeline = Pipeline::new(broker, message.message.subject.to_string());
+    pipeline.process(consumer, &message).await
 }
 
 /// Carries out `disposition` on `message`.
 ///
 /// # Errors
 ///
-/// [`SettleError`] when the server did not confirm it.
+/// [`AdapterErrorKind::Settle`] when the server did not confirm it.
 pub async fn settle(
     jetstream: &jetstream::Context,
     dead_letter_subject: &str,
@@ -183,12 +208,16 @@ pub async fn settle(
     disposition: &Disposition,
 ) -> Result<(), SettleError> {
     match disposition {
-        Disposition::Ack => message.message.double_ack().await.map_err(SettleError::new),
+        Disposition::Ack => message
+            .message
+            .double_ack()
+            .await
+            .map_err(|e| settle_failed("the ack", &*e)),
         Disposition::Nack { after } => message
             .message
             .ack_with(AckKind::Nak(Some(*after)))
             .await
-            .map_err(SettleError::new),
+            .map_err(|e| settle_failed("the nak", &*e)),
         Disposition::DeadLetter { reason } => {
             let mut headers = message.message.headers.clone().unwrap_or_default();
             // The copy must not carry the original's Nats-Msg-Id: in a stream that holds both
@@ -208,16 +237,22 @@ pub async fn settle(
                     message.message.payload.clone(),
                 )
                 .await
-                .map_err(SettleError::new)?
+                .map_err(nats(AdapterErrorKind::Settle, "publishing a dead letter"))?
                 .await
-                .map_err(SettleError::new)?;
+                .map_err(nats(AdapterErrorKind::Settle, "a dead letter's publish ack"))?;
             message
                 .message
                 .ack_with(AckKind::Term)
                 .await
-                .map_err(SettleError::new)
+                .map_err(|e| settle_failed("terminating a dead-lettered message", &*e))
         }
     }
+}
+
+/// A settlement the client reported failed (its error type is boxed, not `'static` + `Sized`
+/// everywhere): the text is kept.
+fn settle_failed(what: &str, error: &(dyn std::error::Error + Send + Sync)) -> AdapterError {
+    AdapterError::new(AdapterErrorKind::Settle, BROKER, format!("{what}: {error}"))
 }
 
 /// Moves up to `limit` dead letters of `stream` on `dead_letter_subject` back to the subject
@@ -230,8 +265,9 @@ pub async fn settle(
 ///
 /// # Errors
 ///
-/// [`SettleError`] when the stream cannot be read, a copy was not acknowledged, or a dead letter
-/// has no source; what was moved before stays moved.
+/// [`AdapterErrorKind::Refused`] when the stream cannot be read, [`AdapterErrorKind::Publish`]
+/// when a copy was not acknowledged, [`AdapterErrorKind::Config`] when a dead letter has no
+/// source; what was moved before stays moved.
 pub async fn replay_dead_letters(
     jetstream: &jetstream::Context,
     stream: &str,
@@ -240,7 +276,10 @@ pub async fn replay_dead_letters(
 ) -> Result<usize, SettleError> {
     use futures_util::StreamExt;
 
-    let stream = jetstream.get_stream(stream).await.map_err(SettleError::new)?;
+    let stream = jetstream
+        .get_stream(stream)
+        .await
+        .map_err(nats(AdapterErrorKind::Refused, &format!("stream {stream}")))?;
     let reader: jetstream::consumer::PullConsumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
             filter_subject: dead_letter_subject.to_owned(),
@@ -248,27 +287,44 @@ pub async fn replay_dead_letters(
             ..Default::default()
         })
         .await
-        .map_err(SettleError::new)?;
+        .map_err(nats(AdapterErrorKind::Refused, "reading the dead letters"))?;
     let mut batch = reader
         .fetch()
         .max_messages(limit.max(1))
         .expires(Duration::from_secs(1))
         .messages()
         .await
-        .map_err(SettleError::new)?;
+        .map_err(nats(AdapterErrorKind::Lost, "fetching the dead letters"))?;
     let mut moved = 0;
     while moved < limit {
         let Some(message) = batch.next().await else { break };
-        let message = message.map_err(SettleError::new)?;
-        let sequence = message.info().map_err(SettleError::new)?.stream_sequence;
+        let message = message.map_err(|e| {
+            AdapterError::new(
+                AdapterErrorKind::Lost,
+                BROKER,
+                format!("fetching a dead letter: {e}"),
+            )
+        })?;
+        let sequence = message
+            .info()
+            .map_err(|e| {
+                AdapterError::new(
+                    AdapterErrorKind::Lost,
+                    BROKER,
+                    format!("a dead letter's metadata: {e}"),
+                )
+            })?
+            .stream_sequence;
         let original = message.headers.clone().unwrap_or_default();
         let source = original
             .get(DEAD_LETTER_SOURCE_HEADER)
             .map(|v| v.as_str().to_owned())
             .ok_or_else(|| {
-                SettleError::new(format!(
-                    "dead letter {sequence} has no {DEAD_LETTER_SOURCE_HEADER} header"
-                ))
+                AdapterError::new(
+                    AdapterErrorKind::Config,
+                    BROKER,
+                    format!("dead letter {sequence} has no {DEAD_LETTER_SOURCE_HEADER} header"),
+                )
             })?;
         let dead = [
             DEAD_LETTER_REASON_HEADER,
@@ -290,10 +346,16 @@ pub async fn replay_dead_letters(
         jetstream
             .publish_with_headers(source, headers, message.payload.clone())
             .await
-            .map_err(SettleError::new)?
+            .map_err(nats(AdapterErrorKind::Publish, "replaying a dead letter"))?
             .await
-            .map_err(SettleError::new)?;
-        stream.delete_message(sequence).await.map_err(SettleError::new)?;
+            .map_err(nats(
+                AdapterErrorKind::Publish,
+                "a replayed dead letter's publish ack",
+            ))?;
+        stream
+            .delete_message(sequence)
+            .await
+            .map_err(nats(AdapterErrorKind::Settle, "deleting a replayed dead letter"))?;
         moved += 1;
     }
     Ok(moved)
@@ -304,7 +366,8 @@ pub async fn replay_dead_letters(
 ///
 /// # Errors
 ///
-/// The publish or its acknowledgement failed; publishing again with the same key is safe.
+/// [`AdapterErrorKind::Publish`]: the publish or its acknowledgement failed; publishing again
+/// with the same key is safe.
 pub async fn publish(
     jetstream: &jetstream::Context,
     subject: impl Into<String>,
@@ -317,7 +380,7 @@ pub async fn publish(
     jetstream
         .publish_with_headers(subject.into(), headers, payload)
         .await
-        .map_err(SettleError::new)?
+        .map_err(nats(AdapterErrorKind::Publish, "publishing"))?
         .await
-        .map_err(SettleError::new)
+        .map_err(nats(AdapterErrorKind::Publish, "a publish ack"))
 }

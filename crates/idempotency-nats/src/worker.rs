@@ -10,16 +10,13 @@ use futures_util::StreamExt;
 use futures_util::future::FutureExt;
 use idempotency_consumer::Processor;
 
-use crate::{NatsMessage, process};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Pipeline};
 
-/// The durable consumer could not be found or created.
-#[derive(Debug, thiserror::Error)]
-#[error("JetStream consumer {consumer:?} of stream {stream:?}: {why}")]
-pub struct WorkerError {
-    stream: String,
-    consumer: String,
-    why: String,
-}
+use crate::{BROKER, JetStream, NatsMessage};
+
+/// The durable consumer could not be found or created: the adapter error every broker shares
+/// ([`AdapterErrorKind::Refused`], naming the stream and the consumer).
+pub type WorkerError = AdapterError;
 
 /// Consumes a durable pull consumer with a [`Processor`], up to `concurrency` messages at a
 /// time, each through [`process`] (progress acks while it runs, the disposition carried out
@@ -50,6 +47,7 @@ pub struct Worker<P> {
     concurrency: usize,
     ack_wait: Duration,
     filter_subject: Option<String>,
+    name: Option<String>,
 }
 
 impl<P> fmt::Debug for Worker<P> {
@@ -85,7 +83,15 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             concurrency: 16,
             ack_wait: Duration::from_secs(30),
             filter_subject: None,
+            name: None,
         }
+    }
+
+    /// The name the metrics and logs carry (`consumer`); the durable consumer's by default.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
     }
 
     /// How many messages are handled at once.
@@ -119,10 +125,15 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     ///
     /// [`WorkerError`] when the stream does not exist or the consumer cannot be made.
     pub async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
-        let fail = |why: String| WorkerError {
-            stream: self.stream.clone(),
-            consumer: self.consumer.clone(),
-            why,
+        let fail = |why: String| {
+            AdapterError::new(
+                AdapterErrorKind::Refused,
+                BROKER,
+                format!(
+                    "JetStream consumer {:?} of stream {:?}: {why}",
+                    self.consumer, self.stream
+                ),
+            )
         };
         let stream = self
             .jetstream
@@ -179,6 +190,12 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     {
         let consumer = self.consumer().await?;
         let progress_every = consumer.cached_info().config.ack_wait / 3;
+        let broker = JetStream::new(
+            self.jetstream.clone(),
+            self.dead_letter_subject.clone(),
+            progress_every,
+        );
+        let pipeline = Pipeline::new(broker, self.name.clone().unwrap_or_else(|| self.consumer.clone()));
         let shutdown = Box::pin(shutdown).shared();
         tracing::info!(stream = %self.stream, consumer = %self.consumer, "consuming");
         while shutdown.peek().is_none() {
@@ -199,24 +216,20 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             };
             messages
                 .take_until(shutdown.clone())
-                .for_each_concurrent(self.concurrency, |message| async move {
-                    match message {
-                        Ok(message) => {
-                            let settled = process(
-                                &*self.processor,
-                                &self.jetstream,
-                                &self.dead_letter_subject,
-                                message,
-                                progress_every,
-                            )
-                            .await;
-                            if let Err(error) = settled {
-                                // Unsettled, the message comes back after its ack wait and the
-                                // record answers it.
-                                tracing::warn!(%error, "settlement failed");
+                .for_each_concurrent(self.concurrency, |message| {
+                    let pipeline = &pipeline;
+                    async move {
+                        match message {
+                            // A failed settlement is logged and counted by the pipeline:
+                            // unsettled, the message comes back after its ack wait and the
+                            // record answers it.
+                            Ok(message) => {
+                                let _ = pipeline
+                                    .process(&*self.processor, &NatsMessage::new(message))
+                                    .await;
                             }
+                            Err(error) => tracing::warn!(%error, "a pulled message failed"),
                         }
-                        Err(error) => tracing::warn!(%error, "a pulled message failed"),
                     }
                 })
                 .await;

@@ -55,6 +55,7 @@ use std::sync::Arc;
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
 use idempotency_consumer::Delivery;
+pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
 
 /// The SQS client this crate is built on, at the version this crate uses.
 pub use aws_sdk_sqs;
@@ -157,62 +158,58 @@ impl Delivery for SqsMessage {
     }
 }
 
-/// What went wrong talking to SQS.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SqsError {
-    /// The worker or producer is set up wrongly (a queue that does not exist, a FIFO send
-    /// without a group, a redrive-policy worker on a queue without one): retrying cannot help.
-    #[error("SQS configuration: {0}")]
-    Config(String),
-    /// The service failed or could not be reached.
-    #[error("SQS: {what}: {detail}")]
-    Service {
-        /// What was being done.
-        what: &'static str,
-        /// The service's code and message, or the transport error.
-        detail: String,
-        /// Whether a retry may succeed (network, throttling, server errors).
-        retryable: bool,
-    },
+/// What went wrong talking to SQS: the adapter error every broker shares, with
+/// [`Broker::NAME`](idempotency_consumer::adapter::Broker::NAME) `sqs`. A queue that does not
+/// exist is [`Refused`](AdapterErrorKind::Refused); settings SQS refuses (credentials,
+/// permissions, a parameter, a FIFO send without a group, a redrive-policy worker on a queue
+/// without one) are [`Config`](AdapterErrorKind::Config); the service out of reach at start is
+/// [`Unreachable`](AdapterErrorKind::Unreachable), while running [`Lost`](AdapterErrorKind::Lost);
+/// a delete, visibility change or dead-letter copy that failed is
+/// [`Settle`](AdapterErrorKind::Settle), a send [`Publish`](AdapterErrorKind::Publish).
+pub type SqsError = AdapterError;
+
+/// The broker's name in metrics and errors.
+pub const BROKER: &str = "sqs";
+
+/// An SQS error while doing `what`, as an error of `kind` unless the service's answer says
+/// better: a queue that does not exist is `Refused`, and an answer a retry cannot change
+/// (denied, invalid) met where `kind` would be retried (`Unreachable`, `Lost`) is `Config`.
+pub(crate) fn sdk<E, R>(kind: AdapterErrorKind, what: &str, error: &SdkError<E, R>) -> AdapterError
+where
+    E: std::error::Error + ProvideErrorMetadata + 'static,
+    R: fmt::Debug,
+{
+    match error {
+        SdkError::ServiceError(service) => {
+            let code = service.err().code().unwrap_or("error");
+            let detail = format!("{code}: {}", service.err().message().unwrap_or_default());
+            let message = format!("{what}: {detail}");
+            if code.contains("NonExistentQueue") || code == "QueueDoesNotExist" {
+                return AdapterError::new(AdapterErrorKind::Refused, BROKER, message);
+            }
+            let transient = code.contains("Throttl")
+                || code.contains("OverLimit")
+                || code.contains("InternalError")
+                || code.contains("ServiceUnavailable");
+            let kind = match kind {
+                AdapterErrorKind::Unreachable | AdapterErrorKind::Lost if !transient => {
+                    AdapterErrorKind::Config
+                }
+                other => other,
+            };
+            AdapterError::new(kind, BROKER, message)
+        }
+        other => AdapterError::new(
+            kind,
+            BROKER,
+            format!("{what}: {}", aws_sdk_sqs::error::DisplayErrorContext(other)),
+        ),
+    }
 }
 
-impl SqsError {
-    /// Whether retrying may help.
-    #[must_use]
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Service { retryable: true, .. })
-    }
-
-    fn sdk<E, R>(what: &'static str, error: &SdkError<E, R>) -> Self
-    where
-        E: std::error::Error + ProvideErrorMetadata + 'static,
-        R: fmt::Debug,
-    {
-        match error {
-            SdkError::ServiceError(service) => {
-                let code = service.err().code().unwrap_or("error");
-                let detail = format!("{code}: {}", service.err().message().unwrap_or_default());
-                if code.contains("NonExistentQueue") || code == "QueueDoesNotExist" {
-                    return Self::Config(format!("{what}: {detail}"));
-                }
-                let retryable = code.contains("Throttl")
-                    || code.contains("OverLimit")
-                    || code.contains("InternalError")
-                    || code.contains("ServiceUnavailable");
-                Self::Service {
-                    what,
-                    detail,
-                    retryable,
-                }
-            }
-            other => Self::Service {
-                what,
-                detail: aws_sdk_sqs::error::DisplayErrorContext(other).to_string(),
-                retryable: true,
-            },
-        }
-    }
+/// A settings error.
+pub(crate) fn config(message: impl Into<String>) -> AdapterError {
+    AdapterError::new(AdapterErrorKind::Config, BROKER, message.into())
 }
 
 /// The HTTP client the SQS clients of this crate use: rustls with the `ring` provider, so no C

@@ -8,7 +8,9 @@ use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 use idempotency_core::Key;
 use sha2::{Digest, Sha256};
 
-use crate::SqsError;
+use idempotency_consumer::adapter::AdapterErrorKind;
+
+use crate::{SqsError, config, sdk};
 
 /// The longest `MessageDeduplicationId` SQS accepts.
 const DEDUP_ID_MAX: usize = 128;
@@ -66,11 +68,11 @@ impl Producer {
     ///
     /// # Errors
     ///
-    /// [`SqsError::Config`] on a FIFO queue (it needs a group: use
+    /// [`AdapterErrorKind::Config`] on a FIFO queue (it needs a group: use
     /// [`send_in_group`](Self::send_in_group)); the service's error otherwise.
     pub async fn send(&self, key: &Key, body: impl Into<String>) -> Result<String, SqsError> {
         if self.fifo {
-            return Err(SqsError::Config(format!(
+            return Err(config(format!(
                 "{} is a FIFO queue: send with a message group (send_in_group)",
                 self.queue_url
             )));
@@ -98,7 +100,7 @@ impl Producer {
             .data_type("String")
             .string_value(key.as_str())
             .build()
-            .map_err(|e| SqsError::Config(e.to_string()))?;
+            .map_err(|e| config(e.to_string()))?;
         let mut send = self
             .client
             .send_message()
@@ -113,7 +115,7 @@ impl Producer {
         let sent = send
             .send()
             .await
-            .map_err(|e| SqsError::sdk("send a message", &e))?;
+            .map_err(|e| sdk(AdapterErrorKind::Publish, "send a message", &e))?;
         Ok(sent.message_id().unwrap_or_default().to_owned())
     }
 }

@@ -16,7 +16,9 @@ use idempotency_consumer::{
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use crate::{SqsError, SqsMessage, queue_name};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Broker, Pipeline};
+
+use crate::{BROKER, SqsError, SqsMessage, config, queue_name, sdk};
 
 /// SQS's limits: messages per receive and per batch, the longest long poll, the longest
 /// visibility timeout, message attributes per message.
@@ -74,6 +76,7 @@ pub struct Worker<P> {
     /// With short polling: the pause after a receive that found nothing.
     idle: Duration,
     reconnect: Backoff,
+    name: Option<String>,
 }
 
 /// What every message task needs (shared by them behind an `Arc` while the worker runs).
@@ -133,6 +136,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                 initial: Duration::from_millis(100),
                 max: Duration::from_secs(5),
             },
+            name: None,
         }
     }
 
@@ -178,6 +182,13 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         self
     }
 
+    /// The name the metrics and logs carry (`consumer`); the queue's name by default.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
     /// The wait between receive attempts after errors.
     #[must_use]
     pub fn reconnect(mut self, backoff: Backoff) -> Self {
@@ -195,9 +206,10 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`SqsError::Config`] when the queue or the dead-letter queue does not exist, or the
-    /// queue has no redrive policy for [`DeadLetters::RedrivePolicy`]. Service errors while
-    /// running are not returned: they are logged and counted, and the worker retries.
+    /// [`AdapterErrorKind::Refused`] when the queue or the dead-letter queue does not exist,
+    /// [`AdapterErrorKind::Config`] when the queue has no redrive policy for
+    /// [`DeadLetters::RedrivePolicy`] or SQS refuses the settings or credentials. Service errors
+    /// while running are not returned: they are logged and counted, and the worker retries.
     pub async fn run_until<F>(&self, shutdown: F) -> Result<(), SqsError>
     where
         F: Future<Output = ()> + Send,
@@ -210,6 +222,14 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         let shared = Arc::new(self.shared.clone());
         let (deleter, batcher) = Deleter::start(Arc::clone(&shared));
         let batcher = AbortOnDrop(Some(batcher));
+        let name = self.name.clone().unwrap_or_else(|| self.shared.queue.to_string());
+        let pipeline = Arc::new(Pipeline::new(
+            SqsBroker {
+                shared: Arc::clone(&shared),
+                deleter,
+            },
+            name,
+        ));
         let mut tasks = JoinSet::new();
         let permits = Arc::new(Semaphore::new(self.concurrency));
         let mut failures = 0_u32;
@@ -250,9 +270,8 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                                 .expect("the semaphore is never closed"),
                         };
                         tasks.spawn(run_unit(
-                            Arc::clone(&shared),
+                            Arc::clone(&pipeline),
                             Arc::clone(&self.processor),
-                            deleter.clone(),
                             unit,
                             permit,
                         ));
@@ -275,7 +294,8 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         while let Some(ended) = tasks.join_next().await {
             report_task_end(&self.shared.queue, ended);
         }
-        drop(deleter);
+        // The last handle on the delete queue: the batcher ends once it has sent what waits.
+        drop(pipeline);
         if let Some(batcher) = batcher.take() {
             let _ = batcher.await;
         }
@@ -305,8 +325,8 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`SqsError::Config`] as [`run_until`](Self::run_until) returns it; a retryable
-    /// [`SqsError::Service`] when the service could not be reached.
+    /// As [`run_until`](Self::run_until) returns them; a retryable
+    /// [`AdapterErrorKind::Unreachable`] when the service could not be reached.
     pub async fn check(&self) -> Result<(), SqsError> {
         let shared = &self.shared;
         let attributes = shared
@@ -316,14 +336,14 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             .attribute_names(QueueAttributeName::RedrivePolicy)
             .send()
             .await
-            .map_err(|e| SqsError::sdk("look up the queue", &e))?;
+            .map_err(|e| sdk(AdapterErrorKind::Unreachable, "look up the queue", &e))?;
         match &shared.dead_letters {
             DeadLetters::RedrivePolicy => {
                 let has_policy = attributes
                     .attributes()
                     .is_some_and(|a| a.contains_key(&QueueAttributeName::RedrivePolicy));
                 if !has_policy {
-                    return Err(SqsError::Config(format!(
+                    return Err(config(format!(
                         "queue {} has no redrive policy: configure one, or give the worker a dead-letter queue",
                         shared.queue_url
                     )));
@@ -337,7 +357,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                     .attribute_names(QueueAttributeName::QueueArn)
                     .send()
                     .await
-                    .map_err(|e| SqsError::sdk("look up the dead-letter queue", &e))?;
+                    .map_err(|e| sdk(AdapterErrorKind::Unreachable, "look up the dead-letter queue", &e))?;
             }
         }
         Ok(())
@@ -356,7 +376,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             .message_attribute_names("All")
             .send()
             .await
-            .map_err(|e| SqsError::sdk("receive messages", &e))?;
+            .map_err(|e| sdk(AdapterErrorKind::Lost, "receive messages", &e))?;
         Ok(received
             .messages
             .unwrap_or_default()
@@ -397,23 +417,25 @@ fn report_task_end(queue: &str, ended: Result<(), tokio::task::JoinError>) {
 /// Handles a unit's messages in order. On a FIFO queue, a message left in the queue stops
 /// the unit: the rest of its group go back with it, so the group resumes in order.
 async fn run_unit<P: Processor<SqsMessage>>(
-    shared: Arc<Shared>,
+    pipeline: Arc<Pipeline<SqsBroker>>,
     processor: Arc<P>,
-    deleter: Deleter,
     unit: Vec<SqsMessage>,
     _permit: OwnedSemaphorePermit,
 ) {
+    let shared = &pipeline.broker().shared;
     let queue = shared.queue.to_string();
     metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue.clone()).increment(1.0);
     let mut messages = unit.into_iter();
     while let Some(message) = messages.next() {
-        let disposition = handle(&shared, &*processor, &message).await;
-        let left = settle(&shared, &deleter, &message, &disposition).await;
+        let disposition = pipeline.decide(&*processor, &message).await;
+        let settled = pipeline.settle(&message, &disposition).await.is_ok();
+        let left = shared.left(&disposition, settled);
         if let Some(after) = left
             && shared.fifo
         {
             for rest in messages.by_ref() {
-                shared.change_visibility(&rest, after).await;
+                // Best effort: a message not returned comes back after its visibility timeout.
+                let _ = shared.change_visibility(&rest, after).await;
                 metrics::counter!("idempotency_sqs_messages_total", "queue" => queue.clone(), "result" => "returned")
                     .increment(1);
             }
@@ -422,94 +444,70 @@ async fn run_unit<P: Processor<SqsMessage>>(
     metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue).decrement(1.0);
 }
 
-/// Runs the processor on `message`, extending its visibility until it answers.
-async fn handle<P: Processor<SqsMessage>>(
-    shared: &Shared,
-    processor: &P,
-    message: &SqsMessage,
-) -> Disposition {
-    // A processor that panics (the consumer core catches its handler's panics; this catches
-    // any other processor's) must not end the worker: the message is retried later.
-    let work = async {
-        std::panic::AssertUnwindSafe(processor.process(message))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|_| {
-                tracing::error!(queue = %shared.queue, "the message processor panicked; retrying later");
-                Disposition::Nack {
-                    after: Duration::from_secs(1),
-                }
-            })
-    };
-    let heartbeat = async {
-        let mut ticks = tokio::time::interval_at(
-            tokio::time::Instant::now() + shared.heartbeat(),
-            shared.heartbeat(),
-        );
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            shared.extend(message).await;
-        }
-    };
-    tokio::select! {
-        disposition = work => disposition,
-        never = heartbeat => never,
-    }
+/// SQS as the per-message pipeline sees it: the queue, where dead letters go, and the batched
+/// deletes. A message's visibility is extended every third of the visibility timeout while it
+/// is processed.
+struct SqsBroker {
+    shared: Arc<Shared>,
+    deleter: Deleter,
 }
 
-/// Carries out `disposition`; returns how long the message stays away when it was left in the
-/// queue (`None`: deleted, or handed to the dead-letter queue).
-async fn settle(
-    shared: &Shared,
-    deleter: &Deleter,
-    message: &SqsMessage,
-    disposition: &Disposition,
-) -> Option<Duration> {
-    let queue = shared.queue.to_string();
-    let count = |result: &'static str| {
-        metrics::counter!("idempotency_sqs_messages_total", "queue" => queue.clone(), "result" => result)
-            .increment(1);
-    };
-    match disposition {
-        Disposition::Ack => {
-            count("acked");
-            deleter.delete(message).await;
-            None
-        }
-        Disposition::Nack { after } => {
-            count("retried");
-            shared.change_visibility(message, *after).await;
-            Some(*after)
-        }
-        Disposition::DeadLetter { reason } => match &shared.dead_letters {
-            DeadLetters::Queue(url) => match shared.send_dead_letter(url, message, reason).await {
-                Ok(()) => {
+impl Broker for SqsBroker {
+    type Message = SqsMessage;
+    const NAME: &'static str = BROKER;
+
+    fn keep_alive_every(&self) -> Option<Duration> {
+        Some(self.shared.heartbeat())
+    }
+
+    async fn keep_alive(&self, message: &SqsMessage) -> Result<(), AdapterError> {
+        self.shared.extend(message).await
+    }
+
+    /// `Ack`: delete. `Nack`: visible again after the delay. `DeadLetter`: a copy to the
+    /// dead-letter queue, then delete (a copy SQS did not take makes the message visible again
+    /// after a pause, to be dead-lettered again), or, with the redrive policy, visible again at
+    /// once for SQS to move.
+    async fn settle(&self, message: &SqsMessage, disposition: &Disposition) -> Result<(), AdapterError> {
+        let shared = &self.shared;
+        let count = |result: &'static str| {
+            metrics::counter!("idempotency_sqs_messages_total", "queue" => shared.queue.to_string(), "result" => result)
+                .increment(1);
+        };
+        match disposition {
+            Disposition::Ack => {
+                count("acked");
+                self.deleter.delete(message).await
+            }
+            Disposition::Nack { after } => {
+                count("retried");
+                shared.change_visibility(message, *after).await
+            }
+            Disposition::DeadLetter { reason } => match &shared.dead_letters {
+                DeadLetters::Queue(url) => match shared.send_dead_letter(url, message, reason).await {
+                    Ok(()) => {
+                        count("dead_lettered");
+                        self.deleter.delete(message).await
+                    }
+                    Err(error) => {
+                        count("retried");
+                        let _ = shared.change_visibility(message, DEAD_LETTER_RETRY).await;
+                        Err(error)
+                    }
+                },
+                DeadLetters::RedrivePolicy => {
                     count("dead_lettered");
-                    tracing::warn!(queue = %shared.queue, id = message.sqs_message_id(), %reason, "dead-lettered");
-                    deleter.delete(message).await;
-                    None
-                }
-                Err(error) => {
-                    count("retried");
-                    tracing::warn!(queue = %shared.queue, %error, "could not send a dead letter; the message comes back");
-                    shared.change_visibility(message, DEAD_LETTER_RETRY).await;
-                    Some(DEAD_LETTER_RETRY)
+                    tracing::warn!(
+                        queue = %shared.queue,
+                        id = message.sqs_message_id(),
+                        receives = message.delivery_count(),
+                        %reason,
+                        "dead letter left to the queue's redrive policy"
+                    );
+                    shared.change_visibility(message, Duration::ZERO).await
                 }
             },
-            DeadLetters::RedrivePolicy => {
-                count("dead_lettered");
-                tracing::warn!(
-                    queue = %shared.queue,
-                    id = message.sqs_message_id(),
-                    receives = message.delivery_count(),
-                    %reason,
-                    "dead letter left to the queue's redrive policy"
-                );
-                shared.change_visibility(message, Duration::ZERO).await;
-                Some(Duration::ZERO)
-            }
-        },
+        }
     }
 }
 
@@ -520,8 +518,23 @@ impl Shared {
         self.visibility / 3
     }
 
+    /// How long `message` stays away after `disposition` was carried out (`settled`) or not:
+    /// `None` when it was deleted or handed to the dead-letter queue.
+    fn left(&self, disposition: &Disposition, settled: bool) -> Option<Duration> {
+        match (disposition, settled) {
+            (Disposition::Ack, true) => None,
+            (Disposition::Ack, false) => Some(self.visibility),
+            (Disposition::Nack { after }, _) => Some(*after),
+            (Disposition::DeadLetter { .. }, true) => match self.dead_letters {
+                DeadLetters::Queue(_) => None,
+                DeadLetters::RedrivePolicy => Some(Duration::ZERO),
+            },
+            (Disposition::DeadLetter { .. }, false) => Some(DEAD_LETTER_RETRY),
+        }
+    }
+
     /// Extends the message's visibility by the full timeout, from now.
-    async fn extend(&self, message: &SqsMessage) {
+    async fn extend(&self, message: &SqsMessage) -> Result<(), AdapterError> {
         let extended = self
             .client
             .change_message_visibility()
@@ -529,35 +542,28 @@ impl Shared {
             .receipt_handle(message.receipt_handle())
             .visibility_timeout(i32::try_from(seconds(self.visibility)).unwrap_or(30))
             .send()
-            .await;
-        let result = match extended {
-            Ok(_) => "ok",
-            Err(error) => {
-                let error = SqsError::sdk("extend a message's visibility", &error);
-                tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "visibility extension failed");
-                "failed"
-            }
-        };
+            .await
+            .map(drop)
+            .map_err(|e| sdk(AdapterErrorKind::Lost, "extend a message's visibility", &e));
+        let result = if extended.is_ok() { "ok" } else { "failed" };
         metrics::counter!("idempotency_sqs_visibility_extensions_total", "queue" => self.queue.to_string(), "result" => result)
             .increment(1);
+        extended
     }
 
-    /// Makes the message visible again after `after` (whole seconds, at most 12 h).
-    async fn change_visibility(&self, message: &SqsMessage, after: Duration) {
+    /// Makes the message visible again after `after` (whole seconds, at most 12 h); if SQS
+    /// does not take it, the message comes back after its current visibility timeout instead.
+    async fn change_visibility(&self, message: &SqsMessage, after: Duration) -> Result<(), AdapterError> {
         let secs = seconds(after).min(MAX_VISIBILITY_SECS);
-        let changed = self
-            .client
+        self.client
             .change_message_visibility()
             .queue_url(&self.queue_url)
             .receipt_handle(message.receipt_handle())
             .visibility_timeout(i32::try_from(secs).unwrap_or(0))
             .send()
-            .await;
-        if let Err(error) = changed {
-            // It comes back after its current visibility timeout instead.
-            let error = SqsError::sdk("change a message's visibility", &error);
-            tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "could not return a message");
-        }
+            .await
+            .map(drop)
+            .map_err(|e| sdk(AdapterErrorKind::Settle, "change a message's visibility", &e))
     }
 
     /// Sends the dead-letter copy of `message` to `url`, and waits for SQS to accept it.
@@ -596,7 +602,7 @@ impl Shared {
         }
         send.send()
             .await
-            .map_err(|e| SqsError::sdk("send a dead letter", &e))?;
+            .map_err(|e| sdk(AdapterErrorKind::Settle, "send a dead letter", &e))?;
         Ok(())
     }
 }
@@ -606,7 +612,7 @@ fn string_attribute(value: String) -> Result<MessageAttributeValue, SqsError> {
         .data_type("String")
         .string_value(value)
         .build()
-        .map_err(|e| SqsError::Config(e.to_string()))
+        .map_err(|e| config(e.to_string()))
 }
 
 /// A duration in whole seconds, rounded up (SQS counts visibility in seconds).
@@ -615,7 +621,7 @@ fn seconds(duration: Duration) -> u64 {
 }
 
 /// A delete waiting for its batch, and who to tell how it went.
-type PendingDelete = (String, oneshot::Sender<Result<(), String>>);
+type PendingDelete = (String, oneshot::Sender<Result<(), AdapterError>>);
 
 /// Deletes messages in batches of up to ten: whatever is waiting when the previous batch's
 /// answer arrives goes in the next one.
@@ -641,35 +647,39 @@ impl Deleter {
         (Self { queue, pending }, batcher)
     }
 
-    /// Deletes `message`, and waits for SQS's answer; a failure is logged and counted (the
-    /// message comes back after its visibility timeout, and the record answers it).
-    async fn delete(&self, message: &SqsMessage) {
+    /// Deletes `message`, and waits for SQS's answer; a failure is counted (the message comes
+    /// back after its visibility timeout, and the record answers it).
+    async fn delete(&self, message: &SqsMessage) -> Result<(), AdapterError> {
         let (reply, answer) = oneshot::channel();
+        let stopped = || {
+            AdapterError::new(
+                AdapterErrorKind::Settle,
+                BROKER,
+                "delete: the delete batcher stopped",
+            )
+        };
         let result = match self
             .pending
             .send((message.receipt_handle().to_owned(), reply))
             .await
         {
-            Ok(()) => answer
-                .await
-                .unwrap_or_else(|_| Err("the delete batcher stopped".to_owned())),
-            Err(_) => Err("the delete batcher stopped".to_owned()),
+            Ok(()) => answer.await.unwrap_or_else(|_| Err(stopped())),
+            Err(_) => Err(stopped()),
         };
-        if let Err(error) = &result {
-            tracing::warn!(queue = %self.queue, id = message.sqs_message_id(), %error, "delete failed; the message comes back and its record answers it");
-        }
         metrics::counter!(
             "idempotency_sqs_deletes_total",
             "queue" => self.queue.to_string(),
             "result" => if result.is_ok() { "ok" } else { "failed" }
         )
         .increment(1);
+        result
     }
 }
 
 impl Shared {
     /// One `DeleteMessageBatch`; the result of each entry, in order.
-    async fn delete_batch(&self, batch: &[PendingDelete]) -> Vec<Result<(), String>> {
+    async fn delete_batch(&self, batch: &[PendingDelete]) -> Vec<Result<(), AdapterError>> {
+        let failed = |message: String| AdapterError::new(AdapterErrorKind::Settle, BROKER, message);
         let entries: Result<Vec<_>, _> = batch
             .iter()
             .enumerate()
@@ -688,24 +698,28 @@ impl Shared {
                 .set_entries(Some(entries))
                 .send()
                 .await
-                .map_err(|e| SqsError::sdk("delete messages", &e).to_string()),
-            Err(error) => Err(error.to_string()),
+                .map_err(|e| {
+                    sdk(AdapterErrorKind::Settle, "delete messages", &e)
+                        .message()
+                        .to_owned()
+                }),
+            Err(error) => Err(format!("delete messages: {error}")),
         };
         match answer {
             Ok(answer) => (0..batch.len())
                 .map(|index| {
                     let id = index.to_string();
                     match answer.failed().iter().find(|failed| failed.id() == id) {
-                        Some(failed) => Err(format!(
-                            "{}: {}",
-                            failed.code(),
-                            failed.message().unwrap_or_default()
-                        )),
+                        Some(entry) => Err(failed(format!(
+                            "delete a message: {}: {}",
+                            entry.code(),
+                            entry.message().unwrap_or_default()
+                        ))),
                         None => Ok(()),
                     }
                 })
                 .collect(),
-            Err(error) => vec![Err(error); batch.len()],
+            Err(message) => (0..batch.len()).map(|_| Err(failed(message.clone()))).collect(),
         }
     }
 }

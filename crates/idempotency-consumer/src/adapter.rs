@@ -1,0 +1,607 @@
+//! What every broker adapter shares: the per-message [`Pipeline`] and the [`AdapterError`].
+//!
+//! A broker crate (RabbitMQ, NATS JetStream, Kafka, SQS) owns its fetch loop: how messages
+//! arrive, how many at once, in which order, how offsets or receipts are tracked. What happens
+//! to *one* message once it has arrived is the same on every broker, and lives here:
+//!
+//! 1. the [`Processor`] decides its [`Disposition`]; a processor that panics (the consumer core
+//!    catches its handler's panics, this catches any other processor's) is a nack, never a dead
+//!    worker;
+//! 2. while it decides, the broker's hold on the message is kept alive at the broker's interval
+//!    ([`Broker::keep_alive`]: JetStream progress acks, SQS visibility extensions), so that a
+//!    long handler does not see its message handed to another consumer;
+//! 3. the disposition is carried out ([`Broker::settle`]) within a bound
+//!    ([`Pipeline::settle_timeout`], 10 s by default): on a connection that died an ack or a
+//!    publisher confirm may never answer, and a worker waiting for it would never move on. A
+//!    settlement that fails or times out is an [`AdapterError`] of kind
+//!    [`AdapterErrorKind::Settle`]: the message was not acknowledged, the broker delivers it
+//!    again, and the record answers the redelivery;
+//! 4. every settlement is counted, with one metric family for every broker.
+//!
+//! A broker implements [`Broker`] for its message type: three methods, of which two have
+//! defaults. `docs/WRITING-AN-ADAPTER.md` describes the whole contract and the test kit's
+//! broker suite that checks it.
+//!
+//! # Metrics
+//!
+//! Labelled with the worker's name (`consumer`) and the broker's ([`Broker::NAME`]):
+//! `idempotency_consumer_settled_total{consumer, broker, result}` (`acked`, `nacked`,
+//! `dead_lettered`, `failed`), the histogram `idempotency_consumer_settle_duration_seconds{consumer,
+//! broker}`, `idempotency_consumer_keep_alives_total{consumer, broker, result}` (`ok`,
+//! `failed`) and `idempotency_consumer_processor_panics_total{consumer, broker}`.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+
+use crate::{BoxError, Delivery, Disposition, Processor};
+
+/// How long a settlement may take by default.
+pub const DEFAULT_SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a message whose processor panicked waits before it is delivered again.
+pub const PANIC_RETRY: Duration = Duration::from_secs(1);
+
+/// A broker, as the per-message pipeline sees it: how to keep its hold on a message alive, and
+/// how to carry a disposition out.
+pub trait Broker: Send + Sync {
+    /// The broker's message type.
+    type Message: Delivery + Send + Sync;
+
+    /// The broker's name in metrics and errors (`rabbitmq`, `nats`, `kafka`, `sqs`).
+    const NAME: &'static str;
+
+    /// How often the hold on a message being processed must be renewed; `None` (the default)
+    /// when the broker holds it for as long as the consumer is connected (RabbitMQ) or never
+    /// takes it back from a live member (Kafka).
+    fn keep_alive_every(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Renews the hold on `message` once (a JetStream progress ack, an SQS visibility
+    /// extension). Called every [`keep_alive_every`](Self::keep_alive_every) while the processor
+    /// runs; a failure is counted and logged, and the next one is tried at the next interval.
+    fn keep_alive(&self, message: &Self::Message) -> impl Future<Output = Result<(), AdapterError>> + Send {
+        let _ = message;
+        async { Ok(()) }
+    }
+
+    /// Carries `disposition` out on `message`: an ack only once the outcome is recorded (the
+    /// pipeline calls this only after the processor answered), a delayed redelivery, or a
+    /// dead-letter copy acknowledged by the broker before the original is let go.
+    ///
+    /// # Errors
+    ///
+    /// An [`AdapterError`] when the broker did not confirm it: the message must then come back
+    /// (unacknowledged, its lease or visibility running out), never be lost.
+    fn settle(
+        &self,
+        message: &Self::Message,
+        disposition: &Disposition,
+    ) -> impl Future<Output = Result<(), AdapterError>> + Send;
+}
+
+/// The per-message pipeline of one worker; see the [module docs](self).
+pub struct Pipeline<B> {
+    broker: B,
+    consumer: String,
+    settle_timeout: Duration,
+    metrics: Metrics,
+}
+
+impl<B: Broker> fmt::Debug for Pipeline<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("broker", &B::NAME)
+            .field("consumer", &self.consumer)
+            .field("settle_timeout", &self.settle_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The pipeline's metrics, registered once.
+struct Metrics {
+    acked: metrics::Counter,
+    nacked: metrics::Counter,
+    dead_lettered: metrics::Counter,
+    failed: metrics::Counter,
+    settle_duration: metrics::Histogram,
+    keep_alive_ok: metrics::Counter,
+    keep_alive_failed: metrics::Counter,
+    panics: metrics::Counter,
+}
+
+impl Metrics {
+    fn new(consumer: &str, broker: &'static str) -> Self {
+        let labels = [("consumer", consumer.to_owned()), ("broker", broker.to_owned())];
+        let with = |name: &'static str, result: &'static str| {
+            let mut labels = labels.to_vec();
+            labels.push(("result", result.to_owned()));
+            metrics::counter!(name, &labels)
+        };
+        Self {
+            acked: with("idempotency_consumer_settled_total", "acked"),
+            nacked: with("idempotency_consumer_settled_total", "nacked"),
+            dead_lettered: with("idempotency_consumer_settled_total", "dead_lettered"),
+            failed: with("idempotency_consumer_settled_total", "failed"),
+            settle_duration: metrics::histogram!("idempotency_consumer_settle_duration_seconds", &labels),
+            keep_alive_ok: with("idempotency_consumer_keep_alives_total", "ok"),
+            keep_alive_failed: with("idempotency_consumer_keep_alives_total", "failed"),
+            panics: metrics::counter!("idempotency_consumer_processor_panics_total", &labels),
+        }
+    }
+}
+
+impl<B: Broker> Pipeline<B> {
+    /// The pipeline of the worker named `consumer` (the metrics' `consumer` label) on `broker`.
+    pub fn new(broker: B, consumer: impl Into<String>) -> Self {
+        let consumer = consumer.into();
+        Self {
+            metrics: Metrics::new(&consumer, B::NAME),
+            broker,
+            consumer,
+            settle_timeout: DEFAULT_SETTLE_TIMEOUT,
+        }
+    }
+
+    /// How long a settlement may take before it is given up (10 s by default).
+    #[must_use]
+    pub fn settle_timeout(mut self, timeout: Duration) -> Self {
+        self.settle_timeout = timeout;
+        self
+    }
+
+    /// The broker.
+    pub fn broker(&self) -> &B {
+        &self.broker
+    }
+
+    /// The worker's name.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// What to do with `message`: `processor`'s answer, or a nack after [`PANIC_RETRY`] if it
+    /// panicked. The broker's hold on the message is renewed while the processor runs.
+    pub async fn decide<P: Processor<B::Message>>(&self, processor: &P, message: &B::Message) -> Disposition {
+        let work = async {
+            std::panic::AssertUnwindSafe(processor.process(message))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|_| {
+                    self.metrics.panics.increment(1);
+                    tracing::error!(
+                        consumer = %self.consumer,
+                        broker = B::NAME,
+                        "the message processor panicked; the message comes back"
+                    );
+                    Disposition::Nack { after: PANIC_RETRY }
+                })
+        };
+        let Some(every) = self.broker.keep_alive_every() else {
+            return work.await;
+        };
+        let every = every.max(Duration::from_millis(10));
+        let keep_alive = async {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                match self.broker.keep_alive(message).await {
+                    Ok(()) => self.metrics.keep_alive_ok.increment(1),
+                    Err(error) => {
+                        self.metrics.keep_alive_failed.increment(1);
+                        tracing::warn!(consumer = %self.consumer, %error, "keeping the message's hold alive failed");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            disposition = work => disposition,
+            never = keep_alive => never,
+        }
+    }
+
+    /// Carries `disposition` out on `message` within the settle timeout, and counts it.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Settle`] when the broker refused the settlement or it did not finish
+    /// in time: the message was not acknowledged and comes back.
+    pub async fn settle(&self, message: &B::Message, disposition: &Disposition) -> Result<(), AdapterError> {
+        let started = Instant::now();
+        let settled = tokio::time::timeout(self.settle_timeout, self.broker.settle(message, disposition))
+            .await
+            .unwrap_or_else(|_| {
+                Err(AdapterError::new(
+                    AdapterErrorKind::Settle,
+                    B::NAME,
+                    format!(
+                        "a settlement did not finish within {:?}; the message comes back",
+                        self.settle_timeout
+                    ),
+                ))
+            });
+        self.metrics
+            .settle_duration
+            .record(started.elapsed().as_secs_f64());
+        match &settled {
+            Ok(()) => match disposition {
+                Disposition::Ack => self.metrics.acked.increment(1),
+                Disposition::Nack { .. } => self.metrics.nacked.increment(1),
+                Disposition::DeadLetter { reason } => {
+                    self.metrics.dead_lettered.increment(1);
+                    tracing::warn!(consumer = %self.consumer, broker = B::NAME, %reason, "dead-lettered");
+                }
+            },
+            Err(error) => {
+                self.metrics.failed.increment(1);
+                tracing::warn!(
+                    consumer = %self.consumer,
+                    broker = B::NAME,
+                    %error,
+                    "settlement failed; the message comes back, and the record answers it"
+                );
+            }
+        }
+        settled.map_err(|error| error.into_kind(AdapterErrorKind::Settle))
+    }
+
+    /// [`decide`](Self::decide), then [`settle`](Self::settle); returns the disposition carried
+    /// out.
+    ///
+    /// # Errors
+    ///
+    /// As [`settle`](Self::settle).
+    pub async fn process<P: Processor<B::Message>>(
+        &self,
+        processor: &P,
+        message: &B::Message,
+    ) -> Result<Disposition, AdapterError> {
+        let disposition = self.decide(processor, message).await;
+        self.settle(message, &disposition).await?;
+        Ok(disposition)
+    }
+}
+
+/// What kind of failure an [`AdapterError`] is, for deciding what to do about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AdapterErrorKind {
+    /// The settings are incomplete or refused (a malformed URL, an unknown setting, no group
+    /// or queue named): retrying cannot help.
+    Config,
+    /// No broker could be reached (at start; a worker that is running waits for its broker).
+    Unreachable,
+    /// The broker refused the consumer's setup (a queue declared with other arguments, a topic
+    /// or stream that does not exist, a dead-letter destination nothing stores): retrying
+    /// cannot help until someone changes the broker.
+    Refused,
+    /// A settlement (ack, nack, dead-letter copy) was refused, failed or timed out: the message
+    /// comes back.
+    Settle,
+    /// The connection was lost while consuming.
+    Lost,
+    /// A publish (an event, a replayed dead letter) was not acknowledged by the broker:
+    /// publishing again with the same key is safe.
+    Publish,
+}
+
+impl AdapterErrorKind {
+    /// The kind's name, for logs and metrics labels.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::Unreachable => "unreachable",
+            Self::Refused => "refused",
+            Self::Settle => "settle",
+            Self::Lost => "lost",
+            Self::Publish => "publish",
+        }
+    }
+}
+
+impl fmt::Display for AdapterErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A broker adapter's failure: its [kind](AdapterErrorKind), the broker, a message for people
+/// (which already says what the underlying error said), and that error as the source.
+///
+/// ```
+/// use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
+///
+/// let error = AdapterError::new(AdapterErrorKind::Unreachable, "kafka", "no broker answered within 10s");
+/// assert_eq!(error.to_string(), "kafka: no broker answered within 10s");
+/// assert!(error.is_retryable());
+/// assert_eq!(error.broker(), "kafka");
+/// ```
+pub struct AdapterError {
+    kind: AdapterErrorKind,
+    broker: &'static str,
+    message: Cow<'static, str>,
+    source: Option<BoxError>,
+}
+
+impl AdapterError {
+    /// An error of `kind` on `broker` (its [`Broker::NAME`]), with a message for people.
+    pub fn new(kind: AdapterErrorKind, broker: &'static str, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            broker,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The same error, counted as `kind` (a failed ack is a settlement failure, whatever the
+    /// client called it).
+    #[must_use]
+    pub fn into_kind(mut self, kind: AdapterErrorKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// What kind of failure this is.
+    #[must_use]
+    pub fn kind(&self) -> AdapterErrorKind {
+        self.kind
+    }
+
+    /// The broker's name.
+    #[must_use]
+    pub fn broker(&self) -> &'static str {
+        self.broker
+    }
+
+    /// The message, without the broker's name.
+    #[must_use]
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether trying again later may succeed: an unreachable broker, a lost connection, a
+    /// failed settlement or publish may; settings or a setup the broker refused do not.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self.kind,
+            AdapterErrorKind::Unreachable
+                | AdapterErrorKind::Settle
+                | AdapterErrorKind::Lost
+                | AdapterErrorKind::Publish
+        )
+    }
+}
+
+impl fmt::Debug for AdapterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdapterError")
+            .field("kind", &self.kind)
+            .field("broker", &self.broker)
+            .field("message", &self.message)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for AdapterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.broker, self.message)
+    }
+}
+
+impl std::error::Error for AdapterError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    struct Message;
+
+    impl Delivery for Message {
+        fn header(&self, _: &str) -> Option<&[u8]> {
+            None
+        }
+        fn message_id(&self) -> Option<&str> {
+            None
+        }
+        fn payload(&self) -> &[u8] {
+            b""
+        }
+        fn delivery_count(&self) -> u32 {
+            1
+        }
+    }
+
+    /// A broker that records what it was asked, and settles slowly or fails when told to.
+    #[derive(Default)]
+    struct Fake {
+        keep_alive: Option<Duration>,
+        kept_alive: AtomicU32,
+        settled: Mutex<Vec<Disposition>>,
+        settle_takes: Duration,
+        refuse: bool,
+    }
+
+    impl Broker for Fake {
+        type Message = Message;
+        const NAME: &'static str = "fake";
+
+        fn keep_alive_every(&self) -> Option<Duration> {
+            self.keep_alive
+        }
+
+        async fn keep_alive(&self, _: &Message) -> Result<(), AdapterError> {
+            self.kept_alive.fetch_add(1, Ordering::SeqCst);
+            if self.refuse {
+                return Err(AdapterError::new(
+                    AdapterErrorKind::Lost,
+                    "fake",
+                    "the channel closed",
+                ));
+            }
+            Ok(())
+        }
+
+        async fn settle(&self, _: &Message, disposition: &Disposition) -> Result<(), AdapterError> {
+            tokio::time::sleep(self.settle_takes).await;
+            if self.refuse {
+                return Err(AdapterError::new(
+                    AdapterErrorKind::Lost,
+                    "fake",
+                    "the channel closed",
+                ));
+            }
+            self.settled.lock().unwrap().push(disposition.clone());
+            Ok(())
+        }
+    }
+
+    struct Answer(Duration, Option<Disposition>);
+
+    impl Processor<Message> for Answer {
+        async fn process(&self, _: &Message) -> Disposition {
+            tokio::time::sleep(self.0).await;
+            self.1.clone().expect("a processor that panics")
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_processor_is_a_nack_and_the_hold_is_kept_alive_while_it_runs() {
+        let pipeline = Pipeline::new(
+            Fake {
+                keep_alive: Some(Duration::from_secs(10)),
+                ..Fake::default()
+            },
+            "tests",
+        );
+        let processed = pipeline
+            .process(&Answer(Duration::from_secs(35), None), &Message)
+            .await
+            .unwrap();
+        assert_eq!(processed, Disposition::Nack { after: PANIC_RETRY });
+        assert_eq!(pipeline.broker().kept_alive.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            *pipeline.broker().settled.lock().unwrap(),
+            [Disposition::Nack { after: PANIC_RETRY }]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_settlement_that_fails_or_hangs_is_a_settle_error() {
+        let hangs = Pipeline::new(
+            Fake {
+                settle_takes: Duration::from_secs(3600),
+                ..Fake::default()
+            },
+            "tests",
+        )
+        .settle_timeout(Duration::from_secs(5));
+        let error = hangs
+            .process(&Answer(Duration::ZERO, Some(Disposition::Ack)), &Message)
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), AdapterErrorKind::Settle);
+        assert!(
+            error
+                .to_string()
+                .starts_with("fake: a settlement did not finish within 5s"),
+            "{error}"
+        );
+        let refused = Pipeline::new(
+            Fake {
+                refuse: true,
+                ..Fake::default()
+            },
+            "tests",
+        );
+        let error = refused.settle(&Message, &Disposition::Ack).await.unwrap_err();
+        assert_eq!(error.kind(), AdapterErrorKind::Settle);
+        assert!(error.is_retryable());
+        assert_eq!(error.to_string(), "fake: the channel closed");
+    }
+
+    /// Every pipeline metric, each provoked by its event: settlements by result and their
+    /// duration, keep-alives that worked and failed, a processor's panic.
+    #[test]
+    fn every_pipeline_metric_moves_when_its_event_happens() {
+        let recorded = idempotency_testkit::recorded::record_metrics_paused(async {
+            let pipeline = Pipeline::new(Fake::default(), "counted");
+            for disposition in [
+                Disposition::Ack,
+                Disposition::Ack,
+                Disposition::Nack {
+                    after: Duration::ZERO,
+                },
+                Disposition::DeadLetter { reason: "r".into() },
+            ] {
+                pipeline.settle(&Message, &disposition).await.unwrap();
+            }
+            let refused = Pipeline::new(
+                Fake {
+                    refuse: true,
+                    keep_alive: Some(Duration::from_secs(10)),
+                    ..Fake::default()
+                },
+                "counted",
+            );
+            // 25 s of a processor that panics: two keep-alives, both refused, then a failed
+            // settlement of its nack.
+            assert!(
+                refused
+                    .process(&Answer(Duration::from_secs(25), None), &Message)
+                    .await
+                    .is_err()
+            );
+            let kept = Pipeline::new(
+                Fake {
+                    keep_alive: Some(Duration::from_secs(10)),
+                    ..Fake::default()
+                },
+                "counted",
+            );
+            let answer = Answer(Duration::from_secs(15), Some(Disposition::Ack));
+            assert_eq!(kept.process(&answer, &Message).await.unwrap(), Disposition::Ack);
+        });
+        let labels = |result| [("consumer", "counted"), ("broker", "fake"), ("result", result)];
+        for (result, count) in [("acked", 3), ("nacked", 1), ("dead_lettered", 1), ("failed", 1)] {
+            let settled = recorded.counter("idempotency_consumer_settled_total", &labels(result));
+            assert_eq!(settled, count, "{result}");
+        }
+        let keep_alives =
+            |result| recorded.counter("idempotency_consumer_keep_alives_total", &labels(result));
+        assert_eq!((keep_alives("ok"), keep_alives("failed")), (1, 2));
+        let pipeline = [("consumer", "counted"), ("broker", "fake")];
+        assert_eq!(
+            recorded.counter("idempotency_consumer_processor_panics_total", &pipeline),
+            1
+        );
+        assert_eq!(
+            recorded.histogram_count("idempotency_consumer_settle_duration_seconds", &pipeline),
+            6
+        );
+    }
+}
