@@ -54,7 +54,7 @@ pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;
 pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
 
 /// A RabbitMQ operation that failed: the adapter error every broker shares, with
-/// [`Broker::NAME`](idempotency_consumer::adapter::Broker::NAME) `rabbitmq`. A lost or refused
+/// [`Broker::NAME`] `rabbitmq`. A lost or refused
 /// connection is [`Lost`](AdapterErrorKind::Lost), a declaration the broker refused (a queue
 /// that exists with other arguments) [`Refused`](AdapterErrorKind::Refused), an unconfirmed or
 /// late settlement [`Settle`](AdapterErrorKind::Settle).

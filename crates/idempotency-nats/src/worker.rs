@@ -19,7 +19,7 @@ use crate::{BROKER, JetStream, NatsMessage};
 pub type WorkerError = AdapterError;
 
 /// Consumes a durable pull consumer with a [`Processor`], up to `concurrency` messages at a
-/// time, each through [`process`] (progress acks while it runs, the disposition carried out
+/// time, each through [`process`](crate::process) (progress acks while it runs, the disposition carried out
 /// after the outcome is recorded). Messages are pulled `concurrency` at a time, so none waits
 /// in the client past its ack wait.
 ///
