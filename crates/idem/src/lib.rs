@@ -9,6 +9,8 @@
 //! * [`error`]: what can go wrong, as one typed [`Error`].
 
 pub use error::Error;
+/// Human durations and sizes as the flags take them (core's, shared with the broker URLs).
+pub use idempotency_core::units;
 
 pub mod boxes;
 pub mod consume;
@@ -17,5 +19,4 @@ pub mod error;
 pub mod gateway;
 pub mod ops;
 pub mod server;
-pub mod units;
 mod upstream;

@@ -410,6 +410,9 @@ async fn run(command: Command) -> Result<String, Error> {
             Ok(String::new())
         }
         Command::Consume(config) => {
+            if let Some(name) = &config.help_source {
+                return Ok(consume::source_help(name)?);
+            }
             consume::consume(*config, shutdown_signal()).await?;
             Ok(String::new())
         }
@@ -647,7 +650,14 @@ fn init_logging(command: &Command) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // The sources `--from` takes are the brokers this build has: their examples come from the
+    // registry, not from a paragraph written by hand.
+    let command = <Cli as clap::CommandFactory>::command()
+        .mut_subcommand("consume", |consume| consume.after_help(consume::sources_help()));
+    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&command.get_matches()) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
     if let Command::Serve(config) = &cli.command
         && let Err(conflict) = config.check()
     {

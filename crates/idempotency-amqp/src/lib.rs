@@ -30,7 +30,9 @@
 
 use std::time::Duration;
 
+mod source;
 mod worker;
+pub use source::{AmqpSource, SOURCE};
 pub use worker::Worker;
 
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;

@@ -18,7 +18,8 @@ use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
 
 use crate::{AdapterError, AmqpError, AmqpMessage, BROKER, RabbitMq, Topology, amqp};
 
-/// Consumes a queue with a [`Processor`], `prefetch` deliveries at a time, and reconnects
+/// Consumes a queue with a [`Processor`], `prefetch` deliveries handed out at a time and
+/// `concurrency` of them processed at once, and reconnects
 /// (with backoff) when the connection or the channel is lost.
 ///
 /// Deliveries that were in flight when the connection went are redelivered by the broker; the
@@ -42,6 +43,7 @@ pub struct Worker<P> {
     topology: Topology,
     processor: Arc<P>,
     prefetch: u16,
+    concurrency: Option<usize>,
     reconnect: Backoff,
     name: Option<String>,
 }
@@ -52,6 +54,7 @@ impl<P> fmt::Debug for Worker<P> {
             .field("url", &idempotency_core::redact_url(&self.url))
             .field("topology", &self.topology)
             .field("prefetch", &self.prefetch)
+            .field("concurrency", &self.concurrency)
             .field("reconnect", &self.reconnect)
             .finish_non_exhaustive()
     }
@@ -66,6 +69,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             topology,
             processor,
             prefetch: 16,
+            concurrency: None,
             name: None,
             reconnect: Backoff {
                 initial: Duration::from_millis(100),
@@ -74,11 +78,19 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         }
     }
 
-    /// How many unacknowledged deliveries the broker hands out at once; they are processed
-    /// concurrently.
+    /// How many unacknowledged deliveries the broker hands out at once (the channel's QoS,
+    /// at most 65,535): fetched ahead of processing.
     #[must_use]
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch.max(1);
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = u16::try_from(prefetch).unwrap_or(u16::MAX).max(1);
+        self
+    }
+
+    /// How many deliveries are processed at the same time (by default, the prefetch: more
+    /// could never be running, since the broker hands out no more).
+    #[must_use]
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = Some(concurrency.max(1));
         self
     }
 
@@ -169,17 +181,20 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 }
                 std::future::ready(delivery.is_ok())
             })
-            .for_each_concurrent(usize::from(self.prefetch), |delivery| {
-                let pipeline = &pipeline;
-                async move {
-                    let Ok(delivery) = delivery else { return };
-                    // A failed settlement is logged and counted by the pipeline; the broker
-                    // redelivers the unsettled message, and the record decides again.
-                    let _ = pipeline
-                        .process(&*self.processor, &AmqpMessage::new(delivery))
-                        .await;
-                }
-            })
+            .for_each_concurrent(
+                self.concurrency.unwrap_or(usize::from(self.prefetch)),
+                |delivery| {
+                    let pipeline = &pipeline;
+                    async move {
+                        let Ok(delivery) = delivery else { return };
+                        // A failed settlement is logged and counted by the pipeline; the broker
+                        // redelivers the unsettled message, and the record decides again.
+                        let _ = pipeline
+                            .process(&*self.processor, &AmqpMessage::new(delivery))
+                            .await;
+                    }
+                },
+            )
             .await;
         let connected = connection.status().connected();
         let _ = channel.close(200, "consumer stopping".into()).await;

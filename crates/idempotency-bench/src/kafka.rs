@@ -130,8 +130,8 @@ async fn measure(
     config
         .set("bootstrap.servers", cluster.bootstrap_servers())
         .set("group.id", tag);
-    let worker = Worker::new(config, topic, Arc::clone(&measured))
-        .partitions_at_once(partitions.unsigned_abs() as usize);
+    let worker =
+        Worker::new(config, topic, Arc::clone(&measured)).concurrency(partitions.unsigned_abs() as usize);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     let started = Instant::now();

@@ -84,6 +84,7 @@ use idempotency_core::{
 pub mod guide {}
 
 pub mod adapter;
+pub mod source;
 pub mod transactional;
 pub use transactional::{TxConsumer, TxHandler};
 

@@ -42,6 +42,7 @@ pub mod secret;
 mod store;
 mod time;
 pub mod transaction;
+pub mod units;
 pub mod wait;
 
 pub use codec::{DecodeError, RecordColumns, RecordParts};

@@ -47,7 +47,9 @@
 
 use std::time::Duration;
 
+mod source;
 mod worker;
+pub use source::{KafkaSource, SOURCE};
 pub use worker::Worker;
 
 /// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and

@@ -35,7 +35,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// A member of a Kafka consumer group that processes one topic with a [`Processor`].
 ///
 /// - **Order and concurrency**: the messages of one partition are processed one after another,
-///   in order; up to [`partitions_at_once`](Self::partitions_at_once) partitions are processed
+///   in order; up to [`concurrency`](Self::concurrency) partitions are processed
 ///   at the same time.
 /// - **Commits**: an offset is committed only once every message before it in its partition
 ///   has been settled (its outcome recorded, or its dead-letter copy acknowledged), never
@@ -55,7 +55,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 ///   waits on the key and then replays its outcome.
 /// - **Polling**: a thread of the runtime's blocking pool polls the consumer all the time (it
 ///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
-///   partition with more than [`max_queued`](Self::max_queued) fetched messages waiting is
+///   partition with more than [`prefetch`](Self::prefetch) fetched messages waiting is
 ///   paused at the broker until it has drained half of them. A partition assigned to the
 ///   worker is always fetched from the start, whatever state an earlier assignment left it in
 ///   (librdkafka keeps a pause across a revocation).
@@ -70,7 +70,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// # ) -> Result<(), idempotency_kafka::KafkaAdapterError> {
 /// let mut config = ClientConfig::new();
 /// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "payments");
-/// let worker = Worker::new(config, "payments", Arc::new(processor)).partitions_at_once(8);
+/// let worker = Worker::new(config, "payments", Arc::new(processor)).concurrency(8);
 /// worker.run_until(shutdown).await?; // SIGTERM, say: settle, commit, leave the group
 /// # Ok(())
 /// # }
@@ -85,7 +85,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// `idempotency_kafka_commit_lag` (messages settled and not yet committed),
 /// `idempotency_kafka_paused_partitions` (partitions held on a message being retried) and
 /// `idempotency_kafka_fetch_paused_partitions` (partitions whose fetching is paused at the
-/// broker because [`max_queued`](Self::max_queued) messages wait).
+/// broker because [`prefetch`](Self::prefetch) messages wait).
 pub struct Worker<P> {
     config: ClientConfig,
     topic: String,
@@ -98,11 +98,11 @@ pub struct Worker<P> {
 /// The worker's tuning.
 #[derive(Debug, Clone)]
 struct Options {
-    partitions_at_once: usize,
+    concurrency: usize,
     commit_interval: Duration,
     commit_count: u64,
     settle_timeout: Duration,
-    max_queued: usize,
+    prefetch: usize,
     dead_letter_backoff: Backoff,
 }
 
@@ -137,11 +137,11 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
             processor,
             name: None,
             options: Options {
-                partitions_at_once: 16,
+                concurrency: 16,
                 commit_interval: Duration::from_secs(1),
                 commit_count: 500,
                 settle_timeout: Duration::from_secs(30),
-                max_queued: 1000,
+                prefetch: 1000,
                 dead_letter_backoff: Backoff {
                     initial: Duration::from_millis(100),
                     max: Duration::from_secs(5),
@@ -166,8 +166,8 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
 
     /// How many partitions are processed at the same time (each one in order).
     #[must_use]
-    pub fn partitions_at_once(mut self, partitions: usize) -> Self {
-        self.options.partitions_at_once = partitions.max(1);
+    pub fn concurrency(mut self, partitions: usize) -> Self {
+        self.options.concurrency = partitions.max(1);
         self
     }
 
@@ -191,8 +191,8 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
 
     /// How many fetched messages may wait in one partition before it is paused at the broker.
     #[must_use]
-    pub fn max_queued(mut self, messages: usize) -> Self {
-        self.options.max_queued = messages.max(2);
+    pub fn prefetch(mut self, messages: usize) -> Self {
+        self.options.prefetch = messages.max(2);
         self
     }
 
@@ -285,7 +285,7 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                 name.clone(),
             ),
             topic: self.topic.clone(),
-            permits: Semaphore::new(self.options.partitions_at_once),
+            permits: Semaphore::new(self.options.concurrency),
             options: self.options.clone(),
             partitions: Mutex::new(HashMap::new()),
             abandoned: AtomicBool::new(false),
@@ -607,9 +607,9 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
         for (&partition, state) in partitions.iter() {
             let queued = state.progress.queued.load(Ordering::SeqCst);
-            if !state.paused && queued >= self.options.max_queued {
+            if !state.paused && queued >= self.options.prefetch {
                 pause.add_partition(&self.topic, partition);
-            } else if state.paused && queued <= self.options.max_queued / 2 {
+            } else if state.paused && queued <= self.options.prefetch / 2 {
                 resume.add_partition(&self.topic, partition);
             }
         }

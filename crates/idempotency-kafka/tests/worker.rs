@@ -235,7 +235,7 @@ async fn a_rebalance_storm_runs_every_key_once() {
 }
 
 /// A member whose six partitions are all paused at the broker (more fetched messages wait
-/// than `max_queued`, its handlers held) when a second member joins: the rebalance hands
+/// than `prefetch`, its handlers held) when a second member joins: the rebalance hands
 /// three of them back to it and moves three to the newcomer. Both drain what they got to the
 /// end; when the newcomer leaves, the first member gets back the three it had paused before
 /// the first rebalance, and drains them too. Liveness, not only safety: a member that never
@@ -261,7 +261,7 @@ async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them()
     let member = |name: &str, charger: &Arc<Charger>| {
         Worker::new(cluster.config("paused"), "backlog", processor(&store, charger))
             .name(name)
-            .max_queued(4)
+            .prefetch(4)
     };
     let mut workers = vec![start_worker(member("paused-a", &a))];
     let metrics = idempotency_testkit::recorded::global;

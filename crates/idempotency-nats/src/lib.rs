@@ -32,7 +32,9 @@ use idempotency_consumer::{
 };
 use idempotency_core::Key;
 
+mod source;
 mod worker;
+pub use source::{NatsSource, SOURCE};
 pub use worker::{Worker, WorkerError};
 
 /// The header a dead-lettered message carries its reason in.

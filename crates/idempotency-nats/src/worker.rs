@@ -45,6 +45,7 @@ pub struct Worker<P> {
     dead_letter_subject: String,
     processor: Arc<P>,
     concurrency: usize,
+    prefetch: Option<usize>,
     ack_wait: Duration,
     filter_subject: Option<String>,
     name: Option<String>,
@@ -81,6 +82,7 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             dead_letter_subject: dead_letter_subject.into(),
             processor,
             concurrency: 16,
+            prefetch: None,
             ack_wait: Duration::from_secs(30),
             filter_subject: None,
             name: None,
@@ -98,6 +100,15 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     #[must_use]
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// How many messages one pull asks for (by default the concurrency). More than the
+    /// concurrency makes messages wait in the client, their ack wait running; progress acks
+    /// start only once a message is handled.
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = Some(prefetch.max(1));
         self
     }
 
@@ -201,7 +212,7 @@ impl<P: Processor<NatsMessage>> Worker<P> {
         while shutdown.peek().is_none() {
             let messages = consumer
                 .stream()
-                .max_messages_per_batch(self.concurrency)
+                .max_messages_per_batch(self.prefetch.unwrap_or(self.concurrency))
                 .messages()
                 .await;
             let messages = match messages {

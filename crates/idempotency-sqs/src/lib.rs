@@ -47,6 +47,7 @@
 //! throttling were not exercised.
 
 mod producer;
+mod source;
 mod worker;
 
 use std::fmt;
@@ -64,6 +65,7 @@ pub use idempotency_consumer::{
     KeySource, Processor,
 };
 pub use producer::Producer;
+pub use source::{SOURCE, SqsSource};
 pub use worker::{DeadLetters, Worker};
 
 /// A received SQS message as a [`Delivery`]: message attributes as headers, the body as the

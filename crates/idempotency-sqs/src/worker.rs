@@ -147,9 +147,9 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         self
     }
 
-    /// The most messages one receive asks for (1 to 10).
+    /// The most messages one receive asks for (1 to 10): fetched ahead of processing.
     #[must_use]
-    pub fn batch_size(mut self, batch: usize) -> Self {
+    pub fn prefetch(mut self, batch: usize) -> Self {
         self.batch = batch.clamp(1, MAX_BATCH);
         self
     }

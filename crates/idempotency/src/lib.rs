@@ -77,9 +77,18 @@ pub use idempotency_redis as redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use idempotency_testkit as testkit;
 
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub use idempotency_amqp as amqp;
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub use idempotency_consumer as consumer;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use idempotency_kafka as kafka;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use idempotency_nats as nats;
 
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
@@ -146,6 +155,56 @@ pub fn registry() -> &'static Registry {
         registry
     });
     &REGISTRY
+}
+
+/// The reason a URL for a broker whose feature is off cannot be consumed from.
+#[cfg(feature = "consumer")]
+#[cfg_attr(
+    all(feature = "amqp", feature = "nats", feature = "kafka", feature = "sqs"),
+    allow(unused_macros)
+)]
+macro_rules! no_source {
+    ($feature:literal) => {
+        concat!(
+            "this build has no ",
+            $feature,
+            ":// sources: enable the `",
+            $feature,
+            "` feature (for idem: cargo install --path crates/idem --features ",
+            $feature,
+            ")"
+        )
+    };
+}
+
+/// The message sources this build consumes from by URL: one
+/// [`SourceKind`](consumer::source::SourceKind) per enabled broker feature (`amqp`, `nats`,
+/// `kafka`, `sqs`). Schemes of brokers whose feature is off are named, so that a URL for one
+/// gets "enable the feature" rather than "unknown scheme".
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub fn sources() -> &'static consumer::source::Sources {
+    static SOURCES: LazyLock<consumer::source::Sources> = LazyLock::new(|| {
+        let sources = consumer::source::Sources::new();
+        #[cfg(feature = "amqp")]
+        let sources = sources.with(amqp::SOURCE);
+        #[cfg(not(feature = "amqp"))]
+        let sources = sources.unavailable(&["amqp", "amqps"], no_source!("amqp"));
+        #[cfg(feature = "nats")]
+        let sources = sources.with(nats::SOURCE);
+        #[cfg(not(feature = "nats"))]
+        let sources = sources.unavailable(&["nats"], no_source!("nats"));
+        #[cfg(feature = "kafka")]
+        let sources = sources.with(kafka::SOURCE);
+        #[cfg(not(feature = "kafka"))]
+        let sources = sources.unavailable(&["kafka"], no_source!("kafka"));
+        #[cfg(feature = "sqs")]
+        let sources = sources.with(sqs::SOURCE);
+        #[cfg(not(feature = "sqs"))]
+        let sources = sources.unavailable(&["sqs"], no_source!("sqs"));
+        sources
+    });
+    &SOURCES
 }
 
 /// Opens the store a URL names, through [`registry`]:

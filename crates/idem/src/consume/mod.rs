@@ -17,7 +17,6 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -27,7 +26,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotency::{Attempt, Outcome, Watched};
-use idempotency_amqp::{Topology, Worker};
+use idempotency_consumer::adapter::AdapterError;
+use idempotency_consumer::source::{AnyProcessor, SourceSettings};
 use idempotency_consumer::{Consumer, Delivery, Handler, HandlerError};
 use tokio::sync::Semaphore;
 
@@ -36,12 +36,6 @@ use crate::gateway::{
     ADMIN_PREFIX, Admin, FlagError, admin_router, bind, bounded_duration, parse_lease, parse_retention,
 };
 use crate::units;
-
-mod kafka;
-mod source;
-mod sqs;
-
-use source::Source;
 
 /// The most of a handler's answer that is read and stored as the outcome (a longer answer is
 /// recorded without its body).
@@ -53,29 +47,16 @@ const REASON_BODY: usize = 200;
 /// `idem consume`'s settings; each flag is also an `IDEM_*` environment variable.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// Where the messages come from:
-    /// amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE (RabbitMQ; the queue, QUEUE.retry and
-    /// QUEUE.dead are declared if missing);
-    /// nats://HOST:PORT?stream=STREAM&consumer=CONSUMER, with &subject=S, &dead_letter=D and
-    /// &ack_wait=30s (JetStream; a durable pull consumer, created if missing, on subject S or
-    /// the whole stream; dead letters go to D, by default STREAM.dead, which a stream must
-    /// store and the consumer must not receive);
-    /// kafka://HOST:PORT?topic=TOPIC&group=GROUP (more brokers after commas, and USER:PASSWORD@
-    /// before them), with
-    /// &dead_letter=TOPIC (default TOPIC.dead) and any librdkafka setting
-    /// (&security.protocol=SASL_PLAINTEXT&sasl.mechanisms=PLAIN; the user and password are
-    /// sasl.username and sasl.password; no TLS: librdkafka is built without OpenSSL; builds with
-    /// the `kafka` feature);
-    /// sqs://?queue_url=URL (or sqs://REGION?queue_url=URL), with &dead_letter_url=URL (default: the queue's name
-    /// with -dead) or &dead_letter=redrive (the queue's redrive policy), &endpoint=URL (for a
-    /// queue outside AWS, its own origin by default), &visibility=30s and &wait=20s (0s: short
-    /// polling); credentials from the environment, as every AWS tool; builds with the `sqs`
-    /// feature.
-    #[arg(long, env = "IDEM_FROM")]
-    pub from: String,
+    /// Where the messages come from: a broker URL, one of those listed below (`--help-source
+    /// NAME` lists a broker's URL parameters).
+    #[arg(long, env = "IDEM_FROM", required_unless_present = "help_source")]
+    pub from: Option<String>,
     /// The handler each message is POSTed to: http://HOST:PORT/PATH.
-    #[arg(long, env = "IDEM_TO")]
-    pub to: String,
+    #[arg(long, env = "IDEM_TO", required_unless_present = "help_source")]
+    pub to: Option<String>,
+    /// Lists the URL parameters of a source (amqp, nats, kafka, sqs) and exits.
+    #[arg(long, value_name = "NAME", exclusive = true)]
+    pub help_source: Option<String>,
     /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
@@ -123,13 +104,14 @@ fn parse_handler_timeout(text: &str) -> Result<Duration, FlagError> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumeError {
-    /// `--from` is not a URL of a supported broker.
-    #[error("--from {from}: {why}")]
+    /// `--from` is not a URL of a source this build consumes from.
+    #[error("--from {from}: {}", .error.message())]
     Source {
         /// The URL, its password redacted.
         from: String,
-        /// Why.
-        why: String,
+        /// Why, as the source's parser says.
+        #[source]
+        error: AdapterError,
     },
     /// `--to` is not an `http://` URL.
     #[error("--to {to}: {why}")]
@@ -139,15 +121,59 @@ pub enum ConsumeError {
         /// Why.
         why: String,
     },
-    /// The broker refused the consumer's setup (for example a queue declared with other
-    /// arguments): retrying will not mend it.
-    #[error("--from {from}: {why}")]
+    /// The broker could not be reached at start, or refused the consumer's setup (a queue
+    /// declared with other arguments, a topic that does not exist).
+    #[error("--from {from}: {error}")]
     Broker {
         /// The URL, its password redacted.
         from: String,
-        /// Why.
-        why: String,
+        /// What the broker's adapter says, with its kind.
+        #[source]
+        error: AdapterError,
     },
+    /// `--help-source` names no source this build has.
+    #[error("--help-source {name}: no such source (this build has: {known})")]
+    UnknownSource {
+        /// The name given.
+        name: String,
+        /// The names of the sources this build has.
+        known: String,
+    },
+}
+
+/// The sources `idem consume` takes: one line per broker this build has, with its example URL.
+#[must_use]
+pub fn sources_help() -> String {
+    let mut help = String::from("Sources (`--help-source NAME` lists a source's parameters):");
+    for kind in idempotency::sources().kinds() {
+        help.push_str(&format!("\n  {:<6} {}", kind.name, kind.example));
+    }
+    help
+}
+
+/// `--help-source NAME`: the example URL and every parameter of one source.
+///
+/// # Errors
+///
+/// [`ConsumeError::UnknownSource`] when this build has no source of that name.
+pub fn source_help(name: &str) -> Result<String, ConsumeError> {
+    let sources = idempotency::sources();
+    let kind = sources.named(name).ok_or_else(|| ConsumeError::UnknownSource {
+        name: name.to_owned(),
+        known: sources
+            .kinds()
+            .iter()
+            .map(|kind| kind.name)
+            .collect::<Vec<_>>()
+            .join(", "),
+    })?;
+    let mut help = format!("{}\n\n", kind.example);
+    for line in kind.parameters.lines() {
+        help.push_str("  ");
+        help.push_str(line.trim_start());
+        help.push('\n');
+    }
+    Ok(help)
 }
 
 /// Parses `--to`.
@@ -328,6 +354,9 @@ type Processor = Consumer<Watched<idempotency::DynStore>, HttpHandler>;
 /// `idem consume`'s shutdown signal, awaited by the worker and the admin server alike.
 type Shutdown = futures_util::future::Shared<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>;
 
+/// How long the checks at start wait for a broker to answer.
+const START_CHECK: Duration = Duration::from_secs(10);
+
 /// Runs `idem consume` until `shutdown` completes: then it takes no new messages, lets the
 /// running calls finish and be recorded and acked, and returns.
 ///
@@ -339,9 +368,15 @@ pub async fn consume(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let source = source::source(&config.from)?;
-    source.available(&config.from)?;
-    let to = handler_uri(&config.to)?;
+    let from = config.from.clone().unwrap_or_default();
+    let shown = idempotency::redact_url(&from);
+    let source_error = |error| ConsumeError::Source {
+        from: shown.clone(),
+        error,
+    };
+    let kind = idempotency::sources().kind(&from).map_err(source_error)?;
+    let info = (kind.parse)(&from).map_err(source_error)?;
+    let to = handler_uri(config.to.as_deref().unwrap_or_default())?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
@@ -363,167 +398,50 @@ pub async fn consume(
     let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
     // The name lives as long as the process: the consumer core keeps it as `&'static str`.
     let name: &'static str = Box::leak(config.name.clone().into_boxed_str());
-    let consumer = |source: String| {
-        let handler = HttpHandler::new(to, config.handler_timeout, source, calls);
-        Arc::new(
-            Consumer::new(name, watched, handler)
-                .lease(config.lease)
-                .retention(config.retention)
-                .max_deliveries(config.max_deliveries),
-        )
-    };
-    match source {
-        Source::Amqp { url, queue } => {
-            let processor = consumer(queue.clone());
-            amqp(&config, &url, &queue, processor, shutdown).await?;
-        }
-        Source::Nats {
-            url,
-            stream,
-            consumer: durable,
-            dead_letter,
-            subject,
-            ack_wait,
-        } => {
-            let processor = consumer(format!("{stream}/{durable}"));
-            let nats = Nats {
-                url: &url,
-                stream: &stream,
-                durable: &durable,
-                dead_letter,
-                subject,
-                ack_wait,
-            };
-            nats.run(&config, processor, shutdown).await?;
-        }
-        Source::Kafka(kafka) => {
-            let processor = consumer(kafka.topic.clone());
-            kafka::run(&config, kafka, processor, shutdown).await?;
-        }
-        Source::Sqs(sqs) => {
-            let processor = consumer(sqs.queue_name());
-            sqs::run(&config, sqs, processor, shutdown).await?;
-        }
-    }
+    let handler = HttpHandler::new(to, config.handler_timeout, info.source, calls);
+    let processor: Processor = Consumer::new(name, watched, handler)
+        .lease(config.lease)
+        .retention(config.retention)
+        .max_deliveries(config.max_deliveries);
+    let settings = SourceSettings::new(config.name.clone())
+        .concurrency(calls)
+        .prefetch(usize::from(config.prefetch))
+        .handler_timeout(config.handler_timeout)
+        .start_check(START_CHECK);
+    tracing::info!(source = kind.name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "starting");
+    (kind.run)(from, settings, AnyProcessor::new(processor), Box::pin(shutdown))
+        .await
+        .map_err(|error| ConsumeError::Broker { from: shown, error })?;
     tracing::info!("stopped: the running calls were recorded and settled");
-    Ok(())
-}
-
-/// Consumes a RabbitMQ queue.
-async fn amqp(
-    config: &Config,
-    url: &str,
-    queue: &str,
-    processor: Arc<Processor>,
-    shutdown: Shutdown,
-) -> Result<(), ConsumeError> {
-    reachable(url).await?;
-    tracing::info!(%queue, to = %config.to, "consuming");
-    Worker::new(url.to_owned(), Topology::for_queue(queue), processor)
-        .prefetch(config.prefetch)
-        .run_until(shutdown)
-        .await
-        .map_err(|e| ConsumeError::Broker {
-            from: idempotency::redact_url(url),
-            why: e.to_string(),
-        })
-}
-
-/// A JetStream source, parsed.
-struct Nats<'a> {
-    url: &'a str,
-    stream: &'a str,
-    durable: &'a str,
-    dead_letter: String,
-    subject: Option<String>,
-    ack_wait: Option<Duration>,
-}
-
-impl Nats<'_> {
-    /// Consumes with a durable pull consumer.
-    async fn run(
-        self,
-        config: &Config,
-        processor: Arc<Processor>,
-        shutdown: Shutdown,
-    ) -> Result<(), ConsumeError> {
-        let refuse = |why: String| ConsumeError::Broker {
-            from: idempotency::redact_url(self.url),
-            why,
-        };
-        // The first connection must work (a wrong address is an error at start); after it,
-        // the client reconnects by itself for as long as it takes.
-        let options = async_nats::ConnectOptions::new().max_reconnects(None);
-        let client = tokio::time::timeout(START_CHECK, options.connect(self.url))
-            .await
-            .map_err(|_| refuse("the server did not answer within 10 s".into()))?
-            .map_err(|e| {
-                refuse(format!(
-                    "cannot connect to the server: {}",
-                    idempotency::redact_url(&e.to_string())
-                ))
-            })?;
-        let jetstream = async_nats::jetstream::new(client);
-        if jetstream
-            .stream_by_subject(self.dead_letter.as_str())
-            .await
-            .is_err()
-        {
-            return Err(refuse(format!(
-                "dead letters go to subject `{}`, which no stream stores: add it to a stream's subjects, or name another with &dead_letter=SUBJECT",
-                self.dead_letter
-            )));
-        }
-        let mut worker = idempotency_nats::Worker::new(
-            jetstream,
-            self.stream.to_owned(),
-            self.durable.to_owned(),
-            self.dead_letter,
-            processor,
-        )
-        .concurrency(usize::from(config.prefetch));
-        if let Some(subject) = self.subject {
-            worker = worker.filter_subject(subject);
-        }
-        if let Some(ack_wait) = self.ack_wait {
-            worker = worker.ack_wait(ack_wait);
-        }
-        tracing::info!(stream = %self.stream, consumer = %self.durable, to = %config.to, "consuming");
-        worker
-            .run_until(shutdown)
-            .await
-            .map_err(|e| refuse(e.to_string()))
-    }
-}
-
-/// How long the checks at start wait for a broker to answer.
-const START_CHECK: Duration = Duration::from_secs(10);
-
-/// Connects to the broker once before consuming, so that a wrong address or credentials are a
-/// clear error at start rather than reconnection attempts forever (after a good start, a lost
-/// broker is waited for).
-async fn reachable(url: &str) -> Result<(), ConsumeError> {
-    let refuse = |why: String| ConsumeError::Broker {
-        from: idempotency::redact_url(url),
-        why,
-    };
-    let connect = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
-    let connection = tokio::time::timeout(START_CHECK, connect)
-        .await
-        .map_err(|_| refuse("the broker did not answer within 10 s".into()))?
-        .map_err(|e| {
-            refuse(format!(
-                "cannot connect to the broker: {}",
-                idempotency::redact_url(&e.to_string())
-            ))
-        })?;
-    let _ = connection.close(200, "checked".into()).await;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_consumer_guide_names_every_source_and_parameter() {
+        let guide = include_str!("../../../../docs/CONSUMERS.md");
+        for kind in idempotency::sources().kinds() {
+            assert!(
+                guide.contains(kind.example),
+                "{} is not in docs/CONSUMERS.md",
+                kind.example
+            );
+            for line in kind.parameters.lines() {
+                let parameter = line.trim_start().split(['=', ' ']).next().unwrap_or_default();
+                let named = parameter.starts_with("any")
+                    || parameter.starts_with('(')
+                    || parameter.starts_with("credentials")
+                    || parameter.contains(':')
+                    || guide.contains(&format!("`{parameter}`"));
+                assert!(named, "{}: `{parameter}` is not in docs/CONSUMERS.md", kind.name);
+            }
+        }
+        assert!(source_help("kafka").unwrap().contains("topic=TOPIC"));
+        assert!(source_help("nope").is_err());
+    }
 
     #[test]
     fn handler_urls_must_be_http() {

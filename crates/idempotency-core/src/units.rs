@@ -1,5 +1,6 @@
 //! Human durations (`2s`, `5m`, `24h`, `1h30m`, `250ms`) and sizes (`1MiB`, `512KiB`, `64kB`,
-//! `1048576`), as the flags and `IDEM_*` variables take them.
+//! `1048576`), as `idem`'s flags, its `IDEM_*` variables and the broker and store URLs take
+//! them.
 //!
 //! Hand-written on purpose, rather than `humantime` and `parse-size`: the flags set leases and
 //! retentions, where a misread value is a double execution, and those crates read more than we
