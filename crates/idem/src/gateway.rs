@@ -659,18 +659,20 @@ impl Admin {
 /// One write of a throwaway record (kept for a second), through the watched store: when writes
 /// failed last, a health check tries one, so that a gateway a load balancer took out of
 /// rotation (and that no request reaches) still notices when the store recovers.
-async fn probe_write(store: &DynStore) -> Result<(), String> {
+async fn probe_write(store: &DynStore) -> Result<(), idempotency::StoreError> {
     let (scope, _) = ScopeSecret::record();
     let request = BeginRequest::new(scope, Key::generate(), Fingerprint::of_bytes(b"healthz"))
         .lease(Duration::from_secs(1))
         .retention(Duration::from_secs(1));
-    match store.begin(&request).await.map_err(|e| e.to_string())? {
+    match store.begin(&request).await? {
         Claim::Acquired(held) => store
             .complete(&held, Outcome::from(&b""[..]), Duration::from_secs(1))
             .await
-            .map(drop)
-            .map_err(|e| e.to_string()),
-        other => Err(format!("a fresh key was not acquired: {other:?}")),
+            .map(drop),
+        other => Err(idempotency::StoreError::new(
+            idempotency::ErrorKind::Protocol,
+            format!("a fresh key was not acquired: {other:?}"),
+        )),
     }
 }
 

@@ -210,16 +210,18 @@ impl KeySource {
     /// let missing = KeySource::Header("Idempotency-Key".into()).find(&Bare).unwrap_err();
     /// assert_eq!(missing, "no Idempotency-Key header");
     /// let invalid = KeySource::MessageId.find(&Bare).unwrap_err();
-    /// assert!(invalid.starts_with("invalid key in the message id: "), "{invalid}");
+    /// assert!(invalid.to_string().starts_with("invalid key in the message id: "), "{invalid}");
     /// ```
     ///
     /// # Errors
     ///
-    /// The reason, when the key is missing or invalid.
-    pub fn find(&self, message: &dyn Delivery) -> Result<Key, String> {
-        self.key_of(message).map_err(|problem| match problem {
-            KeyProblem::Missing => self.missing(),
-            KeyProblem::Invalid(why) => format!("invalid key in {}: {why}", self.place()),
+    /// A [`NoKey`] whose text is the reason, when the key is missing or invalid.
+    pub fn find(&self, message: &dyn Delivery) -> Result<Key, NoKey> {
+        self.key_of(message).map_err(|problem| {
+            NoKey(match problem {
+                KeyProblem::Missing => self.missing(),
+                KeyProblem::Invalid(why) => format!("invalid key in {}: {why}", self.place()),
+            })
         })
     }
 
@@ -261,6 +263,26 @@ impl KeySource {
             ),
             Self::Custom(extract) => extract(message).ok_or(KeyProblem::Missing),
         }
+    }
+}
+
+/// Why a message has no usable key: the reason its dead letter carries, written for people
+/// (`no Idempotency-Key header`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NoKey(String);
+
+impl NoKey {
+    /// The reason, as a dead letter carries it.
+    #[must_use]
+    pub fn into_reason(self) -> String {
+        self.0
+    }
+}
+
+impl PartialEq<&str> for NoKey {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
     }
 }
 
@@ -440,6 +462,7 @@ impl Rules {
     /// The message's key, or the dead-letter disposition of a message without a usable one.
     fn key(&self, message: &dyn Delivery) -> Result<Key, Disposition> {
         self.keys.find(message).map_err(|reason| {
+            let reason = reason.into_reason();
             self.count("dead_lettered");
             tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
             Disposition::DeadLetter { reason }

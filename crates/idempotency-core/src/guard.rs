@@ -88,11 +88,11 @@ pub enum Decision {
 /// ```
 /// use idempotency_core::{Decision, Outcome, OutcomePolicy};
 ///
-/// let policy = |result: &Result<u64, String>| match result {
+/// let policy = |result: &Result<u64, std::io::Error>| match result {
 ///     Ok(charge_id) => Decision::Complete(Outcome::new(charge_id.to_string())),
 ///     Err(_) => Decision::Release,
 /// };
-/// assert_eq!(policy.decide(&Err("gateway timeout".into())), Decision::Release);
+/// assert_eq!(policy.decide(&Err(std::io::Error::other("gateway timeout"))), Decision::Release);
 /// ```
 pub trait OutcomePolicy<T> {
     /// The decision for `value`.
@@ -786,7 +786,7 @@ impl<S: TransactionalStore> Guard<S> {
     /// use idempotency_core::TransactionalStore;
     ///
     /// # async fn example<S: TransactionalStore>(guard: Guard<S>) -> Result<(), Box<dyn std::error::Error>> {
-    /// let policy = |written: &Result<u64, String>| match written {
+    /// let policy = |written: &Result<u64, std::io::Error>| match written {
     ///     Ok(rows) => Decision::Complete(Outcome::new(rows.to_string())),
     ///     Err(_) => Decision::Release, // roll the rows back; a retry runs again
     /// };

@@ -276,7 +276,7 @@ pub fn consumer_key(data: &[u8]) {
         match source.find(&message) {
             Ok(key) => assert!(is_valid_key(&key), "{source:?} found an invalid key {key:?}"),
             Err(reason) => {
-                let headers = dead_letter_headers("fuzz", 3, &reason);
+                let headers = dead_letter_headers("fuzz", 3, &reason.into_reason());
                 for (name, value) in headers {
                     assert!(
                         !value.contains(['\r', '\n']),

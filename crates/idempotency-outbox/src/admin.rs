@@ -42,17 +42,20 @@ impl fmt::Display for InboxState {
     }
 }
 
-impl FromStr for InboxState {
-    type Err = String;
+/// A text that names no inbox state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not an inbox state (pending, processed, dead)")]
+pub struct UnknownInboxState(String);
 
-    fn from_str(text: &str) -> Result<Self, String> {
+impl FromStr for InboxState {
+    type Err = UnknownInboxState;
+
+    fn from_str(text: &str) -> Result<Self, UnknownInboxState> {
         match text {
             "pending" => Ok(Self::Pending),
             "processed" => Ok(Self::Processed),
             "dead" => Ok(Self::Dead),
-            other => Err(format!(
-                "{other:?} is not an inbox state (pending, processed, dead)"
-            )),
+            other => Err(UnknownInboxState(other.to_owned())),
         }
     }
 }
@@ -88,7 +91,9 @@ fn inbox_row(row: &sqlx::postgres::PgRow, whole: bool) -> Result<InboxRow, Outbo
         id: row.get("id"),
         consumer: row.get("consumer"),
         key: row.get("key"),
-        state: state.parse().map_err(OutboxError::Schema)?,
+        state: state
+            .parse()
+            .map_err(|e: UnknownInboxState| OutboxError::Schema(e.to_string()))?,
         attempts: row.get("attempts"),
         last_error: row.get("last_error"),
         age_seconds: row.get("age_seconds"),

@@ -367,7 +367,9 @@ impl<M: Delivery + Sync> Processor<M> for InboxReceiver {
             Ok(key) => key,
             Err(reason) => {
                 metrics::counter!("idempotency_inbox_received_total", "consumer" => self.inbox.consumer.to_string(), "result" => "no_key").increment(1);
-                return Disposition::DeadLetter { reason };
+                return Disposition::DeadLetter {
+                    reason: reason.into_reason(),
+                };
             }
         };
         match self

@@ -50,8 +50,8 @@ mod schema;
 mod wake;
 
 pub use admin::{
-    InboxRow, InboxState, InboxStats, OutboxRow, OutboxStats, inbox_list, inbox_purge, inbox_replay,
-    inbox_show, inbox_stats, outbox_list, outbox_stats, purge_sent,
+    InboxRow, InboxState, InboxStats, OutboxRow, OutboxStats, UnknownInboxState, inbox_list, inbox_purge,
+    inbox_replay, inbox_show, inbox_stats, outbox_list, outbox_stats, purge_sent,
 };
 pub use inbox::{Inbox, InboxHandler, InboxMessage, InboxReceiver, Received, RetryPolicy};
 pub use inbox_worker::InboxWorker;

@@ -88,11 +88,16 @@ pub struct Config {
     pub admin_listen: Option<SocketAddr>,
 }
 
-fn consumer_name(text: &str) -> Result<String, String> {
+fn consumer_name(text: &str) -> Result<String, InvalidName> {
     idempotency::Scope::new(text)
         .map(|_| text.to_owned())
-        .map_err(|e| format!("not a valid consumer name: {e}"))
+        .map_err(InvalidName)
 }
+
+/// `--name` is not a scope.
+#[derive(Debug, thiserror::Error)]
+#[error("not a valid consumer name: {0}")]
+pub struct InvalidName(#[source] idempotency::KeyError);
 
 /// `--handler-timeout`: 100 ms to 24 h (zero would retry every message without calling).
 fn parse_handler_timeout(text: &str) -> Result<Duration, FlagError> {
