@@ -1,8 +1,7 @@
 //! What can go wrong in the `idem` commands, as one typed error.
 
 use idempotency::StoreError;
-
-use crate::gateway::UpstreamError;
+use idempotency_consumer::adapter::AdapterError;
 
 /// A failed `idem` command; its message is what the user reads after `idem: error:`.
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +58,7 @@ pub enum Error {
     Upstream(#[from] UpstreamError),
     /// `idem consume` cannot consume from its source or call its handler.
     #[error(transparent)]
-    Consume(#[from] crate::consume::ConsumeError),
+    Consume(#[from] ConsumeError),
     /// The demo's temporary directory could not be created.
     #[error("a temporary directory for the demo's store: {0}")]
     TempDir(#[source] std::io::Error),
@@ -90,4 +89,71 @@ impl Error {
             source,
         }
     }
+}
+
+/// Why an upstream URL is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpstreamError {
+    /// Not a URL at all.
+    #[error("`{text}` is not a URL: {reason}")]
+    NotAUrl {
+        /// What was given.
+        text: String,
+        /// The URI parser's message (its error type is not `Clone`).
+        reason: String,
+    },
+    /// An `https://` upstream.
+    #[error("`{0}`: https upstreams are not supported; reach the upstream over http on a private network")]
+    Https(String),
+    /// Any scheme but `http://`.
+    #[error("`{0}`: the upstream must be an http:// URL")]
+    NotHttp(String),
+    /// No host.
+    #[error("`{0}`: the upstream URL has no host")]
+    NoHost(String),
+    /// A query string.
+    #[error("`{0}`: the upstream URL must not have a query")]
+    Query(String),
+}
+
+/// A source `idem consume` cannot consume from, or a handler URL it cannot call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumeError {
+    /// `--from` is not a URL of a source this build consumes from.
+    #[error("--from {from}: {}", .error.message())]
+    Source {
+        /// The URL, its password redacted.
+        from: String,
+        /// Why, as the source's parser says.
+        #[source]
+        error: AdapterError,
+    },
+    /// `--to` is not an `http://` URL.
+    #[error("--to {to}: {why}")]
+    Handler {
+        /// The URL, its password redacted.
+        to: String,
+        /// Why.
+        why: String,
+    },
+    /// The broker could not be reached at start, or refused the consumer's setup (a queue
+    /// declared with other arguments, a topic that does not exist).
+    #[error("--from {from}: {error}")]
+    Broker {
+        /// The URL, its password redacted.
+        from: String,
+        /// What the broker's adapter says, with its kind.
+        #[source]
+        error: AdapterError,
+    },
+    /// `--help-source` names no source this build has.
+    #[error("--help-source {name}: no such source (this build has: {known})")]
+    UnknownSource {
+        /// The name given.
+        name: String,
+        /// The names of the sources this build has.
+        known: String,
+    },
 }

@@ -2,6 +2,9 @@
 //!
 //! * [`gateway`]: the idempotency gateway (`idem serve`), a reverse proxy with the HTTP layer in
 //!   front of any upstream;
+//! * [`consume`]: `idem consume`, a broker's messages to an HTTP handler, on a registry of
+//!   sources;
+//! * [`flags`]: the flags' parsers; [`admin`]: the `/healthz` and `/metrics` endpoints;
 //! * [`server`]: the gateway's HTTP/1 server, with the limits untrusted clients need;
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
@@ -12,10 +15,12 @@ pub use error::Error;
 /// Human durations and sizes as the flags take them (core's, shared with the broker URLs).
 pub use idempotency_core::units;
 
+pub mod admin;
 pub mod boxes;
 pub mod consume;
 pub mod demo;
 pub mod error;
+pub mod flags;
 pub mod gateway;
 pub mod ops;
 pub mod server;

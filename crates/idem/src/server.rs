@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -248,4 +249,18 @@ impl hyper::body::Body for BodyDeadline {
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// A listener on `addr`.
+///
+/// # Errors
+///
+/// [`crate::Error::Listen`] when it cannot be bound.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, crate::Error> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| crate::Error::Listen {
+            addr: addr.to_string(),
+            source,
+        })
 }

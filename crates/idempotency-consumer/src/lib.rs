@@ -69,6 +69,8 @@
 use std::fmt;
 use std::future::Future;
 
+use metrics::SharedString;
+
 use futures_util::FutureExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -445,7 +447,7 @@ fn complete_on_success(result: &Result<Outcome, HandlerError>) -> Decision {
 /// dead-letter reasons and metrics.
 #[derive(Debug, Clone)]
 struct Rules {
-    name: &'static str,
+    name: SharedString,
     scope: Scope,
     keys: KeySource,
     backoff: Backoff,
@@ -455,7 +457,7 @@ struct Rules {
 
 impl Rules {
     fn count(&self, result: &'static str) {
-        metrics::counter!("idempotency_consumer_messages_total", "consumer" => self.name, "result" => result)
+        metrics::counter!("idempotency_consumer_messages_total", "consumer" => self.name.clone(), "result" => result)
             .increment(1);
     }
 
@@ -464,14 +466,14 @@ impl Rules {
         self.keys.find(message).map_err(|reason| {
             let reason = reason.into_reason();
             self.count("dead_lettered");
-            tracing::warn!(consumer = self.name, %reason, "dead-lettering a message");
+            tracing::warn!(consumer = &*self.name, %reason, "dead-lettering a message");
             Disposition::DeadLetter { reason }
         })
     }
 
     fn store_unavailable(&self, error: &dyn fmt::Display, deliveries: u32) -> Disposition {
         self.count("store_unavailable");
-        tracing::warn!(consumer = self.name, %error, "store unavailable; requeueing");
+        tracing::warn!(consumer = &*self.name, %error, "store unavailable; requeueing");
         Disposition::Nack {
             after: self.backoff.delay(deliveries),
         }
@@ -527,7 +529,7 @@ impl Rules {
                 // transaction, nothing committed (or the commit's fate is unknown): the
                 // redelivery runs or replays.
                 (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released | Recorded::Unknown)) => {
-                    tracing::error!(consumer = self.name, ?recorded, "outcome not recorded");
+                    tracing::error!(consumer = &*self.name, ?recorded, "outcome not recorded");
                     self.store_unavailable(&"the outcome could not be recorded", deliveries)
                 }
                 (Err(error), _) => self.failed(error, deliveries),
@@ -544,8 +546,9 @@ impl Rules {
                 }
             }
             HandlerError::Panicked(message) => {
-                metrics::counter!("idempotency_consumer_panics_total", "consumer" => self.name).increment(1);
-                tracing::error!(consumer = self.name, deliveries, %message, "the handler panicked");
+                metrics::counter!("idempotency_consumer_panics_total", "consumer" => self.name.clone())
+                    .increment(1);
+                tracing::error!(consumer = &*self.name, deliveries, %message, "the handler panicked");
                 if deliveries >= self.max_deliveries {
                     self.count("dead_lettered");
                     Disposition::DeadLetter {
@@ -592,14 +595,17 @@ impl<S: Store, H> Consumer<S, H> {
     /// # Panics
     ///
     /// If `name` is not a valid scope (1 to 255 bytes of visible ASCII).
-    pub fn new(name: &'static str, store: S, handler: H) -> Self {
+    pub fn new(name: impl Into<SharedString>, store: S, handler: H) -> Self {
+        let name = name.into();
         Self {
-            guard: Guard::new(store).name(name).retention(DEFAULT_CONSUMER_RETENTION),
+            guard: Guard::new(store)
+                .name(name.clone())
+                .retention(DEFAULT_CONSUMER_RETENTION),
             handler,
             rules: Rules {
-                name,
-                scope: Scope::new(name)
+                scope: Scope::new(&*name)
                     .unwrap_or_else(|e| panic!("consumer name {name:?} is not a valid scope: {e}")),
+                name,
                 keys: KeySource::Header(IDEMPOTENCY_KEY_HEADER.into()),
                 backoff: Backoff::default(),
                 max_deliveries: 5,
@@ -657,8 +663,8 @@ impl<S: Store, H> Consumer<S, H> {
 
     /// The consumer's name.
     #[must_use]
-    pub fn name(&self) -> &'static str {
-        self.rules.name
+    pub fn name(&self) -> &str {
+        &self.rules.name
     }
 
     /// Calls `run` (one guarded attempt at `key`) again while it answers that the key is in

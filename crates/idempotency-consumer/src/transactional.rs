@@ -80,7 +80,7 @@ impl<S: TransactionalStore, H> TxConsumer<S, H> {
     /// # Panics
     ///
     /// If `name` is not a valid scope (1 to 255 bytes of visible ASCII).
-    pub fn new(name: &'static str, store: S, handler: H) -> Self {
+    pub fn new(name: impl Into<metrics::SharedString>, store: S, handler: H) -> Self {
         Self {
             inner: Consumer::new(name, store, handler),
         }
@@ -130,7 +130,7 @@ impl<S: TransactionalStore, H> TxConsumer<S, H> {
 
     /// The consumer's name.
     #[must_use]
-    pub fn name(&self) -> &'static str {
+    pub fn name(&self) -> &str {
         self.inner.name()
     }
 }

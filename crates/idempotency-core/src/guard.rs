@@ -50,6 +50,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
+use metrics::SharedString;
 use tracing::Instrument;
 
 use crate::wait::{InFlightWait, Waiters};
@@ -240,7 +241,7 @@ pub enum Execution<T> {
 #[derive(Debug, Clone)]
 pub struct Guard<S> {
     store: S,
-    name: &'static str,
+    name: SharedString,
     lease: Duration,
     retention: Duration,
     heartbeat: Option<Duration>,
@@ -299,16 +300,16 @@ impl Op {
 }
 
 impl HotMetrics {
-    fn new(guard: &'static str) -> Self {
+    fn new(guard: &SharedString) -> Self {
         Self {
-            acquired: metrics::counter!("idempotency_acquired_total", "guard" => guard, "recovered" => "false"),
-            acquired_recovered: metrics::counter!("idempotency_acquired_total", "guard" => guard, "recovered" => "true"),
-            replayed: metrics::counter!("idempotency_replayed_total", "guard" => guard),
-            in_flight: metrics::counter!("idempotency_in_flight_total", "guard" => guard),
-            mismatch: metrics::counter!("idempotency_mismatch_total", "guard" => guard),
+            acquired: metrics::counter!("idempotency_acquired_total", "guard" => guard.clone(), "recovered" => "false"),
+            acquired_recovered: metrics::counter!("idempotency_acquired_total", "guard" => guard.clone(), "recovered" => "true"),
+            replayed: metrics::counter!("idempotency_replayed_total", "guard" => guard.clone()),
+            in_flight: metrics::counter!("idempotency_in_flight_total", "guard" => guard.clone()),
+            mismatch: metrics::counter!("idempotency_mismatch_total", "guard" => guard.clone()),
             durations: Op::ALL
                 .iter()
-                .map(|op| metrics::histogram!("idempotency_store_duration_seconds", "guard" => guard, "op" => op.as_str()))
+                .map(|op| metrics::histogram!("idempotency_store_duration_seconds", "guard" => guard.clone(), "op" => op.as_str()))
                 .collect(),
         }
     }
@@ -319,7 +320,7 @@ impl<S: Store> Guard<S> {
     pub fn new(store: S) -> Self {
         Self {
             store,
-            name: "default",
+            name: SharedString::const_str("default"),
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             heartbeat: None,
@@ -329,13 +330,13 @@ impl<S: Store> Guard<S> {
     }
 
     fn hot(&self) -> &HotMetrics {
-        self.hot.get_or_init(|| HotMetrics::new(self.name))
+        self.hot.get_or_init(|| HotMetrics::new(&self.name))
     }
 
     /// Names the guard in spans and metrics labels (for example the route or consumer name).
     #[must_use]
-    pub fn name(mut self, name: &'static str) -> Self {
-        self.name = name;
+    pub fn name(mut self, name: impl Into<SharedString>) -> Self {
+        self.name = name.into();
         self.hot = Arc::default();
         self
     }
@@ -472,7 +473,7 @@ impl<S: Store> Guard<S> {
     fn span(&self, scope: &Scope, key: &Key, transaction: bool) -> tracing::Span {
         tracing::debug_span!(
             "idempotency.run",
-            guard = self.name,
+            guard = &*self.name,
             scope = %scope.redacted(),
             key = %key.redacted(),
             transaction,
@@ -512,7 +513,8 @@ impl<S: Store> Guard<S> {
                 span.record("attempt", held.attempt);
                 if held.recovered {
                     self.hot().acquired_recovered.increment(1);
-                    metrics::counter!("idempotency_lease_takeovers_total", "guard" => self.name).increment(1);
+                    metrics::counter!("idempotency_lease_takeovers_total", "guard" => self.name.clone())
+                        .increment(1);
                     tracing::warn!(
                         scope = %held.scope.redacted(),
                         key = %held.key.redacted(),
@@ -582,7 +584,7 @@ impl<S: Store> Guard<S> {
                 }
                 Ok(Fenced::LeaseLost) => {
                     lease_lost.store(true, Ordering::Relaxed);
-                    metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "extend")
+                    metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "extend")
                         .increment(1);
                     tracing::warn!(
                         scope = %held.scope.redacted(),
@@ -622,7 +624,7 @@ impl<S: Store> Guard<S> {
         } else {
             return;
         };
-        metrics::counter!("idempotency_heartbeat_late_total", "guard" => self.name, "how" => how)
+        metrics::counter!("idempotency_heartbeat_late_total", "guard" => self.name.clone(), "how" => how)
             .increment(1);
         tracing::warn!(
             scope = %held.scope.redacted(),
@@ -636,7 +638,7 @@ impl<S: Store> Guard<S> {
 
     /// Leaves the record in flight: the heartbeat stops with the run, and the lease runs out.
     fn unknown(&self, held: &Held) -> Recorded {
-        metrics::counter!("idempotency_outcome_unknown_total", "guard" => self.name).increment(1);
+        metrics::counter!("idempotency_outcome_unknown_total", "guard" => self.name.clone()).increment(1);
         tracing::warn!(
             scope = %held.scope.redacted(),
             key = %held.key.redacted(),
@@ -660,7 +662,7 @@ impl<S: Store> Guard<S> {
                 Recorded::Completed { expires_at }
             }
             Ok(Fenced::LeaseLost) => {
-                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "complete")
+                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "complete")
                     .increment(1);
                 tracing::warn!(
                     scope = %held.scope.redacted(),
@@ -696,7 +698,7 @@ impl<S: Store> Guard<S> {
                 Recorded::Released
             }
             Ok(Fenced::LeaseLost) => {
-                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name, "op" => "release")
+                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "release")
                     .increment(1);
                 Recorded::LeaseLost
             }
@@ -761,7 +763,7 @@ impl<S: Store> Guard<S> {
         if let Err(error) = &result {
             metrics::counter!(
                 "idempotency_store_errors_total",
-                "guard" => self.name,
+                "guard" => self.name.clone(),
                 "op" => op.as_str(),
                 "kind" => error.kind().as_str(),
             )

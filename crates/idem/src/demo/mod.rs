@@ -218,7 +218,7 @@ async fn charge(State(upstream): State<Arc<Upstream>>, headers: HeaderMap, body:
 
 async fn serve(router: Router) -> Result<SocketAddr, Error> {
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
-    let listener = gateway::bind(any).await?;
+    let listener = crate::server::bind(any).await?;
     let addr = listener.local_addr().map_err(|source| Error::Listen {
         addr: any.to_string(),
         source,
@@ -618,7 +618,7 @@ fn demo_store(store: Option<&str>) -> Result<(String, Option<tempfile::TempDir>)
 async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAddr, Error> {
     let config = Config {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        upstream: gateway::parse_upstream(&format!("http://{upstream}"))?,
+        upstream: crate::flags::parse_upstream(&format!("http://{upstream}"))?,
         store: store_url.to_owned(),
         methods: vec![http::Method::POST],
         require_key: true,

@@ -26,15 +26,15 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotency::{Attempt, Outcome, Watched};
-use idempotency_consumer::adapter::AdapterError;
 use idempotency_consumer::source::{AnyProcessor, SourceSettings};
 use idempotency_consumer::{Consumer, Delivery, Handler, HandlerError};
 use tokio::sync::Semaphore;
 
+use crate::admin::{ADMIN_PREFIX, Admin, admin_router};
+pub use crate::error::ConsumeError;
 use crate::error::Error;
-use crate::gateway::{
-    ADMIN_PREFIX, Admin, FlagError, admin_router, bind, bounded_duration, parse_lease, parse_retention,
-};
+use crate::flags::{FlagError, bounded_duration, parse_lease, parse_retention};
+use crate::server::bind;
 use crate::units;
 
 /// The most of a handler's answer that is read and stored as the outcome (a longer answer is
@@ -103,47 +103,6 @@ pub struct InvalidName(#[source] idempotency::KeyError);
 fn parse_handler_timeout(text: &str) -> Result<Duration, FlagError> {
     let range = (Duration::from_millis(100), Duration::from_secs(86_400));
     bounded_duration(text, "--handler-timeout", range, "must be from 100ms to 24h")
-}
-
-/// A source `idem consume` cannot consume from, or a handler URL it cannot call.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConsumeError {
-    /// `--from` is not a URL of a source this build consumes from.
-    #[error("--from {from}: {}", .error.message())]
-    Source {
-        /// The URL, its password redacted.
-        from: String,
-        /// Why, as the source's parser says.
-        #[source]
-        error: AdapterError,
-    },
-    /// `--to` is not an `http://` URL.
-    #[error("--to {to}: {why}")]
-    Handler {
-        /// The URL, its password redacted.
-        to: String,
-        /// Why.
-        why: String,
-    },
-    /// The broker could not be reached at start, or refused the consumer's setup (a queue
-    /// declared with other arguments, a topic that does not exist).
-    #[error("--from {from}: {error}")]
-    Broker {
-        /// The URL, its password redacted.
-        from: String,
-        /// What the broker's adapter says, with its kind.
-        #[source]
-        error: AdapterError,
-    },
-    /// `--help-source` names no source this build has.
-    #[error("--help-source {name}: no such source (this build has: {known})")]
-    UnknownSource {
-        /// The name given.
-        name: String,
-        /// The names of the sources this build has.
-        known: String,
-    },
 }
 
 /// The sources `idem consume` takes: one line per broker this build has, with its example URL.
@@ -401,8 +360,7 @@ pub async fn consume(
         });
     }
     let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
-    // The name lives as long as the process: the consumer core keeps it as `&'static str`.
-    let name: &'static str = Box::leak(config.name.clone().into_boxed_str());
+    let name = config.name.clone();
     let handler = HttpHandler::new(to, config.handler_timeout, info.source, calls);
     let processor: Processor = Consumer::new(name, watched, handler)
         .lease(config.lease)
@@ -427,7 +385,7 @@ mod tests {
 
     #[test]
     fn the_consumer_guide_names_every_source_and_parameter() {
-        let guide = include_str!("../../../../docs/CONSUMERS.md");
+        let guide = include_str!("../../../docs/CONSUMERS.md");
         for kind in idempotency::sources().kinds() {
             assert!(
                 guide.contains(kind.example),

@@ -1,0 +1,301 @@
+//! `idem`'s flags and their parsers: every value a flag (or its `IDEM_*` variable) takes is
+//! checked here, with the reason in the error, before anything starts.
+
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::{Method, Uri};
+use idempotency::ScopeSecret;
+
+pub use crate::error::UpstreamError;
+use crate::units;
+
+/// Checks an upstream URL: `http://host[:port][/base]`, no query.
+///
+/// # Errors
+///
+/// An [`UpstreamError`] that says what is wrong.
+pub fn parse_upstream(text: &str) -> Result<Uri, UpstreamError> {
+    let uri: Uri = text
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| UpstreamError::NotAUrl {
+            text: text.into(),
+            reason: e.to_string(),
+        })?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => return Err(UpstreamError::Https(text.into())),
+        _ => return Err(UpstreamError::NotHttp(text.into())),
+    }
+    if uri.authority().is_none() {
+        return Err(UpstreamError::NoHost(text.into()));
+    }
+    if uri.query().is_some() {
+        return Err(UpstreamError::Query(text.into()));
+    }
+    Ok(uri)
+}
+
+/// A flag value that is not an HTTP method or header name the gateway accepts, or a duration or
+/// size outside what makes sense for its setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FlagError {
+    /// Not a duration or a size at all.
+    #[error(transparent)]
+    Unit(#[from] units::UnitError),
+    /// A duration or size outside its setting's range.
+    #[error("`{text}` is out of range for {setting}: {why}")]
+    OutOfRange {
+        /// What was given.
+        text: String,
+        /// The setting.
+        setting: &'static str,
+        /// The range, and what goes wrong outside it.
+        why: &'static str,
+    },
+    /// Not one of the standard methods.
+    #[error("`{0}` is not an HTTP method (GET, POST, PUT, PATCH, DELETE, ...)")]
+    Method(String),
+    /// Not a valid header name.
+    #[error("`{0}` is not a header name")]
+    HeaderName(String),
+    /// Not a status class (`5xx`) or code (`429`).
+    #[error("`{0}` is not an HTTP status (100 to 599) or class (1xx to 5xx)")]
+    Status(String),
+    /// Flags that contradict each other.
+    #[error("{0}")]
+    Conflict(&'static str),
+    /// A scope secret that is too short (the value itself is never echoed).
+    #[error("--scope-secret: {0}")]
+    ScopeSecret(#[from] idempotency::SecretError),
+}
+
+/// `--scope-secret`: 16 bytes or more.
+///
+/// # Errors
+///
+/// [`FlagError::ScopeSecret`], which does not repeat the value.
+pub fn parse_scope_secret(text: &str) -> Result<ScopeSecret, FlagError> {
+    Ok(ScopeSecret::new(text.as_bytes())?)
+}
+
+/// Parses `--scope-secret` with [`parse_scope_secret`]. A plain `value_parser` function's
+/// error would make clap print "invalid value '`<the secret>`'": this one's error names the flag
+/// and the reason only.
+#[derive(Debug, Clone, Copy)]
+pub struct SecretParser;
+
+impl clap::builder::TypedValueParser for SecretParser {
+    type Value = ScopeSecret;
+
+    fn parse_ref(
+        &self,
+        _command: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<ScopeSecret, clap::Error> {
+        let refuse =
+            |why: String| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{why}\n"));
+        let text = value
+            .to_str()
+            .ok_or_else(|| refuse("--scope-secret: not valid UTF-8".into()))?;
+        parse_scope_secret(text).map_err(|e| refuse(e.to_string()))
+    }
+}
+
+/// A set of HTTP statuses, as `--release-on` takes it: classes (`5xx`) and single codes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StatusSet {
+    /// Whole classes, by their first digit.
+    classes: Vec<u16>,
+    /// Single codes.
+    codes: Vec<u16>,
+}
+
+impl StatusSet {
+    /// Whether `status` is in the set.
+    #[must_use]
+    pub fn contains(&self, status: http::StatusCode) -> bool {
+        let code = status.as_u16();
+        self.classes.contains(&(code / 100)) || self.codes.contains(&code)
+    }
+}
+
+/// Parses `--release-on`: `none`, or a comma-separated list of classes (`1xx` to `5xx`) and
+/// codes (100 to 599).
+///
+/// # Errors
+///
+/// [`FlagError::Status`] naming the item that is neither.
+pub fn parse_status_set(text: &str) -> Result<StatusSet, FlagError> {
+    let mut set = StatusSet::default();
+    if text.trim().eq_ignore_ascii_case("none") {
+        return Ok(set);
+    }
+    for item in text.split(',').map(str::trim) {
+        let bad = || FlagError::Status(item.to_owned());
+        let lower = item.to_ascii_lowercase();
+        if let Some(class) = lower.strip_suffix("xx") {
+            match class.parse::<u16>() {
+                Ok(class @ 1..=5) if lower.len() == 3 => set.classes.push(class),
+                _ => return Err(bad()),
+            }
+        } else {
+            match item.parse::<u16>() {
+                Ok(code @ 100..=599) if item.len() == 3 => set.codes.push(code),
+                _ => return Err(bad()),
+            }
+        }
+    }
+    Ok(set)
+}
+
+/// A duration flag within `[min, max]`.
+pub(crate) fn bounded_duration(
+    text: &str,
+    setting: &'static str,
+    (min, max): (Duration, Duration),
+    why: &'static str,
+) -> Result<Duration, FlagError> {
+    let duration = units::parse_duration(text)?;
+    if duration < min || duration > max {
+        return Err(FlagError::OutOfRange {
+            text: text.into(),
+            setting,
+            why,
+        });
+    }
+    Ok(duration)
+}
+
+/// `--lease`: 1 s to 24 h. A zero lease lets a concurrent duplicate take a running request over
+/// and run it again; a longer one than a day leaves a crashed request's key blocked for as long.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_lease(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
+    bounded_duration(
+        text,
+        "--lease",
+        range,
+        "from 1s to 24h (a shorter lease lets a duplicate run while the first still runs)",
+    )
+}
+
+/// `--retention`: 1 s to 3650 days. Zero would replay nothing: every retry would run again.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_retention(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_secs(1), Duration::from_secs(3650 * 86_400));
+    bounded_duration(
+        text,
+        "--retention",
+        range,
+        "from 1s to 3650d (with none, every retry runs again)",
+    )
+}
+
+/// `--upstream-timeout`: 100 ms to 24 h. Zero would answer 504 while the upstream runs.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_upstream_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(100), Duration::from_secs(86_400));
+    bounded_duration(text, "--upstream-timeout", range, "from 100ms to 24h")
+}
+
+/// `--header-timeout` and `--body-timeout`: 100 ms to 1 h. Without a bound, a client that
+/// never finishes its request holds its connection forever.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_client_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(100), Duration::from_secs(3600));
+    bounded_duration(text, "a client timeout", range, "from 100ms to 1h")
+}
+
+/// `--drain-timeout`: 0 s to 1 h (zero: exit at once on shutdown, abandoning what runs).
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_drain_timeout(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::ZERO, Duration::from_secs(3600));
+    bounded_duration(text, "--drain-timeout", range, "from 0s to 1h")
+}
+
+/// `--purge-every`: an interval, or never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeEvery(pub Option<Duration>);
+
+/// `--purge-every`: `off`, or 1 s to 24 h.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_purge_every(text: &str) -> Result<PurgeEvery, FlagError> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(PurgeEvery(None));
+    }
+    let range = (Duration::from_secs(1), Duration::from_secs(86_400));
+    bounded_duration(text, "--purge-every", range, "from 1s to 24h, or off")
+        .map(|every| PurgeEvery(Some(every)))
+}
+
+/// `--wait`: 1 ms to 1 h.
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_wait(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::from_millis(1), Duration::from_secs(3600));
+    bounded_duration(text, "--wait", range, "from 1ms to 1h")
+}
+
+/// `--max-body` and `--max-response`: 1 byte to 1 GiB (bodies are held in memory).
+///
+/// # Errors
+///
+/// [`FlagError`] saying why.
+pub fn parse_limit(text: &str) -> Result<usize, FlagError> {
+    let size = units::parse_size(text)?;
+    if size == 0 || size > 1 << 30 {
+        return Err(FlagError::OutOfRange {
+            text: text.into(),
+            setting: "a size limit",
+            why: "from 1B to 1GiB (bodies are held in memory)",
+        });
+    }
+    Ok(size)
+}
+
+/// A standard HTTP method, in any case.
+///
+/// # Errors
+///
+/// [`FlagError::Method`] for anything else.
+pub fn parse_method(text: &str) -> Result<Method, FlagError> {
+    let upper = text.trim().to_ascii_uppercase();
+    match upper.as_str() {
+        "GET" | "HEAD" | "POST" | "PUT" | "PATCH" | "DELETE" | "OPTIONS" => {
+            Method::from_bytes(upper.as_bytes()).map_err(|_| FlagError::Method(text.into()))
+        }
+        _ => Err(FlagError::Method(text.into())),
+    }
+}
+
+/// A header name.
+///
+/// # Errors
+///
+/// [`FlagError::HeaderName`] when it is not one.
+pub fn parse_header_name(text: &str) -> Result<HeaderName, FlagError> {
+    HeaderName::from_bytes(text.trim().as_bytes()).map_err(|_| FlagError::HeaderName(text.into()))
+}

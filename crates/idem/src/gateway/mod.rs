@@ -1,0 +1,355 @@
+//! `idem serve`: the idempotency gateway, a reverse proxy that puts the HTTP layer in front of
+//! any upstream. Its flags are [`Config`] (parsed in [`crate::flags`]), the proxy is
+//! [`proxy`], the admin endpoints are [`crate::admin`], the HTTP server is [`crate::server`].
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use http::header::HeaderName;
+use http::{Method, Request, Uri};
+use idempotency::{DynStore, ScopeSecret, Watched};
+use idempotency_http::{DetachedRuns, IdempotencyLayer};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+pub mod proxy;
+
+use crate::admin::{ADMIN_PREFIX, Admin, admin_router};
+use crate::error::Error;
+use crate::flags::{
+    FlagError, PurgeEvery, SecretParser, StatusSet, parse_client_timeout, parse_drain_timeout,
+    parse_header_name, parse_lease, parse_limit, parse_method, parse_purge_every, parse_retention,
+    parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
+};
+use crate::server::{self, bind};
+pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
+
+/// Everything `idem serve` is configured with: the command line's flags (each also an `IDEM_*`
+/// environment variable) are these fields, so a setting is added in one place. `Default` is the
+/// command line's defaults, with an upstream on `http://127.0.0.1:3000`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// The upstream's base URL (http://host:port[/base]).
+    #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
+    pub upstream: Uri,
+    /// Where the gateway listens.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., redis-cluster://h:p,h:p, memory://
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    pub store: String,
+    /// How long a request may run without a heartbeat before a retry may take over.
+    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = parse_lease)]
+    pub lease: Duration,
+    /// Do not create or upgrade the store's schema on start: refuse to start on a store that
+    /// `idem migrate` has not prepared (for a role that may not run DDL, or a deployment that
+    /// migrates in a step of its own).
+    #[arg(long, env = "IDEM_NO_MIGRATE")]
+    pub no_migrate: bool,
+    /// How long a completed request's response is replayed.
+    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = parse_retention)]
+    pub retention: Duration,
+    /// The largest request body (413 beyond it).
+    #[arg(long, env = "IDEM_MAX_BODY", default_value = "1MiB", value_parser = parse_limit)]
+    pub max_body: usize,
+    /// The most memory all guarded request bodies may hold at once (503 beyond it, nothing
+    /// runs); at least --max-body.
+    #[arg(long, env = "IDEM_MAX_BUFFERED", default_value = "128MiB", value_parser = parse_limit)]
+    pub max_buffered: usize,
+    /// The largest response that is stored for replay (larger ones pass through, not replayable).
+    #[arg(long, env = "IDEM_MAX_RESPONSE", default_value = "1MiB", value_parser = parse_limit)]
+    pub max_response: usize,
+    /// The guarded methods, comma-separated.
+    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',', value_parser = parse_method)]
+    pub methods: Vec<Method>,
+    /// Answer 400 to guarded requests without an Idempotency-Key.
+    #[arg(long, env = "IDEM_REQUIRE_KEY")]
+    pub require_key: bool,
+    /// Scope keys by a keyed hash of this header's value (for example Authorization).
+    #[arg(long, env = "IDEM_SCOPE_HEADER", value_parser = parse_header_name)]
+    pub scope_header: Option<HeaderName>,
+    /// The secret (16 bytes or more) the scope hash is keyed with; every gateway on one store
+    /// needs the same. Without it, the first gateway generates one and keeps it in the store.
+    #[arg(long, env = "IDEM_SCOPE_SECRET", hide_env_values = true, value_parser = SecretParser)]
+    pub scope_secret: Option<ScopeSecret>,
+    /// Wait mode: a duplicate of a running request waits up to this long for its response.
+    #[arg(long, env = "IDEM_WAIT", value_parser = parse_wait)]
+    pub wait: Option<Duration>,
+    /// Forward requests without the guard while the store is unreachable (default: 503).
+    #[arg(long, env = "IDEM_FAIL_OPEN")]
+    pub fail_open: bool,
+    /// How long the upstream may take to answer, body included (504 after it; the outcome is
+    /// unknown, so the key stays in flight until its lease ends).
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "60s", value_parser = parse_upstream_timeout)]
+    pub upstream_timeout: Duration,
+    /// The upstream statuses that release the key, so that a retry runs again: classes (`5xx`)
+    /// and codes (`429`), comma-separated, or `none`; every other answer is stored and replayed.
+    /// Stripe's choice, a 5xx is final: `--release-on 408,409,425,429`.
+    #[arg(long, env = "IDEM_RELEASE_ON", default_value = "1xx,3xx,5xx,408,409,425,429", value_parser = parse_status_set)]
+    pub release_on: StatusSet,
+    /// How long a client may take to send a request's headers (the connection is closed after).
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_client_timeout)]
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body (408 after it; nothing runs).
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_client_timeout)]
+    pub body_timeout: Duration,
+    /// How many client connections are served at once (more wait to be accepted).
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "512", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections: u32,
+    /// How often expired records are purged, in batches of 1000 (`off`: never; the store's
+    /// table then grows until `idem keys purge` runs). Ignored by stores that expire records by
+    /// themselves (Redis).
+    #[arg(long, env = "IDEM_PURGE_EVERY", default_value = "1m", value_parser = parse_purge_every)]
+    pub purge_every: PurgeEvery,
+    /// How long shutdown waits for running requests; what still runs after it is abandoned to
+    /// its lease, and a retry takes it over.
+    #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_drain_timeout)]
+    pub drain_timeout: Duration,
+}
+
+impl Config {
+    /// The checks that involve more than one flag.
+    ///
+    /// # Errors
+    ///
+    /// [`FlagError::Conflict`] saying which flags and why.
+    pub fn check(&self) -> Result<(), FlagError> {
+        if self.max_buffered < self.max_body {
+            return Err(FlagError::Conflict(
+                "--max-buffered is smaller than --max-body: a body of the largest size allowed could never be buffered",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for Config {
+    /// The defaults clap holds for the flags (nothing is written twice), read without the
+    /// `IDEM_*` environment, with an upstream on `http://127.0.0.1:3000`.
+    fn default() -> Self {
+        use clap::{Args, FromArgMatches};
+        let command = Self::augment_args(clap::Command::new("idem serve")).mut_args(|arg| arg.env(None));
+        command
+            .try_get_matches_from(["idem serve", "--upstream", "http://127.0.0.1:3000"])
+            .and_then(|matches| Self::from_arg_matches(&matches))
+            .expect("the flags' defaults parse (tested)")
+    }
+}
+
+/// The gateway's routers and the handle on its layer's detached runs.
+#[derive(Debug)]
+pub struct Routers {
+    /// The layer around the proxy, with the admin endpoints under [`ADMIN_PREFIX`] unless they
+    /// have a listener of their own.
+    pub main: Router,
+    /// The admin endpoints, when `admin_listen` gives them a listener of their own.
+    pub admin: Option<Router>,
+    /// The guarded runs whose clients went away, finishing on tasks of their own: the gateway
+    /// waits for them before it exits.
+    pub detached: DetachedRuns,
+}
+
+/// The gateway's routers: the layer around the proxy, and the admin endpoints.
+pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Routers {
+    let watched = Watched::new(store);
+    let health = watched.health();
+    let store: DynStore = std::sync::Arc::new(watched);
+    let mut layer = IdempotencyLayer::new(store.clone())
+        .name("gateway")
+        .methods(config.methods.iter().cloned())
+        .require_key(config.require_key)
+        .max_body(config.max_body)
+        .max_buffered(config.max_buffered)
+        .max_response(config.max_response)
+        // The upstream chunks as it likes: store what ends within the limit all the same.
+        .buffer_streamed_responses(true)
+        .lease(config.lease)
+        .retention(config.retention)
+        .fail_open(config.fail_open);
+    if let Some(name) = &config.scope_header {
+        // `serve` fills the secret in from the store when the flag is absent; a router built
+        // without one (a test) gets a fresh secret of its own.
+        let secret = config.scope_secret.clone().unwrap_or_else(ScopeSecret::generate);
+        layer = layer.scope_from_header(name.clone(), secret);
+    }
+    let release_on = config.release_on.clone();
+    layer = layer.final_status(move |status| !release_on.contains(status));
+    if let Some(deadline) = config.wait {
+        layer = layer.wait(deadline);
+    }
+    let detached = layer.detached_runs();
+    let body_timeout = config.body_timeout;
+    let proxy = tower::ServiceBuilder::new()
+        .map_request(move |request: Request<Body>| {
+            request.map(|body| Body::new(server::BodyDeadline::new(body, body_timeout)))
+        })
+        .layer(layer)
+        .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
+    let admin = Admin::new(store, &config.store, health, metrics);
+    let main = Router::new().fallback_service(proxy);
+    let (main, admin) = match config.admin_listen {
+        Some(_) => (main, Some(admin_router(admin, ""))),
+        None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
+    };
+    Routers {
+        main,
+        admin,
+        detached,
+    }
+}
+
+/// Runs the gateway until `shutdown`, then stops accepting, lets in-flight requests finish
+/// (their outcomes recorded), and returns.
+///
+/// # Errors
+///
+/// The store cannot be opened, or a listener cannot be bound.
+pub async fn serve(
+    mut config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(Error::Metrics)?;
+    let access = if config.no_migrate {
+        idempotency::Access::Existing
+    } else {
+        idempotency::Access::Create
+    };
+    let store = idempotency::open_with(&config.store, access)
+        .await
+        .map_err(|e| Error::open(&config.store, e))?;
+    if config.scope_header.is_some() && config.scope_secret.is_none() {
+        let secret = ScopeSecret::kept_in(&*store)
+            .await
+            .map_err(|e| Error::open(&config.store, e))?;
+        config.scope_secret = Some(secret);
+    }
+    let listener = bind(config.listen).await?;
+    // Expired records are deleted in the background, so the table does not grow without bound.
+    let purging = config.purge_every.0.map(|every| {
+        tokio::spawn(
+            idempotency::Purger::new(store.clone())
+                .every(every)
+                .batch(1000)
+                .run(),
+        )
+    });
+    let Routers {
+        main,
+        admin,
+        detached,
+    } = router(&config, store, metrics);
+    let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    let limits = server::Limits {
+        header_timeout: config.header_timeout,
+        max_connections: config.max_connections as usize,
+        drain_timeout: config.drain_timeout,
+    };
+    if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
+        let admin_listener = bind(addr).await?;
+        let stop = shutdown.clone();
+        tokio::spawn(server::serve(
+            admin_listener,
+            admin,
+            limits,
+            DetachedRuns::default(),
+            stop,
+        ));
+    }
+    tracing::info!(
+        listen = %config.listen,
+        upstream = %config.upstream,
+        store = %idempotency::redact_url(&config.store),
+        "idem gateway ready"
+    );
+    if server::serve(listener, main, limits, detached, shutdown).await {
+        tracing::info!("drained; in-flight requests finished and recorded");
+    }
+    if let Some(purging) = purging {
+        purging.abort();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+    use crate::flags::UpstreamError;
+
+    #[test]
+    fn the_default_is_the_flags_defaults_whatever_the_environment() {
+        let config = Config::default();
+        assert_eq!(config.listen, SocketAddr::from(([127, 0, 0, 1], 8080)));
+        assert_eq!(config.store, "sqlite://idem.db");
+        assert_eq!(config.lease, Duration::from_secs(30));
+        assert_eq!(config.retention, Duration::from_secs(86_400));
+        assert_eq!((config.max_body, config.max_response), (1 << 20, 1 << 20));
+        assert_eq!(config.methods, vec![Method::POST, Method::PATCH]);
+        assert_eq!(config.upstream_timeout, Duration::from_secs(60));
+        assert!(!config.require_key && !config.fail_open);
+        assert!(config.scope_header.is_none() && config.wait.is_none() && config.admin_listen.is_none());
+        assert_eq!(config.upstream, "http://127.0.0.1:3000");
+    }
+
+    #[test]
+    fn upstreams_and_flags_are_refused_with_the_reason() {
+        assert_eq!(
+            parse_upstream("https://a").unwrap_err().to_string(),
+            "`https://a`: https upstreams are not supported; reach the upstream over http on a private network"
+        );
+        assert!(matches!(
+            parse_upstream("http://a/?q=1"),
+            Err(UpstreamError::Query(_))
+        ));
+        assert!(matches!(
+            parse_upstream("ftp://a"),
+            Err(UpstreamError::NotHttp(_))
+        ));
+        assert!(matches!(
+            parse_upstream("not a url"),
+            Err(UpstreamError::NotAUrl { .. })
+        ));
+        assert_eq!(parse_method("patch"), Ok(Method::PATCH));
+        assert!(parse_method("FETCH").is_err());
+        assert!(parse_header_name("bad header").is_err());
+    }
+
+    #[test]
+    fn release_on_takes_classes_codes_or_none() {
+        use http::StatusCode;
+        let default = Config::default().release_on;
+        for (code, released) in [(500, true), (503, true), (429, true), (408, true), (302, true)] {
+            assert_eq!(
+                default.contains(StatusCode::from_u16(code).unwrap()),
+                released,
+                "{code}"
+            );
+        }
+        for code in [200, 201, 400, 404, 422] {
+            assert!(!default.contains(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+        let stripe = parse_status_set("408, 409,425,429").unwrap();
+        assert!(!stripe.contains(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(stripe.contains(StatusCode::TOO_MANY_REQUESTS));
+        assert!(
+            !parse_status_set("none")
+                .unwrap()
+                .contains(StatusCode::BAD_GATEWAY)
+        );
+        for bad in ["", "6xx", "0xx", "55xx", "5x", "99", "600", "abc", "429,", "4290"] {
+            assert_eq!(
+                parse_status_set(bad),
+                Err(FlagError::Status(
+                    bad.rsplit(',').next().unwrap().trim().to_owned()
+                )),
+                "{bad}"
+            );
+        }
+    }
+}
