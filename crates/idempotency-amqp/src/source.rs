@@ -17,6 +17,7 @@ pub const SOURCE: SourceKind = SourceKind {
     schemes: &["amqp", "amqps"],
     example: "amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE",
     parameters: "queue=QUEUE      the queue (required); QUEUE.retry and QUEUE.dead are declared beside it if missing\n\
+                 expires=10m      delete the three queues once unused that long (x-expires), for short-lived environments\n\
                  any other        passed on to the client (RabbitMQ's URI parameters, heartbeat=10 …)",
     parse,
     run,
@@ -29,6 +30,8 @@ pub struct AmqpSource {
     pub url: String,
     /// The queue.
     pub queue: String,
+    /// Delete the queues once unused this long (`expires=`, RabbitMQ's `x-expires`).
+    pub expires: Option<std::time::Duration>,
 }
 
 impl fmt::Debug for AmqpSource {
@@ -36,6 +39,7 @@ impl fmt::Debug for AmqpSource {
         f.debug_struct("AmqpSource")
             .field("url", &idempotency_core::redact_url(&self.url))
             .field("queue", &self.queue)
+            .field("expires", &self.expires)
             .finish()
     }
 }
@@ -64,14 +68,23 @@ impl AmqpSource {
             return Err(refuse(format!("not an amqp:// URL; expected {}", SOURCE.example)));
         }
         let mut queue = None;
+        let mut expires = None;
         let mut rest = Vec::new();
         for (name, value) in parsed.query_pairs() {
-            if name == "queue" {
-                queue = Some(value.into_owned());
-            } else {
-                rest.push((name.into_owned(), value.into_owned()));
+            match &*name {
+                "queue" => queue = Some(value.into_owned()),
+                "expires" => expires = Some(value.into_owned()),
+                _ => rest.push((name.into_owned(), value.into_owned())),
             }
         }
+        let expires = expires
+            .map(|text| {
+                idempotency_core::units::parse_duration(&text)
+                    .ok()
+                    .filter(|d| *d >= std::time::Duration::from_millis(1))
+                    .ok_or_else(|| refuse(format!("expires={text}: expected a duration such as 10m")))
+            })
+            .transpose()?;
         let queue = queue
             .filter(|q| !q.is_empty())
             .ok_or_else(|| refuse("names no queue: add ?queue=QUEUE".into()))?;
@@ -88,15 +101,21 @@ impl AmqpSource {
         Ok(Self {
             url: parsed.into(),
             queue,
+            expires,
         })
     }
 
-    /// A worker on this queue, its queues declared as [`Topology::for_queue`] does.
+    /// A worker on this queue, its queues declared as [`Topology::for_queue`] does (with
+    /// `x-expires` when the URL says `expires=`).
     pub fn worker<P: idempotency_consumer::Processor<crate::AmqpMessage>>(
         &self,
         processor: Arc<P>,
     ) -> Worker<P> {
-        Worker::new(self.url.clone(), Topology::for_queue(&self.queue), processor)
+        let mut topology = Topology::for_queue(&self.queue);
+        if let Some(expires) = self.expires {
+            topology = topology.expires(expires);
+        }
+        Worker::new(self.url.clone(), topology, processor)
     }
 
     /// Connects once, so that a wrong address or credentials are a clear error at start rather
@@ -148,8 +167,9 @@ mod tests {
 
     #[test]
     fn urls_are_parsed_and_refused_with_the_reason() {
-        let source = AmqpSource::from_url("amqp://h/v?heartbeat=10&queue=q").unwrap();
+        let source = AmqpSource::from_url("amqp://h/v?heartbeat=10&queue=q&expires=10m").unwrap();
         assert_eq!(source.url, "amqp://h/v?heartbeat=10");
+        assert_eq!(source.expires, Some(std::time::Duration::from_secs(600)));
         let source = AmqpSource::from_url("amqps://app:s3cret@h/%2f?queue=q").unwrap();
         assert_eq!(source.url, "amqps://app:s3cret@h/%2f");
         assert!(!format!("{source:?}").contains("s3cret"));
@@ -161,6 +181,8 @@ mod tests {
                 "not one RabbitMQ accepts",
             ),
             ("not a url", "not a URL"),
+            ("amqp://h/v?queue=q&expires=soon", "expires=soon: expected a duration"),
+            ("amqp://h/v?queue=q&expires=0s", "expires=0s: expected a duration"),
         ] {
             let error = AmqpSource::from_url(url).unwrap_err();
             assert_eq!(error.kind(), AdapterErrorKind::Config, "{url}");

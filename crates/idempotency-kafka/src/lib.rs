@@ -80,6 +80,8 @@ pub const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct KafkaMessage {
     message: OwnedMessage,
     deliveries: u32,
+    /// Where a worker's partition learns that the message is settled.
+    progress: Option<std::sync::Arc<worker::Progress>>,
 }
 
 impl KafkaMessage {
@@ -89,6 +91,22 @@ impl KafkaMessage {
         Self {
             message,
             deliveries: 1,
+            progress: None,
+        }
+    }
+
+    /// A message of a worker's partition, whose settlement moves the partition's commit.
+    pub(crate) fn tracked(message: OwnedMessage, progress: std::sync::Arc<worker::Progress>) -> Self {
+        Self {
+            progress: Some(progress),
+            ..Self::new(message)
+        }
+    }
+
+    /// Marks the message settled for its partition's next commit.
+    fn settled(&self) {
+        if let Some(progress) = &self.progress {
+            progress.settled(self.message.offset());
         }
     }
 
@@ -189,13 +207,20 @@ impl Broker for KafkaBroker {
     type Message = KafkaMessage;
     const NAME: &'static str = BROKER;
 
+    /// `Ack`: the message's offset becomes committable (the worker commits in batches).
+    /// `Nack`: nothing; the caller processes the same message again after the delay.
+    /// `DeadLetter`: an acknowledged copy to the dead-letter topic, then the offset becomes
+    /// committable.
     async fn settle(&self, message: &KafkaMessage, disposition: &Disposition) -> Result<(), AdapterError> {
         match disposition {
-            Disposition::Ack | Disposition::Nack { .. } => Ok(()),
+            Disposition::Ack => message.settled(),
+            Disposition::Nack { .. } => {}
             Disposition::DeadLetter { reason } => {
-                dead_letter(&self.producer, &self.dead_letter_topic, message, reason).await
+                dead_letter(&self.producer, &self.dead_letter_topic, message, reason).await?;
+                message.settled();
             }
         }
+        Ok(())
     }
 }
 

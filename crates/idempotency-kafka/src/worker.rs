@@ -468,13 +468,25 @@ struct Partition {
 }
 
 /// What a partition's task reports to the poll thread.
-struct Progress {
+#[derive(Debug)]
+pub(crate) struct Progress {
     /// Messages routed to the task and not yet taken up.
     queued: AtomicUsize,
     /// The offset after the last settled message (what to commit), or -1.
     settled: AtomicI64,
     /// Messages settled since the last commit.
     uncommitted: AtomicU64,
+}
+
+impl Progress {
+    /// `offset`'s message is settled: the offset after it may be committed. Called by the
+    /// pipeline's settlement ([`KafkaBroker`](crate::KafkaBroker)), which is the only way a
+    /// message's offset becomes committable: never before its outcome is recorded or its
+    /// dead-letter copy acknowledged.
+    pub(crate) fn settled(&self, offset: i64) {
+        self.settled.store(offset + 1, Ordering::SeqCst);
+        self.uncommitted.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 /// The worker's metrics, labelled once.
@@ -762,19 +774,11 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                 },
             };
             progress.queued.fetch_sub(1, Ordering::SeqCst);
-            let offset = message.offset();
-            let span = tracing::debug_span!("kafka_message", consumer = %self.name, topic = %self.topic, partition, offset);
-            match self
-                .settle(KafkaMessage::new(message), &mut stop)
-                .instrument(span)
-                .await
-            {
-                Some(_) => {
-                    progress.settled.store(offset + 1, Ordering::SeqCst);
-                    progress.uncommitted.fetch_add(1, Ordering::SeqCst);
-                }
+            let span = tracing::debug_span!("kafka_message", consumer = %self.name, topic = %self.topic, partition, offset = message.offset());
+            let message = KafkaMessage::tracked(message, Arc::clone(&progress));
+            if self.settle(message, &mut stop).instrument(span).await.is_none() {
                 // Revoked before it settled: left uncommitted, for the next owner.
-                None => return,
+                return;
             }
         }
     }

@@ -40,6 +40,7 @@
 
 mod harness;
 
+pub mod brokers;
 pub mod connections;
 pub mod faults;
 pub mod history;

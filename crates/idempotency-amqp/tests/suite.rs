@@ -1,0 +1,137 @@
+//! The broker suite (`idempotency_testkit::adapter_suite!`) on the real RabbitMQ server
+//! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`), each case on queues of its own
+//! that expire ten minutes after the case.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use idempotency_amqp::{AmqpMessage, Topology};
+use idempotency_consumer::Delivery;
+use idempotency_consumer::source::SourceKind;
+use idempotency_core::Key;
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+const EXPIRES: Duration = Duration::from_secs(600);
+
+struct RabbitMq;
+
+struct Queue {
+    _connection: Connection,
+    channel: Channel,
+    topology: Topology,
+    /// The dead letters read so far (reading takes them off the queue).
+    dead: Mutex<Vec<(String, String)>>,
+}
+
+impl BrokerHarness for RabbitMq {
+    type Source = Queue;
+
+    async fn source(&self, case: &str) -> Queue {
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ at {} is needed for this test: {e}", amqp_url()));
+        let channel = connection.create_channel().await.unwrap();
+        let topology = Topology::for_queue(&format!("suite-{case}-{}", Key::generate())).expires(EXPIRES);
+        topology.declare(&channel).await.unwrap();
+        Queue {
+            _connection: connection,
+            channel,
+            topology,
+            dead: Mutex::default(),
+        }
+    }
+}
+
+impl Queue {
+    async fn ready(&self, queue: &str) -> u64 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = self
+            .channel
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+            .unwrap();
+        u64::from(declared.message_count())
+    }
+}
+
+impl BrokerSource for Queue {
+    fn kind(&self) -> SourceKind {
+        idempotency_amqp::SOURCE
+    }
+
+    fn url(&self) -> String {
+        let url = amqp_url();
+        let joint = if url.contains('?') { '&' } else { '?' };
+        format!(
+            "{url}{joint}queue={}&expires={}s",
+            self.topology.queue,
+            EXPIRES.as_secs()
+        )
+    }
+
+    fn hold(&self) -> Option<Duration> {
+        None
+    }
+
+    async fn publish(&self, key: Option<&str>, payload: &[u8]) {
+        let mut headers = FieldTable::default();
+        if let Some(key) = key {
+            headers.insert("Idempotency-Key".into(), AMQPValue::LongString(key.into()));
+        }
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.topology.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                payload,
+                BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        while let Some(message) = self
+            .channel
+            .basic_get(
+                self.topology.dead_queue.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
+            let message = AmqpMessage::new(message.delivery);
+            let text = |name: &str| {
+                message
+                    .header(name)
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default()
+            };
+            self.dead
+                .lock()
+                .unwrap()
+                .push((text("Idempotency-Key"), text("Idempotency-Dead-Reason")));
+        }
+        self.dead.lock().unwrap().clone()
+    }
+
+    /// Ready messages of the work and retry queues (RabbitMQ does not count the unacknowledged
+    /// ones in a declaration's answer; the cases wait for their effects first).
+    async fn outstanding(&self) -> u64 {
+        self.ready(&self.topology.queue).await + self.ready(&self.topology.retry_queue).await
+    }
+}
+
+idempotency_testkit::adapter_suite!(RabbitMq);

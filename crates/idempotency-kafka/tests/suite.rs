@@ -1,0 +1,114 @@
+//! The broker suite (`idempotency_testkit::adapter_suite!`) on librdkafka's in-process
+//! cluster, each case on a cluster of its own: a three-partition topic, its dead-letter topic,
+//! and a group whose dead members are noticed within seconds.
+
+mod common;
+
+use std::time::Duration;
+
+use common::committed_and_end;
+use idempotency_consumer::source::SourceKind;
+use idempotency_core::IDEMPOTENCY_KEY_HEADER;
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+const PARTITIONS: i32 = 3;
+
+struct Kafka;
+
+struct Topic {
+    // Declared first so that it is dropped first: it talks to the cluster.
+    producer: FutureProducer,
+    cluster: MockCluster<'static, DefaultProducerContext>,
+}
+
+impl BrokerHarness for Kafka {
+    type Source = Topic;
+
+    async fn source(&self, _case: &str) -> Topic {
+        let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
+        cluster.create_topic("work", PARTITIONS, 1).unwrap();
+        cluster.create_topic("work.dead", 1, 1).unwrap();
+        let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
+        Topic { producer, cluster }
+    }
+}
+
+impl Topic {
+    fn client(&self, group: &str) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", self.cluster.bootstrap_servers())
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest");
+        config
+    }
+}
+
+impl BrokerSource for Topic {
+    fn kind(&self) -> SourceKind {
+        idempotency_kafka::SOURCE
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "kafka://{}?topic=work&group=suite&session.timeout.ms=6000&heartbeat.interval.ms=500",
+            self.cluster.bootstrap_servers()
+        )
+    }
+
+    fn hold(&self) -> Option<Duration> {
+        None
+    }
+
+    async fn publish(&self, key: Option<&str>, payload: &[u8]) {
+        let mut record = FutureRecord::<[u8], [u8]>::to("work").payload(payload);
+        if let Some(key) = key {
+            let headers = OwnedHeaders::new().insert(Header {
+                key: IDEMPOTENCY_KEY_HEADER,
+                value: Some(key),
+            });
+            record = record.headers(headers).key(key.as_bytes());
+        }
+        self.producer.send(record, Duration::from_secs(30)).await.unwrap();
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let reader: StreamConsumer = self.client("dead-letter-readers").create().unwrap();
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset("work.dead", 0, Offset::Beginning)
+            .unwrap();
+        reader.assign(&list).unwrap();
+        let mut found = Vec::new();
+        while let Ok(Ok(message)) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
+            let header = |name: &str| {
+                message
+                    .headers()
+                    .and_then(|headers| headers.iter().find(|header| header.key == name))
+                    .and_then(|header| header.value)
+                    .map(|value| String::from_utf8_lossy(value).into_owned())
+                    .unwrap_or_default()
+            };
+            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
+        }
+        found
+    }
+
+    /// The group's committed offsets behind the partitions' ends.
+    async fn outstanding(&self) -> u64 {
+        let reader: BaseConsumer = self.client("suite").create().unwrap();
+        tokio::task::spawn_blocking(move || {
+            let (committed, end) = committed_and_end(&reader, "work", PARTITIONS);
+            u64::try_from(end - committed).unwrap_or(0)
+        })
+        .await
+        .unwrap()
+    }
+}
+
+idempotency_testkit::adapter_suite!(Kafka);

@@ -1,0 +1,150 @@
+//! The broker suite (`idempotency_testkit::adapter_suite!`) on the real NATS JetStream server
+//! (`NATS_URL`, default `nats://127.0.0.1:4222`), each case on a stream of its own with a
+//! durable consumer whose ack wait is one second.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures_util::StreamExt;
+use idempotency_consumer::source::SourceKind;
+use idempotency_core::Key;
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// The consumer's ack wait: a handler three times as long needs progress acks.
+const ACK_WAIT: Duration = Duration::from_secs(1);
+
+struct JetStream;
+
+struct Stream {
+    js: jetstream::Context,
+    stream: String,
+    work: String,
+    dead: String,
+    workers: PullConsumer,
+}
+
+impl BrokerHarness for JetStream {
+    type Source = Stream;
+
+    async fn source(&self, case: &str) -> Stream {
+        let client = async_nats::connect(nats_url())
+            .await
+            .unwrap_or_else(|e| panic!("NATS JetStream at {} is needed for this test: {e}", nats_url()));
+        let js = jetstream::new(client);
+        let id = Key::generate().as_str().replace('-', "");
+        let stream = format!("SUITE_{}_{id}", case.to_uppercase());
+        let (work, dead) = (format!("suite.{id}.work"), format!("suite.{id}.dead"));
+        let created = js
+            .create_stream(jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![work.clone(), dead.clone()],
+                max_age: Duration::from_secs(600),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        // The durable consumer as the worker would create it, made here so that it counts what
+        // is published before the worker starts.
+        let workers = created
+            .create_consumer(jetstream::consumer::pull::Config {
+                durable_name: Some("workers".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                filter_subject: work.clone(),
+                ack_wait: ACK_WAIT,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        Stream {
+            js,
+            stream,
+            work,
+            dead,
+            workers,
+        }
+    }
+}
+
+impl BrokerSource for Stream {
+    fn kind(&self) -> SourceKind {
+        idempotency_nats::SOURCE
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "{}?stream={}&consumer=workers&subject={}&dead_letter={}&ack_wait={}s",
+            nats_url(),
+            self.stream,
+            self.work,
+            self.dead,
+            ACK_WAIT.as_secs()
+        )
+    }
+
+    fn hold(&self) -> Option<Duration> {
+        Some(ACK_WAIT)
+    }
+
+    async fn publish(&self, key: Option<&str>, payload: &[u8]) {
+        let mut headers = HeaderMap::new();
+        if let Some(key) = key {
+            headers.insert("Idempotency-Key", key);
+        }
+        self.js
+            .publish_with_headers(self.work.clone(), headers, payload.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Every dead letter from the start, read by a consumer of its own each time (nothing is
+    /// taken away).
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let reader: PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: self.dead.clone(),
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let pending = reader.cached_info().num_pending;
+        let mut found = Vec::new();
+        if pending == 0 {
+            return found;
+        }
+        let mut batch = reader
+            .fetch()
+            .max_messages(usize::try_from(pending).unwrap())
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(message)) = batch.next().await {
+            let headers = message.headers.clone().unwrap_or_default();
+            let header = |name: &str| {
+                headers
+                    .get(name)
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default()
+            };
+            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
+        }
+        found
+    }
+
+    async fn outstanding(&self) -> u64 {
+        let mut workers = self.workers.clone();
+        let info = workers.info().await.unwrap();
+        info.num_pending + u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX)
+    }
+}
+
+idempotency_testkit::adapter_suite!(JetStream);

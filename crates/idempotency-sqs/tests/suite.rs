@@ -1,0 +1,96 @@
+//! The broker suite (`idempotency_testkit::adapter_suite!`) on the local AWS server
+//! (`AWS_ENDPOINT_URL`, default `http://127.0.0.1:5000`), each case on a queue of its own with
+//! its dead-letter queue and a two-second visibility timeout. Credentials come from the
+//! environment, as for any AWS tool (`scripts/test` sets placeholders).
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::MessageAttributeValue;
+use common::{attribute, client, depth, drain, queues};
+use idempotency_consumer::source::SourceKind;
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+
+/// The visibility timeout: a handler three times as long needs extensions.
+const VISIBILITY: Duration = Duration::from_secs(2);
+
+struct Sqs;
+
+struct Queue {
+    client: Client,
+    url: String,
+    dead_url: String,
+    /// The dead letters read so far (reading takes them off the queue).
+    dead: Mutex<Vec<(String, String)>>,
+}
+
+impl BrokerHarness for Sqs {
+    type Source = Queue;
+
+    async fn source(&self, case: &str) -> Queue {
+        let client = client();
+        let (url, dead_url) = queues(&client, &format!("suite-{case}")).await;
+        Queue {
+            client,
+            url,
+            dead_url,
+            dead: Mutex::default(),
+        }
+    }
+}
+
+impl BrokerSource for Queue {
+    fn kind(&self) -> SourceKind {
+        idempotency_sqs::SOURCE
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "sqs://?queue_url={}&dead_letter_url={}&visibility={}s&wait=1s",
+            self.url,
+            self.dead_url,
+            VISIBILITY.as_secs()
+        )
+    }
+
+    fn hold(&self) -> Option<Duration> {
+        Some(VISIBILITY)
+    }
+
+    async fn publish(&self, key: Option<&str>, payload: &[u8]) {
+        let mut send = self
+            .client
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(String::from_utf8_lossy(payload));
+        if let Some(key) = key {
+            let value = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(key)
+                .build()
+                .unwrap();
+            send = send.message_attributes("Idempotency-Key", value);
+        }
+        send.send().await.unwrap();
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        for message in drain(&self.client, &self.dead_url).await {
+            let text = |name: &str| attribute(&message, name).unwrap_or_default().to_owned();
+            self.dead
+                .lock()
+                .unwrap()
+                .push((text("Idempotency-Key"), text("Idempotency-Dead-Reason")));
+        }
+        self.dead.lock().unwrap().clone()
+    }
+
+    async fn outstanding(&self) -> u64 {
+        depth(&self.client, &self.url).await
+    }
+}
+
+idempotency_testkit::adapter_suite!(Sqs);

@@ -1,0 +1,617 @@
+//! The broker suite: one list of cases every broker adapter passes, on its real broker, through
+//! the adapter's own URL and worker ([`SourceKind::run`]) — what the conformance suite is for
+//! stores.
+//!
+//! A broker crate implements [`BrokerHarness`] in its tests (a fresh queue, stream or topic per
+//! case, a way to publish, to read the dead letters and to count what is not yet acknowledged)
+//! and expands [`adapter_suite!`](crate::adapter_suite) with it; a case is added once, in
+//! [`__with_adapter_cases!`](crate::__with_adapter_cases) and as a function here, and runs on
+//! every broker. `docs/WRITING-AN-ADAPTER.md` describes the contract the cases check.
+//!
+//! Handlers read what to do from the payload: `ok` succeeds, `fail:N` fails its first `N` calls
+//! with a retryable error, `panic` panics every time, `sleep:MS` takes that long, `hold` waits
+//! until the case lets it go.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency_consumer::adapter::AdapterError;
+use idempotency_consumer::source::{AnyProcessor, SourceKind, SourceSettings};
+use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
+use idempotency_core::{Attempt, MemoryStore, Outcome};
+use tokio::sync::Notify;
+
+use crate::FaultyStore;
+use crate::wait::eventually;
+
+/// How long a case waits for what it expects before it fails.
+pub const LIMIT: Duration = Duration::from_secs(60);
+
+/// The lease of the suite's consumers: a worker killed mid-call is taken over after it.
+pub const LEASE: Duration = Duration::from_secs(3);
+
+/// After how many deliveries a failing message is dead-lettered.
+pub const MAX_DELIVERIES: u32 = 3;
+
+/// One case's own source on a broker: a queue with its retry and dead-letter queues, a stream
+/// with its durable consumer, a topic with its group and dead-letter topic, a queue and its
+/// dead-letter queue.
+#[allow(async_fn_in_trait)] // used through generics, never as `dyn`
+pub trait BrokerSource {
+    /// The broker crate's [`SourceKind`] (its `SOURCE`).
+    fn kind(&self) -> SourceKind;
+
+    /// The URL a worker consumes this source from.
+    fn url(&self) -> String;
+
+    /// How long the broker lets a delivered message be before it hands it to another consumer
+    /// unless its hold is renewed (JetStream's ack wait, SQS's visibility timeout), when it
+    /// does; the URL sets it short, so that the suite sees a handler outlive it.
+    fn hold(&self) -> Option<Duration>;
+
+    /// Publishes `payload` with `key` as its `Idempotency-Key` (`None`: a message without one).
+    async fn publish(&self, key: Option<&str>, payload: &[u8]);
+
+    /// The dead letters so far, as (`Idempotency-Key`, `Idempotency-Dead-Reason`).
+    async fn dead_letters(&self) -> Vec<(String, String)>;
+
+    /// Messages of the source not yet acknowledged (or committed past).
+    async fn outstanding(&self) -> u64;
+}
+
+/// A broker the suite runs on.
+#[allow(async_fn_in_trait)] // used through generics, never as `dyn`
+pub trait BrokerHarness: Sync {
+    /// Its sources.
+    type Source: BrokerSource;
+
+    /// A new, empty source for the case `case` (a name unique to the run is the harness's to
+    /// add).
+    async fn source(&self, case: &str) -> Self::Source;
+}
+
+/// What the suite's handlers did: calls per key (with their attempt numbers) and effects per
+/// key.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    calls: Mutex<HashMap<String, Vec<u32>>>,
+    effects: Mutex<HashMap<String, u32>>,
+    /// `hold` payloads wait for this.
+    pub release: Notify,
+    /// Whether a `hold` call is waiting.
+    pub holding: AtomicBool,
+    failures: AtomicU32,
+}
+
+impl Ledger {
+    /// The attempt numbers of `key`'s calls, in order.
+    #[must_use]
+    pub fn calls(&self, key: &str) -> Vec<u32> {
+        self.calls.lock().unwrap().get(key).cloned().unwrap_or_default()
+    }
+
+    /// How many effects `key` had.
+    #[must_use]
+    pub fn effects(&self, key: &str) -> u32 {
+        self.effects.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    /// Every key with an effect, and how many.
+    #[must_use]
+    pub fn all_effects(&self) -> HashMap<String, u32> {
+        self.effects.lock().unwrap().clone()
+    }
+}
+
+/// The suite's handler; see the [module docs](self) for the payloads it understands.
+#[derive(Debug, Clone, Default)]
+pub struct Charger(pub Arc<Ledger>);
+
+impl<M: Delivery + Sync> Handler<M> for Charger {
+    async fn handle(&self, message: &M, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        let key = attempt.key().to_string();
+        let call = {
+            let mut calls = self.0.calls.lock().unwrap();
+            let calls = calls.entry(key.clone()).or_default();
+            calls.push(attempt.number());
+            calls.len()
+        };
+        let payload = String::from_utf8_lossy(message.payload()).into_owned();
+        if payload == "panic" {
+            panic!("poison message: cannot parse {key}");
+        }
+        if let Some(failing) = payload
+            .strip_prefix("fail:")
+            .and_then(|n| n.parse::<usize>().ok())
+            && call <= failing
+        {
+            self.0.failures.fetch_add(1, Ordering::SeqCst);
+            return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
+        }
+        if let Some(ms) = payload.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        if payload == "hold" {
+            let released = self.0.release.notified();
+            self.0.holding.store(true, Ordering::SeqCst);
+            released.await;
+        }
+        *self.0.effects.lock().unwrap().entry(key).or_default() += 1;
+        Ok(Outcome::new(payload))
+    }
+}
+
+/// The suite's consumer named `name` over `store`: the suite's lease, a short backoff, the
+/// suite's delivery limit.
+pub fn consumer(
+    name: &str,
+    store: &FaultyStore<MemoryStore>,
+    charger: &Charger,
+) -> Consumer<FaultyStore<MemoryStore>, Charger> {
+    Consumer::new(name.to_owned(), store.clone(), charger.clone())
+        .lease(LEASE)
+        .backoff(Backoff {
+            initial: Duration::from_millis(50),
+            max: Duration::from_millis(500),
+        })
+        .max_deliveries(MAX_DELIVERIES)
+}
+
+/// A worker consuming a source through its broker crate's URL and worker.
+#[derive(Debug)]
+pub struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), AdapterError>>,
+}
+
+impl Running {
+    /// Starts a worker named `name` on `source` with `processor`.
+    pub fn start(source: &impl BrokerSource, name: &str, processor: AnyProcessor) -> Self {
+        // The process-wide recorder, installed before the worker registers its metrics.
+        let _ = crate::recorded::global();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let settings = SourceSettings::new(name)
+            .concurrency(8)
+            .prefetch(8)
+            .handler_timeout(Duration::from_secs(10))
+            .start_check(Duration::from_secs(20));
+        let run = (source.kind().run)(
+            source.url(),
+            settings,
+            processor,
+            Box::pin(async move {
+                let _ = stopped.await;
+            }),
+        );
+        Self {
+            stop: Some(stop),
+            task: tokio::spawn(run),
+        }
+    }
+
+    /// Asks the worker to stop (as SIGTERM does): it takes no more messages, lets the running
+    /// ones settle, and returns; its answer is returned.
+    ///
+    /// # Panics
+    ///
+    /// If the worker's task panicked.
+    pub async fn stop(mut self) -> Result<(), AdapterError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.expect("the worker's task")
+    }
+
+    /// Kills the worker: its task is dropped where it is, as a crash would leave it.
+    pub async fn kill(mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A unique consumer name for a case on a broker, for its metrics' labels.
+fn name(source: &impl BrokerSource, case: &str) -> String {
+    format!("suite-{}-{case}", source.kind().name)
+}
+
+/// Waits until the broker has nothing of `source` unacknowledged.
+async fn until_settled(source: &impl BrokerSource) {
+    eventually(LIMIT, "every message acknowledged", async || {
+        source.outstanding().await == 0
+    })
+    .await;
+}
+
+/// The settlements the pipeline counted for `consumer` with `result`.
+fn settled(kind: SourceKind, consumer: &str, result: &str) -> u64 {
+    crate::recorded::global().counter(
+        "idempotency_consumer_settled_total",
+        &[
+            ("consumer", consumer),
+            ("broker", broker_name(kind)),
+            ("result", result),
+        ],
+    )
+}
+
+/// The broker's name in the pipeline's metrics (its `Broker::NAME`): the source's name but for
+/// RabbitMQ.
+fn broker_name(kind: SourceKind) -> &'static str {
+    match kind.name {
+        "amqp" => "rabbitmq",
+        other => other,
+    }
+}
+
+/// Every message published twice: one effect per key, every copy acked, each settlement counted
+/// by the shared pipeline.
+pub async fn every_message_sent_twice_has_one_effect(harness: &impl BrokerHarness) {
+    let source = harness.source("twice").await;
+    let name = name(&source, "twice");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    let keys: Vec<String> = (0..10).map(|n| format!("twice-{n}")).collect();
+    for _ in 0..2 {
+        for key in &keys {
+            source.publish(Some(key), b"ok").await;
+        }
+    }
+    eventually(LIMIT, "every copy acked", async || {
+        settled(source.kind(), &name, "acked") >= 20
+    })
+    .await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    for key in &keys {
+        assert_eq!(charger.0.effects(key), 1, "{key}");
+        assert_eq!(charger.0.calls(key), [1], "{key}");
+    }
+    assert!(source.dead_letters().await.is_empty());
+}
+
+/// A processor that stops dead after its inner processor recorded the outcome of the message
+/// whose key is `crash`, before the broker hears of it: the case then kills the worker.
+struct CrashAfterRecord<P> {
+    inner: P,
+    recorded: Arc<Notify>,
+    armed: AtomicBool,
+}
+
+impl<P: Processor<M>, M: Delivery + Sync> Processor<M> for CrashAfterRecord<P> {
+    async fn process(&self, message: &M) -> Disposition {
+        let disposition = self.inner.process(message).await;
+        let crash = message.header(idempotency_core::IDEMPOTENCY_KEY_HEADER) == Some(b"crash".as_slice());
+        if crash && disposition == Disposition::Ack && self.armed.swap(false, Ordering::SeqCst) {
+            self.recorded.notify_one();
+            std::future::pending::<()>().await;
+        }
+        disposition
+    }
+}
+
+/// The worker dies after the outcome is recorded and before the broker acknowledged the
+/// message: the message comes back to the next worker, which acks it from the record without
+/// running the handler again.
+pub async fn a_crash_after_the_record_and_before_the_ack_runs_nothing_twice(harness: &impl BrokerHarness) {
+    let source = harness.source("crash").await;
+    let name = name(&source, "crash");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let recorded = Arc::new(Notify::new());
+    let crashing = CrashAfterRecord {
+        inner: consumer(&name, &store, &charger),
+        recorded: Arc::clone(&recorded),
+        armed: AtomicBool::new(true),
+    };
+    let first = Running::start(&source, &name, AnyProcessor::new(crashing));
+    let waiting = recorded.notified();
+    source.publish(Some("crash"), b"ok").await;
+    tokio::time::timeout(LIMIT, waiting)
+        .await
+        .expect("the outcome recorded");
+    first.kill().await;
+    assert_eq!(charger.0.effects("crash"), 1);
+    let second = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    until_settled(&source).await;
+    second.stop().await.expect("the worker stops cleanly");
+    assert_eq!(charger.0.calls("crash"), [1], "the handler ran again");
+    assert_eq!(charger.0.effects("crash"), 1);
+}
+
+/// The worker dies while the handler runs, before its outcome is recorded: the message was not
+/// acknowledged, so it comes back to the next worker, which waits out the dead attempt's lease
+/// and runs it as attempt 2. A worker that acknowledged before recording would have lost it.
+pub async fn a_worker_killed_mid_call_leaves_the_message_to_the_next(harness: &impl BrokerHarness) {
+    let source = harness.source("killed").await;
+    let name = name(&source, "killed");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let first = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("killed"), b"hold").await;
+    eventually(LIMIT, "the call started", async || {
+        charger.0.holding.load(Ordering::SeqCst)
+    })
+    .await;
+    first.kill().await;
+    assert_eq!(charger.0.effects("killed"), 0);
+    // The next worker's call does not hold: `hold` waits for a release that comes at once.
+    charger.0.holding.store(false, Ordering::SeqCst);
+    let second = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    eventually(LIMIT, "the message run again", async || {
+        if charger.0.holding.load(Ordering::SeqCst) {
+            charger.0.release.notify_one();
+        }
+        charger.0.effects("killed") == 1
+    })
+    .await;
+    until_settled(&source).await;
+    second.stop().await.expect("the worker stops cleanly");
+    assert_eq!(charger.0.calls("killed"), [1, 2], "the retry is attempt 2");
+}
+
+/// A handler three times as long as the broker's hold on its message (or 3 s where the broker
+/// holds it for as long as the consumer lives): the hold is renewed while it runs, so the
+/// message is never handed out in parallel and the handler runs once.
+pub async fn a_handler_longer_than_the_brokers_hold_runs_once(harness: &impl BrokerHarness) {
+    let source = harness.source("long").await;
+    let name = name(&source, "long");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    let takes = source.hold().unwrap_or(Duration::from_secs(1)) * 3;
+    let payload = format!("sleep:{}", takes.as_millis());
+    source.publish(Some("long"), payload.as_bytes()).await;
+    eventually(LIMIT, "the long call recorded", async || {
+        charger.0.effects("long") == 1
+    })
+    .await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    assert_eq!(charger.0.calls("long"), [1], "delivered again while it ran");
+    if source.hold().is_some() {
+        let kept = crate::recorded::global().counter(
+            "idempotency_consumer_keep_alives_total",
+            &[("consumer", name.as_str()), ("result", "ok")],
+        );
+        assert!(kept >= 2, "the hold was renewed {kept} times");
+    }
+}
+
+/// A handler failing twice, then succeeding: called three times (attempts 1, 2, 3), one
+/// effect, nothing dead-lettered.
+pub async fn failing_twice_then_succeeding_is_retried_not_dead_lettered(harness: &impl BrokerHarness) {
+    let source = harness.source("flaky").await;
+    let name = name(&source, "flaky");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("flaky"), b"fail:2").await;
+    eventually(LIMIT, "the third call succeeded", async || {
+        charger.0.effects("flaky") == 1
+    })
+    .await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    assert_eq!(charger.0.calls("flaky"), [1, 2, 3]);
+    assert!(source.dead_letters().await.is_empty(), "dead-lettered");
+}
+
+/// A message without a key and a key reused with another payload are dead-lettered with their
+/// reasons; the first use of the key runs once.
+pub async fn missing_and_reused_keys_are_dead_lettered_with_their_reasons(harness: &impl BrokerHarness) {
+    let source = harness.source("bad").await;
+    let name = name(&source, "bad");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(None, b"ok").await;
+    source.publish(Some("reused"), b"ok").await;
+    eventually(LIMIT, "the first use recorded", async || {
+        charger.0.effects("reused") == 1
+    })
+    .await;
+    source.publish(Some("reused"), b"sleep:1").await;
+    let dead = wait_for_dead_letters(&source, 2).await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    let mut dead = dead;
+    dead.sort();
+    assert_eq!(
+        dead[0],
+        (String::new(), "no Idempotency-Key header".to_owned()),
+        "{dead:?}"
+    );
+    assert_eq!(dead[1].0, "reused", "{dead:?}");
+    assert!(
+        dead[1].1.contains("was first used with a different payload"),
+        "{dead:?}"
+    );
+    assert_eq!(charger.0.calls("reused"), [1]);
+}
+
+/// A message whose handler panics every time is dead-lettered after the delivery limit with a
+/// reason starting `panic:`, and the worker goes on with the next message.
+pub async fn a_poison_message_is_dead_lettered_and_the_worker_goes_on(harness: &impl BrokerHarness) {
+    let source = harness.source("poison").await;
+    let name = name(&source, "poison");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("poison"), b"panic").await;
+    let dead = wait_for_dead_letters(&source, 1).await;
+    assert_eq!(dead[0].0, "poison");
+    assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
+    // At least the limit: a broker whose hold ran out while the worker was slow (SQS's
+    // visibility, with a busy server) may deliver a copy once more around the dead-lettering.
+    let calls = charger.0.calls("poison").len();
+    assert!(
+        calls >= MAX_DELIVERIES as usize,
+        "dead-lettered after {calls} calls"
+    );
+    assert_eq!(charger.0.effects("poison"), 0);
+    source.publish(Some("after"), b"ok").await;
+    eventually(LIMIT, "the next message handled", async || {
+        charger.0.effects("after") == 1
+    })
+    .await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+}
+
+/// While the store is unreachable, nothing runs and nothing is acked or lost: the messages come
+/// back (twenty nacks, over more than a second of backoff), the worker is killed mid-outage,
+/// and once the store is up the next worker runs each message once. A worker that acknowledged
+/// (or, on Kafka, committed) a message before its outcome was recorded would have lost it here.
+pub async fn the_store_unreachable_nacks_and_loses_nothing(harness: &impl BrokerHarness) {
+    let source = harness.source("outage").await;
+    let name = name(&source, "outage");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    store.set_down(true);
+    let first = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    let keys: Vec<String> = (0..5).map(|n| format!("outage-{n}")).collect();
+    for key in &keys {
+        source.publish(Some(key), b"ok").await;
+    }
+    eventually(LIMIT, "twenty nacks while the store is down", async || {
+        settled(source.kind(), &name, "nacked") >= 20
+    })
+    .await;
+    assert!(charger.0.all_effects().is_empty(), "ran without its record");
+    first.kill().await;
+    let second = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    store.set_down(false);
+    eventually(LIMIT, "every message handled", async || {
+        keys.iter().all(|key| charger.0.effects(key) == 1)
+    })
+    .await;
+    until_settled(&source).await;
+    second.stop().await.expect("the worker stops cleanly");
+    assert!(source.dead_letters().await.is_empty(), "dead-lettered");
+    for key in &keys {
+        assert_eq!(charger.0.calls(key), [1], "{key}");
+    }
+}
+
+/// A shutdown while a handler runs: the worker takes no more messages, lets the call finish,
+/// records and acknowledges it, then returns; the broker has nothing left.
+pub async fn a_shutdown_lets_the_running_call_finish_and_settles_it(harness: &impl BrokerHarness) {
+    let source = harness.source("drain").await;
+    let name = name(&source, "drain");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("drain"), b"hold").await;
+    eventually(LIMIT, "the call started", async || {
+        charger.0.holding.load(Ordering::SeqCst)
+    })
+    .await;
+    // The worker is told to stop first; the call finishes after.
+    let stopping = tokio::spawn(worker.stop());
+    charger.0.release.notify_one();
+    tokio::time::timeout(LIMIT, stopping)
+        .await
+        .expect("the worker stops after the call")
+        .expect("the worker's task")
+        .expect("the worker stops cleanly");
+    assert_eq!(charger.0.effects("drain"), 1);
+    until_settled(&source).await;
+}
+
+/// Waits until `source` has at least `count` dead letters; returns them.
+async fn wait_for_dead_letters(source: &impl BrokerSource, count: usize) -> Vec<(String, String)> {
+    let mut dead = Vec::new();
+    eventually(LIMIT, "the dead letters", async || {
+        dead = source.dead_letters().await;
+        dead.len() >= count
+    })
+    .await;
+    dead
+}
+
+/// Expands to the broker suite for the harness expression `$harness`: one test per case.
+#[macro_export]
+macro_rules! adapter_suite {
+    ($harness:expr) => {
+        $crate::__with_adapter_cases!($crate::__adapter_case_tests!($harness));
+    };
+}
+
+/// **The one list of broker cases**: calls `$callback!` with its tokens, a `;`, then every
+/// case's name (a function of [`brokers`](crate::brokers)). A case listed here runs on every
+/// broker.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_adapter_cases {
+    ($($callback:ident)::+ ! ( $($args:tt)* )) => {
+        $($callback)::+! {
+            $($args)*;
+            every_message_sent_twice_has_one_effect,
+            a_crash_after_the_record_and_before_the_ack_runs_nothing_twice,
+            a_worker_killed_mid_call_leaves_the_message_to_the_next,
+            a_handler_longer_than_the_brokers_hold_runs_once,
+            failing_twice_then_succeeding_is_retried_not_dead_lettered,
+            missing_and_reused_keys_are_dead_lettered_with_their_reasons,
+            a_poison_message_is_dead_lettered_and_the_worker_goes_on,
+            the_store_unreachable_nacks_and_loses_nothing,
+            a_shutdown_lets_the_running_call_finish_and_settles_it,
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __adapter_case_tests {
+    ($harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::brokers::$case(&$harness).await;
+            }
+        )*
+    };
+}
