@@ -181,7 +181,10 @@ mod tests {
                 "not one RabbitMQ accepts",
             ),
             ("not a url", "not a URL"),
-            ("amqp://h/v?queue=q&expires=soon", "expires=soon: expected a duration"),
+            (
+                "amqp://h/v?queue=q&expires=soon",
+                "expires=soon: expected a duration",
+            ),
             ("amqp://h/v?queue=q&expires=0s", "expires=0s: expected a duration"),
         ] {
             let error = AmqpSource::from_url(url).unwrap_err();

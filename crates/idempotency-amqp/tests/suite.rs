@@ -9,7 +9,7 @@ use idempotency_amqp::{AmqpMessage, Topology};
 use idempotency_consumer::Delivery;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::Key;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -27,7 +27,7 @@ struct Queue {
     channel: Channel,
     topology: Topology,
     /// The dead letters read so far (reading takes them off the queue).
-    dead: Mutex<Vec<(String, String)>>,
+    dead: Mutex<Vec<DeadLetter>>,
 }
 
 impl BrokerHarness for RabbitMq {
@@ -102,7 +102,7 @@ impl BrokerSource for Queue {
             .unwrap();
     }
 
-    async fn dead_letters(&self) -> Vec<(String, String)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         while let Some(message) = self
             .channel
             .basic_get(
@@ -113,16 +113,11 @@ impl BrokerSource for Queue {
             .unwrap()
         {
             let message = AmqpMessage::new(message.delivery);
-            let text = |name: &str| {
-                message
-                    .header(name)
-                    .map(|v| String::from_utf8_lossy(v).into_owned())
-                    .unwrap_or_default()
-            };
-            self.dead
-                .lock()
-                .unwrap()
-                .push((text("Idempotency-Key"), text("Idempotency-Dead-Reason")));
+            let headers = message
+                .headers()
+                .into_iter()
+                .map(|(name, value)| (name, String::from_utf8_lossy(&value).into_owned()));
+            self.dead.lock().unwrap().push(DeadLetter::new(headers));
         }
         self.dead.lock().unwrap().clone()
     }

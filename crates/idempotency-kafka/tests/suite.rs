@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::committed_and_end;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::IDEMPOTENCY_KEY_HEADER;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
@@ -78,7 +78,7 @@ impl BrokerSource for Topic {
         self.producer.send(record, Duration::from_secs(30)).await.unwrap();
     }
 
-    async fn dead_letters(&self) -> Vec<(String, String)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         let reader: StreamConsumer = self.client("dead-letter-readers").create().unwrap();
         let mut list = TopicPartitionList::new();
         list.add_partition_offset("work.dead", 0, Offset::Beginning)
@@ -86,15 +86,11 @@ impl BrokerSource for Topic {
         reader.assign(&list).unwrap();
         let mut found = Vec::new();
         while let Ok(Ok(message)) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
-            let header = |name: &str| {
-                message
-                    .headers()
-                    .and_then(|headers| headers.iter().find(|header| header.key == name))
-                    .and_then(|header| header.value)
-                    .map(|value| String::from_utf8_lossy(value).into_owned())
-                    .unwrap_or_default()
-            };
-            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
+            let headers = message.headers().into_iter().flat_map(Headers::iter);
+            found.push(DeadLetter::new(headers.map(|header| {
+                let value = header.value.map(String::from_utf8_lossy).unwrap_or_default();
+                (header.key.to_owned(), value.into_owned())
+            })));
         }
         found
     }

@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::Key;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 
 fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
@@ -105,7 +105,7 @@ impl BrokerSource for Stream {
 
     /// Every dead letter from the start, read by a consumer of its own each time (nothing is
     /// taken away).
-    async fn dead_letters(&self) -> Vec<(String, String)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
         let reader: PullConsumer = stream
             .create_consumer(jetstream::consumer::pull::Config {
@@ -129,13 +129,9 @@ impl BrokerSource for Stream {
             .unwrap();
         while let Some(Ok(message)) = batch.next().await {
             let headers = message.headers.clone().unwrap_or_default();
-            let header = |name: &str| {
-                headers
-                    .get(name)
-                    .map(|v| v.as_str().to_owned())
-                    .unwrap_or_default()
-            };
-            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
+            found.push(DeadLetter::new(headers.iter().filter_map(|(name, values)| {
+                Some((name.to_string(), values.first()?.as_str().to_owned()))
+            })));
         }
         found
     }

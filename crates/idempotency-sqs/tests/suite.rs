@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageAttributeValue;
-use common::{attribute, client, depth, drain, queues};
+use common::{client, depth, drain, queues};
 use idempotency_consumer::source::SourceKind;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource};
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 
 /// The visibility timeout: a handler three times as long needs extensions.
 const VISIBILITY: Duration = Duration::from_secs(2);
@@ -24,7 +24,7 @@ struct Queue {
     url: String,
     dead_url: String,
     /// The dead letters read so far (reading takes them off the queue).
-    dead: Mutex<Vec<(String, String)>>,
+    dead: Mutex<Vec<DeadLetter>>,
 }
 
 impl BrokerHarness for Sqs {
@@ -77,13 +77,12 @@ impl BrokerSource for Queue {
         send.send().await.unwrap();
     }
 
-    async fn dead_letters(&self) -> Vec<(String, String)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         for message in drain(&self.client, &self.dead_url).await {
-            let text = |name: &str| attribute(&message, name).unwrap_or_default().to_owned();
-            self.dead
-                .lock()
-                .unwrap()
-                .push((text("Idempotency-Key"), text("Idempotency-Dead-Reason")));
+            let attributes = message.message_attributes().into_iter().flatten();
+            let headers =
+                attributes.filter_map(|(name, value)| Some((name.clone(), value.string_value()?.to_owned())));
+            self.dead.lock().unwrap().push(DeadLetter::new(headers));
         }
         self.dead.lock().unwrap().clone()
     }

@@ -54,11 +54,45 @@ pub trait BrokerSource {
     /// Publishes `payload` with `key` as its `Idempotency-Key` (`None`: a message without one).
     async fn publish(&self, key: Option<&str>, payload: &[u8]);
 
-    /// The dead letters so far, as (`Idempotency-Key`, `Idempotency-Dead-Reason`).
-    async fn dead_letters(&self) -> Vec<(String, String)>;
+    /// The dead letters so far, in the order they were dead-lettered.
+    async fn dead_letters(&self) -> Vec<DeadLetter>;
 
     /// Messages of the source not yet acknowledged (or committed past).
     async fn outstanding(&self) -> u64;
+}
+
+/// A dead letter as the broker holds it: its headers (message attributes on SQS), as text.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DeadLetter {
+    /// Every header, by name.
+    pub headers: std::collections::BTreeMap<String, String>,
+}
+
+impl DeadLetter {
+    /// A dead letter with these headers.
+    pub fn new<N: Into<String>, V: Into<String>>(headers: impl IntoIterator<Item = (N, V)>) -> Self {
+        Self {
+            headers: headers.into_iter().map(|(n, v)| (n.into(), v.into())).collect(),
+        }
+    }
+
+    /// The header `name`, or `""` if it has none.
+    #[must_use]
+    pub fn header(&self, name: &str) -> &str {
+        self.headers.get(name).map_or("", String::as_str)
+    }
+
+    /// Its `Idempotency-Key`.
+    #[must_use]
+    pub fn key(&self) -> &str {
+        self.header(idempotency_core::IDEMPOTENCY_KEY_HEADER)
+    }
+
+    /// Its `Idempotency-Dead-Reason`.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        self.header(idempotency_consumer::DEAD_LETTER_REASON_HEADER)
+    }
 }
 
 /// A broker the suite runs on.
@@ -371,18 +405,36 @@ pub async fn a_worker_killed_mid_call_leaves_the_message_to_the_next(harness: &i
     assert_eq!(charger.0.calls("killed"), [1, 2], "the retry is attempt 2");
 }
 
+/// A processor that counts the deliveries it is handed, per `Idempotency-Key`.
+struct Counted<P> {
+    inner: P,
+    deliveries: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl<P: Processor<M>, M: Delivery + Sync> Processor<M> for Counted<P> {
+    async fn process(&self, message: &M) -> Disposition {
+        let key = message
+            .header(idempotency_core::IDEMPOTENCY_KEY_HEADER)
+            .unwrap_or_default();
+        let key = String::from_utf8_lossy(key).into_owned();
+        *self.deliveries.lock().unwrap().entry(key).or_default() += 1;
+        self.inner.process(message).await
+    }
+}
+
 /// A handler three times as long as the broker's hold on its message (or 3 s where the broker
 /// holds it for as long as the consumer lives): the hold is renewed while it runs, so the
-/// message is never handed out in parallel and the handler runs once.
+/// message is delivered once, never handed out in parallel, and the handler runs once.
 pub async fn a_handler_longer_than_the_brokers_hold_runs_once(harness: &impl BrokerHarness) {
     let source = harness.source("long").await;
     let name = name(&source, "long");
     let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
-    let worker = Running::start(
-        &source,
-        &name,
-        AnyProcessor::new(consumer(&name, &store, &charger)),
-    );
+    let deliveries = Arc::default();
+    let counted = Counted {
+        inner: consumer(&name, &store, &charger),
+        deliveries: Arc::clone(&deliveries),
+    };
+    let worker = Running::start(&source, &name, AnyProcessor::new(counted));
     let takes = source.hold().unwrap_or(Duration::from_secs(1)) * 3;
     let payload = format!("sleep:{}", takes.as_millis());
     source.publish(Some("long"), payload.as_bytes()).await;
@@ -392,7 +444,12 @@ pub async fn a_handler_longer_than_the_brokers_hold_runs_once(harness: &impl Bro
     .await;
     until_settled(&source).await;
     worker.stop().await.expect("the worker stops cleanly");
-    assert_eq!(charger.0.calls("long"), [1], "delivered again while it ran");
+    assert_eq!(charger.0.calls("long"), [1], "run again");
+    assert_eq!(
+        deliveries.lock().unwrap().get("long"),
+        Some(&1),
+        "delivered again"
+    );
     if source.hold().is_some() {
         let kept = crate::recorded::global().counter(
             "idempotency_consumer_keep_alives_total",
@@ -445,13 +502,9 @@ pub async fn missing_and_reused_keys_are_dead_lettered_with_their_reasons(harnes
     let dead = wait_for_dead_letters(&source, 2).await;
     until_settled(&source).await;
     worker.stop().await.expect("the worker stops cleanly");
-    let mut dead = dead;
-    dead.sort();
-    assert_eq!(
-        dead[0],
-        (String::new(), "no Idempotency-Key header".to_owned()),
-        "{dead:?}"
-    );
+    let mut dead: Vec<(&str, &str)> = dead.iter().map(|d| (d.key(), d.reason())).collect();
+    dead.sort_unstable();
+    assert_eq!(dead[0], ("", "no Idempotency-Key header"), "{dead:?}");
     assert_eq!(dead[1].0, "reused", "{dead:?}");
     assert!(
         dead[1].1.contains("was first used with a different payload"),
@@ -461,7 +514,8 @@ pub async fn missing_and_reused_keys_are_dead_lettered_with_their_reasons(harnes
 }
 
 /// A message whose handler panics every time is dead-lettered after the delivery limit with a
-/// reason starting `panic:`, and the worker goes on with the next message.
+/// reason starting `panic:` and what an operator needs beside it (where from, after how many
+/// deliveries, when), and the worker goes on with the next message.
 pub async fn a_poison_message_is_dead_lettered_and_the_worker_goes_on(harness: &impl BrokerHarness) {
     let source = harness.source("poison").await;
     let name = name(&source, "poison");
@@ -473,8 +527,13 @@ pub async fn a_poison_message_is_dead_lettered_and_the_worker_goes_on(harness: &
     );
     source.publish(Some("poison"), b"panic").await;
     let dead = wait_for_dead_letters(&source, 1).await;
-    assert_eq!(dead[0].0, "poison");
-    assert!(dead[0].1.starts_with("panic:"), "{dead:?}");
+    assert_eq!(dead[0].key(), "poison");
+    assert!(dead[0].reason().starts_with("panic:"), "{dead:?}");
+    assert!(
+        dead[0].reason().contains("poison message: cannot parse poison"),
+        "{dead:?}"
+    );
+    assert_dead_letter_history(&dead[0]);
     // At least the limit: a broker whose hold ran out while the worker was slow (SQS's
     // visibility, with a busy server) may deliver a copy once more around the dead-lettering.
     let calls = charger.0.calls("poison").len();
@@ -562,8 +621,92 @@ pub async fn a_shutdown_lets_the_running_call_finish_and_settles_it(harness: &im
     until_settled(&source).await;
 }
 
+/// A dead letter names its source, how often it was delivered (at least the limit) and when it
+/// was dead-lettered (an HTTP date).
+fn assert_dead_letter_history(dead: &DeadLetter) {
+    use idempotency_consumer::{
+        DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_SOURCE_HEADER,
+    };
+    assert!(!dead.header(DEAD_LETTER_SOURCE_HEADER).is_empty(), "{dead:?}");
+    let deliveries: u32 = dead.header(DEAD_LETTER_DELIVERIES_HEADER).parse().unwrap_or(0);
+    assert!(deliveries >= MAX_DELIVERIES, "{dead:?}");
+    assert!(
+        httpdate::parse_http_date(dead.header(DEAD_LETTER_AT_HEADER)).is_ok(),
+        "{dead:?}"
+    );
+}
+
+/// Ten keys, each published three times, consumed by four workers at once: one effect per key,
+/// every copy acknowledged.
+pub async fn a_storm_of_duplicates_across_four_workers_has_one_effect_per_key(harness: &impl BrokerHarness) {
+    let source = harness.source("storm").await;
+    let name = name(&source, "storm");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let keys: Vec<String> = (0..10).map(|n| format!("storm-{n}")).collect();
+    for _ in 0..3 {
+        for key in &keys {
+            source.publish(Some(key), b"sleep:20").await;
+        }
+    }
+    let workers: Vec<Running> = (0..4)
+        .map(|_| {
+            Running::start(
+                &source,
+                &name,
+                AnyProcessor::new(consumer(&name, &store, &charger)),
+            )
+        })
+        .collect();
+    eventually(LIMIT, "every copy acked", async || {
+        settled(source.kind(), &name, "acked") >= 30
+    })
+    .await;
+    until_settled(&source).await;
+    for worker in workers {
+        worker.stop().await.expect("the worker stops cleanly");
+    }
+    for key in &keys {
+        assert_eq!(charger.0.effects(key), 1, "{key}");
+    }
+    assert_eq!(charger.0.all_effects().len(), keys.len());
+    assert!(source.dead_letters().await.is_empty());
+}
+
+/// A handler that fails every call with a retryable error: retried with backoff up to the
+/// delivery limit, then dead-lettered with the handler's last error as the reason and its
+/// history; never run past the limit, never an effect.
+pub async fn failing_every_time_is_dead_lettered_after_the_limit_with_the_reason(
+    harness: &impl BrokerHarness,
+) {
+    let source = harness.source("hopeless").await;
+    let name = name(&source, "hopeless");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("hopeless"), b"fail:1000").await;
+    let dead = wait_for_dead_letters(&source, 1).await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    // One dead letter, or a second copy where the broker's hold ran out while a slow server
+    // took the first one (SQS's visibility): dead letters are at least once, like deliveries.
+    assert!(dead.iter().all(|d| d.key() == "hopeless"), "{dead:?}");
+    let reason = dead[0].reason();
+    assert!(reason.starts_with("failed "), "{dead:?}");
+    assert!(reason.contains("gateway timeout on call"), "{dead:?}");
+    assert_dead_letter_history(&dead[0]);
+    let calls = charger.0.calls("hopeless");
+    assert!(
+        calls.len() >= MAX_DELIVERIES as usize,
+        "dead-lettered after {calls:?}"
+    );
+    assert_eq!(charger.0.effects("hopeless"), 0);
+}
+
 /// Waits until `source` has at least `count` dead letters; returns them.
-async fn wait_for_dead_letters(source: &impl BrokerSource, count: usize) -> Vec<(String, String)> {
+async fn wait_for_dead_letters(source: &impl BrokerSource, count: usize) -> Vec<DeadLetter> {
     let mut dead = Vec::new();
     eventually(LIMIT, "the dead letters", async || {
         dead = source.dead_letters().await;
@@ -597,6 +740,8 @@ macro_rules! __with_adapter_cases {
             failing_twice_then_succeeding_is_retried_not_dead_lettered,
             missing_and_reused_keys_are_dead_lettered_with_their_reasons,
             a_poison_message_is_dead_lettered_and_the_worker_goes_on,
+            failing_every_time_is_dead_lettered_after_the_limit_with_the_reason,
+            a_storm_of_duplicates_across_four_workers_has_one_effect_per_key,
             the_store_unreachable_nacks_and_loses_nothing,
             a_shutdown_lets_the_running_call_finish_and_settles_it,
         }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::{Credentials, Region};
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
-use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_consumer::Processor;
 use idempotency_sqs::{DeadLetters, SqsMessage, Worker};
 use tokio::sync::oneshot;
 
@@ -151,58 +151,6 @@ impl Ledger {
 
     pub fn order(&self) -> Vec<String> {
         self.0.lock().unwrap().1.clone()
-    }
-}
-
-/// Wraps a processor and counts the deliveries it is handed, per key, and how many of one key
-/// run at the same time at most: a message delivered to two consumers in parallel shows here.
-pub struct Counting<P> {
-    inner: P,
-    state: Arc<Mutex<CountState>>,
-}
-
-#[derive(Debug, Default)]
-pub struct CountState {
-    pub deliveries: HashMap<String, u32>,
-    running: HashMap<String, u32>,
-    pub most_at_once: HashMap<String, u32>,
-}
-
-impl<P> Counting<P> {
-    pub fn new(inner: P) -> (Self, Arc<Mutex<CountState>>) {
-        let state = Arc::new(Mutex::new(CountState::default()));
-        (
-            Self {
-                inner,
-                state: Arc::clone(&state),
-            },
-            state,
-        )
-    }
-}
-
-fn key_of(message: &SqsMessage) -> String {
-    message
-        .header("Idempotency-Key")
-        .map(|key| String::from_utf8_lossy(key).into_owned())
-        .unwrap_or_default()
-}
-
-impl<P: Processor<SqsMessage>> Processor<SqsMessage> for Counting<P> {
-    async fn process(&self, message: &SqsMessage) -> Disposition {
-        let key = key_of(message);
-        {
-            let mut state = self.state.lock().unwrap();
-            *state.deliveries.entry(key.clone()).or_default() += 1;
-            let running = state.running.entry(key.clone()).or_default();
-            *running += 1;
-            let now = *running;
-            let most = state.most_at_once.entry(key.clone()).or_default();
-            *most = (*most).max(now);
-        }
-        let disposition = self.inner.process(message).await;
-        *self.state.lock().unwrap().running.get_mut(&key).unwrap() -= 1;
-        disposition
     }
 }
 
