@@ -178,6 +178,19 @@ fn header_value<'a>(table: &'a FieldTable, name: &str) -> Option<&'a AMQPValue> 
 }
 
 impl AmqpMessage {
+    /// Hands the message back to its queue (`basic.nack` with requeue), for a message whose
+    /// settlement failed. A failure is logged: the channel is then gone, and the broker puts
+    /// the message back itself.
+    pub(crate) async fn requeue(&self) {
+        let options = lapin::options::BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        };
+        if let Err(error) = self.delivery.nack(options).await {
+            tracing::warn!(%error, "could not hand a message back; the broker will when the channel closes");
+        }
+    }
+
     /// Wraps a delivery. The delivery count is the larger of two counts:
     /// - the `x-idempotency-deliveries` header (1 when absent), which every requeue path of this
     ///   crate increments, plus one if the broker says this is a redelivery;
@@ -328,7 +341,7 @@ pub async fn replay_dead_letters(
         let properties = delivery.properties.clone().with_headers(headers);
         publish_confirmed(
             channel,
-            "",
+            ("", Route::Queue),
             topology.queue.clone(),
             delivery.data.clone(),
             properties,
@@ -378,8 +391,9 @@ impl Broker for RabbitMq {
 /// # Errors
 ///
 /// [`AdapterErrorKind::Settle`] when the settlement could not be confirmed, or did not finish
-/// within [`SETTLE_TIMEOUT`]; the message is then redelivered by the broker, and the record makes
-/// it a duplicate.
+/// within [`SETTLE_TIMEOUT`]. The delivery is then still unacknowledged on `channel`: nack it
+/// with requeue (the [`Worker`] does, after a pause) or close the channel, and the broker
+/// delivers it again; the record makes it a duplicate.
 pub async fn process<P>(
     consumer: &P,
     channel: &Channel,
@@ -416,7 +430,7 @@ pub async fn settle(
         }
         publish_confirmed(
             channel,
-            "",
+            ("", Route::Queue),
             queue.to_owned(),
             message.delivery.data.clone(),
             properties,
@@ -457,21 +471,37 @@ pub async fn settle(
         .map_err(amqp(AdapterErrorKind::Settle, "acking a delivery"))
 }
 
+/// Where a publish must go: to a queue by its name (the worker's own copies: retries, dead
+/// letters, replays), or to whatever an exchange routes it to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Published as mandatory on the default exchange: a queue that does not exist (deleted,
+    /// expired) returns the message, and the publish fails, instead of the broker confirming
+    /// a message it dropped. The original is then not let go.
+    Queue,
+    /// An event: the application's exchange decides where it goes.
+    Exchange,
+}
+
 /// Publishes and waits for the broker's confirm; a failure is an error of `kind`.
 async fn publish_confirmed(
     channel: &Channel,
-    exchange: &str,
+    (exchange, route): (&str, Route),
     routing_key: String,
     payload: Vec<u8>,
     properties: BasicProperties,
     kind: AdapterErrorKind,
 ) -> Result<(), AmqpError> {
     let failed = amqp(kind, "publishing");
+    let options = BasicPublishOptions {
+        mandatory: route == Route::Queue,
+        ..BasicPublishOptions::default()
+    };
     let confirm = match channel
         .basic_publish(
             exchange.into(),
             routing_key.as_str().into(),
-            BasicPublishOptions::default(),
+            options,
             &payload,
             properties,
         )
@@ -485,6 +515,16 @@ async fn publish_confirmed(
             kind,
             BROKER,
             format!("the broker refused a publish to {routing_key} (nack)"),
+        ));
+    }
+    if let Some(returned) = confirm.take_message() {
+        return Err(AdapterError::new(
+            kind,
+            BROKER,
+            format!(
+                "no queue took the publish to {routing_key} ({} {}); is the queue there?",
+                returned.reply_code, returned.reply_text
+            ),
         ));
     }
     Ok(())
@@ -537,7 +577,7 @@ pub async fn publish_with_headers(
         .with_delivery_mode(2);
     publish_confirmed(
         channel,
-        exchange,
+        (exchange, Route::Exchange),
         routing_key.to_owned(),
         payload.to_vec(),
         properties,

@@ -10,7 +10,7 @@ use idempotency_consumer::Delivery;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::Key;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
-use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -126,6 +126,21 @@ impl BrokerSource for Queue {
     /// ones in a declaration's answer; the cases wait for their effects first).
     async fn outstanding(&self) -> u64 {
         self.ready(&self.topology.queue).await + self.ready(&self.topology.retry_queue).await
+    }
+
+    async fn refuse_dead_letters(&self, refuse: bool) {
+        if refuse {
+            let deleted = self
+                .channel
+                .queue_delete(
+                    self.topology.dead_queue.as_str().into(),
+                    QueueDeleteOptions::default(),
+                )
+                .await;
+            deleted.unwrap();
+        } else {
+            self.topology.declare(&self.channel).await.unwrap();
+        }
     }
 }
 

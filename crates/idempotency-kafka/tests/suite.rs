@@ -14,6 +14,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 const PARTITIONS: i32 = 3;
@@ -104,6 +105,16 @@ impl BrokerSource for Topic {
         })
         .await
         .unwrap()
+    }
+
+    /// The cluster answers for the dead-letter topic that the client may not write to it.
+    async fn refuse_dead_letters(&self, refuse: bool) {
+        let error = if refuse {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED
+        } else {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR
+        };
+        self.cluster.topic_error("work.dead", error).unwrap();
     }
 }
 

@@ -141,6 +141,19 @@ impl BrokerSource for Stream {
         let info = workers.info().await.unwrap();
         info.num_pending + u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX)
     }
+
+    /// The stream stops (or starts again) storing the dead-letter subject: a publish to it then
+    /// has no stream to answer it.
+    async fn refuse_dead_letters(&self, refuse: bool) {
+        let mut stream = self.js.get_stream(&self.stream).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        config.subjects = if refuse {
+            vec![self.work.clone()]
+        } else {
+            vec![self.work.clone(), self.dead.clone()]
+        };
+        self.js.update_stream(config).await.unwrap();
+    }
 }
 
 idempotency_testkit::adapter_suite!(JetStream);

@@ -90,6 +90,21 @@ impl BrokerSource for Queue {
     async fn outstanding(&self) -> u64 {
         depth(&self.client, &self.url).await
     }
+
+    /// Deletes the dead-letter queue, or creates it again under its name (and so its URL).
+    async fn refuse_dead_letters(&self, refuse: bool) {
+        if refuse {
+            self.client
+                .delete_queue()
+                .queue_url(&self.dead_url)
+                .send()
+                .await
+                .unwrap();
+        } else {
+            let name = self.dead_url.rsplit('/').next().unwrap();
+            self.client.create_queue().queue_name(name).send().await.unwrap();
+        }
+    }
 }
 
 idempotency_testkit::adapter_suite!(Sqs);
