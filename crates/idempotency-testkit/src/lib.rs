@@ -45,6 +45,7 @@ pub mod connections;
 pub mod faults;
 pub mod history;
 pub mod linearizability;
+pub mod outage;
 pub mod proxy;
 pub mod recorded;
 pub mod wait;
