@@ -48,6 +48,7 @@ pub mod linearizability;
 pub mod outage;
 pub mod proxy;
 pub mod recorded;
+pub mod same_transaction;
 pub mod wait;
 
 pub mod cases;
