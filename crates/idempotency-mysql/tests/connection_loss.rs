@@ -9,6 +9,7 @@ use std::sync::Arc;
 use idempotency_core::{Attempt, TxFuture};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe};
 use idempotency_mysql::{MysqlStore, MysqlTransaction};
+use idempotency_testkit::outage::BoxError;
 use idempotency_testkit::{TcpProxy, outage};
 
 /// A store on a table of its own that reaches the server through `proxy`.
@@ -26,7 +27,7 @@ fn write_row<'t>(
     tx: &'t mut MysqlTransaction,
     attempt: Attempt,
     table: Arc<str>,
-) -> TxFuture<'t, Result<(), String>> {
+) -> TxFuture<'t, Result<(), BoxError>> {
     Box::pin(async move {
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {table} (idem_key) VALUES (?)"
@@ -35,7 +36,7 @@ fn write_row<'t>(
         .execute(&mut **tx)
         .await
         .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(BoxError::from)
     })
 }
 

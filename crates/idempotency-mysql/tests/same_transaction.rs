@@ -8,7 +8,7 @@ use std::sync::Arc;
 use idempotency_core::{Key, TxFuture};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe};
 use idempotency_mysql::{MysqlStore, MysqlTransaction};
-use idempotency_testkit::same_transaction::Business;
+use idempotency_testkit::same_transaction::{BoxError, Business};
 
 /// Charges in a table of the test's own, in MySQL's SQL.
 #[derive(Clone)]
@@ -36,7 +36,7 @@ impl Business<MysqlStore> for Charges {
         table: Arc<str>,
         key: Key,
         cents: i32,
-    ) -> TxFuture<'t, Result<i64, String>> {
+    ) -> TxFuture<'t, Result<i64, BoxError>> {
         Box::pin(async move {
             let insert = format!("INSERT INTO {table} (idem_key, cents) VALUES (?, ?)");
             let done = sqlx::query(AssertSqlSafe(insert))
@@ -44,7 +44,7 @@ impl Business<MysqlStore> for Charges {
                 .bind(cents)
                 .execute(&mut **tx)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(BoxError::from)?;
             Ok(i64::try_from(done.last_insert_id()).expect("a row id"))
         })
     }
@@ -58,12 +58,12 @@ impl Business<MysqlStore> for Charges {
             .unwrap()
     }
 
-    fn kill<'t>(&self, tx: &'t mut MysqlTransaction) -> TxFuture<'t, Result<(), String>> {
+    fn kill<'t>(&self, tx: &'t mut MysqlTransaction) -> TxFuture<'t, Result<(), BoxError>> {
         Box::pin(async move {
             let connection: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
                 .fetch_one(&mut **tx)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(BoxError::from)?;
             let killer = sqlx::MySqlPool::connect(&common::database_url()).await.unwrap();
             sqlx::raw_sql(AssertSqlSafe(format!("KILL {connection}")))
                 .execute(&killer)

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use idempotency_core::{Attempt, TxFuture};
 use idempotency_postgres::{PgTransaction, PostgresStore};
+use idempotency_testkit::outage::BoxError;
 use idempotency_testkit::{TcpProxy, outage};
 use sqlx::AssertSqlSafe;
 
@@ -26,14 +27,14 @@ fn write_row<'t>(
     tx: &'t mut PgTransaction,
     attempt: Attempt,
     table: Arc<str>,
-) -> TxFuture<'t, Result<(), String>> {
+) -> TxFuture<'t, Result<(), BoxError>> {
     Box::pin(async move {
         sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (key) VALUES ($1)")))
             .bind(attempt.key().as_str())
             .execute(&mut **tx)
             .await
             .map(drop)
-            .map_err(|e| e.to_string())
+            .map_err(BoxError::from)
     })
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use idempotency_core::{Key, TxFuture};
 use idempotency_postgres::{PgTransaction, PostgresStore};
-use idempotency_testkit::same_transaction::Business;
+use idempotency_testkit::same_transaction::{BoxError, Business};
 use sqlx::AssertSqlSafe;
 
 /// Charges in a table of the test's own, in PostgreSQL's SQL.
@@ -38,7 +38,7 @@ impl Business<PostgresStore> for Charges {
         table: Arc<str>,
         key: Key,
         cents: i32,
-    ) -> TxFuture<'t, Result<i64, String>> {
+    ) -> TxFuture<'t, Result<i64, BoxError>> {
         Box::pin(async move {
             let insert = format!("INSERT INTO {table} (key, cents) VALUES ($1, $2) RETURNING id");
             sqlx::query_scalar(AssertSqlSafe(insert))
@@ -46,7 +46,7 @@ impl Business<PostgresStore> for Charges {
                 .bind(cents)
                 .fetch_one(&mut **tx)
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(BoxError::from)
         })
     }
 
@@ -59,12 +59,12 @@ impl Business<PostgresStore> for Charges {
             .unwrap()
     }
 
-    fn kill<'t>(&self, tx: &'t mut PgTransaction) -> TxFuture<'t, Result<(), String>> {
+    fn kill<'t>(&self, tx: &'t mut PgTransaction) -> TxFuture<'t, Result<(), BoxError>> {
         Box::pin(async move {
             let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
                 .fetch_one(&mut **tx)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(BoxError::from)?;
             let killer = sqlx::PgPool::connect(&common::database_url()).await.unwrap();
             let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
                 .bind(pid)

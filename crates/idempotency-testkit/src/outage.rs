@@ -18,6 +18,9 @@ use idempotency_core::{
 
 use crate::TcpProxy;
 
+/// An operation's error, kept whole.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// How many keys each run completes.
 pub const KEYS: usize = 120;
 
@@ -167,7 +170,7 @@ pub type WriteRow<S> = for<'t> fn(
     &'t mut <S as TransactionalStore>::Transaction,
     Attempt,
     Arc<str>,
-) -> TxFuture<'t, Result<(), String>>;
+) -> TxFuture<'t, Result<(), BoxError>>;
 
 /// [`KEYS`] keys run in same-transaction mode by six workers, each writing one business row
 /// into `table` with `write` in the record's transaction (then waiting 40 ms, so that the run
@@ -211,7 +214,7 @@ where
 {
     while let Some(key) = run.next() {
         loop {
-            let policy = |written: &Result<Outcome, String>| match written {
+            let policy = |written: &Result<Outcome, BoxError>| match written {
                 Ok(outcome) => Decision::Complete(outcome.clone()),
                 Err(_) => Decision::Release,
             };
@@ -228,7 +231,7 @@ where
                                 let done = format!("done {}", attempt.key());
                                 write(tx, attempt, table).await?;
                                 tokio::time::sleep(Duration::from_millis(40)).await;
-                                Ok::<_, String>(Outcome::new(done))
+                                Ok::<_, BoxError>(Outcome::new(done))
                             })
                         }
                     },

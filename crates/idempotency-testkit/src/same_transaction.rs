@@ -13,6 +13,8 @@ use idempotency_core::{
     Recorded, Scope, StoreError, Token, TransactionalStore, TxFuture,
 };
 
+pub use crate::outage::BoxError;
+
 /// A store's business table, in its SQL: a charge per row, with an id the database assigns.
 pub trait Business<S: TransactionalStore>: Clone + Send + Sync + 'static {
     /// Creates a business table of the test's own next to the records table; its name.
@@ -25,13 +27,13 @@ pub trait Business<S: TransactionalStore>: Clone + Send + Sync + 'static {
         table: Arc<str>,
         key: Key,
         cents: i32,
-    ) -> TxFuture<'t, Result<i64, String>>;
+    ) -> TxFuture<'t, Result<i64, BoxError>>;
 
     /// How many rows `table` has for `key`, read outside any transaction.
     fn rows(&self, store: &S, table: &str, key: &Key) -> impl Future<Output = i64> + Send;
 
     /// Kills `tx`'s connection from another session (`pg_terminate_backend`, `KILL`).
-    fn kill<'t>(&self, tx: &'t mut S::Transaction) -> TxFuture<'t, Result<(), String>>;
+    fn kill<'t>(&self, tx: &'t mut S::Transaction) -> TxFuture<'t, Result<(), BoxError>>;
 }
 
 fn request(key: &Key) -> BeginRequest {
@@ -47,7 +49,7 @@ enum TxError {
     /// The database failed: nothing committed (or the commit's fate is unknown).
     Store(StoreError),
     /// The operation failed; everything was rolled back.
-    Operation(String),
+    Operation(BoxError),
 }
 
 impl fmt::Debug for TxError {
@@ -70,9 +72,11 @@ async fn guarded<S, F>(
 ) -> Result<Execution<i64>, TxError>
 where
     S: TransactionalStore + Clone,
-    F: for<'t> FnOnce(&'t mut S::Transaction, Attempt) -> TxFuture<'t, Result<i64, String>> + Send + 'static,
+    F: for<'t> FnOnce(&'t mut S::Transaction, Attempt) -> TxFuture<'t, Result<i64, BoxError>>
+        + Send
+        + 'static,
 {
-    let policy = |row: &Result<i64, String>| match row {
+    let policy = |row: &Result<i64, BoxError>| match row {
         Ok(id) => Decision::Complete(Outcome::new(id.to_string())),
         Err(_) => Decision::Release,
     };
@@ -203,7 +207,7 @@ where
         move |tx, attempt| {
             Box::pin(async move {
                 business.insert(tx, table, attempt.key().clone(), 1000).await?;
-                Err::<i64, _>("the card was declined".to_owned())
+                Err::<i64, BoxError>("the card was declined".into())
             })
         }
     })
