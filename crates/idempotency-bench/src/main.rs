@@ -23,6 +23,7 @@ mod memory;
 mod mysql;
 mod postgres;
 mod redis;
+mod sql_store;
 mod sqlite;
 
 use std::process::ExitCode;

@@ -9,15 +9,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{
-    Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store, Token,
-};
-use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlConnection, MySqlPool};
+use idempotency_core::{Fingerprint, Key, Scope, Token};
+use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlConnection};
 use idempotency_mysql::{MysqlOptions, MysqlStore, Operation};
 
-use crate::measure::{
-    RawConnections, alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus,
-};
+use crate::measure::{RawConnections, runtime};
+use crate::sql_store::{Engine, compare};
+use idempotency_core::TxFuture;
 
 /// Connections for the store's operations, and as many for the raw statements; with the
 /// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
@@ -62,63 +60,12 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     .fetch_all(store.pool())
     .await
     .map_err(|e| e.to_string())?;
-    println!("\n## MySQL store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
-    println!(
-        "Server settings: {}; {POOL} connections for the store and {POOL} for the raw statements.\n",
-        settings
-            .iter()
-            .map(|(n, v)| format!("{n}={v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!("| callers | store | raw SQL | store / raw | store min–max | raw min–max |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    for callers in [1usize, 16, 64] {
-        let rates = alternate_async(rounds, 2, |variant| {
-            measure(&target, callers, Cycle::of(variant), window)
-        })
-        .await?;
-        let (ours, raw) = (&rates[0], &rates[1]);
-        println!("| {callers} | {} |", versus(ours, raw));
-    }
-
-    println!(
-        "\n## MySQL replays: begin on a completed record vs a raw SELECT by key on a pool like the store's (operations/s)\n"
-    );
-    println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(&store, 64 * 16).await?;
-    for callers in [1usize, 16, 64] {
-        let rates = alternate_async(rounds, 2, |variant| {
-            let cycle = if variant == 0 {
-                Cycle::Replay
-            } else {
-                Cycle::RawSelect
-            };
-            measure_on(&target, callers, cycle, window, Arc::clone(&completed))
-        })
-        .await?;
-        let (ours, raw) = (&rates[0], &rates[1]);
-        println!("| {callers} | {} |", versus(ours, raw));
-    }
-
-    println!("\n## Same-transaction cycle vs the bare business transaction (transactions/s)\n");
-    println!("| callers | with the record | business only | ratio | with min–max | business min–max |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let business: Arc<str> = business.into();
-    for callers in [1usize, 16] {
-        let rates = alternate_async(rounds, 2, |variant| {
-            let cycle = if variant == 0 {
-                Cycle::SameTransaction(Arc::clone(&business))
-            } else {
-                Cycle::BusinessOnly(Arc::clone(&business))
-            };
-            measure(&target, callers, cycle, window)
-        })
-        .await?;
-        let (ours, bare) = (&rates[0], &rates[1]);
-        println!("| {callers} | {} |", versus(ours, bare));
-    }
+    let settings = settings
+        .iter()
+        .map(|(n, v)| format!("{n}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    compare(&target, &settings, POOL, &business, window, rounds).await?;
 
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE {business}; DROP TABLE {}",
@@ -130,45 +77,6 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
-#[derive(Clone)]
-enum Cycle {
-    Store,
-    RawSql,
-    SameTransaction(Arc<str>),
-    BusinessOnly(Arc<str>),
-    /// `begin` on a completed record: a replay.
-    Replay,
-    /// The store's `get` statement on the same record.
-    RawSelect,
-}
-
-/// `count` keys completed with an hour's retention, for the replay rows.
-async fn completed_keys(store: &MysqlStore, count: usize) -> Result<Arc<Vec<(Scope, Key)>>, String> {
-    let mut keys = Vec::with_capacity(count);
-    for i in 0..count {
-        let (scope, key) = (Scope::new("replays").map_err(|e| e.to_string())?, Key::generate());
-        let request = idempotency_core::BeginRequest::new(
-            scope.clone(),
-            key.clone(),
-            Fingerprint::of_bytes(b"payload"),
-        );
-        let idempotency_core::Claim::Acquired(held) =
-            store.begin(&request).await.map_err(|e| e.to_string())?
-        else {
-            return Err(format!("replay key {i} was not acquired"));
-        };
-        let done = store
-            .complete(&held, Outcome::new("done"), Duration::from_secs(3600))
-            .await
-            .map_err(|e| e.to_string())?;
-        if done.is_lease_lost() {
-            return Err(format!("replay key {i} lost its lease"));
-        }
-        keys.push((scope, key));
-    }
-    Ok(Arc::new(keys))
-}
-
 /// The store, and connections like its own for the raw statements.
 #[derive(Clone)]
 struct Target {
@@ -176,173 +84,104 @@ struct Target {
     raw: RawConnections<MySqlConnection>,
 }
 
-impl Cycle {
-    fn of(variant: usize) -> Self {
-        if variant == 0 { Self::Store } else { Self::RawSql }
+impl Engine for Target {
+    type Store = MysqlStore;
+
+    const NAME: &'static str = "MySQL";
+
+    fn store(&self) -> &MysqlStore {
+        &self.store
     }
-}
 
-async fn measure(target: &Target, callers: usize, cycle: Cycle, window: Duration) -> Result<f64, String> {
-    measure_on(target, callers, cycle, window, Arc::new(Vec::new())).await
-}
+    /// The store's three statements for a new key (the first look and the insert on one connection
+    /// of `raw`, the completing update on another, as the store runs `begin` and `complete`),
+    /// bound with the same values.
+    async fn raw_cycle(&self, scope: &Scope, key: &Key) -> Result<(), String> {
+        let (store, raw) = (&self.store, &self.raw);
+        let token = Token::random().to_bytes();
+        let fingerprint = Fingerprint::of_bytes(b"payload");
+        let (peek, insert) = (
+            store.sql(Operation::Peek).to_owned(),
+            store.sql(Operation::Insert).to_owned(),
+        );
+        raw.run(async |connection| {
+            let now: i64 = sqlx::query(AssertSqlSafe(peek))
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .fetch_one(&mut *connection)
+                .await
+                .and_then(|row| sqlx::Row::try_get(&row, 0))?;
+            sqlx::query(AssertSqlSafe(insert))
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .bind(&fingerprint.as_bytes()[..])
+                .bind(1_i64)
+                .bind(now)
+                .bind(now + 60_000)
+                .bind(&token[..])
+                .bind(false)
+                .bind(Some(now))
+                .bind(Some(now + 60_000))
+                .bind(None::<i64>)
+                .bind(None::<&[u8]>)
+                .execute(connection)
+                .await
+        })
+        .await?;
+        let complete = store.sql(Operation::Complete).to_owned();
+        raw.run(async |connection| {
+            sqlx::query(AssertSqlSafe(complete))
+                .bind(0_i64)
+                .bind(&[0u8; 0][..])
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .bind(&token[..])
+                .execute(connection)
+                .await
+        })
+        .await?;
+        Ok(())
+    }
 
-async fn measure_on(
-    target: &Target,
-    callers: usize,
-    cycle: Cycle,
-    window: Duration,
-    completed: Arc<Vec<(Scope, Key)>>,
-) -> Result<f64, String> {
-    let Target { store, raw } = target.clone();
-    cycles_per_second(callers, window, move |caller, n| {
-        let (store, raw, cycle, completed) =
-            (store.clone(), raw.clone(), cycle.clone(), Arc::clone(&completed));
-        async move {
-            // New keys every cycle: a key reused after its zero retention would be an expired
-            // record, which `begin` claims with a second statement.
-            let (scope, key) = (cycle_key(caller, n).0, Key::generate());
-            match &cycle {
-                Cycle::Replay => {
-                    let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
-                    let request = idempotency_core::BeginRequest::new(
-                        scope.clone(),
-                        key.clone(),
-                        Fingerprint::of_bytes(b"payload"),
-                    );
-                    match store.begin(&request).await.map_err(|e| e.to_string())? {
-                        idempotency_core::Claim::Replay(_) => Ok(()),
-                        other => Err(format!("not a replay: {other:?}")),
-                    }
-                }
-                Cycle::RawSelect => {
-                    let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
-                    let get = store.sql(Operation::Get).to_owned();
-                    raw.run(async |connection| {
-                        sqlx::query(AssertSqlSafe(get))
-                            .bind(scope.as_str())
-                            .bind(key.as_str())
-                            .fetch_optional(connection)
-                            .await
-                            .map(drop)
-                    })
-                    .await
-                }
-                Cycle::Store => store_cycle(&store, scope, key).await,
-                Cycle::RawSql => raw_cycle(&store, &raw, &scope, &key).await,
-                Cycle::SameTransaction(table) => same_transaction_cycle(&store, table, &scope, &key).await,
-                Cycle::BusinessOnly(table) => business_cycle(store.pool(), table, &key).await,
-            }
-        }
-    })
-    .await
-}
-
-/// The store's three statements for a new key (the first look and the insert on one connection
-/// of `raw`, the completing update on another, as the store runs `begin` and `complete`),
-/// bound with the same values.
-async fn raw_cycle(
-    store: &MysqlStore,
-    raw: &RawConnections<MySqlConnection>,
-    scope: &Scope,
-    key: &Key,
-) -> Result<(), String> {
-    let token = Token::random().to_bytes();
-    let fingerprint = Fingerprint::of_bytes(b"payload");
-    let (peek, insert) = (
-        store.sql(Operation::Peek).to_owned(),
-        store.sql(Operation::Insert).to_owned(),
-    );
-    raw.run(async |connection| {
-        let now: i64 = sqlx::query(AssertSqlSafe(peek))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .fetch_one(&mut *connection)
-            .await
-            .and_then(|row| sqlx::Row::try_get(&row, 0))?;
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .bind(&fingerprint.as_bytes()[..])
-            .bind(1_i64)
-            .bind(now)
-            .bind(now + 60_000)
-            .bind(&token[..])
-            .bind(false)
-            .bind(Some(now))
-            .bind(Some(now + 60_000))
-            .bind(None::<i64>)
-            .bind(None::<&[u8]>)
-            .execute(connection)
-            .await
-    })
-    .await?;
-    let complete = store.sql(Operation::Complete).to_owned();
-    raw.run(async |connection| {
-        sqlx::query(AssertSqlSafe(complete))
-            .bind(0_i64)
-            .bind(&[0u8; 0][..])
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .bind(&token[..])
-            .execute(connection)
-            .await
-    })
-    .await?;
-    Ok(())
-}
-
-async fn same_transaction_cycle(
-    store: &MysqlStore,
-    table: &Arc<str>,
-    scope: &Scope,
-    key: &Key,
-) -> Result<(), String> {
-    let table = Arc::clone(table);
-    // Zero retention, as `request`: the next cycle on this key claims it anew.
-    let guard = Guard::new(store.clone()).retention(Duration::ZERO);
-    let policy = |written: &Result<(), sqlx::Error>| match written {
-        Ok(()) => Decision::Complete(Outcome::empty()),
-        Err(_) => Decision::Release,
-    };
-    let run = guard
-        .run_in_transaction(
-            scope.clone(),
-            key.clone(),
-            Fingerprint::of_bytes(b"payload"),
-            policy,
-            move |tx, attempt| {
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(format!(
-                        "INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)"
-                    )))
-                    .bind(attempt.key().as_str())
-                    .execute(&mut **tx)
+    async fn raw_select(&self, scope: &Scope, key: &Key) -> Result<(), String> {
+        let get = self.store.sql(Operation::Get).to_owned();
+        self.raw
+            .run(async |connection| {
+                sqlx::query(AssertSqlSafe(get))
+                    .bind(scope.as_str())
+                    .bind(key.as_str())
+                    .fetch_optional(connection)
                     .await
                     .map(drop)
-                })
-            },
-        )
+            })
+            .await
+    }
+
+    fn insert<'t>(
+        tx: &'t mut idempotency_mysql::MysqlTransaction,
+        table: Arc<str>,
+        key: Key,
+    ) -> TxFuture<'t, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)"
+            )))
+            .bind(key.as_str())
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+        })
+    }
+
+    async fn business_cycle(&self, table: &str, key: &Key) -> Result<(), String> {
+        let mut tx = self.store.pool().begin().await.map_err(|e| e.to_string())?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)"
+        )))
+        .bind(key.as_str())
+        .execute(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
-    match run {
-        Execution::Executed {
-            value: Ok(()),
-            recorded: Recorded::Completed { .. },
-            ..
-        } => Ok(()),
-        other => Err(format!("a same-transaction cycle did not execute: {other:?}")),
+        tx.commit().await.map_err(|e| e.to_string())
     }
-}
-
-/// The business transaction alone: BEGIN, the same insert, COMMIT.
-async fn business_cycle(pool: &MySqlPool, table: &str, key: &Key) -> Result<(), String> {
-    let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)"
-    )))
-    .bind(key.as_str())
-    .execute(&mut *tx)
-    .await
-    .map_err(|e| e.to_string())?;
-    tx.commit().await.map_err(|e| e.to_string())
 }
