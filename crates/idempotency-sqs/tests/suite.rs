@@ -1,7 +1,9 @@
 //! The broker suite (`idempotency_testkit::adapter_suite!`) on the local AWS server
 //! (`AWS_ENDPOINT_URL`, default `http://127.0.0.1:5000`), each case on a queue of its own with
-//! its dead-letter queue and a two-second visibility timeout. Credentials come from the
-//! environment, as for any AWS tool (`scripts/test` sets placeholders).
+//! its dead-letter queue and a two-second visibility timeout. Short polling (`wait=0s`): the
+//! local server answers one request at a time, and a long poll would hold it for every other
+//! test. Credentials come from the environment, as for any AWS tool (`scripts/test` sets
+//! placeholders).
 
 mod common;
 
@@ -49,7 +51,7 @@ impl BrokerSource for Queue {
 
     fn url(&self) -> String {
         format!(
-            "sqs://?queue_url={}&dead_letter_url={}&visibility={}s&wait=1s",
+            "sqs://?queue_url={}&dead_letter_url={}&visibility={}s&wait=0s",
             self.url,
             self.dead_url,
             VISIBILITY.as_secs()
