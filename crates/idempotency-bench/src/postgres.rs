@@ -63,11 +63,6 @@ async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
     .fetch_all(store.pool())
     .await
     .map_err(|e| e.to_string())?;
-    let settings = settings
-        .iter()
-        .map(|(n, v)| format!("{n}={v}"))
-        .collect::<Vec<_>>()
-        .join(", ");
     compare(&target, &settings, POOL, &business, window, rounds).await?;
 
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -158,17 +153,5 @@ impl Engine for Target {
             .await
             .map(drop)
         })
-    }
-
-    async fn business_cycle(&self, table: &str, key: &Key) -> Result<(), String> {
-        let mut tx = self.store.pool().begin().await.map_err(|e| e.to_string())?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
-        )))
-        .bind(key.as_str())
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| e.to_string())?;
-        tx.commit().await.map_err(|e| e.to_string())
     }
 }

@@ -41,8 +41,18 @@ pub(crate) trait Engine: Clone + Send + Sync + 'static {
         key: Key,
     ) -> TxFuture<'t, Result<(), sqlx::Error>>;
 
-    /// The business transaction alone: BEGIN, the same insert, COMMIT, on the store's pool.
-    fn business_cycle(&self, table: &str, key: &Key) -> impl Future<Output = Result<(), String>> + Send;
+    /// The business transaction alone: BEGIN, the same insert, COMMIT, through the store's
+    /// own transactions (its pool).
+    fn business_cycle(&self, table: &Arc<str>, key: &Key) -> impl Future<Output = Result<(), String>> + Send {
+        async move {
+            let store = self.store();
+            let mut tx = store.begin_transaction().await.map_err(|e| e.to_string())?;
+            Self::insert(&mut tx, Arc::clone(table), key.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            store.commit(tx).await.map_err(|e| e.to_string())
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -57,17 +67,22 @@ enum Cycle {
     RawSelect,
 }
 
-/// Runs the three comparisons and prints their tables. `settings` describes the server,
-/// `pool` is the connections on each side, `business` the business table.
+/// Runs the three comparisons and prints their tables. `settings` are the server's (name,
+/// value), `pool` is the connections on each side, `business` the business table.
 pub(crate) async fn compare<E: Engine>(
     engine: &E,
-    settings: &str,
+    settings: &[(String, String)],
     pool: u32,
     business: &str,
     window: Duration,
     rounds: usize,
 ) -> Result<(), String> {
     let name = E::NAME;
+    let settings = settings
+        .iter()
+        .map(|(n, v)| format!("{n}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     println!("\n## {name} store vs the same SQL on a pool like the store's: begin→complete cycles/s\n");
     println!(
         "Server settings: {settings}; {pool} connections for the store and {pool} for the raw statements.\n"
