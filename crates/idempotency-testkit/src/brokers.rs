@@ -269,25 +269,13 @@ async fn until_settled(source: &impl BrokerSource) {
     .await;
 }
 
-/// The settlements the pipeline counted for `consumer` with `result`.
-fn settled(kind: SourceKind, consumer: &str, result: &str) -> u64 {
+/// The settlements the pipeline counted for `consumer` (a name unique to the case and the
+/// broker: see [`name`]) with `result`.
+fn settled(consumer: &str, result: &str) -> u64 {
     crate::recorded::global().counter(
         "idempotency_consumer_settled_total",
-        &[
-            ("consumer", consumer),
-            ("broker", broker_name(kind)),
-            ("result", result),
-        ],
+        &[("consumer", consumer), ("result", result)],
     )
-}
-
-/// The broker's name in the pipeline's metrics (its `Broker::NAME`): the source's name but for
-/// RabbitMQ.
-fn broker_name(kind: SourceKind) -> &'static str {
-    match kind.name {
-        "amqp" => "rabbitmq",
-        other => other,
-    }
 }
 
 /// Every message published twice: one effect per key, every copy acked, each settlement counted
@@ -307,10 +295,7 @@ pub async fn every_message_sent_twice_has_one_effect(harness: &impl BrokerHarnes
             source.publish(Some(key), b"ok").await;
         }
     }
-    eventually(LIMIT, "every copy acked", async || {
-        settled(source.kind(), &name, "acked") >= 20
-    })
-    .await;
+    eventually(LIMIT, "every copy acked", async || settled(&name, "acked") >= 20).await;
     until_settled(&source).await;
     worker.stop().await.expect("the worker stops cleanly");
     for key in &keys {
@@ -556,7 +541,7 @@ pub async fn the_store_unreachable_nacks_and_loses_nothing(harness: &impl Broker
         source.publish(Some(key), b"ok").await;
     }
     eventually(LIMIT, "twenty nacks while the store is down", async || {
-        settled(source.kind(), &name, "nacked") >= 20
+        settled(&name, "nacked") >= 20
     })
     .await;
     assert!(charger.0.all_effects().is_empty(), "ran without its record");
@@ -643,10 +628,7 @@ pub async fn a_storm_of_duplicates_across_four_workers_has_one_effect_per_key(ha
             )
         })
         .collect();
-    eventually(LIMIT, "every copy acked", async || {
-        settled(source.kind(), &name, "acked") >= 30
-    })
-    .await;
+    eventually(LIMIT, "every copy acked", async || settled(&name, "acked") >= 30).await;
     until_settled(&source).await;
     for worker in workers {
         worker.stop().await.expect("the worker stops cleanly");
@@ -715,7 +697,7 @@ pub async fn a_dead_letter_copy_refused_leaves_the_message_on_its_source(harness
     // The one message failing twice: it came back after the first failure. (A broker that
     // let it go after a confirmed-but-dropped copy counts no failure at all.)
     eventually(LIMIT, "two failed settlements", async || {
-        settled(source.kind(), &name, "failed") >= 2
+        settled(&name, "failed") >= 2
     })
     .await;
     source.refuse_dead_letters(false).await;
