@@ -66,6 +66,11 @@ pub type AmqpError = AdapterError;
 /// publisher confirm may never answer, and a worker waiting for it would never reconnect.
 pub const SETTLE_TIMEOUT: Duration = DEFAULT_SETTLE_TIMEOUT;
 
+/// How long a delivery whose settlement failed is kept before it is handed back to its queue
+/// (`basic.nack` with requeue): a destination that keeps refusing copies is not retried in a
+/// tight loop.
+pub const SETTLE_RETRY: Duration = Duration::from_secs(1);
+
 /// The broker's name in metrics and errors.
 pub const BROKER: &str = "rabbitmq";
 
@@ -383,6 +388,14 @@ impl Broker for RabbitMq {
     async fn settle(&self, message: &AmqpMessage, disposition: &Disposition) -> Result<(), AdapterError> {
         settle(&self.channel, &self.topology, message, disposition).await
     }
+
+    /// After a pause ([`SETTLE_RETRY`], so that a destination that keeps refusing copies is not
+    /// retried in a tight loop), `basic.nack` with requeue: left alone, the unacknowledged
+    /// delivery would sit on this channel until the channel closes.
+    async fn give_back(&self, message: &AmqpMessage) {
+        tokio::time::sleep(SETTLE_RETRY).await;
+        message.requeue().await;
+    }
 }
 
 /// Processes one delivery with `consumer`, then settles it on `channel`, through the shared
@@ -391,9 +404,8 @@ impl Broker for RabbitMq {
 /// # Errors
 ///
 /// [`AdapterErrorKind::Settle`] when the settlement could not be confirmed, or did not finish
-/// within [`SETTLE_TIMEOUT`]. The delivery is then still unacknowledged on `channel`: nack it
-/// with requeue (the [`Worker`] does, after a pause) or close the channel, and the broker
-/// delivers it again; the record makes it a duplicate.
+/// within [`SETTLE_TIMEOUT`]. The delivery has then been handed back to its queue (after
+/// [`SETTLE_RETRY`]), and the broker delivers it again; the record makes it a duplicate.
 pub async fn process<P>(
     consumer: &P,
     channel: &Channel,

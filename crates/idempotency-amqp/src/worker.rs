@@ -18,10 +18,6 @@ use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
 
 use crate::{AdapterError, AmqpError, AmqpMessage, BROKER, RabbitMq, Topology, amqp};
 
-/// How long a message whose settlement failed is kept before it is handed back to the queue:
-/// a destination that refuses copies is not retried in a tight loop.
-const SETTLE_RETRY: Duration = Duration::from_secs(1);
-
 /// Consumes a queue with a [`Processor`], `prefetch` deliveries handed out at a time and
 /// `concurrency` of them processed at once, and reconnects
 /// (with backoff) when the connection or the channel is lost.
@@ -191,15 +187,11 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                     let pipeline = &pipeline;
                     async move {
                         let Ok(delivery) = delivery else { return };
-                        let message = AmqpMessage::new(delivery);
-                        if pipeline.process(&*self.processor, &message).await.is_err() {
-                            // The settlement failed (logged and counted by the pipeline): the
-                            // message is still ours, unacknowledged. Left alone it would sit
-                            // on this channel until the channel closes; handed back after a
-                            // pause, it is delivered again and the record decides again.
-                            tokio::time::sleep(SETTLE_RETRY).await;
-                            message.requeue().await;
-                        }
+                        // A failed settlement is logged, counted and handed back by the
+                        // pipeline; the broker delivers it again, and the record decides again.
+                        let _ = pipeline
+                            .process(&*self.processor, &AmqpMessage::new(delivery))
+                            .await;
                     }
                 },
             )

@@ -82,6 +82,15 @@ pub trait Broker: Send + Sync {
         message: &Self::Message,
         disposition: &Disposition,
     ) -> impl Future<Output = Result<(), AdapterError>> + Send;
+
+    /// Hands `message` back after its settlement failed or timed out, for a broker that would
+    /// otherwise keep it with this consumer (RabbitMQ keeps an unacknowledged delivery on its
+    /// channel until the channel closes). The default does nothing: JetStream's ack wait, SQS's
+    /// visibility and Kafka's uncommitted offset bring the message back on their own.
+    fn give_back(&self, message: &Self::Message) -> impl Future<Output = ()> + Send {
+        let _ = message;
+        async {}
+    }
 }
 
 /// The per-message pipeline of one worker; see the [module docs](self).
@@ -210,7 +219,8 @@ impl<B: Broker> Pipeline<B> {
     /// # Errors
     ///
     /// [`AdapterErrorKind::Settle`] when the broker refused the settlement or it did not finish
-    /// in time: the message was not acknowledged and comes back.
+    /// in time: the message was not acknowledged and comes back ([`Broker::give_back`] has been
+    /// called).
     pub async fn settle(&self, message: &B::Message, disposition: &Disposition) -> Result<(), AdapterError> {
         let started = Instant::now();
         let settled = tokio::time::timeout(self.settle_timeout, self.broker.settle(message, disposition))
@@ -245,6 +255,7 @@ impl<B: Broker> Pipeline<B> {
                     %error,
                     "settlement failed; the message comes back, and the record answers it"
                 );
+                self.broker.give_back(message).await;
             }
         }
         settled.map_err(|error| error.into_kind(AdapterErrorKind::Settle))
@@ -436,7 +447,8 @@ mod tests {
         }
     }
 
-    /// A broker that records what it was asked, and settles slowly or fails when told to.
+    /// A broker that records what it was asked (and what it was given back), and settles slowly
+    /// or fails when told to.
     #[derive(Default)]
     struct Fake {
         keep_alive: Option<Duration>,
@@ -444,6 +456,7 @@ mod tests {
         settled: Mutex<Vec<Disposition>>,
         settle_takes: Duration,
         refuse: bool,
+        given_back: AtomicU32,
     }
 
     impl Broker for Fake {
@@ -477,6 +490,10 @@ mod tests {
             }
             self.settled.lock().unwrap().push(disposition.clone());
             Ok(())
+        }
+
+        async fn give_back(&self, _: &Message) {
+            self.given_back.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -531,6 +548,7 @@ mod tests {
                 .starts_with("fake: a settlement did not finish within 5s"),
             "{error}"
         );
+        assert_eq!(hangs.broker().given_back.load(Ordering::SeqCst), 1, "handed back");
         let refused = Pipeline::new(
             Fake {
                 refuse: true,
@@ -542,6 +560,22 @@ mod tests {
         assert_eq!(error.kind(), AdapterErrorKind::Settle);
         assert!(error.is_retryable());
         assert_eq!(error.to_string(), "fake: the channel closed");
+        assert_eq!(
+            refused.broker().given_back.load(Ordering::SeqCst),
+            1,
+            "handed back"
+        );
+        assert!(
+            refused
+                .process(&Answer(Duration::ZERO, Some(Disposition::Ack)), &Message)
+                .await
+                .is_err()
+        );
+        assert_eq!(
+            refused.broker().given_back.load(Ordering::SeqCst),
+            2,
+            "handed back"
+        );
     }
 
     /// Every pipeline metric, each provoked by its event: settlements by result and their
