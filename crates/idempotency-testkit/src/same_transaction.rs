@@ -145,6 +145,31 @@ fn outcome_of(run: &Execution<i64>) -> String {
     }
 }
 
+/// After a run that wrote nothing: no business row and no record for `key`, and a retry runs
+/// as attempt 1 and writes its row.
+async fn nothing_left_then_the_retry_runs<S, B>(store: &S, business: &B, table: &Arc<str>, key: &Key)
+where
+    S: TransactionalStore + Clone,
+    B: Business<S>,
+{
+    assert_eq!(
+        business.rows(store, table, key).await,
+        0,
+        "the business row must not survive"
+    );
+    assert_eq!(
+        store.get(&request(key).scope, key).await.unwrap(),
+        None,
+        "no record may remain"
+    );
+    let retried = charge(store, business, table, key, Duration::ZERO).await.unwrap();
+    assert!(
+        matches!(retried, Execution::Executed { attempt: 1, .. }),
+        "{retried:?}"
+    );
+    assert_eq!(business.rows(store, table, key).await, 1);
+}
+
 /// 64 deliveries of one key at once, five rounds: one executes, all agree on the outcome, one
 /// business row.
 pub async fn concurrent_deliveries_write_the_business_row_once_and_agree<S, B>(store: S, business: B)
@@ -213,24 +238,7 @@ where
     })
     .await;
     assert!(matches!(failed, Err(TxError::Operation(_))), "{failed:?}");
-    assert_eq!(
-        business.rows(&store, &table, &key).await,
-        0,
-        "the business row must roll back"
-    );
-    assert_eq!(
-        store.get(&request(&key).scope, &key).await.unwrap(),
-        None,
-        "no record may remain"
-    );
-    let retried = charge(&store, &business, &table, &key, Duration::ZERO)
-        .await
-        .unwrap();
-    assert!(
-        matches!(retried, Execution::Executed { attempt: 1, .. }),
-        "{retried:?}"
-    );
-    assert_eq!(business.rows(&store, &table, &key).await, 1);
+    nothing_left_then_the_retry_runs(&store, &business, &table, &key).await;
 }
 
 /// Another session kills the transaction's connection after the business write, before the
@@ -266,24 +274,7 @@ pub async fn a_connection_killed_mid_transaction_leaves_nothing_and_the_retry_su
         }
         other => panic!("expected a store error, got {other:?}"),
     }
-    assert_eq!(
-        business.rows(&store, &table, &key).await,
-        0,
-        "the business row must not survive"
-    );
-    assert_eq!(
-        store.get(&request(&key).scope, &key).await.unwrap(),
-        None,
-        "no record may remain"
-    );
-    let retried = charge(&store, &business, &table, &key, Duration::ZERO)
-        .await
-        .unwrap();
-    assert!(
-        matches!(retried, Execution::Executed { attempt: 1, .. }),
-        "{retried:?}"
-    );
-    assert_eq!(business.rows(&store, &table, &key).await, 1);
+    nothing_left_then_the_retry_runs(&store, &business, &table, &key).await;
 }
 
 /// A transaction the caller opens and commits itself: the record is invisible until the
