@@ -41,16 +41,10 @@ impl InboxHandler for Tax {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operators_find_a_dead_message_and_replay_it_once_fixed() {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    // The time orders runs (old tables are dropped by it); the counter keeps two tests of one
-    // process (`cargo test` runs them as threads) apart when they start in the same instant.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let suffix = format!(
-        "{}_{}_{n}_{}",
-        now.as_secs(),
-        now.subsec_nanos(),
-        std::process::id()
-    );
+    // The time orders runs (old tables are dropped by it); the random part keeps two tests of
+    // one process (`cargo test` runs them as threads) apart when they start in the same instant.
+    let random = idempotency_core::Key::generate().as_str().replace('-', "");
+    let suffix = format!("{}_{}", now.as_secs(), &random[20..]);
     let (inbox_table, outbox_table) = (format!("inbox_{suffix}"), format!("outbox_{suffix}"));
     let url = database_url();
     let at = |args: &[&str]| {
