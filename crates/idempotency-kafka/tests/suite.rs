@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::committed_and_end;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::IDEMPOTENCY_KEY_HEADER;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
+use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter, LIMIT};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
@@ -85,8 +85,17 @@ impl BrokerSource for Topic {
         list.add_partition_offset("work.dead", 0, Offset::Beginning)
             .unwrap();
         reader.assign(&list).unwrap();
+        // As many as the topic holds, read up to its end (not until two quiet seconds pass:
+        // the cases read the dead letters again and again while they wait for them).
+        let (_, end) =
+            tokio::task::block_in_place(|| reader.fetch_watermarks("work.dead", 0, Duration::from_secs(10)))
+                .unwrap();
         let mut found = Vec::new();
-        while let Ok(Ok(message)) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
+        while found.len() < usize::try_from(end).unwrap() {
+            let message = tokio::time::timeout(LIMIT, reader.recv())
+                .await
+                .expect("the dead letters up to the topic's end")
+                .unwrap();
             let headers = message.headers().into_iter().flat_map(Headers::iter);
             found.push(DeadLetter::new(headers.map(|header| {
                 let value = header.value.map(String::from_utf8_lossy).unwrap_or_default();
