@@ -346,7 +346,7 @@ pub async fn replay_dead_letters(
         let properties = delivery.properties.clone().with_headers(headers);
         publish_confirmed(
             channel,
-            ("", Route::Queue),
+            Route::Queue,
             topology.queue.clone(),
             delivery.data.clone(),
             properties,
@@ -442,7 +442,7 @@ pub async fn settle(
         }
         publish_confirmed(
             channel,
-            ("", Route::Queue),
+            Route::Queue,
             queue.to_owned(),
             message.delivery.data.clone(),
             properties,
@@ -483,30 +483,34 @@ pub async fn settle(
         .map_err(amqp(AdapterErrorKind::Settle, "acking a delivery"))
 }
 
-/// Where a publish must go: to a queue by its name (the worker's own copies: retries, dead
+/// Where a publish goes: to a queue by its name (the worker's own copies: retries, dead
 /// letters, replays), or to whatever an exchange routes it to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
-    /// Published as mandatory on the default exchange: a queue that does not exist (deleted,
-    /// expired) returns the message, and the publish fails, instead of the broker confirming
-    /// a message it dropped. The original is then not let go.
+#[derive(Debug, Clone, Copy)]
+enum Route<'a> {
+    /// The queue named by the routing key, through the default exchange, as mandatory: a
+    /// queue that does not exist (deleted, expired) returns the message and the publish fails,
+    /// instead of the broker confirming a message it dropped. The original is then not let go.
     Queue,
     /// An event: the application's exchange decides where it goes.
-    Exchange,
+    Exchange(&'a str),
 }
 
 /// Publishes and waits for the broker's confirm; a failure is an error of `kind`.
 async fn publish_confirmed(
     channel: &Channel,
-    (exchange, route): (&str, Route),
+    route: Route<'_>,
     routing_key: String,
     payload: Vec<u8>,
     properties: BasicProperties,
     kind: AdapterErrorKind,
 ) -> Result<(), AmqpError> {
     let failed = amqp(kind, "publishing");
+    let (exchange, mandatory) = match route {
+        Route::Queue => ("", true),
+        Route::Exchange(exchange) => (exchange, false),
+    };
     let options = BasicPublishOptions {
-        mandatory: route == Route::Queue,
+        mandatory,
         ..BasicPublishOptions::default()
     };
     let confirm = match channel
@@ -589,7 +593,7 @@ pub async fn publish_with_headers(
         .with_delivery_mode(2);
     publish_confirmed(
         channel,
-        (exchange, Route::Exchange),
+        Route::Exchange(exchange),
         routing_key.to_owned(),
         payload.to_vec(),
         properties,
