@@ -13,7 +13,7 @@
 //! until the case lets it go.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -121,7 +121,6 @@ pub struct Ledger {
     pub release: Notify,
     /// Whether a `hold` call is waiting.
     pub holding: AtomicBool,
-    failures: AtomicU32,
 }
 
 impl Ledger {
@@ -166,7 +165,6 @@ impl<M: Delivery + Sync> Handler<M> for Charger {
             .and_then(|n| n.parse::<usize>().ok())
             && call <= failing
         {
-            self.0.failures.fetch_add(1, Ordering::SeqCst);
             return Err(HandlerError::retry(format!("gateway timeout on call {call}")));
         }
         if let Some(ms) = payload.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
