@@ -39,6 +39,8 @@ pub mod purge;
 mod record;
 pub mod registry;
 pub mod secret;
+#[cfg(feature = "sqlx")]
+pub mod sql;
 mod store;
 mod time;
 pub mod transaction;

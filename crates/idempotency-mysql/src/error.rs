@@ -1,6 +1,6 @@
 //! Classifying sqlx and MySQL/MariaDB errors into [`ErrorKind`]s.
 
-use idempotency_core::{ErrorKind, StoreError};
+use idempotency_core::{ErrorKind, StoreError, sql};
 use sqlx::mysql::MySqlDatabaseError;
 
 /// `ER_DUP_ENTRY`: the key exists (a concurrent `begin` inserted it first).
@@ -40,35 +40,22 @@ pub(crate) fn number(error: &sqlx::Error) -> Option<u16> {
     }
 }
 
-/// Classifies `error`; `doing` says what the store was doing. Messages never contain a
-/// password: sqlx does not put one in its errors, and URLs are redacted before they get here.
+/// Classifies `error`; `doing` says what the store was doing (see
+/// [`idempotency_core::sql::map_error`]).
 pub(crate) fn map_error(doing: &str, error: sqlx::Error) -> StoreError {
-    let (kind, detail) = match &error {
-        sqlx::Error::Database(db) => {
-            let number = number(&error).unwrap_or(0);
-            let kind = kind_of_number(number);
-            let hint = match number {
-                1153 | 1301 => " (an outcome larger than the server's max_allowed_packet)",
-                _ => "",
-            };
-            (kind, format!("{} (error {number}){hint}", db.message()))
-        }
-        sqlx::Error::Io(io) => (ErrorKind::Unavailable, format!("connection failed: {io}")),
-        sqlx::Error::Tls(tls) => (ErrorKind::Unavailable, format!("TLS failed: {tls}")),
-        sqlx::Error::PoolTimedOut => (
-            ErrorKind::Timeout,
-            "no pooled connection became free in time (pool exhausted or server unreachable)".into(),
-        ),
-        sqlx::Error::PoolClosed => (ErrorKind::Unavailable, "the connection pool is closed".into()),
-        sqlx::Error::WorkerCrashed => (ErrorKind::Unavailable, "the connection's worker crashed".into()),
-        sqlx::Error::Configuration(e) => (ErrorKind::InvalidConfig, e.to_string()),
-        sqlx::Error::Protocol(message) => (ErrorKind::Unavailable, format!("protocol error: {message}")),
-        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
-            (ErrorKind::Protocol, error.to_string())
-        }
-        _ => (ErrorKind::Backend, error.to_string()),
-    };
-    StoreError::new(kind, format!("{doing}: {detail}")).with_source(error)
+    sql::map_error(doing, error, |db| {
+        let number = db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map_or(0, MySqlDatabaseError::number);
+        let hint = match number {
+            1153 | 1301 => " (an outcome larger than the server's max_allowed_packet)",
+            _ => "",
+        };
+        (
+            kind_of_number(number),
+            format!("{} (error {number}){hint}", db.message()),
+        )
+    })
 }
 
 #[cfg(test)]

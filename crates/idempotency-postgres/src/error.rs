@@ -1,6 +1,6 @@
 //! Classifying sqlx and PostgreSQL errors into [`ErrorKind`]s.
 
-use idempotency_core::{ErrorKind, StoreError};
+use idempotency_core::{ErrorKind, StoreError, sql};
 
 /// The kind of a PostgreSQL error, from its SQLSTATE.
 fn kind_of_sqlstate(code: &str) -> ErrorKind {
@@ -23,33 +23,16 @@ fn kind_of_sqlstate(code: &str) -> ErrorKind {
     }
 }
 
-/// Classifies `error`; `doing` says what the store was doing. Messages never contain a
-/// password: sqlx does not put one in its errors, and URLs are redacted before they get here.
+/// Classifies `error`; `doing` says what the store was doing (see
+/// [`idempotency_core::sql::map_error`]).
 pub(crate) fn map_error(doing: &str, error: sqlx::Error) -> StoreError {
-    let (kind, detail) = match &error {
-        sqlx::Error::Database(db) => {
-            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            (
-                kind_of_sqlstate(&code),
-                format!("{} (SQLSTATE {code})", db.message()),
-            )
-        }
-        sqlx::Error::Io(io) => (ErrorKind::Unavailable, format!("connection failed: {io}")),
-        sqlx::Error::Tls(tls) => (ErrorKind::Unavailable, format!("TLS failed: {tls}")),
-        sqlx::Error::PoolTimedOut => (
-            ErrorKind::Timeout,
-            "no pooled connection became free in time (pool exhausted or server unreachable)".into(),
-        ),
-        sqlx::Error::PoolClosed => (ErrorKind::Unavailable, "the connection pool is closed".into()),
-        sqlx::Error::WorkerCrashed => (ErrorKind::Unavailable, "the connection's worker crashed".into()),
-        sqlx::Error::Configuration(e) => (ErrorKind::InvalidConfig, e.to_string()),
-        sqlx::Error::Protocol(message) => (ErrorKind::Unavailable, format!("protocol error: {message}")),
-        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
-            (ErrorKind::Protocol, error.to_string())
-        }
-        _ => (ErrorKind::Backend, error.to_string()),
-    };
-    StoreError::new(kind, format!("{doing}: {detail}")).with_source(error)
+    sql::map_error(doing, error, |db| {
+        let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+        (
+            kind_of_sqlstate(&code),
+            format!("{} (SQLSTATE {code})", db.message()),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ fn ms(expression: &str) -> String {
 /// completed_at, outcome.
 fn record_columns() -> String {
     format!(
-        "r.scope, r.key, r.fingerprint, r.attempt, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
+        "r.scope, r.key, r.fingerprint, r.attempt::int8, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
         ms("r.created_at"),
         ms("r.expires_at"),
         ms("r.acquired_at"),
@@ -215,8 +215,8 @@ impl Statements {
             // $1 scope or NULL, $2 completed or NULL, $3 older-than ms or NULL, $4/$5 the
             // (scope, key) to resume after or NULL, $6 limit.
             list: format!(
-                "SELECT r.scope, r.key, r.fingerprint, r.attempt, {created}, {expires}, r.completed,
-                        {acquired}, {lease}, {completed}, octet_length(r.outcome)
+                "SELECT r.scope, r.key, r.fingerprint, r.attempt::int8, {created}, {expires}, r.completed,
+                        {acquired}, {lease}, {completed}, octet_length(r.outcome)::int8
                  FROM {t} r
                  WHERE r.expires_at > now()
                    AND ($1::text IS NULL OR r.scope = $1)

@@ -6,10 +6,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::connections::Connections;
 use idempotency_core::machine::{self, Effect};
+use idempotency_core::sql as sql_rows;
 use idempotency_core::{
-    Access, BeginRequest, Claim, ErrorKind, Fenced, Fingerprint, Held, Key, Lanes, ListFilter, Outcome,
-    Record, RecordParts, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
-    StoreError, Timestamp, Token, duration_millis, stored_millis,
+    Access, BeginRequest, Claim, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome, Record,
+    RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
+    duration_millis, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -467,20 +468,7 @@ impl StoreAdmin for PostgresStore {
                     .map_err(|e| map_error("stats", e))
             })
             .await?;
-        let read = |e| map_error("decode stats", e);
-        let count = |i: usize| -> Result<u64, StoreError> {
-            let n: i64 = row.try_get(i).map_err(read)?;
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
-        let oldest: Option<i64> = row.try_get(4).map_err(read)?;
-        let now = Timestamp::from_unix_millis(row.try_get(5).map_err(read)?);
-        Ok(Stats {
-            expired: count(0)?,
-            in_flight: count(1)?,
-            stale_leases: count(2)?,
-            completed: count(3)?,
-            oldest_in_flight: oldest.map(|ms| now.since(Timestamp::from_unix_millis(ms))),
-        })
+        sql_rows::stats(&row)
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
@@ -504,7 +492,7 @@ impl StoreAdmin for PostgresStore {
                     .map_err(|e| map_error("list", e))
             })
             .await?;
-        rows.iter().map(decode_summary).collect()
+        rows.iter().map(sql_rows::summary).collect()
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
@@ -523,37 +511,7 @@ impl StoreAdmin for PostgresStore {
     }
 }
 
-/// The record columns (see `sql::record_columns`) from column `at` to `completed`, then the
-/// state's times starting `times` columns after `at`.
-fn decode_parts(row: &PgRow, at: usize, times: usize) -> Result<RecordParts, StoreError> {
-    let read = |e| map_error("decode a record", e);
-    let fingerprint: Vec<u8> = row.try_get(at + 2).map_err(read)?;
-    let attempt: i32 = row.try_get(at + 3).map_err(read)?;
-    Ok(RecordParts {
-        scope: row.try_get(at).map_err(read)?,
-        key: row.try_get(at + 1).map_err(read)?,
-        fingerprint: Fingerprint::from_slice(&fingerprint)?,
-        attempt: attempt.into(),
-        created_at: row.try_get(at + 4).map_err(read)?,
-        expires_at: row.try_get(at + 5).map_err(read)?,
-        completed: row.try_get(at + times - 1).map_err(read)?,
-        acquired_at: row.try_get(at + times).map_err(read)?,
-        lease_until: row.try_get(at + times + 1).map_err(read)?,
-        completed_at: row.try_get(at + times + 2).map_err(read)?,
-    })
-}
-
-/// Decodes the record columns starting at column `at`.
+/// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
 fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
-    let read = |e| map_error("decode a record", e);
-    let parts = decode_parts(row, at, 8)?;
-    let token: Vec<u8> = row.try_get(at + 6).map_err(read)?;
-    let outcome: Option<Vec<u8>> = row.try_get(at + 11).map_err(read)?;
-    Ok(parts.into_record(Token::from_slice(&token)?, outcome.map(Outcome::new))?)
-}
-
-fn decode_summary(row: &PgRow) -> Result<RecordSummary, StoreError> {
-    let parts = decode_parts(row, 0, 7)?;
-    let len: Option<i32> = row.try_get(10).map_err(|e| map_error("decode a record", e))?;
-    Ok(parts.into_summary(len.map(i64::from))?)
+    sql_rows::record(row, at)
 }

@@ -1,0 +1,201 @@
+//! What the sqlx-based stores (PostgreSQL, MySQL) share once their server has answered
+//! (feature `sqlx`): classifying sqlx's errors, and decoding the rows every such store selects
+//! in the same column order.
+//!
+//! The stores differ in their statements (one statement per operation on PostgreSQL, a read
+//! then a write under a row lock on MySQL), their placeholders and their servers' error codes;
+//! they do not differ in what a row means. A store selects, from column `at`:
+//!
+//! | offset | record ([`record`]) | summary ([`summary`], `at` = 0) |
+//! | --- | --- | --- |
+//! | 0, 1 | scope, key (text) | scope, key |
+//! | 2 | fingerprint (bytes) | fingerprint |
+//! | 3 | attempt (`i64`) | attempt |
+//! | 4, 5 | created, expires (Unix ms, `i64`) | created, expires |
+//! | 6 | token (bytes) | completed (bool) |
+//! | 7 | completed (bool) | acquired ms or NULL |
+//! | 8, 9, 10 | acquired, lease until, completed ms or NULL | lease until, completed ms, outcome length (`i64`) or NULL |
+//! | 11 | outcome (bytes) or NULL | |
+//!
+//! and [`stats`] reads expired, in flight, stale leases, completed (counts), the oldest
+//! acquisition in flight (ms or NULL) and the server's time (ms). Integers are read as `i64`
+//! on every server: a store whose column is narrower casts it in the statement.
+
+use sqlx::error::DatabaseError;
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use crate::{
+    ErrorKind, Fingerprint, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError, Timestamp, Token,
+};
+
+/// Classifies `error`; `doing` says what the store was doing, `server` classifies the server's
+/// own errors (by SQLSTATE, error number…) into a kind and a message. Messages never contain a
+/// password: sqlx does not put one in its errors, and URLs are redacted before they get here.
+pub fn map_error(
+    doing: &str,
+    error: sqlx::Error,
+    server: impl FnOnce(&dyn DatabaseError) -> (ErrorKind, String),
+) -> StoreError {
+    let (kind, detail) = match &error {
+        sqlx::Error::Database(db) => server(db.as_ref()),
+        sqlx::Error::Io(io) => (ErrorKind::Unavailable, format!("connection failed: {io}")),
+        sqlx::Error::Tls(tls) => (ErrorKind::Unavailable, format!("TLS failed: {tls}")),
+        sqlx::Error::PoolTimedOut => (
+            ErrorKind::Timeout,
+            "no pooled connection became free in time (pool exhausted or server unreachable)".into(),
+        ),
+        sqlx::Error::PoolClosed => (ErrorKind::Unavailable, "the connection pool is closed".into()),
+        sqlx::Error::WorkerCrashed => (ErrorKind::Unavailable, "the connection's worker crashed".into()),
+        sqlx::Error::Configuration(e) => (ErrorKind::InvalidConfig, e.to_string()),
+        sqlx::Error::Protocol(message) => (ErrorKind::Unavailable, format!("protocol error: {message}")),
+        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
+            (ErrorKind::Protocol, error.to_string())
+        }
+        _ => (ErrorKind::Backend, error.to_string()),
+    };
+    StoreError::new(kind, format!("{doing}: {detail}")).with_source(error)
+}
+
+/// Column `index` of `row` as `T`; a decode error is [`ErrorKind::Protocol`], saying `doing`.
+fn get<'r, R, T>(row: &'r R, index: usize, doing: &str) -> Result<T, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    T: Decode<'r, R::Database> + Type<R::Database>,
+{
+    row.try_get(index)
+        .map_err(|e| map_error(doing, e, |db| (ErrorKind::Backend, db.message().to_owned())))
+}
+
+const DECODE: &str = "decode a record";
+
+/// The record columns from column `at` to `completed`, then the state's times starting `times`
+/// columns after `at` (8 in a record, 7 in a summary).
+fn parts<'r, R>(row: &'r R, at: usize, times: usize) -> Result<RecordParts, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let fingerprint: Vec<u8> = get(row, at + 2, DECODE)?;
+    Ok(RecordParts {
+        scope: get(row, at, DECODE)?,
+        key: get(row, at + 1, DECODE)?,
+        fingerprint: Fingerprint::from_slice(&fingerprint)?,
+        attempt: get(row, at + 3, DECODE)?,
+        created_at: get(row, at + 4, DECODE)?,
+        expires_at: get(row, at + 5, DECODE)?,
+        completed: get(row, at + times - 1, DECODE)?,
+        acquired_at: get(row, at + times, DECODE)?,
+        lease_until: get(row, at + times + 1, DECODE)?,
+        completed_at: get(row, at + times + 2, DECODE)?,
+    })
+}
+
+/// The record whose twelve columns start at column `at` (see the table above).
+///
+/// # Errors
+///
+/// [`ErrorKind::Protocol`] when a column does not decode; [`ErrorKind::Corrupt`] when the
+/// columns are not a valid record.
+pub fn record<'r, R>(row: &'r R, at: usize) -> Result<Record, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let parts = parts(row, at, 8)?;
+    let token: Vec<u8> = get(row, at + 6, DECODE)?;
+    let outcome: Option<Vec<u8>> = get(row, at + 11, DECODE)?;
+    Ok(parts.into_record(Token::from_slice(&token)?, outcome.map(Outcome::new))?)
+}
+
+/// The summary a `list` row holds (see the table above).
+///
+/// # Errors
+///
+/// As [`record`].
+pub fn summary<'r, R>(row: &'r R) -> Result<RecordSummary, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let parts = parts(row, 0, 7)?;
+    let len: Option<i64> = get(row, 10, DECODE)?;
+    Ok(parts.into_summary(len)?)
+}
+
+/// The statistics a `stats` row holds (see above); a negative count reads as 0.
+///
+/// # Errors
+///
+/// [`ErrorKind::Protocol`] when a column does not decode.
+pub fn stats<'r, R>(row: &'r R) -> Result<Stats, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    const DOING: &str = "decode stats";
+    let count = |i: usize| -> Result<u64, StoreError> {
+        let n: i64 = get(row, i, DOING)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    let oldest: Option<i64> = get(row, 4, DOING)?;
+    let now = Timestamp::from_unix_millis(get(row, 5, DOING)?);
+    Ok(Stats {
+        expired: count(0)?,
+        in_flight: count(1)?,
+        stale_leases: count(2)?,
+        completed: count(3)?,
+        oldest_in_flight: oldest.map(|ms| now.since(Timestamp::from_unix_millis(ms))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(error: sqlx::Error) -> ErrorKind {
+        map_error("test", error, |_| unreachable!("not a server error")).kind()
+    }
+
+    #[test]
+    fn errors_without_a_server_code_map_to_kinds() {
+        assert_eq!(kind(sqlx::Error::PoolTimedOut), ErrorKind::Timeout);
+        assert_eq!(kind(sqlx::Error::PoolClosed), ErrorKind::Unavailable);
+        assert_eq!(kind(sqlx::Error::Protocol("eof".into())), ErrorKind::Unavailable);
+        assert_eq!(
+            kind(sqlx::Error::ColumnNotFound("scope".into())),
+            ErrorKind::Protocol
+        );
+        assert_eq!(
+            kind(sqlx::Error::Io(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused
+            ))),
+            ErrorKind::Unavailable
+        );
+        assert_eq!(kind(sqlx::Error::RowNotFound), ErrorKind::Backend);
+    }
+
+    #[test]
+    fn the_message_says_what_the_store_was_doing() {
+        let error = map_error("read the server's clock", sqlx::Error::PoolClosed, |_| {
+            unreachable!("not a server error")
+        });
+        assert_eq!(
+            error.to_string(),
+            "store unavailable: read the server's clock: the connection pool is closed"
+        );
+    }
+}
