@@ -17,11 +17,14 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -35,6 +38,7 @@ pub use crate::error::ConsumeError;
 use crate::error::Error;
 use crate::flags::{FlagError, bounded_duration, parse_lease, parse_retention};
 use crate::server::bind;
+use crate::tls::{self, ClientFiles};
 use crate::units;
 
 /// The most of a handler's answer that is read and stored as the outcome (a longer answer is
@@ -51,9 +55,23 @@ pub struct Config {
     /// NAME` lists a broker's URL parameters).
     #[arg(long, env = "IDEM_FROM", required_unless_present = "help_source")]
     pub from: Option<String>,
-    /// The handler each message is POSTed to: http://HOST:PORT/PATH.
+    /// The handler each message is POSTed to: http://HOST:PORT/PATH or https://…; https is verified
+    /// against the system's trust store and --to-ca.
     #[arg(long, env = "IDEM_TO", required_unless_present = "help_source")]
     pub to: Option<String>,
+    /// A private CA (PEM bundle) trusted for an https handler, besides the system's store.
+    #[arg(long, env = "IDEM_TO_CA")]
+    pub to_ca: Option<PathBuf>,
+    /// A client certificate (PEM chain) presented to an https handler; needs --to-client-key.
+    #[arg(long, env = "IDEM_TO_CLIENT_CERT", requires = "to_client_key")]
+    pub to_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --to-client-cert.
+    #[arg(long, env = "IDEM_TO_CLIENT_KEY", requires = "to_client_cert")]
+    pub to_client_key: Option<PathBuf>,
+    /// INSECURE: accept any certificate from an https handler, for any name (logged as a
+    /// warning at start).
+    #[arg(long, env = "IDEM_TO_INSECURE_SKIP_VERIFY")]
+    pub to_insecure_skip_verify: bool,
     /// Lists the URL parameters of a source (amqp, nats, kafka, sqs) and exits.
     #[arg(long, value_name = "NAME", exclusive = true)]
     pub help_source: Option<String>,
@@ -148,15 +166,14 @@ fn handler_uri(to: &str) -> Result<Uri, ConsumeError> {
     };
     let uri: Uri = to
         .parse()
-        .map_err(|_| refuse("not a URL; expected http://HOST:PORT/PATH"))?;
+        .map_err(|_| refuse("not a URL; expected http[s]://HOST:PORT/PATH"))?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
+        Some("http" | "https") => {}
+        _ => {
             return Err(refuse(
-                "https is not supported; put the handler on http:// (a sidecar or loopback)",
+                "not an http:// or https:// URL; expected http[s]://HOST:PORT/PATH",
             ));
         }
-        _ => return Err(refuse("not an http:// URL; expected http://HOST:PORT/PATH")),
     }
     if uri.host().is_none_or(str::is_empty) {
         return Err(refuse("names no host"));
@@ -178,7 +195,7 @@ pub(crate) struct Call<'a> {
 
 /// Calls the handler for each message.
 pub(crate) struct HttpHandler {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     to: Uri,
     timeout: Duration,
     /// The queue (or stream) the messages come from, sent to the handler.
@@ -204,11 +221,29 @@ fn content_type(message: &dyn Delivery) -> &str {
 }
 
 impl HttpHandler {
-    /// POSTs each message to `to` (an `http://` URL), at most `calls` at once, each answer
-    /// awaited at most `timeout`; `source` is sent as `Idempotency-Source`.
-    pub(crate) fn new(to: Uri, timeout: Duration, source: String, calls: usize) -> Self {
+    /// POSTs each message to `to` (an `http://` or `https://` URL; `tls` verifies an https
+    /// handler), at most `calls` at once, each answer awaited at most `timeout`; `source` is
+    /// sent as `Idempotency-Source`.
+    pub(crate) fn new(
+        to: Uri,
+        timeout: Duration,
+        source: String,
+        calls: usize,
+        tls: &rustls::ClientConfig,
+    ) -> Self {
+        let mut tls = tls.clone();
+        // The connector offers HTTP/1.1 itself.
+        tls.alpn_protocols.clear();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
         Self {
-            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            client: Client::builder(TokioExecutor::new()).build(connector),
             to,
             timeout,
             source,
@@ -262,7 +297,7 @@ impl HttpHandler {
         let response = tokio::time::timeout_at(deadline, self.client.request(request))
             .await
             .map_err(|_| late())?
-            .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {e}")))?;
+            .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {}", causes(&e))))?;
         let status = response.status();
         // Once the status is in, the handler's answer is known: a 2xx whose body is too long,
         // late or cut off still means the work was done, and is recorded (without the body)
@@ -283,6 +318,82 @@ impl HttpHandler {
             };
         disposition(status, body)
     }
+}
+
+/// An error and its causes, outermost first: the client's own message ("client error
+/// (Connect)") says nothing of a refused certificate, its source does.
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
+}
+
+/// The handler's TLS, checked at start: the files must be usable, and a handler that answers
+/// must present a certificate this configuration accepts (a handler not listening yet is only
+/// warned about: it may start after the consumer).
+async fn handler_tls(config: &Config, to: &Uri) -> Result<Arc<rustls::ClientConfig>, Error> {
+    let files = ClientFiles {
+        ca: config.to_ca.clone(),
+        cert: config.to_client_cert.clone(),
+        key: config.to_client_key.clone(),
+        insecure_skip_verify: config.to_insecure_skip_verify,
+    };
+    let refuse = |why: String| ConsumeError::Handler {
+        to: idempotency::redact_url(config.to.as_deref().unwrap_or_default()),
+        why,
+    };
+    let https = to.scheme_str() == Some("https");
+    if !https && (files.ca.is_some() || files.cert.is_some() || files.insecure_skip_verify) {
+        return Err(refuse(
+            "--to-ca, --to-client-cert and --to-insecure-skip-verify are for an https:// handler; this one is http://".into(),
+        )
+        .into());
+    }
+    if files.insecure_skip_verify && files.ca.is_some() {
+        return Err(refuse(
+            "--to-insecure-skip-verify verifies nothing, so --to-ca would be ignored: give one or the other"
+                .into(),
+        )
+        .into());
+    }
+    let tls = tls::client_config(&files)?;
+    if !https {
+        return Ok(tls);
+    }
+    if files.insecure_skip_verify {
+        tracing::warn!(
+            to = %to,
+            "--to-insecure-skip-verify: the handler's certificate is NOT verified; anyone on the path can read and change the traffic"
+        );
+    }
+    let host = to.host().unwrap_or_default();
+    let port = to.port_u16().unwrap_or(443);
+    let address = format!("{host}:{port}");
+    let name = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let name = rustls::pki_types::ServerName::try_from(name)
+        .map_err(|e| refuse(format!("`{host}` cannot be checked against a certificate: {e}")))?;
+    match tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(&address)).await {
+        Ok(Ok(stream)) => {
+            let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls));
+            match tokio::time::timeout(Duration::from_secs(5), connector.connect(name, stream)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => return Err(refuse(tls::describe_handshake_error(&address, &error)).into()),
+                Err(_) => return Err(refuse(format!("the TLS handshake with {address} timed out")).into()),
+            }
+        }
+        Ok(Err(error)) => {
+            tracing::warn!(%error, %address, "the handler cannot be reached yet; its certificate is checked on the first call");
+        }
+        Err(_) => {
+            tracing::warn!(%address, "the handler did not accept a connection within 5s; its certificate is checked on the first call");
+        }
+    }
+    Ok(tls)
 }
 
 /// What the handler's answer means (see the module's table).
@@ -341,6 +452,7 @@ pub async fn consume(
     let kind = idempotency::sources().kind(&from).map_err(source_error)?;
     let info = (kind.parse)(&from).map_err(source_error)?;
     let to = handler_uri(config.to.as_deref().unwrap_or_default())?;
+    let handler_tls = handler_tls(&config, &to).await?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
@@ -361,7 +473,7 @@ pub async fn consume(
     }
     let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
     let name = config.name.clone();
-    let handler = HttpHandler::new(to, config.handler_timeout, info.source, calls);
+    let handler = HttpHandler::new(to, config.handler_timeout, info.source, calls, &handler_tls);
     let processor: Processor = Consumer::new(name, watched, handler)
         .lease(config.lease)
         .retention(config.retention)
@@ -409,10 +521,10 @@ mod tests {
     #[test]
     fn handler_urls_must_be_http() {
         assert!(handler_uri("http://127.0.0.1:3000/messages").is_ok());
+        assert!(handler_uri("https://handler.internal/messages").is_ok());
         for (to, why) in [
-            ("https://h/x", "https is not supported"),
-            ("ftp://h/x", "not an http:// URL"),
-            ("/messages", "not an http:// URL"),
+            ("ftp://h/x", "not an http:// or https:// URL"),
+            ("/messages", "not an http:// or https:// URL"),
             ("http://", "not a URL"),
         ] {
             let error = handler_uri(to).unwrap_err().to_string();

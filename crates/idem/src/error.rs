@@ -50,6 +50,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A TLS setting cannot be used (the message names the file or flag and why).
+    #[error("TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     /// The metrics recorder could not be installed.
     #[error("metrics: {0}")]
     Metrics(#[source] metrics_exporter_prometheus::BuildError),
@@ -103,12 +106,13 @@ pub enum UpstreamError {
         /// The URI parser's message (its error type is not `Clone`).
         reason: String,
     },
-    /// An `https://` upstream.
-    #[error("`{0}`: https upstreams are not supported; reach the upstream over http on a private network")]
-    Https(String),
-    /// Any scheme but `http://`.
-    #[error("`{0}`: the upstream must be an http:// URL")]
+    /// Any scheme but `http://` and `https://`.
+    #[error("`{0}`: the upstream must be an http:// or https:// URL")]
     NotHttp(String),
+    /// An `https://` upstream that TLS cannot be set up for (the reason names the file or the
+    /// host).
+    #[error("{0}")]
+    Tls(String),
     /// No host.
     #[error("`{0}`: the upstream URL has no host")]
     NoHost(String),

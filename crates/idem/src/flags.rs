@@ -23,8 +23,7 @@ pub fn parse_upstream(text: &str) -> Result<Uri, UpstreamError> {
             reason: e.to_string(),
         })?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => return Err(UpstreamError::Https(text.into())),
+        Some("http" | "https") => {}
         _ => return Err(UpstreamError::NotHttp(text.into())),
     }
     if uri.authority().is_none() {

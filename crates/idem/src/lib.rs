@@ -6,6 +6,7 @@
 //!   sources;
 //! * [`flags`]: the flags' parsers; [`admin`]: the `/healthz` and `/metrics` endpoints;
 //! * [`server`]: the gateway's HTTP/1 server, with the limits untrusted clients need;
+//! * [`tls`]: TLS for the listener (reloaded on `SIGHUP`) and for `https://` upstreams and handlers;
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
 //! * [`units`]: human durations and sizes as the flags take them;
@@ -24,4 +25,5 @@ pub mod flags;
 pub mod gateway;
 pub mod ops;
 pub mod server;
+pub mod tls;
 mod upstream;

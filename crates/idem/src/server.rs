@@ -34,6 +34,8 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::TaskTracker;
 
+use crate::tls::ListenerTls;
+
 /// How long a connection closed after an early answer keeps reading what the client still sends.
 pub const LINGER: Duration = Duration::from_secs(5);
 
@@ -48,12 +50,13 @@ pub struct Limits {
     pub drain_timeout: Duration,
 }
 
-/// Serves `router` on `listener` until `shutdown`, then drains within `limits.drain_timeout`
+/// Serves `router` on `listener` (over TLS when `tls` is given) until `shutdown`, then drains within `limits.drain_timeout`
 /// (connections, then the runs in `detached`); returns whether everything finished in time.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: Limits,
+    tls: Option<&ListenerTls>,
     detached: DetachedRuns,
     shutdown: impl Future<Output = ()>,
 ) -> bool {
@@ -83,25 +86,29 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
-        let mut stopped = stopped.clone();
+        let stopped = stopped.clone();
+        let tls = tls.map(|tls| tls.acceptor().clone());
         connections.spawn(async move {
             let _permit = permit;
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_timeout);
-            let connection = builder.serve_connection(TokioIo::new(Lingering::new(stream)), service);
-            tokio::pin!(connection);
-            let result = tokio::select! {
-                result = connection.as_mut() => result,
-                _ = async { stopped.wait_for(|stop| *stop).await.map(|_| ()) } => {
-                    // Idle connections close now; a running request finishes first.
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
+            let stream = Lingering::new(stream);
+            match tls {
+                None => serve_connection(stream, service, limits, stopped).await,
+                Some(acceptor) => {
+                    // The handshake is part of the request's head: it gets the header timeout.
+                    match tokio::time::timeout(limits.header_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => serve_connection(stream, service, limits, stopped).await,
+                        Ok(Err(error)) => {
+                            metrics::counter!("idem_tls_handshake_failures_total").increment(1);
+                            tracing::debug!(%error, "a client's TLS handshake failed");
+                        }
+                        Err(_) => {
+                            metrics::counter!("idem_tls_handshake_failures_total").increment(1);
+                            tracing::debug!(
+                                "a client's TLS handshake did not finish within the header timeout"
+                            );
+                        }
+                    }
                 }
-            };
-            if let Err(error) = result {
-                tracing::debug!(%error, "connection ended with an error");
             }
         });
     }
@@ -129,6 +136,35 @@ pub async fn serve(
         return false;
     }
     true
+}
+
+/// Serves one client connection until it ends, or, once `stopped` turns true, until its running
+/// request has finished.
+async fn serve_connection<IO>(
+    io: IO,
+    service: TowerToHyperService<Router>,
+    limits: Limits,
+    mut stopped: watch::Receiver<bool>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let connection = builder.serve_connection(TokioIo::new(io), service);
+    tokio::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        _ = async { stopped.wait_for(|stop| *stop).await.map(|_| ()) } => {
+            // Idle connections close now; a running request finishes first.
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(error) = result {
+        tracing::debug!(%error, "connection ended with an error");
+    }
 }
 
 /// A connection that, when closed, first lingers: it sends its end of the stream, then reads

@@ -21,6 +21,10 @@
 //! timeout that expires that very moment) cannot be told from an upstream that broke off after
 //! reading the request: that is an answer lost, as with any HTTP/1 client.
 //!
+//! An `https://` upstream is reached over TLS (rustls, verified with the configuration
+//! [`crate::tls::client_config`] builds; SNI and the name checked are the URL's host). A
+//! handshake that fails sent nothing: [`Failure::Tls`], with rustls's reason.
+//!
 //! An idle connection is not polled while it waits on the stack, so an upstream that closes it
 //! is noticed when the connection is next taken (it is then dropped, and the next one tried).
 //! Connections idle longer than [`IDLE_TIMEOUT`] are closed when a request next looks, and the
@@ -37,8 +41,13 @@ use http::{Request, Response, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
+use rustls::ClientConfig;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 
 /// How long a connection may sit unused before a request closes it instead of using it
 /// (hyper-util's default). An upstream that closes idle connections sooner costs nothing: its
@@ -56,6 +65,8 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) enum Failure {
     /// No connection could be made: nothing was sent.
     Unreachable(String),
+    /// The TLS handshake failed (the reason names the host and the cause): nothing was sent.
+    Tls(String),
     /// The request was sent, at least in part, and no response head came back.
     AnswerLost(hyper::Error),
     /// The deadline passed before the response head arrived.
@@ -66,7 +77,67 @@ pub(crate) enum Failure {
 /// which whoever uses it polls.
 struct Connection {
     sender: http1::SendRequest<Body>,
-    driver: http1::Connection<TokioIo<TcpStream>, Body>,
+    driver: http1::Connection<TokioIo<Stream>, Body>,
+}
+
+/// A connection's bytes: plain TCP, or TLS over it.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(stream) => stream.is_write_vectored(),
+            Self::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+        }
+    }
 }
 
 impl Connection {
@@ -91,6 +162,8 @@ pub(crate) struct Upstream {
 struct Inner {
     /// What `TcpStream::connect` resolves: `host:port`.
     address: String,
+    /// For an `https://` upstream: the connector and the name the certificate must carry.
+    tls: Option<(TlsConnector, ServerName<'static>)>,
     /// The `Host` header the upstream gets.
     host: HeaderValue,
     idle: Mutex<Vec<Idle>>,
@@ -105,26 +178,46 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// Connections to the authority of `upstream` (an `http` URI with a host; `parse_upstream`
-    /// checked it).
-    pub(crate) fn new(upstream: &Uri) -> Self {
+    /// Connections to the authority of `upstream` (an `http` or `https` URI with a host;
+    /// `parse_upstream` checked it); an `https` one is reached with `tls`.
+    ///
+    /// # Errors
+    ///
+    /// An `https` upstream without a TLS configuration, or whose host is not a name a
+    /// certificate can carry.
+    pub(crate) fn new(upstream: &Uri, tls: Option<Arc<ClientConfig>>) -> Result<Self, String> {
         let host = upstream.host().unwrap_or("localhost");
-        let port = upstream.port_u16().unwrap_or(80);
+        let https = upstream.scheme_str() == Some("https");
+        let default_port = if https { 443 } else { 80 };
+        let port = upstream.port_u16().unwrap_or(default_port);
         // An IPv6 literal keeps its brackets in `host()`, which is what `connect` wants.
         let address = format!("{host}:{port}");
-        // The host and a port other than 80, never the URL's user information.
+        // The host and a port other than the scheme's, never the URL's user information.
         let header = match upstream.port_u16() {
-            Some(port) if port != 80 => address.clone(),
+            Some(port) if port != default_port => address.clone(),
             _ => host.to_owned(),
         };
-        let host = HeaderValue::from_str(&header).unwrap_or_else(|_| HeaderValue::from_static("localhost"));
-        Self {
+        let host_header =
+            HeaderValue::from_str(&header).unwrap_or_else(|_| HeaderValue::from_static("localhost"));
+        let tls = if https {
+            let config =
+                tls.ok_or_else(|| format!("{upstream}: an https upstream needs a TLS configuration"))?;
+            // The name checked against the certificate, and sent as SNI (not for an address).
+            let name = host.trim_start_matches('[').trim_end_matches(']');
+            let name = ServerName::try_from(name.to_owned())
+                .map_err(|e| format!("{upstream}: `{name}` cannot be checked against a certificate: {e}"))?;
+            Some((TlsConnector::from(config), name))
+        } else {
+            None
+        };
+        Ok(Self {
             inner: Arc::new(Inner {
                 address,
-                host,
+                tls,
+                host: host_header,
                 idle: Mutex::new(Vec::new()),
             }),
-        }
+        })
     }
 
     /// Sends `request` (its URI in origin form) and waits for the response head until
@@ -255,22 +348,34 @@ impl Upstream {
     }
 
     async fn connect(&self, deadline: &mut Pin<Box<Sleep>>) -> Result<Connection, Failure> {
+        let address = &self.inner.address;
         let connect = async {
-            let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.inner.address))
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
                 .await
-                .map_err(|_| format!("connecting to {} timed out", self.inner.address))?
-                .map_err(|e| format!("cannot connect to {}: {e}", self.inner.address))?;
+                .map_err(|_| Failure::Unreachable(format!("connecting to {address} timed out")))?
+                .map_err(|e| Failure::Unreachable(format!("cannot connect to {address}: {e}")))?;
             stream
                 .set_nodelay(true)
-                .map_err(|e| format!("cannot set TCP_NODELAY: {e}"))?;
+                .map_err(|e| Failure::Unreachable(format!("cannot set TCP_NODELAY: {e}")))?;
+            let stream = match &self.inner.tls {
+                None => Stream::Plain(stream),
+                Some((connector, name)) => {
+                    let handshake = connector.connect(name.clone(), stream);
+                    let stream = tokio::time::timeout(CONNECT_TIMEOUT, handshake)
+                        .await
+                        .map_err(|_| Failure::Tls(format!("the TLS handshake with {address} timed out")))?
+                        .map_err(|e| Failure::Tls(crate::tls::describe_handshake_error(address, &e)))?;
+                    Stream::Tls(Box::new(stream))
+                }
+            };
             let (sender, driver) = http1::handshake(TokioIo::new(stream))
                 .await
-                .map_err(|e| format!("HTTP/1 handshake with {} failed: {e}", self.inner.address))?;
+                .map_err(|e| Failure::Unreachable(format!("HTTP/1 handshake with {address} failed: {e}")))?;
             metrics::counter!("idem_upstream_connections_opened_total").increment(1);
             Ok(Connection { sender, driver })
         };
         tokio::select! {
-            connection = connect => connection.map_err(Failure::Unreachable),
+            connection = connect => connection,
             () = deadline.as_mut() => Err(Failure::TimedOut),
         }
     }
@@ -356,7 +461,7 @@ mod tests {
             ),
             ("http://[::1]:9000", "[::1]:9000", "[::1]:9000"),
         ] {
-            let upstream = Upstream::new(&upstream.parse().unwrap());
+            let upstream = Upstream::new(&upstream.parse().unwrap(), None).unwrap();
             assert_eq!(upstream.inner.address, address);
             assert_eq!(upstream.inner.host, host);
         }

@@ -113,6 +113,76 @@ impl Broker for Nats {
     }
 }
 
+/// An https handler verified with a private CA: three copies of each message, one call each,
+/// over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_handler_with_a_private_ca_is_called_once_per_key() {
+    let nats = Nats::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = common::pki::Ca::new("idem test CA");
+    let ca_file = ca.write(dir.path(), "ca");
+    let leaf = ca.server(&["localhost"], 1, common::pki::Validity::Current);
+    let ledger = consume::Ledger::default();
+    let refused = std::sync::Arc::default();
+    let handler = consume::start_tls_handler(ledger.clone(), &leaf, std::sync::Arc::clone(&refused)).await;
+    let admin = common::free_addr();
+    let to = format!("https://localhost:{}/messages", handler.port());
+    let ca_text = ca_file.to_str().unwrap();
+    let _consume = consume::start_to(
+        &nats,
+        &to,
+        admin,
+        &["--store", "memory://", "--lease", "3s", "--to-ca", ca_text],
+    )
+    .await;
+    let keys: Vec<String> = (0..5).map(|i| format!("tls-{i}")).collect();
+    for _ in 0..3 {
+        for key in &keys {
+            nats.publish(key, key.as_bytes()).await;
+        }
+    }
+    consume::count_at_least(admin, "duplicate", 10.0).await;
+    for key in &keys {
+        assert_eq!(ledger.calls(key), vec![1], "{key}");
+    }
+    consume::until_settled(&nats).await;
+    assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+/// An https handler whose certificate the consumer does not trust: refused at start, naming the
+/// host and the cause; the handler gets no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_handler_of_another_ca_stops_the_consumer_at_start() {
+    let nats = Nats::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = common::pki::Ca::new("idem test CA");
+    let wrong = common::pki::Ca::new("another CA").write(dir.path(), "wrong");
+    let leaf = ca.server(&["localhost"], 1, common::pki::Validity::Current);
+    let ledger = consume::Ledger::default();
+    let refused = std::sync::Arc::default();
+    let handler = consume::start_tls_handler(ledger.clone(), &leaf, std::sync::Arc::clone(&refused)).await;
+    let to = format!("https://localhost:{}/messages", handler.port());
+    let (code, _, stderr) = common::idem(&[
+        "consume",
+        "--from",
+        &nats.from(),
+        "--to",
+        &to,
+        "--to-ca",
+        wrong.to_str().unwrap(),
+        "--store",
+        "memory://",
+    ]);
+    assert_ne!(code, 0);
+    let expected = format!(
+        "the certificate of localhost:{} is refused: UnknownIssuer",
+        handler.port()
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+    assert!(ledger.keys().is_empty());
+    assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_message_published_three_times_is_handled_once() {
     consume::three_copies_run_once(&Nats::new().await).await;

@@ -54,6 +54,9 @@ pub enum Problem {
     StoredResponseUnreadable,
     /// A proxy's upstream could not be reached: nothing was sent, and the key was released (502).
     UpstreamUnreachable,
+    /// A proxy could not make a TLS connection to the upstream (its certificate was refused,
+    /// say; the reason is given), so nothing was sent (502).
+    UpstreamTls(String),
     /// A proxy sent the request, but no complete answer came back (the connection dropped, the
     /// answer was malformed or truncated): the outcome is unknown, and the key stays in flight
     /// until its lease ends (502).
@@ -89,6 +92,7 @@ impl Problem {
             Self::OutcomeUnknown => "urn:idempotency:problem:outcome-unknown",
             Self::StoredResponseUnreadable => "urn:idempotency:problem:stored-response-unreadable",
             Self::UpstreamUnreachable => "urn:idempotency:problem:upstream-unreachable",
+            Self::UpstreamTls(_) => "urn:idempotency:problem:upstream-tls",
             Self::UpstreamAnswerLost => "urn:idempotency:problem:upstream-answer-lost",
             Self::UpstreamTimeout => "urn:idempotency:problem:upstream-timeout",
             Self::BadTarget(_) => "urn:idempotency:problem:bad-target",
@@ -111,7 +115,9 @@ impl Problem {
             Self::HandlerFailed | Self::OutcomeUnknown | Self::StoredResponseUnreadable => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
-            Self::UpstreamUnreachable | Self::UpstreamAnswerLost => StatusCode::BAD_GATEWAY,
+            Self::UpstreamUnreachable | Self::UpstreamTls(_) | Self::UpstreamAnswerLost => {
+                StatusCode::BAD_GATEWAY
+            }
             Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -133,6 +139,7 @@ impl Problem {
             Self::OutcomeUnknown => "Outcome unknown",
             Self::StoredResponseUnreadable => "Stored response unreadable",
             Self::UpstreamUnreachable => "Upstream unreachable",
+            Self::UpstreamTls(_) => "Upstream TLS failed",
             Self::UpstreamAnswerLost => "Upstream answer lost",
             Self::UpstreamTimeout => "Upstream timed out",
             Self::BadTarget(_) => "Bad request target",
@@ -187,6 +194,11 @@ impl Problem {
             Self::UpstreamUnreachable => "The upstream could not be reached, so nothing was sent to it; the \
                 key was released and the request may be retried."
                 .into(),
+            Self::UpstreamTls(why) => format!(
+                "No TLS connection to the upstream could be made ({why}), so nothing was sent to \
+                it; the key was released and the request may be retried once the upstream's \
+                certificate is trusted."
+            ),
             Self::UpstreamAnswerLost => format!(
                 "The request was sent to the upstream, but no complete answer came back (the \
                 connection dropped, or the answer was malformed or truncated): whether it took \

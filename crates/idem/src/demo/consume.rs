@@ -332,7 +332,8 @@ pub async fn run(options: Options) -> Result<Report, Error> {
     let to = http::Uri::try_from(format!("http://{addr}/charges"))
         .map_err(|e| Error::Demo(format!("the service's address is not a URL: {e}")))?;
     let concurrency = options.concurrency.max(1);
-    let handler = HttpHandler::new(to, HANDLER_TIMEOUT, "payments".into(), concurrency);
+    let tls = crate::tls::client_config(&crate::tls::ClientFiles::default())?;
+    let handler = HttpHandler::new(to, HANDLER_TIMEOUT, "payments".into(), concurrency, &tls);
     let broker = Arc::new(Broker::default());
     let messages = publish(&broker, options.payments);
     let started = Instant::now();

@@ -633,7 +633,7 @@ async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAd
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .build_recorder()
         .handle();
-    serve(gateway::router(&config, store, metrics).main).await
+    serve(gateway::router(&config, store, metrics)?.main).await
 }
 
 /// Progress on standard error until aborted: a bar on a terminal, and elsewhere (a CI log, a

@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use axum::Router;
@@ -24,6 +25,7 @@ use crate::flags::{
     parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
 };
 use crate::server::{self, bind};
+use crate::tls::{self, ClientFiles, ListenerTls, ServerFiles};
 pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
 
 /// Everything `idem serve` is configured with: the command line's flags (each also an `IDEM_*`
@@ -31,12 +33,37 @@ pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
 /// command line's defaults, with an upstream on `http://127.0.0.1:3000`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// The upstream's base URL (http://host:port[/base]).
+    /// The upstream's base URL (http://host:port[/base], or https://…); https is verified against the
+    /// system's trust store and --upstream-ca.
     #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Uri,
+    /// A private CA (PEM bundle) trusted for an https upstream, besides the system's store.
+    #[arg(long, env = "IDEM_UPSTREAM_CA")]
+    pub upstream_ca: Option<PathBuf>,
+    /// A client certificate (PEM chain) presented to an https upstream; needs
+    /// --upstream-client-key.
+    #[arg(long, env = "IDEM_UPSTREAM_CLIENT_CERT", requires = "upstream_client_key")]
+    pub upstream_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --upstream-client-cert.
+    #[arg(long, env = "IDEM_UPSTREAM_CLIENT_KEY", requires = "upstream_client_cert")]
+    pub upstream_client_key: Option<PathBuf>,
+    /// INSECURE: accept any certificate from an https upstream, for any name (logged as a
+    /// warning at start). For tests against a server whose CA you cannot get.
+    #[arg(long, env = "IDEM_UPSTREAM_INSECURE_SKIP_VERIFY")]
+    pub upstream_insecure_skip_verify: bool,
     /// Where the gateway listens.
     #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Serve HTTPS on --listen with this certificate chain (PEM, leaf first); needs --tls-key.
+    /// SIGHUP reads the pair again (new connections get it; a bad pair keeps the old one).
+    #[arg(long, env = "IDEM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "IDEM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM bundle): mutual TLS.
+    #[arg(long, env = "IDEM_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
@@ -124,7 +151,44 @@ impl Config {
                 "--max-buffered is smaller than --max-body: a body of the largest size allowed could never be buffered",
             ));
         }
+        let upstream_tls = self.upstream_ca.is_some()
+            || self.upstream_client_cert.is_some()
+            || self.upstream_insecure_skip_verify;
+        if upstream_tls && self.upstream.scheme_str() != Some("https") {
+            return Err(FlagError::Conflict(
+                "--upstream-ca, --upstream-client-cert and --upstream-insecure-skip-verify are for an https:// upstream; this one is http://",
+            ));
+        }
+        if self.upstream_insecure_skip_verify && self.upstream_ca.is_some() {
+            return Err(FlagError::Conflict(
+                "--upstream-insecure-skip-verify verifies nothing, so --upstream-ca would be ignored: give one or the other",
+            ));
+        }
         Ok(())
+    }
+
+    /// How the gateway verifies an https upstream and presents itself to it.
+    #[must_use]
+    pub fn upstream_tls(&self) -> ClientFiles {
+        ClientFiles {
+            ca: self.upstream_ca.clone(),
+            cert: self.upstream_client_cert.clone(),
+            key: self.upstream_client_key.clone(),
+            insecure_skip_verify: self.upstream_insecure_skip_verify,
+        }
+    }
+
+    /// The listener's certificate files, when it serves HTTPS.
+    #[must_use]
+    pub fn listener_tls(&self) -> Option<ServerFiles> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(ServerFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -155,7 +219,23 @@ pub struct Routers {
 }
 
 /// The gateway's routers: the layer around the proxy, and the admin endpoints.
-pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Routers {
+///
+/// # Errors
+///
+/// [`Error::Tls`] or [`Error::Upstream`] when an https upstream's TLS cannot be set up (a CA
+/// or client certificate file that cannot be used).
+pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Result<Routers, Error> {
+    let upstream_tls = if config.upstream.scheme_str() == Some("https") {
+        if config.upstream_insecure_skip_verify {
+            tracing::warn!(
+                upstream = %config.upstream,
+                "--upstream-insecure-skip-verify: the upstream's certificate is NOT verified; anyone on the path can read and change the traffic"
+            );
+        }
+        Some(tls::client_config(&config.upstream_tls())?)
+    } else {
+        None
+    };
     let watched = Watched::new(store);
     let health = watched.health();
     let store: DynStore = std::sync::Arc::new(watched);
@@ -189,18 +269,22 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Ro
             request.map(|body| Body::new(server::BodyDeadline::new(body, body_timeout)))
         })
         .layer(layer)
-        .service(Proxy::new(config.upstream.clone(), config.upstream_timeout));
+        .service(Proxy::new(
+            config.upstream.clone(),
+            config.upstream_timeout,
+            upstream_tls,
+        )?);
     let admin = Admin::new(store, &config.store, health, metrics);
     let main = Router::new().fallback_service(proxy);
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
     };
-    Routers {
+    Ok(Routers {
         main,
         admin,
         detached,
-    }
+    })
 }
 
 /// Runs the gateway until `shutdown`, then stops accepting, lets in-flight requests finish
@@ -230,7 +314,11 @@ pub async fn serve(
             .map_err(|e| Error::open(&config.store, e))?;
         config.scope_secret = Some(secret);
     }
+    let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
     let listener = bind(config.listen).await?;
+    if let Some(tls) = &listener_tls {
+        tokio::spawn(reload_on_hangup(tls.clone()));
+    }
     // Expired records are deleted in the background, so the table does not grow without bound.
     let purging = config.purge_every.0.map(|every| {
         tokio::spawn(
@@ -244,7 +332,7 @@ pub async fn serve(
         main,
         admin,
         detached,
-    } = router(&config, store, metrics);
+    } = router(&config, store, metrics)?;
     let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
     let limits = server::Limits {
         header_timeout: config.header_timeout,
@@ -254,27 +342,53 @@ pub async fn serve(
     if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
         let admin_listener = bind(addr).await?;
         let stop = shutdown.clone();
+        // The admin listener stays plain: it answers probes and scrapes on an address of the
+        // pod or host (see docs/TLS.md); on the main listener, the admin paths are HTTPS too.
         tokio::spawn(server::serve(
             admin_listener,
             admin,
             limits,
+            None,
             DetachedRuns::default(),
             stop,
         ));
     }
     tracing::info!(
         listen = %config.listen,
+        tls = listener_tls.is_some(),
+        client_certificates = config.tls_client_ca.is_some(),
         upstream = %config.upstream,
         store = %idempotency::redact_url(&config.store),
         "idem gateway ready"
     );
-    if server::serve(listener, main, limits, detached, shutdown).await {
+    if server::serve(listener, main, limits, listener_tls.as_ref(), detached, shutdown).await {
         tracing::info!("drained; in-flight requests finished and recorded");
     }
     if let Some(purging) = purging {
         purging.abort();
     }
     Ok(())
+}
+
+/// Reads the listener's certificate and key again on every `SIGHUP`; a pair that cannot be used
+/// leaves the current one in place, and the log says why.
+async fn reload_on_hangup(tls: ListenerTls) {
+    let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        tracing::warn!("SIGHUP cannot be caught here: the certificate will not be reloaded");
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        match tls.reload() {
+            Ok(()) => {
+                metrics::counter!("idem_tls_reloads_total", "result" => "ok").increment(1);
+                tracing::info!("SIGHUP: the listener's certificate and key were reloaded");
+            }
+            Err(error) => {
+                metrics::counter!("idem_tls_reloads_total", "result" => "failed").increment(1);
+                tracing::warn!(%error, "SIGHUP: the new certificate was not taken; the previous one is still served");
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -299,9 +413,10 @@ mod config_tests {
 
     #[test]
     fn upstreams_and_flags_are_refused_with_the_reason() {
+        assert!(parse_upstream("https://a").is_ok());
         assert_eq!(
-            parse_upstream("https://a").unwrap_err().to_string(),
-            "`https://a`: https upstreams are not supported; reach the upstream over http on a private network"
+            parse_upstream("ftp://a").unwrap_err().to_string(),
+            "`ftp://a`: the upstream must be an http:// or https:// URL"
         );
         assert!(matches!(
             parse_upstream("http://a/?q=1"),

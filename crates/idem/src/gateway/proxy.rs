@@ -5,6 +5,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -14,8 +15,10 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Uri};
 use idempotency_http::{IdempotencyKey, Problem, strip_hop_by_hop};
+use rustls::ClientConfig;
 use tower::Service;
 
+use crate::error::UpstreamError;
 use crate::upstream::{Failure, Upstream};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
@@ -86,14 +89,23 @@ impl std::fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// A proxy to `upstream`.
-    #[must_use]
-    pub fn new(upstream: Uri, timeout: Duration) -> Self {
-        Self {
-            connections: Upstream::new(&upstream),
+    /// A proxy to `upstream`; an `https://` upstream is reached with `tls` (see
+    /// [`crate::tls::client_config`]).
+    ///
+    /// # Errors
+    ///
+    /// [`UpstreamError::Tls`] for an `https://` upstream without `tls`, or whose host cannot be
+    /// checked against a certificate.
+    pub fn new(
+        upstream: Uri,
+        timeout: Duration,
+        tls: Option<Arc<ClientConfig>>,
+    ) -> Result<Self, UpstreamError> {
+        Ok(Self {
+            connections: Upstream::new(&upstream, tls).map_err(UpstreamError::Tls)?,
             upstream,
             timeout,
-        }
+        })
     }
 
     /// The path and query the upstream gets: the request's, behind the upstream's base path,
@@ -157,6 +169,12 @@ impl Proxy {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "unreachable").increment(1);
                 tracing::warn!(%error, upstream = %self.upstream, "upstream unreachable");
                 return problem(&Problem::UpstreamUnreachable);
+            }
+            // A refused certificate sent nothing either.
+            Err(Failure::Tls(error)) => {
+                metrics::counter!("idem_upstream_errors_total", "kind" => "tls").increment(1);
+                tracing::warn!(%error, upstream = %self.upstream, "no TLS connection to the upstream");
+                return problem(&Problem::UpstreamTls(error));
             }
             // Anything else happened after the request (or part of it) was sent.
             Err(Failure::AnswerLost(error)) => {
@@ -224,7 +242,7 @@ mod target_tests {
             "http://127.0.0.1:9000/",
             "http://up:81/base/",
         ] {
-            let proxy = Proxy::new(upstream.parse().unwrap(), Duration::from_secs(1));
+            let proxy = Proxy::new(upstream.parse().unwrap(), Duration::from_secs(1), None).unwrap();
             for path in paths {
                 let uri: Uri = path.parse().unwrap();
                 assert_eq!(

@@ -110,6 +110,37 @@ pub async fn start_handler_on(addr: SocketAddr, ledger: Ledger) -> SocketAddr {
     addr
 }
 
+/// The handler over TLS with `leaf`'s certificate, on a loopback port of its own; counts the
+/// handshakes that failed in `refused`.
+pub async fn start_tls_handler(
+    ledger: Ledger,
+    leaf: &super::pki::Leaf,
+    refused: Arc<std::sync::atomic::AtomicU32>,
+) -> SocketAddr {
+    let app = axum::Router::new()
+        .route("/messages", axum::routing::post(handle))
+        .with_state(ledger);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(super::pki::Ca::server_config(leaf));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (app, acceptor, refused) = (app.clone(), acceptor.clone(), Arc::clone(&refused));
+            tokio::spawn(async move {
+                let Ok(stream) = acceptor.accept(stream).await else {
+                    refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                };
+                let service = hyper_util::service::TowerToHyperService::new(app);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
 /// A broker with a source of the test's own.
 #[allow(async_fn_in_trait)] // used by these tests only, never as `dyn`
 pub trait Broker {
@@ -161,6 +192,11 @@ pub async fn until_settled<B: Broker>(broker: &B) {
 /// (by default a memory store and a 3 s lease: a consumer killed mid-call is taken over
 /// soon).
 pub async fn start<B: Broker>(broker: &B, handler: SocketAddr, admin: SocketAddr, more: &[&str]) -> Process {
+    start_to(broker, &format!("http://{handler}/messages"), admin, more).await
+}
+
+/// As [`start`], with `to` as the handler's URL.
+pub async fn start_to<B: Broker>(broker: &B, to: &str, admin: SocketAddr, more: &[&str]) -> Process {
     let defaults = ["--store", "memory://", "--lease", "3s"];
     let child = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args([
@@ -168,7 +204,7 @@ pub async fn start<B: Broker>(broker: &B, handler: SocketAddr, admin: SocketAddr
             "--from",
             &broker.from(),
             "--to",
-            &format!("http://{handler}/messages"),
+            to,
             "--admin-listen",
             &admin.to_string(),
         ])

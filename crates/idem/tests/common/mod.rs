@@ -22,6 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 pub mod consume;
+pub mod pki;
 
 const UPSTREAM_ENV: &str = "IDEM_TEST_UPSTREAM";
 const UPSTREAM_READY: &str = "UPSTREAM LISTENING ON ";
@@ -286,14 +287,19 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
 
 /// Waits until `process` answers `200` on `GET /_idem/healthz` at `admin` (at most 20 s);
 /// panics naming `what` if it exits first or never does.
-pub async fn ready(mut process: Process, admin: SocketAddr, what: &str) -> Process {
+pub async fn ready(process: Process, admin: SocketAddr, what: &str) -> Process {
+    ready_on(process, admin, "/_idem/healthz", what).await
+}
+
+/// As [`ready`], with the health check at `path` (`/healthz` on an admin listener of its own).
+pub async fn ready_on(mut process: Process, admin: SocketAddr, path: &str, what: &str) -> Process {
     let client = client();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Ok(Some(status)) = process.child.try_wait() {
             panic!("{what} exited: {status}");
         }
-        let seen = try_send(&client, admin, "GET", "/_idem/healthz", &[], b"").await;
+        let seen = try_send(&client, admin, "GET", path, &[], b"").await;
         if seen.is_some_and(|seen| seen.status == 200) {
             return process;
         }
@@ -388,7 +394,18 @@ pub async fn calls(client: &HttpClient, upstream: SocketAddr, key: &str) -> u32 
 /// The value of one series on the gateway's `/_idem/metrics` (Prometheus text): the sum over
 /// the lines whose name is `name` and whose labels include every `name="value"` of `labels`.
 pub async fn metric(client: &HttpClient, gateway: SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let page = send(client, gateway, "GET", "/_idem/metrics", &[], b"").await;
+    metric_on(client, gateway, "/_idem/metrics", name, labels).await
+}
+
+/// As [`metric`], from the metrics page at `path` (`/metrics` on an admin listener of its own).
+pub async fn metric_on(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    let page = send(client, addr, "GET", path, &[], b"").await;
     let text = String::from_utf8_lossy(&page.body).into_owned();
     text.lines()
         .filter(|line| !line.starts_with('#'))

@@ -1,0 +1,332 @@
+//! TLS for the binary's own HTTP connections (rustls on the ring provider): the gateway's
+//! listener, with client certificates and a certificate swapped on `SIGHUP`, and the client side
+//! of `https://` upstreams and handlers, verified against the operating system's trust store and
+//! any private CA the user names.
+//!
+//! Verification is on unless a flag spelled `…-insecure-skip-verify` turns it off, and then a
+//! warning says so at start. PEM files are read whole at start (and at each reload): an
+//! unreadable or malformed file is refused with its path and the reason.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
+
+/// Why a TLS setting cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A PEM file could not be read or holds nothing usable.
+    #[error("{what} {path}: {why}")]
+    File {
+        /// What the file was to hold (`certificate`, `private key`, `CA bundle`).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it is refused.
+        why: String,
+    },
+    /// The certificate and key do not make a usable pair, or a setting is refused by rustls.
+    #[error("{0}")]
+    Config(String),
+    /// A flag needs another one (`--tls-cert` without `--tls-key`, say).
+    #[error("{0}")]
+    Incomplete(&'static str),
+}
+
+/// The process's one crypto provider: ring.
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The certificates of the PEM file at `path` (a chain, or a bundle of CAs), in file order.
+///
+/// # Errors
+///
+/// [`TlsError::File`] when the file cannot be read, is not PEM or holds no certificate.
+pub fn read_certificates(path: &Path, what: &'static str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let refuse = |why: String| TlsError::File {
+        what,
+        path: path.to_owned(),
+        why,
+    };
+    let text = std::fs::read(path).map_err(|e| refuse(e.to_string()))?;
+    let certificates = CertificateDer::pem_slice_iter(&text)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| refuse(format!("not PEM: {e}")))?;
+    if certificates.is_empty() {
+        return Err(refuse("holds no CERTIFICATE block".into()));
+    }
+    Ok(certificates)
+}
+
+/// The private key of the PEM file at `path` (PKCS#8, PKCS#1 or SEC1).
+///
+/// # Errors
+///
+/// [`TlsError::File`] when the file cannot be read or holds no private key. The key's bytes are
+/// never part of a message.
+pub fn read_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let refuse = |why: String| TlsError::File {
+        what: "private key",
+        path: path.to_owned(),
+        why,
+    };
+    let text = std::fs::read(path).map_err(|e| refuse(e.to_string()))?;
+    PrivateKeyDer::from_pem_slice(&text).map_err(|e| match e {
+        rustls::pki_types::pem::Error::NoItemsFound => refuse("holds no PRIVATE KEY block".into()),
+        other => refuse(format!("not a PEM private key: {other}")),
+    })
+}
+
+/// The roots a bundle of CAs gives.
+fn roots_of(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for certificate in read_certificates(path, "CA bundle")? {
+        roots.add(certificate).map_err(|e| TlsError::File {
+            what: "CA bundle",
+            path: path.to_owned(),
+            why: format!("a certificate that cannot be a trust anchor: {e}"),
+        })?;
+    }
+    Ok(roots)
+}
+
+/// The certificate and key of a listener, as files: read again on every reload.
+#[derive(Debug, Clone)]
+pub struct ServerFiles {
+    /// The certificate chain (leaf first).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by one of these CAs.
+    pub client_ca: Option<PathBuf>,
+}
+
+impl ServerFiles {
+    /// The pair as rustls serves it.
+    fn certified_key(&self) -> Result<Arc<CertifiedKey>, TlsError> {
+        let chain = read_certificates(&self.cert, "certificate")?;
+        let key = read_private_key(&self.key)?;
+        let certified = CertifiedKey::from_der(chain, key, &provider()).map_err(|e| {
+            TlsError::Config(format!(
+                "certificate {} and key {} are not a usable pair: {e}",
+                self.cert.display(),
+                self.key.display()
+            ))
+        })?;
+        Ok(Arc::new(certified))
+    }
+}
+
+/// The listener's current certificate, swapped by [`ListenerTls::reload`]; handshakes under way
+/// keep the pair they started with.
+#[derive(Debug)]
+struct Current(RwLock<Arc<CertifiedKey>>);
+
+impl ResolvesServerCert for Current {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(Arc::clone(
+            &self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner),
+        ))
+    }
+}
+
+/// The gateway listener's TLS: the acceptor for new connections and the files it reloads.
+#[derive(Clone)]
+pub struct ListenerTls {
+    files: ServerFiles,
+    current: Arc<Current>,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ListenerTls")
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ListenerTls {
+    /// Reads the files and builds the listener's TLS (HTTP/1.1 over TLS 1.2 and 1.3).
+    ///
+    /// # Errors
+    ///
+    /// [`TlsError`] naming the file or the pair that cannot be used.
+    pub fn new(files: ServerFiles) -> Result<Self, TlsError> {
+        let current = Arc::new(Current(RwLock::new(files.certified_key()?)));
+        let builder = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let builder = match &files.client_ca {
+            Some(path) => {
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots_of(path)?), provider())
+                        .build()
+                        .map_err(|e| TlsError::Config(format!("client CA {}: {e}", path.display())))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(Arc::clone(&current) as Arc<dyn ResolvesServerCert>);
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            files,
+            current,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        })
+    }
+
+    /// The acceptor new connections go through.
+    #[must_use]
+    pub fn acceptor(&self) -> &tokio_rustls::TlsAcceptor {
+        &self.acceptor
+    }
+
+    /// Reads the certificate and key again; new connections get the new pair, open ones keep
+    /// theirs. A pair that cannot be used leaves the current one in place.
+    ///
+    /// # Errors
+    ///
+    /// [`TlsError`] saying why the new pair was not taken.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let pair = self.files.certified_key()?;
+        *self
+            .current
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = pair;
+        Ok(())
+    }
+}
+
+/// How a client verifies and presents itself: `--upstream-ca`, `--upstream-client-cert`,
+/// `--upstream-client-key`, `--upstream-insecure-skip-verify` (and `--to-…` for handlers).
+#[derive(Debug, Clone, Default)]
+pub struct ClientFiles {
+    /// A private CA trusted besides the operating system's store.
+    pub ca: Option<PathBuf>,
+    /// A client certificate chain to present.
+    pub cert: Option<PathBuf>,
+    /// Its private key.
+    pub key: Option<PathBuf>,
+    /// Accept any server certificate (named insecure; a warning at start).
+    pub insecure_skip_verify: bool,
+}
+
+/// The client configuration `files` describe, speaking HTTP/1.1.
+///
+/// # Errors
+///
+/// [`TlsError`] naming the file that cannot be used, or a certificate without its key.
+pub fn client_config(files: &ClientFiles) -> Result<Arc<ClientConfig>, TlsError> {
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    let builder = if files.insecure_skip_verify {
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider())))
+    } else {
+        let mut roots = RootCertStore::empty();
+        // The operating system's store; certificates it cannot parse are skipped, as every
+        // client does (a private CA file is strict, below).
+        let native = rustls_native_certs::load_native_certs();
+        for error in &native.errors {
+            tracing::debug!(%error, "a certificate of the system's trust store was skipped");
+        }
+        roots.add_parsable_certificates(native.certs);
+        if let Some(path) = &files.ca {
+            for certificate in roots_of(path)?.roots {
+                roots.roots.push(certificate);
+            }
+        }
+        builder.with_root_certificates(roots)
+    };
+    let mut config = match (&files.cert, &files.key) {
+        (Some(cert), Some(key)) => builder
+            .with_client_auth_cert(
+                read_certificates(cert, "client certificate")?,
+                read_private_key(key)?,
+            )
+            .map_err(|e| {
+                TlsError::Config(format!(
+                    "client certificate {} and key {} are not a usable pair: {e}",
+                    cert.display(),
+                    key.display()
+                ))
+            })?,
+        (None, None) => builder.with_no_client_auth(),
+        (Some(_), None) => return Err(TlsError::Incomplete("a client certificate needs its key")),
+        (None, Some(_)) => return Err(TlsError::Incomplete("a client key needs its certificate")),
+    };
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The verifier of `--…-insecure-skip-verify`: any certificate, any name. Signatures are still
+/// checked, so the session keys are the server's, whoever it is.
+#[derive(Debug)]
+struct AnyCertificate(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// What a failed TLS handshake says to the user: rustls's reason, and for a refused
+/// certificate which host presented it.
+#[must_use]
+pub fn describe_handshake_error(host: &str, error: &std::io::Error) -> String {
+    match error
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
+        Some(rustls::Error::InvalidCertificate(why)) => {
+            format!("the certificate of {host} is refused: {why}")
+        }
+        Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)) => {
+            format!("{host} does not speak TLS (its first bytes were not a TLS record: a plain HTTP server?)")
+        }
+        Some(other) => format!("TLS with {host} failed: {other}"),
+        None => format!("TLS with {host} failed: {error}"),
+    }
+}
