@@ -361,7 +361,7 @@ async fn handler_tls(config: &Config, to: &Uri) -> Result<Arc<rustls::ClientConf
         )
         .into());
     }
-    let tls = tls::client_config(&files)?;
+    let tls = tls::client_config(&files).map_err(|e| refuse(format!("TLS: {e}")))?;
     if !https {
         return Ok(tls);
     }

@@ -253,9 +253,22 @@ fn bad_input_is_refused_with_a_clear_error() {
                 format!("{amqp}?queue=q"),
                 "--to".into(),
                 "https://h/m".into(),
+                "--to-ca".into(),
+                "/nonexistent/ca.pem".into(),
             ],
             1,
-            "https is not supported",
+            "--to https://h/m: TLS: CA bundle /nonexistent/ca.pem: No such file",
+        ),
+        (
+            vec![
+                "--from".into(),
+                format!("{amqp}?queue=q"),
+                "--to".into(),
+                "http://h/m".into(),
+                "--to-insecure-skip-verify".into(),
+            ],
+            1,
+            "are for an https:// handler",
         ),
         (
             vec![
@@ -265,7 +278,7 @@ fn bad_input_is_refused_with_a_clear_error() {
                 "ftp://h/m".into(),
             ],
             1,
-            "not an http:// URL",
+            "not an http:// or https:// URL",
         ),
         (
             vec![

@@ -466,12 +466,18 @@ fn bad_input_gets_clear_errors() {
         (
             &["serve", "--upstream", "ftp://example.com"],
             2,
-            "must be an http:// URL",
+            "must be an http:// or https:// URL",
         ),
         (
-            &["serve", "--upstream", "https://example.com"],
+            &[
+                "serve",
+                "--upstream",
+                "https://example.com",
+                "--upstream-client-cert",
+                "/etc/idem/client.pem",
+            ],
             2,
-            "https upstreams are not supported",
+            "--upstream-client-key",
         ),
         (
             &[

@@ -56,6 +56,61 @@ pub fn map_error(
     StoreError::new(kind, format!("{doing}: {detail}")).with_source(error)
 }
 
+/// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
+/// `sslrootcert`): each must be a readable file holding a PEM block. The driver would otherwise
+/// find out only when it connects, and say "No such file or directory" without the file.
+///
+/// # Errors
+///
+/// [`ErrorKind::InvalidConfig`] naming the parameter, the path and the reason (never the file's
+/// content).
+pub fn check_pem_files(url: &str, parameters: &[&str]) -> Result<(), StoreError> {
+    let Some((_, query)) = url.split_once('?') else {
+        return Ok(());
+    };
+    for pair in query.split('&') {
+        let Some((name, value)) = pair.split_once('=') else {
+            continue;
+        };
+        if !parameters.contains(&name) || value.is_empty() {
+            continue;
+        }
+        let path = percent_decoded(value);
+        let refuse =
+            |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}"));
+        let text = std::fs::read(&path).map_err(|e| refuse(e.to_string()))?;
+        if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+            return Err(refuse("not a PEM file (no -----BEGIN line)".into()));
+        }
+    }
+    Ok(())
+}
+
+/// `text` with its `%XX` escapes decoded (and `+` left as it is, as in a URL's path).
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                out.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
+                i += 3;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Column `index` of `row` as `T`; a decode error is [`ErrorKind::Protocol`], saying `doing`.
 fn get<'r, R, T>(row: &'r R, index: usize, doing: &str) -> Result<T, StoreError>
 where
@@ -186,6 +241,39 @@ mod tests {
             ErrorKind::Unavailable
         );
         assert_eq!(kind(sqlx::Error::RowNotFound), ErrorKind::Backend);
+    }
+
+    #[test]
+    fn certificate_files_named_in_a_url_are_checked_with_the_path_and_the_reason() {
+        let dir = std::env::temp_dir().join(format!("idem-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (pem, text) = (dir.join("ca.pem"), dir.join("not a pem.txt"));
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        std::fs::write(&text, "S3CRET").unwrap();
+        let names = ["sslrootcert", "sslkey"];
+        let url = |query: String| format!("postgres://h/db?sslmode=verify-full&{query}");
+        assert!(check_pem_files(&url(format!("sslrootcert={}", pem.display())), &names).is_ok());
+        assert!(check_pem_files("postgres://h/db", &names).is_ok());
+        let missing = check_pem_files(&url("sslrootcert=/nonexistent/ca.pem".into()), &names).unwrap_err();
+        assert_eq!(missing.kind(), ErrorKind::InvalidConfig);
+        assert!(
+            missing
+                .to_string()
+                .contains("`sslrootcert` /nonexistent/ca.pem: No such file"),
+            "{missing}"
+        );
+        let escaped = text.display().to_string().replace(' ', "%20");
+        let not_pem = check_pem_files(&url(format!("sslkey={escaped}")), &names).unwrap_err();
+        assert!(
+            not_pem.to_string().contains("not a pem.txt: not a PEM file"),
+            "{not_pem}"
+        );
+        assert!(!not_pem.to_string().contains("S3CRET"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

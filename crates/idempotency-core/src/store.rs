@@ -503,6 +503,16 @@ mod tests {
                 "mysql://root:S3CRET@127.0.0.1:3306/test?ssl-key=/S3CRET.pem",
                 "mysql://root:***@127.0.0.1:3306/test?ssl-key=***",
             ),
+            // TLS parameters: the CA and the certificate stay readable, the key and its
+            // password do not.
+            (
+                "postgres://app:S3CRET@db/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem&sslcert=/etc/c.pem&sslkey=/S3CRET.key&sslpassword=S3CRET",
+                "postgres://app:***@db/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem&sslcert=/etc/c.pem&sslkey=***&sslpassword=***",
+            ),
+            (
+                "mariadb://app:S3CRET@db/orders?ssl-mode=VERIFY_IDENTITY&ssl-ca=/etc/ca.pem&ssl-cert=/etc/c.pem&ssl-key=/S3CRET.key",
+                "mariadb://app:***@db/orders?ssl-mode=VERIFY_IDENTITY&ssl-ca=/etc/ca.pem&ssl-cert=/etc/c.pem&ssl-key=***",
+            ),
             (
                 "dynamodb://idem?region=eu-west-1&aws_access_key_id=AK&aws_secret_access_key=S3CRET",
                 "dynamodb://idem?region=eu-west-1&aws_access_key_id=***&aws_secret_access_key=***",

@@ -101,6 +101,10 @@ impl MysqlOptions {
                 ),
             ));
         }
+        idempotency_core::sql::check_pem_files(
+            url,
+            &["ssl-ca", "sslca", "ssl-cert", "sslcert", "ssl-key", "sslkey"],
+        )?;
         Ok(Self::with(connect))
     }
 

@@ -91,6 +91,18 @@ impl PostgresOptions {
                 format!("malformed PostgreSQL URL `{}`: {error}", redact_url(url)),
             )
         })?;
+        idempotency_core::sql::check_pem_files(
+            url,
+            &[
+                "sslrootcert",
+                "ssl-root-cert",
+                "ssl-ca",
+                "sslcert",
+                "ssl-cert",
+                "sslkey",
+                "ssl-key",
+            ],
+        )?;
         Ok(Self::with(connect))
     }
 

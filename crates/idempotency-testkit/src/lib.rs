@@ -49,6 +49,7 @@ pub mod outage;
 pub mod proxy;
 pub mod recorded;
 pub mod same_transaction;
+pub mod tls;
 pub mod wait;
 
 pub mod cases;
