@@ -475,6 +475,10 @@ mod tests {
                 "rediss://app:***@cache.example:6380/2",
             ),
             (
+                "rediss://:S3CRET@cache.example:6380?ca=/etc/ca.pem&cert=/etc/c.pem&key=/S3CRET.key",
+                "rediss://:***@cache.example:6380?ca=/etc/ca.pem&cert=/etc/c.pem&key=***",
+            ),
+            (
                 "redis+unix:///run/redis.sock?db=1&user=app&pass=S3CRET",
                 "redis+unix:///run/redis.sock?db=1&user=app&pass=***",
             ),

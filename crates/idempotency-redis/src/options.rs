@@ -42,8 +42,8 @@ fn check_url(url: &str) -> Result<(), StoreError> {
             }
         }
         None => {
-            let (url, _) = crate::store::split_options(url)?;
-            crate::store::parse_url(&url)?;
+            let options = crate::store::split_options(url)?;
+            crate::store::parse_url(&options.url)?;
         }
     }
     Ok(())
@@ -100,9 +100,17 @@ mod tests {
                 false,
             ),
         ] {
-            assert_eq!(split_options(url).unwrap(), (rest.to_owned(), batch), "{url}");
+            let options = split_options(url).unwrap();
+            assert_eq!((options.url.as_str(), options.batch), (rest, batch), "{url}");
         }
-        for url in ["redis://h?batch=no", "redis://h?batch=", "redis://h?batch=OFF"] {
+        for url in [
+            "redis://h?batch=no",
+            "redis://h?batch=",
+            "redis://h?batch=OFF",
+            "redis://h?ca=/etc/ca.pem",
+            "rediss://h?ca=/nonexistent/ca.pem",
+            "rediss://h?cert=/nonexistent/c.pem",
+        ] {
             let error = split_options(url).unwrap_err();
             assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
             assert!(check_url(url).is_err(), "{url}");

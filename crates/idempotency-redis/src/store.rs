@@ -136,9 +136,10 @@ impl RedisStore {
     /// [`ErrorKind::InvalidConfig`] for a malformed URL, a `batch` other than `on` or `off`, or
     /// rejected credentials; [`ErrorKind::Unavailable`] when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let (url, batch) = split_options(url)?;
-        let info = parse_url(&url)?;
-        let client = redis::Client::open(info.clone()).map_err(|e| map_error("open the Redis client", e))?;
+        let options = split_options(url)?;
+        let batch = options.batch;
+        let info = parse_url(&options.url)?;
+        let client = client_for(&options, info.clone())?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(5)))
@@ -404,30 +405,72 @@ fn masters(nodes: &str) -> Vec<String> {
         .collect()
 }
 
-/// Takes the store's own option off a single server's URL: `batch=off` (the default) or
-/// `batch=on`. The rest of the URL, other query parameters included, is the Redis client's.
-pub(crate) fn split_options(url: &str) -> Result<(String, bool), StoreError> {
+/// The store's own parameters of a single server's URL, taken off before the rest reaches the
+/// Redis client.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct UrlOptions {
+    /// The URL without the store's parameters.
+    pub(crate) url: String,
+    /// `batch=on`: concurrent calls batched into one script call.
+    pub(crate) batch: bool,
+    /// `ca=FILE`: the CA a `rediss://` server's certificate is verified against (instead of the
+    /// system's trust store).
+    pub(crate) ca: Option<String>,
+    /// `cert=FILE` and `key=FILE`: a client certificate for a `rediss://` server.
+    pub(crate) cert: Option<String>,
+    /// See `cert`.
+    pub(crate) key: Option<String>,
+}
+
+/// Takes the store's own options off a single server's URL: `batch=off` (the default) or
+/// `batch=on`, and for `rediss://` the TLS files `ca`, `cert` and `key`. The rest of the URL,
+/// other query parameters included, is the Redis client's.
+pub(crate) fn split_options(url: &str) -> Result<UrlOptions, StoreError> {
     // A URL this cannot parse is left whole, for the client's parser to refuse with its reason.
     let Ok(mut parsed) = url::Url::parse(url) else {
-        return Ok((url.to_owned(), false));
+        return Ok(UrlOptions {
+            url: url.to_owned(),
+            ..UrlOptions::default()
+        });
     };
-    let mut batch = false;
+    let refuse = |why: String| StoreError::new(ErrorKind::InvalidConfig, why);
+    let mut options = UrlOptions::default();
     let mut rest = Vec::new();
     for (name, value) in parsed.query_pairs() {
-        if name == "batch" {
-            batch = match &*value {
-                "on" => true,
-                "off" => false,
-                other => {
-                    return Err(StoreError::new(
-                        ErrorKind::InvalidConfig,
-                        format!("`batch` in a Redis URL is `on` or `off`, not `{other}`"),
-                    ));
+        match &*name {
+            "batch" => {
+                options.batch = match &*value {
+                    "on" => true,
+                    "off" => false,
+                    other => {
+                        return Err(refuse(format!(
+                            "`batch` in a Redis URL is `on` or `off`, not `{other}`"
+                        )));
+                    }
+                };
+            }
+            "ca" | "cert" | "key" => {
+                if parsed.scheme() != "rediss" {
+                    return Err(refuse(format!(
+                        "`{name}` names a TLS file: it is for rediss:// URLs, and this one is {}://",
+                        parsed.scheme()
+                    )));
                 }
-            };
-        } else {
-            rest.push((name.into_owned(), value.into_owned()));
+                let path = value.into_owned();
+                check_pem(&name, &path)?;
+                match &*name {
+                    "ca" => options.ca = Some(path),
+                    "cert" => options.cert = Some(path),
+                    _ => options.key = Some(path),
+                }
+            }
+            _ => rest.push((name.into_owned(), value.into_owned())),
         }
+    }
+    if options.cert.is_some() != options.key.is_some() {
+        return Err(refuse(
+            "a client certificate needs both `cert` and `key` in the rediss:// URL".into(),
+        ));
     }
     if rest.is_empty() {
         parsed.set_query(None);
@@ -435,11 +478,68 @@ pub(crate) fn split_options(url: &str) -> Result<(String, bool), StoreError> {
         parsed.query_pairs_mut().clear().extend_pairs(rest);
     }
     // Only a URL that had a query is rebuilt: the others reach the client exactly as given.
-    if url.contains('?') {
-        Ok((parsed.to_string(), batch))
+    options.url = if url.contains('?') {
+        parsed.to_string()
     } else {
-        Ok((url.to_owned(), batch))
+        url.to_owned()
+    };
+    Ok(options)
+}
+
+/// A TLS file a `rediss://` URL names must be a readable PEM file.
+fn check_pem(name: &str, path: &str) -> Result<(), StoreError> {
+    let refuse = |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}"));
+    let text = std::fs::read(path).map_err(|e| refuse(e.to_string()))?;
+    if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err(refuse("not a PEM file (no -----BEGIN line)".into()));
     }
+    Ok(())
+}
+
+/// The client for one server: a `rediss://` URL's files, when it names some, verify the server
+/// and present the client's certificate.
+fn client_for(options: &UrlOptions, info: redis::ConnectionInfo) -> Result<redis::Client, StoreError> {
+    // The Redis client builds its TLS configuration with the process's default provider: ring,
+    // unless the application chose one.
+    #[cfg(feature = "tls")]
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let tls = options.url.starts_with("rediss://");
+    if tls && cfg!(not(feature = "tls")) {
+        return tls_client(options, info);
+    }
+    if options.ca.is_none() && options.cert.is_none() {
+        return redis::Client::open(info).map_err(|e| map_error("open the Redis client", e));
+    }
+    tls_client(options, info)
+}
+
+#[cfg(feature = "tls")]
+fn tls_client(options: &UrlOptions, info: redis::ConnectionInfo) -> Result<redis::Client, StoreError> {
+    let read = |path: &String| {
+        std::fs::read(path).map_err(|e| StoreError::new(ErrorKind::InvalidConfig, format!("{path}: {e}")))
+    };
+    let client_tls = match (&options.cert, &options.key) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read(cert)?,
+            client_key: read(key)?,
+        }),
+        _ => None,
+    };
+    let certificates = redis::TlsCertificates {
+        client_tls,
+        root_cert: options.ca.as_ref().map(read).transpose()?,
+    };
+    redis::Client::build_with_tls(info, certificates).map_err(|e| map_error("set up TLS for Redis", e))
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_client(_options: &UrlOptions, _info: redis::ConnectionInfo) -> Result<redis::Client, StoreError> {
+    Err(StoreError::new(
+        ErrorKind::InvalidConfig,
+        "rediss:// needs the `tls` feature of idempotency-redis",
+    ))
 }
 
 pub(crate) fn parse_url(url: &str) -> Result<redis::ConnectionInfo, StoreError> {
