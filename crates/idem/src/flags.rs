@@ -298,3 +298,196 @@ pub fn parse_method(text: &str) -> Result<Method, FlagError> {
 pub fn parse_header_name(text: &str) -> Result<HeaderName, FlagError> {
     HeaderName::from_bytes(text.trim().as_bytes()).map_err(|_| FlagError::HeaderName(text.into()))
 }
+
+/// The settings that can carry a secret, by their environment variable. Each can also be given
+/// as `<VARIABLE>_FILE`, the path of a file holding the value (the convention of container
+/// secrets: a Kubernetes Secret or a Docker secret mounted as a file); and no help text shows
+/// their values.
+pub const SECRET_SETTINGS: &[&str] = &["IDEM_STORE", "IDEM_FROM", "IDEM_SCOPE_SECRET", "IDEM_DATABASE"];
+
+/// Why a `…_FILE` variable cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SecretFileError {
+    /// The value is given twice.
+    #[error("{variable} and {variable}_FILE are both set: give the value one way")]
+    Both {
+        /// The variable.
+        variable: String,
+    },
+    /// The file cannot be read, or holds nothing.
+    #[error("{variable}_FILE {path}: {why}")]
+    Unreadable {
+        /// The variable.
+        variable: String,
+        /// The file.
+        path: String,
+        /// Why.
+        why: String,
+    },
+}
+
+/// `command` with each secret setting of [`SECRET_SETTINGS`] that `environment` gives as
+/// `<VARIABLE>_FILE` read from its file (one line; a final newline is dropped) and taken as the
+/// flag's value when the flag itself is absent, as the variable would be; and with every secret
+/// setting's value hidden from `--help`.
+///
+/// # Errors
+///
+/// [`SecretFileError`] when a variable is given both ways, or its file cannot be read or is
+/// empty. The error names the file, never its content.
+pub fn secrets_from_files(
+    command: clap::Command,
+    environment: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<clap::Command, SecretFileError> {
+    let mut values = Vec::new();
+    for variable in SECRET_SETTINGS {
+        let Some(path) = environment(&format!("{variable}_FILE")) else {
+            continue;
+        };
+        if environment(variable).is_some() {
+            return Err(SecretFileError::Both {
+                variable: (*variable).to_owned(),
+            });
+        }
+        let shown = path.to_string_lossy().into_owned();
+        let unreadable = |why: String| SecretFileError::Unreadable {
+            variable: (*variable).to_owned(),
+            path: shown.clone(),
+            why,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| unreadable(e.to_string()))?;
+        let value = text.strip_suffix('\n').unwrap_or(&text);
+        let value = value.strip_suffix('\r').unwrap_or(value);
+        if value.is_empty() {
+            return Err(unreadable("the file is empty".into()));
+        }
+        values.push((*variable, value.to_owned()));
+    }
+    Ok(with_secrets(command, &values))
+}
+
+/// `command` and its subcommands, their secret settings hidden from help and given `values`.
+fn with_secrets(command: clap::Command, values: &[(&str, String)]) -> clap::Command {
+    let secret_args: Vec<clap::Id> = command
+        .get_arguments()
+        .filter(|arg| {
+            arg.get_env()
+                .and_then(|env| env.to_str())
+                .is_some_and(|env| SECRET_SETTINGS.contains(&env))
+        })
+        .map(|arg| arg.get_id().clone())
+        .collect();
+    let mut command = command;
+    for id in secret_args {
+        command = command.mut_arg(id, |arg| {
+            let env = arg
+                .get_env()
+                .and_then(|env| env.to_str())
+                .unwrap_or_default()
+                .to_owned();
+            let arg = arg.hide_env_values(true);
+            match values.iter().find(|(variable, _)| *variable == env) {
+                // Given by its file, the setting is no longer missing: as its variable, it
+                // satisfies a flag the command requires.
+                Some((_, value)) => arg
+                    .default_value(value.clone())
+                    .hide_default_value(true)
+                    .required(false)
+                    .required_unless_present(clap::builder::Resettable::Reset),
+                None => arg,
+            }
+        });
+    }
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_owned())
+        .collect();
+    for name in names {
+        command = command.mut_subcommand(name, |sub| with_secrets(sub, values));
+    }
+    command
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Sub,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Sub {
+        Run {
+            #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+            store: String,
+            #[arg(long, env = "IDEM_FROM")]
+            from: String,
+        },
+    }
+
+    fn parse(args: &[&str], environment: &[(&str, String)]) -> Result<(String, String), String> {
+        use clap::{CommandFactory, FromArgMatches};
+        let lookup = |name: &str| {
+            environment
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| std::ffi::OsString::from(v))
+        };
+        let command = secrets_from_files(Cli::command(), &lookup).map_err(|e| e.to_string())?;
+        let matches = command.try_get_matches_from(args).map_err(|e| e.to_string())?;
+        let Sub::Run { store, from } = Cli::from_arg_matches(&matches)
+            .map_err(|e| e.to_string())?
+            .command;
+        Ok((store, from))
+    }
+
+    #[test]
+    fn a_secret_is_read_from_its_file_and_a_flag_still_wins() {
+        let dir = std::env::temp_dir().join(format!("idem-secrets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (store, from, empty) = (dir.join("store"), dir.join("from"), dir.join("empty"));
+        std::fs::write(&store, "postgres://app:S3CRET@db/orders\n").unwrap();
+        std::fs::write(&from, "amqp://u:S3CRET@mq/%2f?queue=q\r\n").unwrap();
+        std::fs::write(&empty, "\n").unwrap();
+        let files = vec![
+            ("IDEM_STORE_FILE", store.display().to_string()),
+            ("IDEM_FROM_FILE", from.display().to_string()),
+        ];
+        assert_eq!(
+            parse(&["idem", "run"], &files).unwrap(),
+            (
+                "postgres://app:S3CRET@db/orders".to_owned(),
+                "amqp://u:S3CRET@mq/%2f?queue=q".to_owned()
+            )
+        );
+        assert_eq!(
+            parse(&["idem", "run", "--store", "memory://"], &files).unwrap().0,
+            "memory://"
+        );
+        let both = vec![
+            ("IDEM_STORE_FILE", store.display().to_string()),
+            ("IDEM_STORE", "memory://".to_owned()),
+        ];
+        assert_eq!(
+            parse(&["idem", "run", "--from", "x"], &both).unwrap_err(),
+            "IDEM_STORE and IDEM_STORE_FILE are both set: give the value one way"
+        );
+        let missing = vec![("IDEM_FROM_FILE", "/nonexistent/from".to_owned())];
+        let error = parse(&["idem", "run"], &missing).unwrap_err();
+        assert!(
+            error.starts_with("IDEM_FROM_FILE /nonexistent/from: No such file"),
+            "{error}"
+        );
+        let blank = vec![("IDEM_FROM_FILE", empty.display().to_string())];
+        assert!(
+            parse(&["idem", "run"], &blank)
+                .unwrap_err()
+                .ends_with("the file is empty")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

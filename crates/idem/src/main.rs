@@ -654,6 +654,11 @@ fn main() -> ExitCode {
     // registry, not from a paragraph written by hand.
     let command = <Cli as clap::CommandFactory>::command()
         .mut_subcommand("consume", |consume| consume.after_help(consume::sources_help()));
+    // `IDEM_STORE_FILE` and the other secrets' files, read as their variables would be.
+    let command = match idem::flags::secrets_from_files(command, &|name| std::env::var_os(name)) {
+        Ok(command) => command,
+        Err(error) => clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{error}\n")).exit(),
+    };
     let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&command.get_matches()) {
         Ok(cli) => cli,
         Err(error) => error.exit(),

@@ -291,3 +291,74 @@ fn the_operations_guide_lists_every_metric() {
         );
     }
 }
+
+/// `idem` with `args` and `env`: (exit code, stdout, stderr).
+fn idem_with_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Container secrets: `IDEM_STORE_FILE` (and the other secrets' `_FILE`s) name a file holding
+/// the value; the value never shows in help, and giving it twice, or an unreadable file, stops
+/// the command with the variable and the path.
+#[test]
+fn secrets_come_from_files_and_never_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_file = dir.path().join("store-url");
+    let url = format!("sqlite://{}", dir.path().join("secret.db").display());
+    std::fs::write(&store_file, format!("{url}\n")).unwrap();
+    let store_file = store_file.to_str().unwrap();
+    let (code, out, err) = idem_with_env(&["migrate"], &[("IDEM_STORE_FILE", store_file)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.ends_with("schema ready\n"), "{out}");
+    assert!(
+        dir.path().join("secret.db").is_file(),
+        "the store named in the file was not used"
+    );
+
+    let secret_file = dir.path().join("db-url");
+    std::fs::write(&secret_file, "postgres://app:S3CRET@db/orders").unwrap();
+    let secret_file = secret_file.to_str().unwrap();
+    for command in ["serve", "consume", "keys stats", "inbox stats"] {
+        let mut args: Vec<&str> = command.split(' ').collect();
+        args.push("--help");
+        let (code, out, err) = idem_with_env(
+            &args,
+            &[
+                ("IDEM_STORE_FILE", secret_file),
+                ("IDEM_DATABASE_FILE", secret_file),
+                ("IDEM_FROM", "amqp://u:S3CRET@mq/%2f?queue=q"),
+                ("IDEM_SCOPE_SECRET", "S3CRET-S3CRET-S3CRET"),
+            ],
+        );
+        assert_eq!(code, 0, "{command}: {err}");
+        assert!(
+            !out.contains("S3CRET") && !err.contains("S3CRET"),
+            "{command}: {out}"
+        );
+    }
+
+    let (code, _, err) = idem_with_env(
+        &["keys", "stats"],
+        &[("IDEM_STORE_FILE", store_file), ("IDEM_STORE", "memory://")],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("IDEM_STORE and IDEM_STORE_FILE are both set"),
+        "{err}"
+    );
+    let (code, _, err) = idem_with_env(&["keys", "stats"], &[("IDEM_STORE_FILE", "/nonexistent/url")]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("IDEM_STORE_FILE /nonexistent/url: No such file"),
+        "{err}"
+    );
+}
