@@ -31,8 +31,10 @@
 use std::time::Duration;
 
 mod source;
+mod tls;
 mod worker;
 pub use source::{AmqpSource, SOURCE};
+pub use tls::AmqpTls;
 pub use worker::Worker;
 
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;

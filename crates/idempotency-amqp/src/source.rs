@@ -9,7 +9,7 @@ use idempotency_consumer::source::{
     AnyProcessor, RunFuture, Shutdown, SourceInfo, SourceKind, SourceSettings,
 };
 
-use crate::{BROKER, Topology, Worker};
+use crate::{AmqpTls, BROKER, Topology, Worker};
 
 /// RabbitMQ as a kind of source.
 pub const SOURCE: SourceKind = SourceKind {
@@ -18,6 +18,8 @@ pub const SOURCE: SourceKind = SourceKind {
     example: "amqp://USER:PASSWORD@HOST:PORT/VHOST?queue=QUEUE",
     parameters: "queue=QUEUE      the queue (required); QUEUE.retry and QUEUE.dead are declared beside it if missing\n\
                  expires=10m      delete the three queues once unused that long (x-expires), for short-lived environments\n\
+                 cacertfile=FILE  amqps: verify the server against this CA (default: the system's trust store)\n\
+                 certfile=FILE, keyfile=FILE  amqps: present this client certificate\n\
                  any other        passed on to the client (RabbitMQ's URI parameters, heartbeat=10 …)",
     parse,
     run,
@@ -32,6 +34,8 @@ pub struct AmqpSource {
     pub queue: String,
     /// Delete the queues once unused this long (`expires=`, RabbitMQ's `x-expires`).
     pub expires: Option<std::time::Duration>,
+    /// The TLS files of an `amqps://` URL (`cacertfile`, `certfile`, `keyfile`).
+    pub tls: AmqpTls,
 }
 
 impl fmt::Debug for AmqpSource {
@@ -40,6 +44,7 @@ impl fmt::Debug for AmqpSource {
             .field("url", &idempotency_core::redact_url(&self.url))
             .field("queue", &self.queue)
             .field("expires", &self.expires)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -69,13 +74,21 @@ impl AmqpSource {
         }
         let mut queue = None;
         let mut expires = None;
+        let mut tls = AmqpTls::default();
         let mut rest = Vec::new();
         for (name, value) in parsed.query_pairs() {
             match &*name {
                 "queue" => queue = Some(value.into_owned()),
                 "expires" => expires = Some(value.into_owned()),
+                _ if tls.take(parsed.scheme(), &name, &value)? => {}
                 _ => rest.push((name.into_owned(), value.into_owned())),
             }
+        }
+        tls.check()?;
+        if cfg!(not(feature = "tls")) && parsed.scheme() == "amqps" {
+            return Err(refuse(
+                "amqps:// needs the `tls` feature of idempotency-amqp".into(),
+            ));
         }
         let expires = expires
             .map(|text| {
@@ -102,6 +115,7 @@ impl AmqpSource {
             url: parsed.into(),
             queue,
             expires,
+            tls,
         })
     }
 
@@ -115,7 +129,7 @@ impl AmqpSource {
         if let Some(expires) = self.expires {
             topology = topology.expires(expires);
         }
-        Worker::new(self.url.clone(), topology, processor)
+        Worker::new(self.url.clone(), topology, processor).tls(self.tls.clone())
     }
 
     /// Connects once, so that a wrong address or credentials are a clear error at start rather
@@ -127,7 +141,7 @@ impl AmqpSource {
     /// refused the connection.
     pub async fn check(&self, timeout: std::time::Duration) -> Result<(), AdapterError> {
         let unreachable = |why: String| AdapterError::new(AdapterErrorKind::Unreachable, BROKER, why);
-        let connect = lapin::Connection::connect(&self.url, lapin::ConnectionProperties::default());
+        let connect = crate::tls::connect(&self.url, &self.tls);
         let connection = tokio::time::timeout(timeout, connect)
             .await
             .map_err(|_| unreachable(format!("the broker did not answer within {timeout:?}")))?

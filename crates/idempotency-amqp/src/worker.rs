@@ -12,11 +12,11 @@ use futures_util::future::{FutureExt, Shared};
 use idempotency_consumer::{Backoff, Processor};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 
 use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
 
-use crate::{AdapterError, AmqpError, AmqpMessage, BROKER, RabbitMq, Topology, amqp};
+use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
 /// Consumes a queue with a [`Processor`], `prefetch` deliveries handed out at a time and
 /// `concurrency` of them processed at once, and reconnects
@@ -46,6 +46,7 @@ pub struct Worker<P> {
     concurrency: Option<usize>,
     reconnect: Backoff,
     name: Option<String>,
+    tls: AmqpTls,
 }
 
 impl<P> fmt::Debug for Worker<P> {
@@ -71,6 +72,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             prefetch: 16,
             concurrency: None,
             name: None,
+            tls: AmqpTls::default(),
             reconnect: Backoff {
                 initial: Duration::from_millis(100),
                 max: Duration::from_secs(5),
@@ -98,6 +100,15 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     #[must_use]
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// The TLS files of an `amqps://` URL (a private CA, a client certificate); without them
+    /// the system's trust store verifies the server. [`AmqpSource::from_url`](crate::AmqpSource::from_url)
+    /// reads them from the URL's `cacertfile`, `certfile` and `keyfile`.
+    #[must_use]
+    pub fn tls(mut self, tls: AmqpTls) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -216,12 +227,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     /// Connects, declares the topology and starts consuming.
     async fn set_up(&self) -> Result<(Connection, Channel, lapin::Consumer), Session> {
         let lost = |what| move |e| Session::Lost(amqp(AdapterErrorKind::Lost, what)(e));
-        let connection = Connection::connect(&self.url, ConnectionProperties::default())
-            .await
-            .map_err(|e| {
-                let what = format!("connecting to {}", idempotency_core::redact_url(&self.url));
-                Session::Lost(amqp(AdapterErrorKind::Unreachable, &what)(e))
-            })?;
+        let connection = crate::tls::connect(&self.url, &self.tls).await.map_err(|e| {
+            let what = format!("connecting to {}", idempotency_core::redact_url(&self.url));
+            Session::Lost(amqp(AdapterErrorKind::Unreachable, &what)(e))
+        })?;
         let channel = connection
             .create_channel()
             .await
