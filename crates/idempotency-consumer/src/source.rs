@@ -313,6 +313,24 @@ impl Params {
         Ok(Some(duration))
     }
 
+    /// A parameter naming a PEM file (a CA, a client certificate or key): it must be a readable
+    /// file with a PEM block, checked now rather than when the client first connects.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Config`] naming the parameter, the path and the reason (never the
+    /// file's content).
+    pub fn pem_file(&mut self, name: &str) -> Result<Option<std::path::PathBuf>, AdapterError> {
+        let Some(path) = self.take(name) else {
+            return Ok(None);
+        };
+        let text = std::fs::read(&path).map_err(|e| self.error(format!("`{name}` {path}: {e}")))?;
+        if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+            return Err(self.error(format!("`{name}` {path}: not a PEM file (no -----BEGIN line)")));
+        }
+        Ok(Some(path.into()))
+    }
+
     /// Refuses any parameter not taken; `known` lists those that are.
     ///
     /// # Errors

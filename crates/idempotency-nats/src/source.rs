@@ -16,13 +16,16 @@ use crate::{BROKER, NatsMessage, Worker};
 /// NATS JetStream as a kind of source.
 pub const SOURCE: SourceKind = SourceKind {
     name: "nats",
-    schemes: &["nats"],
+    schemes: &["nats", "tls"],
     example: "nats://HOST:PORT?stream=STREAM&consumer=CONSUMER",
     parameters: "stream=STREAM        the stream (required)\n\
                  consumer=CONSUMER    the durable pull consumer (required; created with explicit acks if missing)\n\
                  subject=SUBJECT      what a consumer it creates takes (default: the whole stream)\n\
                  dead_letter=SUBJECT  where dead letters go (default STREAM.dead); a stream must store it, the consumer must not take it\n\
-                 ack_wait=30s         the ack wait of a consumer it creates, 1s to 24h (progress acks go out every third of it)",
+                 ack_wait=30s         the ack wait of a consumer it creates, 1s to 24h (progress acks go out every third of it)\n\
+                 tls_required=true    refuse a server that does not offer TLS (tls://HOST:PORT says the same)\n\
+                 ca=FILE              verify the server against this CA too (TLS is used whenever the server offers it)\n\
+                 cert=FILE, key=FILE  present this client certificate",
     parse,
     run,
 };
@@ -42,6 +45,20 @@ pub struct NatsSource {
     pub subject: Option<String>,
     /// The ack wait of a consumer created by the worker.
     pub ack_wait: Option<Duration>,
+    /// TLS: required (`tls://`, `tls_required=true`), a CA, a client certificate.
+    pub tls: NatsTls,
+}
+
+/// The TLS settings of a `nats://` or `tls://` source. The client uses TLS whenever the server
+/// offers it, verified against the system's trust store and `ca`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsTls {
+    /// Refuse a server that does not offer TLS.
+    pub required: bool,
+    /// `ca=FILE`: a CA the server's certificate may be signed by.
+    pub ca: Option<std::path::PathBuf>,
+    /// `cert=FILE` and `key=FILE`: a client certificate.
+    pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 impl fmt::Debug for NatsSource {
@@ -53,6 +70,7 @@ impl fmt::Debug for NatsSource {
             .field("dead_letter", &self.dead_letter)
             .field("subject", &self.subject)
             .field("ack_wait", &self.ack_wait)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -77,7 +95,7 @@ impl NatsSource {
         let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
         let mut parsed = url::Url::parse(url)
             .map_err(|e| refuse(format!("not a URL ({e}); expected {}", SOURCE.example)))?;
-        if parsed.scheme() != "nats" {
+        if !SOURCE.schemes.contains(&parsed.scheme()) {
             return Err(refuse(format!("not a nats:// URL; expected {}", SOURCE.example)));
         }
         let mut params = Params::new(BROKER, parsed.query().unwrap_or_default());
@@ -99,7 +117,18 @@ impl NatsSource {
             (Duration::from_secs(1), Duration::from_secs(86_400)),
             "must be from 1s to 24h",
         )?;
-        params.finish("stream, consumer, subject, dead_letter, ack_wait")?;
+        let required = match params.take("tls_required").as_deref() {
+            None | Some("false") => parsed.scheme() == "tls",
+            Some("true") => true,
+            Some(other) => return Err(refuse(format!("tls_required={other}: expected true or false"))),
+        };
+        let ca = params.pem_file("ca")?;
+        let client = match (params.pem_file("cert")?, params.pem_file("key")?) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err(refuse("a client certificate needs both `cert` and `key`".into())),
+        };
+        params.finish("stream, consumer, subject, dead_letter, ack_wait, tls_required, ca, cert, key")?;
         parsed.set_query(None);
         Ok(Self {
             url: parsed.into(),
@@ -108,6 +137,7 @@ impl NatsSource {
             dead_letter,
             subject,
             ack_wait,
+            tls: NatsTls { required, ca, client },
         })
     }
 
@@ -131,7 +161,15 @@ impl NatsSource {
         processor: Arc<P>,
     ) -> Result<Worker<P>, AdapterError> {
         let unreachable = |why: String| AdapterError::new(AdapterErrorKind::Unreachable, BROKER, why);
-        let options = async_nats::ConnectOptions::new().max_reconnects(None);
+        let mut options = async_nats::ConnectOptions::new()
+            .max_reconnects(None)
+            .require_tls(self.tls.required);
+        if let Some(ca) = &self.tls.ca {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &self.tls.client {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
         let client = tokio::time::timeout(timeout, options.connect(self.url.as_str()))
             .await
             .map_err(|_| unreachable(format!("the server did not answer within {timeout:?}")))?
