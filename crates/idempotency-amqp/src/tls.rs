@@ -66,12 +66,8 @@ impl AmqpTls {
                 "`{name}` names a TLS file: it is for amqps:// URLs, and this one is {scheme}://"
             )));
         }
-        let text = std::fs::read(value).map_err(|e| refuse(format!("`{name}` {value}: {e}")))?;
-        if !text.windows(11).any(|w| w == b"-----BEGIN ") {
-            return Err(refuse(format!(
-                "`{name}` {value}: not a PEM file (no -----BEGIN line)"
-            )));
-        }
+        idempotency_core::pem::check_file(value.as_ref())
+            .map_err(|why| refuse(format!("`{name}` {value}: {why}")))?;
         *slot = Some(PathBuf::from(value));
         Ok(true)
     }

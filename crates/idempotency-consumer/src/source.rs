@@ -324,10 +324,8 @@ impl Params {
         let Some(path) = self.take(name) else {
             return Ok(None);
         };
-        let text = std::fs::read(&path).map_err(|e| self.error(format!("`{name}` {path}: {e}")))?;
-        if !text.windows(11).any(|w| w == b"-----BEGIN ") {
-            return Err(self.error(format!("`{name}` {path}: not a PEM file (no -----BEGIN line)")));
-        }
+        idempotency_core::pem::check_file(path.as_ref())
+            .map_err(|why| self.error(format!("`{name}` {path}: {why}")))?;
         Ok(Some(path.into()))
     }
 

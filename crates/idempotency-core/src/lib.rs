@@ -35,6 +35,7 @@ pub mod key;
 pub mod lanes;
 pub mod machine;
 mod memory;
+pub mod pem;
 pub mod purge;
 mod record;
 pub mod registry;

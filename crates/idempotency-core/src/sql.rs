@@ -78,10 +78,7 @@ pub fn check_pem_files(url: &str, parameters: &[&str]) -> Result<(), StoreError>
         let path = percent_decoded(value);
         let refuse =
             |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}"));
-        let text = std::fs::read(&path).map_err(|e| refuse(e.to_string()))?;
-        if !text.windows(11).any(|w| w == b"-----BEGIN ") {
-            return Err(refuse("not a PEM file (no -----BEGIN line)".into()));
-        }
+        crate::pem::check_file(path.as_ref()).map_err(refuse)?;
     }
     Ok(())
 }

@@ -2,10 +2,10 @@
 //! with sqlx's MySQL parameters in the URL, verified against the test CA; and each way
 //! verification must fail, failing with its cause.
 
-use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Scope, Store};
+use idempotency_core::ErrorKind;
 use idempotency_mysql::MysqlStore;
 use idempotency_mysql::sqlx;
-use idempotency_testkit::tls::file;
+use idempotency_testkit::tls::{self, file};
 
 /// The server that requires TLS, named as its certificate names it.
 fn tls_url() -> String {
@@ -30,13 +30,7 @@ async fn verify_identity_with_the_ca_runs_the_protocol_over_tls() {
             tls_url()
         )
     });
-    let request = BeginRequest::new(
-        Scope::new("tls").unwrap(),
-        Key::generate(),
-        Fingerprint::of_bytes(b"pay"),
-    );
-    idempotency_testkit::completed(&store, &request, "charged").await;
-    assert!(matches!(store.begin(&request).await.unwrap(), Claim::Replay(_)));
+    tls::runs_and_replays(&store).await;
     let version: String = sqlx::query_scalar(
         "SELECT VARIABLE_VALUE FROM information_schema.SESSION_STATUS WHERE VARIABLE_NAME = 'SSL_VERSION'",
     )
@@ -49,36 +43,26 @@ async fn verify_identity_with_the_ca_runs_the_protocol_over_tls() {
 /// Each refusal names its cause; the server refuses a plain client outright.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_ca_a_wrong_name_and_a_plain_client_are_refused_with_the_cause() {
-    let wrong_ca = connect(&format!(
-        "ssl-mode=VERIFY_IDENTITY&ssl-ca={}",
-        file("other-ca.pem")
-    ))
-    .await
-    .unwrap_err();
-    assert_eq!(wrong_ca.kind(), ErrorKind::Unavailable, "{wrong_ca}");
-    assert!(wrong_ca.to_string().contains("UnknownIssuer"), "{wrong_ca}");
-
-    let url = format!(
+    let other_ca = format!("ssl-mode=VERIFY_IDENTITY&ssl-ca={}", file("other-ca.pem"));
+    tls::refused(connect(&other_ca).await, ErrorKind::Unavailable, "UnknownIssuer");
+    let by_address = format!(
         "mysql://root@127.0.0.1:3307/test?ssl-mode=VERIFY_IDENTITY&ssl-ca={}",
         file("ca.pem")
     );
-    let wrong_name = MysqlStore::connect(&url).await.unwrap_err();
-    assert!(
-        wrong_name.to_string().contains("not valid for name"),
-        "{wrong_name}"
+    tls::refused(
+        MysqlStore::connect(&by_address).await,
+        ErrorKind::Unavailable,
+        "not valid for name",
     );
-
-    let plain = connect("ssl-mode=DISABLED").await.unwrap_err();
-    assert_eq!(plain.kind(), ErrorKind::InvalidConfig, "{plain}");
-
-    let missing = connect("ssl-mode=VERIFY_CA&ssl-ca=/nonexistent/ca.pem")
-        .await
-        .unwrap_err();
-    assert_eq!(missing.kind(), ErrorKind::InvalidConfig, "{missing}");
-    assert!(
-        missing
-            .to_string()
-            .contains("`ssl-ca` /nonexistent/ca.pem: No such file"),
-        "{missing}"
+    // The server requires TLS: a plain client is turned away at authentication.
+    tls::refused(
+        connect("ssl-mode=DISABLED").await,
+        ErrorKind::InvalidConfig,
+        "Access denied",
+    );
+    tls::refused(
+        connect("ssl-mode=VERIFY_CA&ssl-ca=/nonexistent/ca.pem").await,
+        ErrorKind::InvalidConfig,
+        "`ssl-ca` /nonexistent/ca.pem: No such file",
     );
 }

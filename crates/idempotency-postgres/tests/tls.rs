@@ -2,10 +2,10 @@
 //! libpq's parameters in the URL, verified against the test CA; and each way verification must
 //! fail, failing with its cause.
 
-use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Scope, Store};
+use idempotency_core::ErrorKind;
 use idempotency_postgres::PostgresStore;
 use idempotency_postgres::sqlx;
-use idempotency_testkit::tls::file;
+use idempotency_testkit::tls::{self, file};
 
 /// The TLS-only server, named as its certificate names it.
 fn tls_url() -> String {
@@ -14,17 +14,6 @@ fn tls_url() -> String {
 
 async fn connect(params: &str) -> Result<PostgresStore, idempotency_core::StoreError> {
     PostgresStore::connect(&format!("{}?{params}", tls_url())).await
-}
-
-/// A key run and replayed through `store`.
-async fn runs_and_replays(store: &PostgresStore) {
-    let request = BeginRequest::new(
-        Scope::new("tls").unwrap(),
-        Key::generate(),
-        Fingerprint::of_bytes(b"pay"),
-    );
-    idempotency_testkit::completed(store, &request, "charged").await;
-    assert!(matches!(store.begin(&request).await.unwrap(), Claim::Replay(_)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,7 +30,7 @@ async fn verify_full_with_the_ca_runs_the_protocol_over_tls_and_presents_the_cli
             tls_url()
         )
     });
-    runs_and_replays(&store).await;
+    tls::runs_and_replays(&store).await;
     let (ssl, client): (bool, Option<String>) =
         sqlx::query_as("SELECT ssl, client_dn FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
             .fetch_one(store.pool())
@@ -58,7 +47,7 @@ async fn verify_ca_checks_the_ca_but_not_the_name() {
         file("ca.pem")
     );
     let store = PostgresStore::connect(&url).await.unwrap();
-    runs_and_replays(&store).await;
+    tls::runs_and_replays(&store).await;
 }
 
 /// Each refusal names its cause, and none falls back to a plain connection (the server only
@@ -66,40 +55,28 @@ async fn verify_ca_checks_the_ca_but_not_the_name() {
 /// says).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_ca_a_wrong_name_and_a_plain_client_are_refused_with_the_cause() {
-    let wrong_ca = connect(&format!(
-        "sslmode=verify-full&sslrootcert={}",
-        file("other-ca.pem")
-    ))
-    .await
-    .unwrap_err();
-    assert_eq!(wrong_ca.kind(), ErrorKind::Unavailable, "{wrong_ca}");
-    assert!(wrong_ca.to_string().contains("UnknownIssuer"), "{wrong_ca}");
-
-    let url = format!(
+    let other_ca = format!("sslmode=verify-full&sslrootcert={}", file("other-ca.pem"));
+    let wrong_ca = tls::refused(connect(&other_ca).await, ErrorKind::Unavailable, "UnknownIssuer");
+    let by_address = format!(
         "postgres://postgres@127.0.0.1:5433/test?sslmode=verify-full&sslrootcert={}",
         file("ca.pem")
     );
-    let wrong_name = PostgresStore::connect(&url).await.unwrap_err();
-    assert!(
-        wrong_name.to_string().contains("not valid for name"),
-        "{wrong_name}"
+    let wrong_name = tls::refused(
+        PostgresStore::connect(&by_address).await,
+        ErrorKind::Unavailable,
+        "not valid for name",
     );
     for refused in [&wrong_ca, &wrong_name] {
         assert!(!refused.to_string().contains("no encryption"), "{refused}");
     }
-
-    let plain = connect("sslmode=disable").await.unwrap_err();
-    assert_eq!(plain.kind(), ErrorKind::InvalidConfig, "{plain}");
-    assert!(plain.to_string().contains("no encryption"), "{plain}");
-
-    let missing = connect("sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")
-        .await
-        .unwrap_err();
-    assert_eq!(missing.kind(), ErrorKind::InvalidConfig, "{missing}");
-    assert!(
-        missing
-            .to_string()
-            .contains("`sslrootcert` /nonexistent/ca.pem: No such file"),
-        "{missing}"
+    tls::refused(
+        connect("sslmode=disable").await,
+        ErrorKind::InvalidConfig,
+        "no encryption",
+    );
+    tls::refused(
+        connect("sslmode=verify-full&sslrootcert=/nonexistent/ca.pem").await,
+        ErrorKind::InvalidConfig,
+        "`sslrootcert` /nonexistent/ca.pem: No such file",
     );
 }

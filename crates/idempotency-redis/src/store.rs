@@ -488,12 +488,8 @@ pub(crate) fn split_options(url: &str) -> Result<UrlOptions, StoreError> {
 
 /// A TLS file a `rediss://` URL names must be a readable PEM file.
 fn check_pem(name: &str, path: &str) -> Result<(), StoreError> {
-    let refuse = |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}"));
-    let text = std::fs::read(path).map_err(|e| refuse(e.to_string()))?;
-    if !text.windows(11).any(|w| w == b"-----BEGIN ") {
-        return Err(refuse("not a PEM file (no -----BEGIN line)".into()));
-    }
-    Ok(())
+    idempotency_core::pem::check_file(path.as_ref())
+        .map_err(|why| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}")))
 }
 
 /// The client for one server: a `rediss://` URL's files, when it names some, verify the server

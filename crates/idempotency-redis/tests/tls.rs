@@ -2,9 +2,9 @@
 //! with the store's `ca`, `cert` and `key` parameters, verified against the test CA; and each
 //! way verification must fail, failing with its cause.
 
-use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Scope, Store, StoreError};
+use idempotency_core::{ErrorKind, StoreError};
 use idempotency_redis::RedisStore;
-use idempotency_testkit::tls::file;
+use idempotency_testkit::tls::{self, file};
 
 /// The TLS-only server, named as its certificate names it.
 fn tls_url() -> String {
@@ -30,50 +30,37 @@ async fn the_test_ca_and_a_client_certificate_run_the_protocol_over_tls() {
             tls_url()
         )
     });
-    let request = BeginRequest::new(
-        Scope::new("tls").unwrap(),
-        Key::generate(),
-        Fingerprint::of_bytes(b"pay"),
-    );
-    idempotency_testkit::completed(&store, &request, "charged").await;
-    assert!(matches!(store.begin(&request).await.unwrap(), Claim::Replay(_)));
+    tls::runs_and_replays(&store).await;
 }
 
 /// Without `ca`, the system's trust store decides, and it does not know the test CA: verification
 /// is on by default. Another CA, another name and a plain client fail too, each with its cause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_ca_a_wrong_name_and_a_plain_client_are_refused_with_the_cause() {
-    let system = connect(&tls_url()).await.unwrap_err();
-    assert_eq!(system.kind(), ErrorKind::Unavailable, "{system}");
-    assert!(system.to_string().contains("UnknownIssuer"), "{system}");
-
-    let other = connect(&format!("{}?ca={}", tls_url(), file("other-ca.pem")))
-        .await
-        .unwrap_err();
-    assert!(other.to_string().contains("UnknownIssuer"), "{other}");
-
-    let name = connect(&format!("rediss://127.0.0.1:6390?ca={}", file("ca.pem")))
-        .await
-        .unwrap_err();
-    assert!(name.to_string().contains("not valid for name"), "{name}");
-
-    let plain = connect("redis://localhost:6390").await.unwrap_err();
-    assert_eq!(plain.kind(), ErrorKind::Unavailable, "{plain}");
-
-    let half = connect(&format!("{}?cert={}", tls_url(), file("client.pem")))
-        .await
-        .unwrap_err();
-    assert_eq!(half.kind(), ErrorKind::InvalidConfig, "{half}");
-    assert!(half.to_string().contains("needs both `cert` and `key`"), "{half}");
-
-    let missing = connect(&format!("{}?ca=/nonexistent/ca.pem", tls_url()))
-        .await
-        .unwrap_err();
-    assert_eq!(missing.kind(), ErrorKind::InvalidConfig, "{missing}");
-    assert!(
-        missing
-            .to_string()
-            .contains("`ca` /nonexistent/ca.pem: No such file"),
-        "{missing}"
+    tls::refused(connect(&tls_url()).await, ErrorKind::Unavailable, "UnknownIssuer");
+    let other_ca = format!("{}?ca={}", tls_url(), file("other-ca.pem"));
+    tls::refused(connect(&other_ca).await, ErrorKind::Unavailable, "UnknownIssuer");
+    let by_address = format!("rediss://127.0.0.1:6390?ca={}", file("ca.pem"));
+    tls::refused(
+        connect(&by_address).await,
+        ErrorKind::Unavailable,
+        "not valid for name",
+    );
+    tls::refused(
+        connect("redis://localhost:6390").await,
+        ErrorKind::Unavailable,
+        "",
+    );
+    let half = format!("{}?cert={}", tls_url(), file("client.pem"));
+    tls::refused(
+        connect(&half).await,
+        ErrorKind::InvalidConfig,
+        "needs both `cert` and `key`",
+    );
+    let missing = format!("{}?ca=/nonexistent/ca.pem", tls_url());
+    tls::refused(
+        connect(&missing).await,
+        ErrorKind::InvalidConfig,
+        "`ca` /nonexistent/ca.pem: No such file",
     );
 }

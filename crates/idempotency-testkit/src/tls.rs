@@ -33,3 +33,36 @@ pub fn dir() -> PathBuf {
 pub fn file(name: &str) -> String {
     dir().join(name).display().to_string()
 }
+
+/// A key begun, completed and replayed through `store`: the record protocol works over its
+/// (TLS) connections.
+pub async fn runs_and_replays(store: &impl idempotency_core::Store) {
+    use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope};
+    let request = BeginRequest::new(
+        Scope::new("tls").expect("a valid scope"),
+        Key::generate(),
+        Fingerprint::of_bytes(b"pay"),
+    );
+    crate::completed(store, &request, "charged").await;
+    let replay = store.begin(&request).await.expect("a replay over TLS");
+    assert!(matches!(replay, Claim::Replay(_)), "not a replay: {replay:?}");
+}
+
+/// The error `result` must be: of `kind`, its message naming `cause`; returned for more checks.
+///
+/// # Panics
+///
+/// When `result` succeeded, or failed otherwise.
+#[track_caller]
+pub fn refused<T>(
+    result: Result<T, idempotency_core::StoreError>,
+    kind: idempotency_core::ErrorKind,
+    cause: &str,
+) -> idempotency_core::StoreError {
+    let Err(error) = result else {
+        panic!("connected, where {cause:?} was expected")
+    };
+    assert_eq!(error.kind(), kind, "{error}");
+    assert!(error.to_string().contains(cause), "{cause:?} is not in: {error}");
+    error
+}
