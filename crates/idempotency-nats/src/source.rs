@@ -25,7 +25,9 @@ pub const SOURCE: SourceKind = SourceKind {
                  ack_wait=30s         the ack wait of a consumer it creates, 1s to 24h (progress acks go out every third of it)\n\
                  tls_required=true    refuse a server that does not offer TLS (tls://HOST:PORT says the same)\n\
                  ca=FILE              verify the server against this CA too (TLS is used whenever the server offers it)\n\
-                 cert=FILE, key=FILE  present this client certificate",
+                 cert=FILE, key=FILE  present this client certificate\n\
+                 nkey=FILE            authenticate with the NKey seed in FILE\n\
+                 creds=FILE           authenticate with a credentials file (a user JWT and its seed, as Synadia's service issues)",
     parse,
     run,
 };
@@ -49,8 +51,9 @@ pub struct NatsSource {
     pub tls: NatsTls,
 }
 
-/// The TLS settings of a `nats://` or `tls://` source. The client uses TLS whenever the server
-/// offers it, verified against the system's trust store and `ca`.
+/// The TLS and authentication settings of a `nats://` or `tls://` source. The client uses TLS
+/// whenever the server offers it, verified against the system's trust store and `ca`; it
+/// authenticates with the URL's user and password, an NKey seed or a credentials file.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsTls {
     /// Refuse a server that does not offer TLS.
@@ -59,6 +62,11 @@ pub struct NatsTls {
     pub ca: Option<std::path::PathBuf>,
     /// `cert=FILE` and `key=FILE`: a client certificate.
     pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// `nkey=FILE`: the file holding an NKey seed to authenticate with (read when connecting,
+    /// so the seed is never kept in this value).
+    pub nkey: Option<std::path::PathBuf>,
+    /// `creds=FILE`: a credentials file (a user JWT and its NKey seed).
+    pub creds: Option<std::path::PathBuf>,
 }
 
 impl fmt::Debug for NatsSource {
@@ -128,7 +136,21 @@ impl NatsSource {
             (None, None) => None,
             _ => return Err(refuse("a client certificate needs both `cert` and `key`".into())),
         };
-        params.finish("stream, consumer, subject, dead_letter, ack_wait, tls_required, ca, cert, key")?;
+        let nkey = params.take("nkey").map(std::path::PathBuf::from);
+        let creds = params.take("creds").map(std::path::PathBuf::from);
+        if nkey.is_some() && creds.is_some() {
+            return Err(refuse(
+                "give `nkey` or `creds`, not both: each says who the client is".into(),
+            ));
+        }
+        for (name, path) in [("nkey", &nkey), ("creds", &creds)] {
+            if let Some(path) = path {
+                std::fs::metadata(path).map_err(|e| refuse(format!("`{name}` {}: {e}", path.display())))?;
+            }
+        }
+        params.finish(
+            "stream, consumer, subject, dead_letter, ack_wait, tls_required, ca, cert, key, nkey, creds",
+        )?;
         parsed.set_query(None);
         Ok(Self {
             url: parsed.into(),
@@ -137,7 +159,13 @@ impl NatsSource {
             dead_letter,
             subject,
             ack_wait,
-            tls: NatsTls { required, ca, client },
+            tls: NatsTls {
+                required,
+                ca,
+                client,
+                nkey,
+                creds,
+            },
         })
     }
 
@@ -169,6 +197,26 @@ impl NatsSource {
         }
         if let Some((cert, key)) = &self.tls.client {
             options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+        if let Some(path) = &self.tls.nkey {
+            let seed = std::fs::read_to_string(path)
+                .map_err(|e| refuse(format!("`nkey` {}: {e}", path.display())))?;
+            let seed = seed.trim();
+            // A seed is an `S…` key; a public key (`U…`) is the usual mix-up.
+            if !seed.starts_with('S') {
+                return Err(refuse(format!(
+                    "`nkey` {}: not an NKey seed (a seed starts with S; a U… key is the public half)",
+                    path.display()
+                )));
+            }
+            options = options.nkey(seed.to_owned());
+        }
+        if let Some(path) = &self.tls.creds {
+            options = options
+                .credentials_file(path)
+                .await
+                .map_err(|e| refuse(format!("`creds` {}: {e}", path.display())))?;
         }
         let client = tokio::time::timeout(timeout, options.connect(self.url.as_str()))
             .await

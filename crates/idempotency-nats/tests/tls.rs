@@ -141,9 +141,177 @@ fn tls_parameters_are_checked_when_the_url_is_parsed() {
             format!("{}?stream=S&consumer=C&tls_required=yes", tls_url()),
             "tls_required=yes: expected true or false",
         ),
+        (
+            format!("{}?stream=S&consumer=C&nkey=/nonexistent/user.nk", tls_url()),
+            "`nkey` /nonexistent/user.nk: No such file",
+        ),
+        (
+            format!(
+                "{}?stream=S&consumer=C&nkey={}&creds={}",
+                tls_url(),
+                file("ca.pem"),
+                file("ca.pem")
+            ),
+            "give `nkey` or `creds`, not both",
+        ),
     ] {
         let error = NatsSource::from_url(&url).unwrap_err();
         assert_eq!(error.kind(), AdapterErrorKind::Config, "{url}");
         assert!(error.to_string().contains(why), "{url}: {error}");
     }
+}
+
+/// A nats-server of the test's own, over TLS with the test CA, that admits one NKey user.
+struct NkeyServer {
+    process: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for NkeyServer {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+impl NkeyServer {
+    async fn start(user: &nkeys::KeyPair) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = format!(
+            "listen: 127.0.0.1:{port}\n\
+             jetstream {{ store_dir: \"{store}\" }}\n\
+             tls {{ cert_file: \"{cert}\", key_file: \"{key}\" }}\n\
+             authorization {{ users: [ {{ nkey: \"{public}\" }} ] }}\n",
+            store = dir.path().join("js").display(),
+            cert = file("server.pem"),
+            key = file("server.key"),
+            public = user.public_key(),
+        );
+        let path = dir.path().join("nats.conf");
+        std::fs::write(&path, config).unwrap();
+        let process = std::process::Command::new(
+            std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".into()),
+        )
+        .arg("-c")
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nats-server is needed (scripts/services nats installs it)");
+        let address = format!("127.0.0.1:{port}");
+        eventually(Duration::from_secs(20), "the NKey server listening", async || {
+            tokio::net::TcpStream::connect(&address).await.is_ok()
+        })
+        .await;
+        Self {
+            process,
+            url: format!("tls://localhost:{port}"),
+            _dir: dir,
+        }
+    }
+}
+
+/// An NKey seed in a file authenticates the worker (a message runs once); another user's seed
+/// is refused by the server, and a public key where the seed belongs is refused before
+/// connecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
+    let user = nkeys::KeyPair::new_user();
+    let server = NkeyServer::start(&user).await;
+    let files = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: String| {
+        let path = files.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let seed = write("user.nk", format!("{}\n", user.seed().unwrap()));
+    let stranger = write("stranger.nk", nkeys::KeyPair::new_user().seed().unwrap());
+    let public = write("public.nk", user.public_key());
+
+    let client = async_nats::ConnectOptions::with_nkey(user.seed().unwrap())
+        .add_root_certificates(file("ca.pem").into())
+        .connect(&server.url)
+        .await
+        .unwrap();
+    let js = jetstream::new(client);
+    js.create_stream(jetstream::stream::Config {
+        name: "NKEY".into(),
+        subjects: vec!["nkey.work".into(), "nkey.dead".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Idempotency-Key", "nkey-1");
+    js.publish_with_headers("nkey.work", headers, "ok".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let url = |seed_file: &str| {
+        format!(
+            "{}?stream=NKEY&consumer=workers&subject=nkey.work&dead_letter=nkey.dead&ca={}&nkey={seed_file}",
+            server.url,
+            file("ca.pem")
+        )
+    };
+    let charger = Charger::default();
+    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), charger.clone()));
+    let worker = NatsSource::from_url(&url(&seed))
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = Arc::clone(&stop);
+    let running = tokio::spawn(async move { worker.run_until(stopped.notified_owned()).await });
+    eventually(Duration::from_secs(30), "the message run", async || {
+        charger.0.effects("nkey-1") == 1
+    })
+    .await;
+    stop.notify_one();
+    running.await.unwrap().unwrap();
+
+    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), Charger::default()));
+    let refused = NatsSource::from_url(&url(&stranger))
+        .unwrap()
+        .connect(CONNECT, Arc::clone(&consumer))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.kind(), AdapterErrorKind::Unreachable, "{refused}");
+    assert!(refused.to_string().contains("authorization"), "{refused}");
+    let public = NatsSource::from_url(&url(&public))
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap_err();
+    assert_eq!(public.kind(), AdapterErrorKind::Config, "{public}");
+    assert!(public.to_string().contains("not an NKey seed"), "{public}");
+    assert!(!public.to_string().contains(&user.public_key()), "{public}");
+
+    // A credentials file that is not one is refused with its path.
+    let garbage = write("user.creds", "not a credentials file".into());
+    let creds = format!(
+        "{}?stream=NKEY&consumer=workers&ca={}&creds={garbage}",
+        server.url,
+        file("ca.pem")
+    );
+    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), Charger::default()));
+    let malformed = NatsSource::from_url(&creds)
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap_err();
+    assert_eq!(malformed.kind(), AdapterErrorKind::Config, "{malformed}");
+    assert!(
+        malformed.to_string().contains(&format!("`creds` {garbage}")),
+        "{malformed}"
+    );
 }
