@@ -34,7 +34,7 @@ mod source;
 mod tls;
 mod worker;
 pub use source::{AmqpSource, SOURCE};
-pub use tls::AmqpTls;
+pub use tls::{AmqpTls, connect_url};
 pub use worker::Worker;
 
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;

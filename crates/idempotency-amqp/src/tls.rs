@@ -89,6 +89,48 @@ impl AmqpTls {
     }
 }
 
+/// Connects to the broker at `url`, an `amqp://` or `amqps://` URL whose TLS parameters
+/// (`cacertfile`, `certfile`, `keyfile`) are taken off and used as [`AmqpTls`] describes; the
+/// other parameters go to the client. For publishers (the outbox relay, events); a consumer's
+/// [`AmqpSource`](crate::AmqpSource) does the same.
+///
+/// # Errors
+///
+/// [`AdapterErrorKind::Config`] for a URL that is not one, or a TLS parameter it refuses;
+/// [`AdapterErrorKind::Unreachable`] when the broker cannot be reached or its certificate is
+/// refused (the message says why, never the password).
+pub async fn connect_url(url: &str) -> Result<Connection, AdapterError> {
+    let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+    let mut parsed = url::Url::parse(url).map_err(|e| refuse(format!("not a URL ({e})")))?;
+    if !matches!(parsed.scheme(), "amqp" | "amqps") {
+        return Err(refuse("not an amqp:// or amqps:// URL".into()));
+    }
+    let mut tls = AmqpTls::default();
+    let mut rest = Vec::new();
+    for (name, value) in parsed.query_pairs() {
+        if !tls.take(parsed.scheme(), &name, &value)? {
+            rest.push((name.into_owned(), value.into_owned()));
+        }
+    }
+    tls.check()?;
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest);
+    }
+    connect(parsed.as_str(), &tls).await.map_err(|e| {
+        AdapterError::new(
+            AdapterErrorKind::Unreachable,
+            BROKER,
+            format!(
+                "cannot connect to the broker: {}",
+                idempotency_core::redact_url(&e.to_string())
+            ),
+        )
+        .with_source(e)
+    })
+}
+
 /// Connects to `url` with `tls`'s files (none: as `lapin::Connection::connect`).
 pub(crate) async fn connect(url: &str, tls: &AmqpTls) -> lapin::Result<Connection> {
     if tls.is_empty() || !url.starts_with("amqps://") {

@@ -171,3 +171,62 @@ fn tls_parameters_are_checked_when_the_url_is_parsed() {
         assert!(error.to_string().contains(why), "{url}: {error}");
     }
 }
+
+/// A publisher's connection (`connect_url`, which the outbox relay's `AmqpPublisher` uses) over
+/// amqps with the CA: a confirmed publish arrives on the queue; another CA is refused at
+/// connect with the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_over_amqps_with_the_ca_delivers_and_another_ca_is_refused() {
+    let queue = format!("idem-tls-publish-{}", Key::generate());
+    let plain = Connection::connect(&plain_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let reader = plain.create_channel().await.unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-expires".into(), AMQPValue::LongUInt(600_000));
+    reader
+        .queue_declare(
+            queue.as_str().into(),
+            lapin::options::QueueDeclareOptions::default(),
+            arguments,
+        )
+        .await
+        .unwrap();
+
+    let url = format!(
+        "{}?heartbeat=10&cacertfile={}&certfile={}&keyfile={}",
+        tls_url(),
+        file("ca.pem"),
+        file("client.pem"),
+        file("client.key")
+    );
+    let connection = idempotency_amqp::connect_url(&url).await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let key = Key::new("published-over-tls").unwrap();
+    idempotency_amqp::publish_with_headers(&channel, "", &queue, &key, b"event", &[])
+        .await
+        .unwrap();
+    let got = reader
+        .basic_get(
+            queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the published message on the queue");
+    assert_eq!(got.delivery.data, b"event");
+    let _ = connection.close(200, "done".into()).await;
+
+    let other = format!("{}?cacertfile={}", tls_url(), file("other-ca.pem"));
+    let refused = idempotency_amqp::connect_url(&other).await.unwrap_err();
+    assert_eq!(refused.kind(), AdapterErrorKind::Unreachable, "{refused}");
+    assert!(refused.to_string().contains("UnknownIssuer"), "{refused}");
+    assert!(!refused.to_string().contains("guest:guest"), "{refused}");
+    let _ = reader
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+}

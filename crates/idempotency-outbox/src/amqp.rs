@@ -4,7 +4,7 @@ use std::fmt;
 
 use idempotency_consumer::BoxError;
 use lapin::options::ConfirmSelectOptions;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 use tokio::sync::Mutex;
 
 use crate::{OutboxMessage, Publisher};
@@ -29,7 +29,9 @@ impl fmt::Debug for AmqpPublisher {
 
 impl AmqpPublisher {
     /// A publisher to `exchange` (`""`: the default exchange, where the routing key is the
-    /// queue) on the broker at `url`; it connects on the first publish.
+    /// queue) on the broker at `url`; it connects on the first publish, over TLS for an
+    /// `amqps://` URL (with RabbitMQ's `cacertfile`, `certfile`, `keyfile`: see
+    /// [`idempotency_amqp::connect_url`]).
     pub fn new(url: impl Into<String>, exchange: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -46,7 +48,7 @@ impl Publisher for AmqpPublisher {
             connection.status().connected() && channel.status().connected()
         });
         if !usable {
-            let opened = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+            let opened = idempotency_amqp::connect_url(&self.url).await?;
             let channel = opened.create_channel().await?;
             channel.confirm_select(ConfirmSelectOptions::default()).await?;
             *connection = Some((opened, channel));
