@@ -6,12 +6,12 @@ use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, Stor
 
 use crate::RedisStore;
 
-/// `redis://host:port` and `rediss://…` (one server), and `redis-cluster://h1:p1,h2:p2` (a Redis
-/// Cluster, reached through any of the listed nodes), for a
-/// [`Registry`](idempotency_core::Registry).
+/// `redis://host:port` and `rediss://…` (one server), and `redis-cluster://h1:p1,h2:p2` or, over
+/// TLS, `rediss-cluster://h1:p1,h2:p2?ca=FILE` (a Redis Cluster, reached through any of the
+/// listed nodes), for a [`Registry`](idempotency_core::Registry).
 pub const KIND: StoreKind = StoreKind {
     name: "redis",
-    schemes: &["redis", "rediss", "redis-cluster"],
+    schemes: &["redis", "rediss", "redis-cluster", "rediss-cluster"],
     example: "redis://…",
     open: open_url,
     check: check_url,
@@ -24,19 +24,42 @@ fn open_url(url: String, _access: Access) -> OpenFuture {
         // Malformed URLs are refused here, with errors that name a cluster node by its place in
         // the whole URL.
         check_url(&url)?;
-        let store = match url.strip_prefix("redis-cluster://") {
-            Some(nodes) => RedisStore::connect_cluster(&cluster_nodes(nodes)?).await?,
+        let store = match cluster(&url)? {
+            Some((nodes, options)) => RedisStore::connect_cluster_with(&nodes, &options).await?,
             None => RedisStore::connect(&url).await?,
         };
         Ok(Arc::new(store) as DynStore)
     })
 }
 
+/// A cluster URL's nodes (as `redis://` or `rediss://` URLs) and its TLS files; `None` for a
+/// single server's URL.
+fn cluster(url: &str) -> Result<Option<(Vec<String>, crate::store::UrlOptions)>, StoreError> {
+    let (scheme, rest) = match url.split_once("://") {
+        Some(("redis-cluster", rest)) => ("redis", rest),
+        Some(("rediss-cluster", rest)) => ("rediss", rest),
+        _ => return Ok(None),
+    };
+    let (nodes, query) = rest.split_once('?').unwrap_or((rest, ""));
+    // The parameters read as a single server's of the same scheme would be: `ca`, `cert`, `key`.
+    let options = crate::store::split_options(&format!("{scheme}://node?{query}"))?;
+    if options.batch || options.url != format!("{scheme}://node") {
+        return Err(StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!(
+                "`{}`: a cluster URL takes only the TLS parameters ca, cert and key",
+                redact_url(url)
+            ),
+        ));
+    }
+    Ok(Some((cluster_nodes(nodes, scheme)?, options)))
+}
+
 /// Parses the URL as `open_url` does, connecting to nothing.
 fn check_url(url: &str) -> Result<(), StoreError> {
-    match url.strip_prefix("redis-cluster://") {
-        Some(nodes) => {
-            for (index, node) in cluster_nodes(nodes)?.iter().enumerate() {
+    match cluster(url)? {
+        Some((nodes, _)) => {
+            for (index, node) in nodes.iter().enumerate() {
                 let shown = format!("(node {} of `{}`)", index + 1, redact_url(url));
                 crate::store::parse_shown(node, &shown)?;
             }
@@ -49,12 +72,12 @@ fn check_url(url: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// `h1:p1,h2:p2` as `redis://` URLs, one a node.
-fn cluster_nodes(nodes: &str) -> Result<Vec<String>, StoreError> {
+/// `h1:p1,h2:p2` as `SCHEME://` URLs, one a node.
+fn cluster_nodes(nodes: &str, scheme: &str) -> Result<Vec<String>, StoreError> {
     let nodes: Vec<String> = nodes
         .split(',')
         .filter(|node| !node.is_empty())
-        .map(|node| format!("redis://{node}"))
+        .map(|node| format!("{scheme}://{node}"))
         .collect();
     if nodes.is_empty() {
         return Err(StoreError::new(

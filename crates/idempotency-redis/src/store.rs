@@ -158,6 +158,15 @@ impl RedisStore {
     ///
     /// As [`RedisStore::connect`].
     pub async fn connect_cluster<S: AsRef<str>>(urls: &[S]) -> Result<Self, StoreError> {
+        Self::connect_cluster_with(urls, &UrlOptions::default()).await
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes (`rediss://` URLs for TLS), with
+    /// `options`' TLS files for every node.
+    pub(crate) async fn connect_cluster_with<S: AsRef<str>>(
+        urls: &[S],
+        options: &UrlOptions,
+    ) -> Result<Self, StoreError> {
         let infos = urls
             .iter()
             .map(|u| parse_url(u.as_ref()))
@@ -168,13 +177,15 @@ impl RedisStore {
                 "a Redis Cluster needs at least one node URL",
             ));
         }
-        let client = redis::cluster::ClusterClientBuilder::new(infos.clone())
+        let builder = redis::cluster::ClusterClientBuilder::new(infos.clone())
             .connection_timeout(Duration::from_secs(2))
             .response_timeout(Duration::from_secs(5))
             // The client's own retries re-send a command whose connection dropped after it was
             // sent: a `release` that ran would run again and answer `LeaseLost`. Only redirects
             // are retried, in `with_redirects`, where the server said the command did not run.
-            .retries(0)
+            .retries(0);
+        let builder = cluster_tls(builder, options)?;
+        let client = builder
             .build()
             .map_err(|e| map_error("configure the Redis Cluster client", e))?;
         let connection = client
@@ -513,6 +524,12 @@ fn client_for(options: &UrlOptions, info: redis::ConnectionInfo) -> Result<redis
 
 #[cfg(feature = "tls")]
 fn tls_client(options: &UrlOptions, info: redis::ConnectionInfo) -> Result<redis::Client, StoreError> {
+    redis::Client::build_with_tls(info, tls_files(options)?).map_err(|e| map_error("set up TLS for Redis", e))
+}
+
+/// The CA and client certificate `options` name, read.
+#[cfg(feature = "tls")]
+fn tls_files(options: &UrlOptions) -> Result<redis::TlsCertificates, StoreError> {
     let read = |path: &String| {
         std::fs::read(path).map_err(|e| StoreError::new(ErrorKind::InvalidConfig, format!("{path}: {e}")))
     };
@@ -523,11 +540,39 @@ fn tls_client(options: &UrlOptions, info: redis::ConnectionInfo) -> Result<redis
         }),
         _ => None,
     };
-    let certificates = redis::TlsCertificates {
+    Ok(redis::TlsCertificates {
         client_tls,
         root_cert: options.ca.as_ref().map(read).transpose()?,
-    };
-    redis::Client::build_with_tls(info, certificates).map_err(|e| map_error("set up TLS for Redis", e))
+    })
+}
+
+/// The cluster client with `options`' TLS files, when the URL names some.
+#[cfg(feature = "tls")]
+fn cluster_tls(
+    builder: redis::cluster::ClusterClientBuilder,
+    options: &UrlOptions,
+) -> Result<redis::cluster::ClusterClientBuilder, StoreError> {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    if options.ca.is_none() && options.cert.is_none() {
+        return Ok(builder);
+    }
+    Ok(builder.certs(tls_files(options)?))
+}
+
+#[cfg(not(feature = "tls"))]
+fn cluster_tls(
+    builder: redis::cluster::ClusterClientBuilder,
+    options: &UrlOptions,
+) -> Result<redis::cluster::ClusterClientBuilder, StoreError> {
+    if options.ca.is_some() || options.cert.is_some() {
+        return Err(StoreError::new(
+            ErrorKind::InvalidConfig,
+            "rediss-cluster:// needs the `tls` feature of idempotency-redis",
+        ));
+    }
+    Ok(builder)
 }
 
 #[cfg(not(feature = "tls"))]

@@ -64,3 +64,47 @@ async fn an_unknown_ca_a_wrong_name_and_a_plain_client_are_refused_with_the_caus
         "`ca` /nonexistent/ca.pem: No such file",
     );
 }
+
+/// The TLS-only cluster (`scripts/services redis-cluster-tls`, 7100-7102), whose nodes announce
+/// themselves as `localhost`.
+fn cluster_tls_url() -> String {
+    std::env::var("REDIS_CLUSTER_TLS_URL")
+        .unwrap_or_else(|_| "rediss-cluster://localhost:7100,localhost:7101,localhost:7102".into())
+}
+
+async fn open(url: &str) -> Result<idempotency_core::DynStore, StoreError> {
+    (idempotency_redis::KIND.open)(url.to_owned(), idempotency_core::Access::Create).await
+}
+
+/// `rediss-cluster://` with the CA runs keys on every node over TLS (the slots spread them);
+/// another CA and a plain client are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_over_tls_runs_the_protocol_on_every_node_and_another_ca_is_refused() {
+    let url = format!(
+        "{}?ca={}&cert={}&key={}",
+        cluster_tls_url(),
+        file("ca.pem"),
+        file("client.pem"),
+        file("client.key")
+    );
+    let store = open(&url).await.unwrap_or_else(|e| {
+        panic!(
+            "a Redis Cluster with TLS at {} is needed (scripts/services redis-cluster-tls): {e}",
+            cluster_tls_url()
+        )
+    });
+    // Random keys: that 48 of them all miss one of the three masters has a chance of
+    // 3 × (2/3)^48, below one in a billion.
+    for _ in 0..48 {
+        tls::runs_and_replays(&store).await;
+    }
+    let other_ca = format!("{}?ca={}", cluster_tls_url(), file("other-ca.pem"));
+    tls::refused(open(&other_ca).await, ErrorKind::Unavailable, "UnknownIssuer");
+    let plain = cluster_tls_url().replacen("rediss-cluster", "redis-cluster", 1);
+    tls::refused(open(&plain).await, ErrorKind::Unavailable, "");
+    tls::refused(
+        open(&format!("{}?batch=on", cluster_tls_url())).await,
+        ErrorKind::InvalidConfig,
+        "takes only the TLS parameters",
+    );
+}
