@@ -43,11 +43,11 @@ use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use rustls::ClientConfig;
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
+use tokio_util::either::Either;
 
 /// How long a connection may sit unused before a request closes it instead of using it
 /// (hyper-util's default). An upstream that closes idle connections sooner costs nothing: its
@@ -81,64 +81,7 @@ struct Connection {
 }
 
 /// A connection's bytes: plain TCP, or TLS over it.
-enum Stream {
-    Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl AsyncRead for Stream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
-            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Stream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            Self::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
-            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            Self::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
-            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Self::Plain(stream) => stream.is_write_vectored(),
-            Self::Tls(stream) => stream.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(stream) => Pin::new(stream).poll_flush(cx),
-            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
-            Self::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
+type Stream = Either<TcpStream, Box<TlsStream<TcpStream>>>;
 
 impl Connection {
     /// Polls the connection's I/O. `Ready` means it is finished (closed, or failed): it carries
@@ -358,14 +301,14 @@ impl Upstream {
                 .set_nodelay(true)
                 .map_err(|e| Failure::Unreachable(format!("cannot set TCP_NODELAY: {e}")))?;
             let stream = match &self.inner.tls {
-                None => Stream::Plain(stream),
+                None => Either::Left(stream),
                 Some((connector, name)) => {
                     let handshake = connector.connect(name.clone(), stream);
                     let stream = tokio::time::timeout(CONNECT_TIMEOUT, handshake)
                         .await
                         .map_err(|_| Failure::Tls(format!("the TLS handshake with {address} timed out")))?
                         .map_err(|e| Failure::Tls(crate::tls::describe_handshake_error(address, &e)))?;
-                    Stream::Tls(Box::new(stream))
+                    Either::Right(Box::new(stream))
                 }
             };
             let (sender, driver) = http1::handshake(TokioIo::new(stream))
