@@ -13,7 +13,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -197,16 +197,7 @@ async fn start_gateway(listen: SocketAddr, admin: SocketAddr, store: &str, args:
         store,
     ];
     all.extend_from_slice(args);
-    let process = Process {
-        child: Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(&all)
-            .env("IDEM_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start idem serve"),
-    };
-    common::ready_on(process, admin, "/healthz", "idem serve").await
+    common::ready_on(common::spawn_serve(&all), admin, "/healthz", "idem serve").await
 }
 
 /// Waits until the series `name` with `labels` on the admin listener's `/metrics` reaches

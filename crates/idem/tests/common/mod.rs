@@ -253,21 +253,26 @@ pub fn idem(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `idem` with `args` (a `serve` command line) as a process of its own, logging warnings.
+pub fn spawn_serve(args: &[&str]) -> Process {
+    Process {
+        child: Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .env("IDEM_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start idem serve"),
+    }
+}
+
 /// Starts `idem serve` on `listen` with `args`, and waits until its health check passes (or
 /// `healthy` is false: until it accepts connections).
 pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> Process {
     let listen_text = listen.to_string();
     let mut all = vec!["serve", "--listen", listen_text.as_str()];
     all.extend_from_slice(args);
-    let mut process = Process {
-        child: Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(&all)
-            .env("IDEM_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start idem serve"),
-    };
+    let mut process = spawn_serve(&all);
     if healthy {
         return ready(process, listen, "idem serve").await;
     }
