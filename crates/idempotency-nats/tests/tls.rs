@@ -161,22 +161,52 @@ fn tls_parameters_are_checked_when_the_url_is_parsed() {
     }
 }
 
-/// A nats-server of the test's own, over TLS with the test CA, that admits one NKey user.
-struct NkeyServer {
+/// A nats-server of the test's own, over TLS with the test CA, with JetStream and `auth` (the
+/// lines of its configuration that say who may connect).
+struct AuthServer {
     process: std::process::Child,
     url: String,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for NkeyServer {
+impl Drop for AuthServer {
     fn drop(&mut self) {
         let _ = self.process.kill();
         let _ = self.process.wait();
     }
 }
 
-impl NkeyServer {
-    async fn start(user: &nkeys::KeyPair) -> Self {
+impl AuthServer {
+    /// A server that admits one NKey user.
+    async fn nkey(user: &nkeys::KeyPair) -> Self {
+        let public = user.public_key();
+        Self::start(&format!(
+            "authorization {{ users: [ {{ nkey: \"{public}\" }} ] }}\n"
+        ))
+        .await
+    }
+
+    /// A server in operator mode, as Synadia's service runs: it trusts `operator`'s key, knows
+    /// `account` (and a system account, which JetStream needs) and admits the users whose JWTs
+    /// the account signed.
+    async fn operator(operator: &nkeys::KeyPair, account: &nkeys::KeyPair) -> Self {
+        let system = nkeys::KeyPair::new_account();
+        Self::start(&format!(
+            "trusted_keys: [\"{}\"]\n\
+             resolver: MEMORY\n\
+             system_account: {}\n\
+             resolver_preload: {{\n  {}: \"{}\"\n  {}: \"{}\"\n}}\n",
+            operator.public_key(),
+            system.public_key(),
+            system.public_key(),
+            account_jwt(operator, &system, "SYS", false),
+            account.public_key(),
+            account_jwt(operator, account, "idem", true),
+        ))
+        .await
+    }
+
+    async fn start(auth: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -187,11 +217,10 @@ impl NkeyServer {
             "listen: 127.0.0.1:{port}\n\
              jetstream {{ store_dir: \"{store}\" }}\n\
              tls {{ cert_file: \"{cert}\", key_file: \"{key}\" }}\n\
-             authorization {{ users: [ {{ nkey: \"{public}\" }} ] }}\n",
+             {auth}",
             store = dir.path().join("js").display(),
             cert = file("server.pem"),
             key = file("server.key"),
-            public = user.public_key(),
         );
         let path = dir.path().join("nats.conf");
         std::fs::write(&path, config).unwrap();
@@ -205,9 +234,11 @@ impl NkeyServer {
         .spawn()
         .expect("nats-server is needed (scripts/services nats installs it)");
         let address = format!("127.0.0.1:{port}");
-        eventually(Duration::from_secs(20), "the NKey server listening", async || {
-            tokio::net::TcpStream::connect(&address).await.is_ok()
-        })
+        eventually(
+            Duration::from_secs(20),
+            "the test's nats-server listening",
+            async || tokio::net::TcpStream::connect(&address).await.is_ok(),
+        )
         .await;
         Self {
             process,
@@ -217,13 +248,68 @@ impl NkeyServer {
     }
 }
 
+/// A NATS JWT (`ed25519-nkey`): `claims` with `jti`, `iat`, `iss` and `sub` added, signed by
+/// `issuer`.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, mut claims: serde_json::Value) -> String {
+    use base64::Engine as _;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    claims["jti"] = Key::generate().as_str().replace('-', "").to_uppercase().into();
+    claims["iat"] = now.into();
+    claims["iss"] = issuer.public_key().into();
+    claims["sub"] = subject.into();
+    let header = encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let body = encode(claims.to_string().as_bytes());
+    let signed = format!("{header}.{body}");
+    let signature = issuer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", encode(&signature))
+}
+
+/// An account JWT without limits, signed by `operator`, with JetStream or without.
+fn account_jwt(operator: &nkeys::KeyPair, account: &nkeys::KeyPair, name: &str, jetstream: bool) -> String {
+    let storage = if jetstream { -1 } else { 0 };
+    let claims = serde_json::json!({
+        "name": name,
+        "nats": {
+            "limits": {
+                "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                "wildcards": true, "conn": -1, "leaf": -1,
+                "mem_storage": storage, "disk_storage": storage, "streams": storage, "consumer": storage
+            },
+            "default_permissions": { "pub": {}, "sub": {} },
+            "type": "account",
+            "version": 2
+        }
+    });
+    nats_jwt(operator, &account.public_key(), claims)
+}
+
+/// A credentials file, as `nsc` writes them: the user's JWT (signed by `account`) and seed.
+fn creds(account: &nkeys::KeyPair, user: &nkeys::KeyPair) -> String {
+    let claims = serde_json::json!({
+        "name": "worker",
+        "nats": { "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2 }
+    });
+    let jwt = nats_jwt(account, &user.public_key(), claims);
+    format!(
+        "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+        user.seed().unwrap()
+    )
+}
+
 /// An NKey seed in a file authenticates the worker (a message runs once); another user's seed
 /// is refused by the server, and a public key where the seed belongs is refused before
 /// connecting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
     let user = nkeys::KeyPair::new_user();
-    let server = NkeyServer::start(&user).await;
+    let server = AuthServer::nkey(&user).await;
     let files = tempfile::tempdir().unwrap();
     let write = |name: &str, text: String| {
         let path = files.path().join(name);
@@ -239,55 +325,15 @@ async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
         .connect(&server.url)
         .await
         .unwrap();
-    let js = jetstream::new(client);
-    js.create_stream(jetstream::stream::Config {
-        name: "NKEY".into(),
-        subjects: vec!["nkey.work".into(), "nkey.dead".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Idempotency-Key", "nkey-1");
-    js.publish_with_headers("nkey.work", headers, "ok".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    runs_once_and_a_stranger_is_refused(client, &server.url, "nkey", &seed, &stranger).await;
 
-    let url = |seed_file: &str| {
-        format!(
-            "{}?stream=NKEY&consumer=workers&subject=nkey.work&dead_letter=nkey.dead&ca={}&nkey={seed_file}",
-            server.url,
-            file("ca.pem")
-        )
-    };
-    let charger = Charger::default();
-    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), charger.clone()));
-    let worker = NatsSource::from_url(&url(&seed))
-        .unwrap()
-        .connect(CONNECT, consumer)
-        .await
-        .unwrap();
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = Arc::clone(&stop);
-    let running = tokio::spawn(async move { worker.run_until(stopped.notified_owned()).await });
-    eventually(Duration::from_secs(30), "the message run", async || {
-        charger.0.effects("nkey-1") == 1
-    })
-    .await;
-    stop.notify_one();
-    running.await.unwrap().unwrap();
-
+    let public = format!(
+        "{}?stream=NKEY&consumer=workers&ca={}&nkey={public}",
+        server.url,
+        file("ca.pem")
+    );
     let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), Charger::default()));
-    let refused = NatsSource::from_url(&url(&stranger))
-        .unwrap()
-        .connect(CONNECT, Arc::clone(&consumer))
-        .await
-        .unwrap_err();
-    assert_eq!(refused.kind(), AdapterErrorKind::Unreachable, "{refused}");
-    assert!(refused.to_string().contains("authorization"), "{refused}");
-    let public = NatsSource::from_url(&url(&public))
+    let public = NatsSource::from_url(&public)
         .unwrap()
         .connect(CONNECT, consumer)
         .await
@@ -314,4 +360,107 @@ async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
         malformed.to_string().contains(&format!("`creds` {garbage}")),
         "{malformed}"
     );
+}
+
+/// A credentials file (a user JWT its account signed, and the user's seed) authenticates the
+/// worker against a server in operator mode, over TLS: a message runs once. A user of an
+/// account the server does not know is refused by the server, with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credentials_file_authenticates_and_an_unknown_accounts_user_is_refused() {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let server = AuthServer::operator(&operator, &account).await;
+    let files = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: String| {
+        let path = files.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let user = nkeys::KeyPair::new_user();
+    let user_creds = write("user.creds", creds(&account, &user));
+    let stranger = write("stranger.creds", creds(&nkeys::KeyPair::new_account(), &user));
+
+    let client = async_nats::ConnectOptions::with_credentials_file(&user_creds)
+        .await
+        .unwrap()
+        .add_root_certificates(file("ca.pem").into())
+        .connect(&server.url)
+        .await
+        .unwrap();
+    runs_once_and_a_stranger_is_refused(client, &server.url, "creds", &user_creds, &stranger).await;
+}
+
+/// Over `client`'s connection, a stream named after `auth` (the URL parameter, `nkey` or
+/// `creds`) gets two copies of one message; a worker whose URL gives `auth=FILE` runs it once
+/// and acknowledges both; one given `auth=STRANGER` is refused by the server.
+async fn runs_once_and_a_stranger_is_refused(
+    client: async_nats::Client,
+    server: &str,
+    auth: &str,
+    auth_file: &str,
+    stranger: &str,
+) {
+    let js = jetstream::new(client);
+    let stream = auth.to_uppercase();
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{auth}.work"), format!("{auth}.dead")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let key = format!("{auth}-1");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Idempotency-Key", key.as_str());
+    for _ in 0..2 {
+        js.publish_with_headers(format!("{auth}.work"), headers.clone(), "ok".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let url = |path: &str| {
+        format!(
+            "{server}?stream={stream}&consumer=workers&subject={auth}.work&dead_letter={auth}.dead&ca={}&{auth}={path}",
+            file("ca.pem")
+        )
+    };
+    let charger = Charger::default();
+    let consumer = Arc::new(Consumer::new(
+        auth.to_owned(),
+        MemoryStore::new(),
+        charger.clone(),
+    ));
+    let worker = NatsSource::from_url(&url(auth_file))
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = Arc::clone(&stop);
+    let running = tokio::spawn(async move { worker.run_until(stopped.notified_owned()).await });
+    let stream = js.get_stream(&stream).await.unwrap();
+    eventually(Duration::from_secs(30), "both copies acknowledged", async || {
+        let info = stream.clone().consumer_info("workers").await;
+        info.is_ok_and(|info| {
+            info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence == 2
+        })
+    })
+    .await;
+    assert_eq!(charger.0.effects(&key), 1);
+    stop.notify_one();
+    running.await.unwrap().unwrap();
+
+    let consumer = Arc::new(Consumer::new(
+        auth.to_owned(),
+        MemoryStore::new(),
+        Charger::default(),
+    ));
+    let refused = NatsSource::from_url(&url(stranger))
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.kind(), AdapterErrorKind::Unreachable, "{refused}");
+    assert!(refused.to_string().contains("authorization"), "{refused}");
 }
