@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use common::consume::{self, Broker};
 use idempotency::Key;
+use idempotency_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idempotency_kafka::rdkafka::client::DefaultClientContext;
 use idempotency_kafka::rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use idempotency_kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use idempotency_kafka::rdkafka::mocking::MockCluster;
@@ -17,11 +19,26 @@ use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 /// The work topic's partitions.
 const PARTITIONS: i32 = 3;
 
-/// A cluster of the test's own with a work topic and its dead-letter topic.
+/// The SASL_SSL broker of `scripts/services kafka-tls` (TLS with the test CA's localhost
+/// certificate, SCRAM users).
+fn tls_brokers() -> String {
+    std::env::var("KAFKA_TLS_BROKERS").unwrap_or_else(|_| "localhost:9094".into())
+}
+
+/// The SCRAM user and password `scripts/services kafka-tls` makes.
+const TLS_USER: &str = "idem";
+const TLS_PASSWORD: &str = "idem-test-password";
+
+/// A Kafka cluster with a work topic of the test's own and its dead-letter topic: librdkafka's
+/// in-process cluster, or the SASL_SSL broker.
 struct Kafka {
     // Declared first so it is dropped first: it talks to the cluster.
     producer: FutureProducer,
-    cluster: MockCluster<'static, DefaultProducerContext>,
+    /// The in-process cluster, kept running while the test lasts.
+    _cluster: Option<MockCluster<'static, DefaultProducerContext>>,
+    brokers: String,
+    /// The librdkafka settings every client of the cluster needs (TLS, SASL).
+    security: Vec<(&'static str, String)>,
     topic: String,
 }
 
@@ -31,16 +48,92 @@ impl Kafka {
         let topic = format!("payments-{}", Key::generate());
         cluster.create_topic(&topic, PARTITIONS, 1).unwrap();
         cluster.create_topic(&format!("{topic}.dead"), 1, 1).unwrap();
-        let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
+        let brokers = cluster.bootstrap_servers();
+        let producer = idempotency_kafka::idempotent_producer(&brokers).unwrap();
         Self {
             producer,
-            cluster,
+            _cluster: Some(cluster),
+            brokers,
+            security: Vec::new(),
             topic,
         }
     }
-}
 
-impl Kafka {
+    /// The SASL_SSL broker, SCRAM-SHA-512, verifying its certificate with the test CA; the
+    /// topics are created through it.
+    async fn sasl_ssl() -> Self {
+        let security = vec![
+            ("security.protocol", "SASL_SSL".to_owned()),
+            ("sasl.mechanism", "SCRAM-SHA-512".to_owned()),
+            ("sasl.username", TLS_USER.to_owned()),
+            ("sasl.password", TLS_PASSWORD.to_owned()),
+            ("ssl.ca.location", idempotency_testkit::tls::file("ca.pem")),
+        ];
+        let mut kafka = Self {
+            producer: ClientConfig::new().create().unwrap(),
+            _cluster: None,
+            brokers: tls_brokers(),
+            security,
+            topic: format!("payments-{}", Key::generate()),
+        };
+        let admin: AdminClient<DefaultClientContext> = kafka.client().create().unwrap();
+        let dead = format!("{}.dead", kafka.topic);
+        let topics = [
+            NewTopic::new(&kafka.topic, PARTITIONS, TopicReplication::Fixed(1)),
+            NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
+        ];
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let created = tokio::time::timeout(Duration::from_secs(30), admin.create_topics(&topics, &options))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the SASL_SSL Kafka broker at {} is needed for this test (scripts/services kafka-tls)",
+                    kafka.brokers
+                )
+            })
+            .unwrap();
+        for result in created {
+            result.unwrap();
+        }
+        kafka.producer = kafka
+            .client()
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .create()
+            .unwrap();
+        kafka
+    }
+
+    /// Client settings for the cluster.
+    fn client(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        for (name, value) in &self.security {
+            config.set(*name, value);
+        }
+        config
+    }
+
+    /// `--from` for a member of `group`, with the security settings and `more`.
+    fn url(&self, group: &str, more: &str) -> String {
+        self.url_with(&self.brokers, group, &[]) + more
+    }
+
+    /// `--from` for a member of `group` at `brokers`, with the security settings but for those
+    /// `changed` gives another value.
+    fn url_with(&self, brokers: &str, group: &str, changed: &[(&str, &str)]) -> String {
+        let mut url = format!("kafka://{brokers}?topic={}&group={group}", self.topic);
+        for (name, value) in &self.security {
+            let value = changed
+                .iter()
+                .find(|(changed, _)| changed == name)
+                .map_or(value.as_str(), |(_, value)| value);
+            let value = percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC);
+            url.push_str(&format!("&{name}={value}"));
+        }
+        url
+    }
+
     /// Publishes `payload` with `key` (its `Idempotency-Key` and record key) to `partition`.
     async fn publish_to(&self, partition: i32, key: &str, payload: &[u8]) {
         let headers = OwnedHeaders::new().insert(Header {
@@ -63,11 +156,7 @@ impl Broker for Kafka {
 
     /// A group whose dead members are noticed within seconds (the default is 45 s).
     fn from(&self) -> String {
-        format!(
-            "kafka://{}?topic={}&group=idem&session.timeout.ms=6000&heartbeat.interval.ms=500",
-            self.cluster.bootstrap_servers(),
-            self.topic
-        )
+        self.url("idem", "&session.timeout.ms=6000&heartbeat.interval.ms=500")
     }
 
     /// The killed member's partitions move once the group notices it is gone (the 6 s session
@@ -96,8 +185,8 @@ impl Broker for Kafka {
     }
 
     async fn dead_letters(&self) -> Vec<(String, String)> {
-        let reader: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", self.cluster.bootstrap_servers())
+        let reader: StreamConsumer = self
+            .client()
             .set("group.id", "dead-letter-readers")
             .set("enable.auto.commit", "false")
             .create()
@@ -123,11 +212,7 @@ impl Broker for Kafka {
 
     /// The group's committed offsets behind the partitions' ends.
     async fn outstanding(&self) -> u64 {
-        let reader: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", self.cluster.bootstrap_servers())
-            .set("group.id", "idem")
-            .create()
-            .unwrap();
+        let reader: BaseConsumer = self.client().set("group.id", "idem").create().unwrap();
         let topic = self.topic.clone();
         tokio::task::spawn_blocking(move || {
             let mut list = TopicPartitionList::new();
@@ -275,56 +360,36 @@ async fn unreachable_brokers_missing_topics_and_refused_settings_are_clear_error
             "no broker answered",
         ),
         (
-            format!(
-                "kafka://{}?topic=no-such-topic&group=g",
-                kafka.cluster.bootstrap_servers()
-            ),
+            format!("kafka://{}?topic=no-such-topic&group=g", kafka.brokers),
             "topic no-such-topic",
         ),
         (
             format!(
                 "kafka://{}?topic={}&group=g&dead_letter=no-such-dead",
-                kafka.cluster.bootstrap_servers(),
-                kafka.topic
+                kafka.brokers, kafka.topic
             ),
             "topic no-such-dead",
         ),
         (
             format!(
                 "kafka://u:s3cret@{}?topic={}&group=g&no.such.setting=1",
-                kafka.cluster.bootstrap_servers(),
-                kafka.topic
+                kafka.brokers, kafka.topic
             ),
             "no.such.setting",
         ),
         (
             format!(
-                "kafka://{}?topic={}&group=g&security.protocol=SASL_SSL",
-                kafka.cluster.bootstrap_servers(),
-                kafka.topic
+                "kafka://{}?topic={}&group=g&security.protocol=SASL_PLAINTEXT&sasl.mechanism=GSSAPI",
+                kafka.brokers, kafka.topic
             ),
-            "OpenSSL not available",
+            "GSSAPI",
         ),
     ] {
-        let (code, _, err) = common::idem(&[
-            "consume",
-            "--from",
-            &from,
-            "--to",
-            "http://127.0.0.1:1/m",
-            "--store",
-            "memory://",
-        ]);
-        assert_eq!(code, 1, "{from}: {err}");
-        assert!(err.contains(why), "{from}: {err}");
-        assert!(!err.contains("s3cret"), "{from}: the password leaked: {err}");
+        refused_at_start(&from, why);
     }
     // The longest handler timeout makes settings librdkafka accepts: the start gets as far as
     // the topic check.
-    let from = format!(
-        "kafka://{}?topic=no-such-topic&group=g",
-        kafka.cluster.bootstrap_servers()
-    );
+    let from = format!("kafka://{}?topic=no-such-topic&group=g", kafka.brokers);
     let (code, _, err) = common::idem(&[
         "consume",
         "--from",
@@ -338,4 +403,81 @@ async fn unreachable_brokers_missing_topics_and_refused_settings_are_clear_error
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("topic no-such-topic"), "{err}");
+}
+
+/// Over SASL_SSL with SCRAM-SHA-512 to a broker that requires both (`scripts/services
+/// kafka-tls`), its certificate verified with the test CA and its name: three copies of every
+/// message, one handler call per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_sasl_ssl_with_scram_every_message_published_three_times_is_handled_once() {
+    consume::three_copies_run_once(&Kafka::sasl_ssl().await).await;
+}
+
+/// A wrong password (SCRAM-SHA-512 and -256), a CA that did not sign the broker's certificate,
+/// a name the certificate does not carry and a plain client on the TLS listener each stop
+/// `idem consume` at start, with librdkafka's reason and without the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_ca_or_name_stops_the_consumer_at_start_with_the_cause() {
+    let kafka = Kafka::sasl_ssl().await;
+    let other_ca = idempotency_testkit::tls::file("other-ca.pem");
+    let (_, port) = kafka.brokers.rsplit_once(':').unwrap();
+    let by_address = format!("127.0.0.1:{port}");
+    let brokers = kafka.brokers.as_str();
+    for (from, why) in [
+        // SCRAM-SHA-256 logs in as well: the start gets as far as the topics.
+        (
+            kafka.url_with(brokers, "g", &[("sasl.mechanism", "SCRAM-SHA-256")])
+                + "&dead_letter=no-such-dead",
+            "topic no-such-dead",
+        ),
+        (
+            kafka.url_with(brokers, "g", &[("sasl.password", "wrong-s3cret")]),
+            "the SASL authentication was refused",
+        ),
+        (
+            kafka.url_with(
+                brokers,
+                "g",
+                &[
+                    ("sasl.password", "wrong-s3cret"),
+                    ("sasl.mechanism", "SCRAM-SHA-256"),
+                ],
+            ),
+            "the SASL authentication was refused",
+        ),
+        (
+            kafka.url_with(brokers, "g", &[("ssl.ca.location", &other_ca)]),
+            "the TLS connection was refused",
+        ),
+        (
+            kafka.url_with(&by_address, "g", &[]),
+            "the TLS connection was refused",
+        ),
+        (
+            kafka.url_with(brokers, "g", &[("security.protocol", "SASL_PLAINTEXT")]),
+            "no broker answered",
+        ),
+    ] {
+        refused_at_start(&from, why);
+    }
+}
+
+/// `idem consume --from FROM` stops at start with exit code 1 and `why` in its error, which
+/// holds no password of the tests (`s3cret`, the SASL_SSL user's).
+fn refused_at_start(from: &str, why: &str) {
+    let (code, _, err) = common::idem(&[
+        "consume",
+        "--from",
+        from,
+        "--to",
+        "http://127.0.0.1:1/m",
+        "--store",
+        "memory://",
+    ]);
+    assert_eq!(code, 1, "{from}: {err}");
+    assert!(err.contains(why), "{from}: {err}");
+    assert!(
+        !err.contains("s3cret") && !err.contains(TLS_PASSWORD),
+        "{from}: the password leaked: {err}"
+    );
 }

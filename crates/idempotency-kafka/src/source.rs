@@ -24,7 +24,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  topic=TOPIC           the topic (required)\n\
                  group=GROUP           the consumer group (required)\n\
                  dead_letter=TOPIC     where dead letters go (default TOPIC.dead)\n\
-                 any librdkafka setting, e.g. security.protocol=SASL_PLAINTEXT&sasl.mechanisms=PLAIN&session.timeout.ms=6000\n\
+                 any librdkafka setting, e.g. security.protocol=SASL_SSL&sasl.mechanisms=SCRAM-SHA-512&ssl.ca.location=FILE&session.timeout.ms=6000\n\
                  (bootstrap.servers, group.id, enable.auto.commit and enable.auto.offset.store are the source's own)",
     parse,
     run,
@@ -37,6 +37,10 @@ const OWNED: [&str; 4] = [
     "enable.auto.commit",
     "enable.auto.offset.store",
 ];
+
+/// Client settings that name PEM files, checked when the URL is parsed so that a missing or
+/// malformed file is refused with its path before librdkafka starts.
+const PEM_FILES: [&str; 3] = ["ssl.ca.location", "ssl.certificate.location", "ssl.key.location"];
 
 /// The longest `max.poll.interval.ms` librdkafka accepts.
 const MAX_POLL_INTERVAL: Duration = Duration::from_secs(86_400);
@@ -164,6 +168,17 @@ impl KafkaSource {
         if let Some((name, _)) = settings.iter().find(|(_, value)| value.is_empty()) {
             return Err(refuse(format!("the setting `{name}` has no value")));
         }
+        for name in PEM_FILES {
+            let Some(path) = settings.get(name).map(std::path::Path::new) else {
+                continue;
+            };
+            // librdkafka also takes a directory of CAs, or `probe` to look for the system's.
+            if name == "ssl.ca.location" && (path.as_os_str() == "probe" || path.is_dir()) {
+                continue;
+            }
+            idempotency_core::pem::check_file(path)
+                .map_err(|why| refuse(format!("`{name}` {}: {why}", path.display())))?;
+        }
         if let Some(userinfo) = userinfo {
             let decode = |text: &str| {
                 percent_encoding::percent_decode_str(text)
@@ -285,6 +300,12 @@ mod tests {
         assert_eq!(config.get("max.poll.interval.ms"), Some("300000"));
         let config = source.client_config(Duration::from_secs(86_400));
         assert_eq!(config.get("max.poll.interval.ms"), Some("86400000"));
+        // A directory of CAs, or librdkafka's own search of the system's, is passed on as is.
+        for ca in ["probe", "/etc/ssl/certs"] {
+            let url = format!("kafka://h:1?topic=t&group=g&ssl.ca.location={ca}");
+            let source = KafkaSource::from_url(&url).unwrap();
+            assert_eq!(source.settings["ssl.ca.location"], ca);
+        }
     }
 
     #[test]
@@ -314,6 +335,22 @@ mod tests {
             ),
             ("kafka://u:s3cret@h?topic=t&group=g", "not a broker address"),
             ("amqp://h", "not a kafka:// URL"),
+            (
+                "kafka://h:9092?topic=t&group=g&ssl.ca.location=/nonexistent/ca.pem",
+                "`ssl.ca.location` /nonexistent/ca.pem: No such file",
+            ),
+            (
+                concat!(
+                    "kafka://h:9092?topic=t&group=g&ssl.certificate.location=",
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/Cargo.toml"
+                ),
+                "Cargo.toml: not a PEM file",
+            ),
+            (
+                "kafka://h:9092?topic=t&group=g&ssl.key.location=/nonexistent/client.key",
+                "`ssl.key.location` /nonexistent/client.key: No such file",
+            ),
         ] {
             let error = KafkaSource::from_url(url).unwrap_err();
             assert_eq!(error.kind(), AdapterErrorKind::Config, "{url}");

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use idempotency_consumer::{Backoff, Disposition, Processor};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
@@ -197,35 +198,69 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     }
 
     /// Asks the brokers for the metadata of the topic and the dead-letter topic, waiting at
-    /// most `timeout` for each: a fail-fast check for the start of a service, since
+    /// most `timeout` in all: a fail-fast check for the start of a service, since
     /// [`run_until`](Self::run_until) waits for brokers that are down (librdkafka reconnects)
     /// and for a topic that does not exist yet, and a dead letter to a missing topic holds its
     /// partition until the topic exists.
     ///
     /// # Errors
     ///
-    /// [`AdapterErrorKind::Unreachable`] when no broker answered within `timeout`;
+    /// [`AdapterErrorKind::Unreachable`] when no broker answered within `timeout` (with the last
+    /// error librdkafka reported);
     /// [`AdapterErrorKind::Config`] when the client refuses a setting;
-    /// [`AdapterErrorKind::Refused`] when a topic does not exist (or the client may not see it).
+    /// [`AdapterErrorKind::Refused`] when a topic does not exist (or the client may not see it),
+    /// and as soon as librdkafka reports a refused TLS handshake (a certificate it does not
+    /// trust, a name that does not match) or a refused SASL authentication, with librdkafka's
+    /// reason (which never holds the password).
     pub async fn check(&self, timeout: Duration) -> Result<(), KafkaAdapterError> {
-        let consumer: BaseConsumer = self
-            .config
-            .create()
-            .map_err(kafka(AdapterErrorKind::Config, "the consumer"))?;
+        let consumer: BaseConsumer<CheckContext> =
+            self.config
+                .create_with_context(CheckContext::default())
+                .map_err(kafka(AdapterErrorKind::Config, "the consumer"))?;
         let consumer = Arc::new(consumer);
+        let deadline = Instant::now() + timeout;
         for topic in [&self.topic, &self.dead_letter_topic] {
-            let metadata = tokio::task::spawn_blocking({
-                let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
-                move || consumer.fetch_metadata(Some(&topic), timeout)
-            })
-            .await
-            .map_err(|e| config_error(format!("the metadata request failed: {e}")))?
-            .map_err(|e| {
-                kafka(
-                    AdapterErrorKind::Unreachable,
-                    format!("no broker answered a metadata request within {timeout:?}"),
-                )(e)
-            })?;
+            let metadata = loop {
+                // Short requests, so that a refused handshake or login ends the check when
+                // librdkafka reports it rather than at the deadline.
+                let slice = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(CHECK_SLICE);
+                let fetched = tokio::task::spawn_blocking({
+                    let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
+                    move || {
+                        let fetched = consumer.fetch_metadata(Some(&topic), slice);
+                        // A consumer's errors (a refused handshake or login among them) come
+                        // through its queue: serve it, so that the context hears of them.
+                        while let Some(served) = consumer.poll(Duration::ZERO) {
+                            if let Err(error) = served {
+                                consumer.context().heard(&error);
+                            }
+                        }
+                        fetched
+                    }
+                })
+                .await
+                .map_err(|e| config_error(format!("the metadata request failed: {e}")))?;
+                let error = match fetched {
+                    Ok(metadata) => break metadata,
+                    Err(error) => error,
+                };
+                if let Some(refusal) = consumer.context().refusal() {
+                    return Err(refused(refusal));
+                }
+                if Instant::now() >= deadline {
+                    let why = consumer
+                        .context()
+                        .last_error()
+                        .map(|reason| format!(" (librdkafka: {reason})"))
+                        .unwrap_or_default();
+                    return Err(kafka(
+                        AdapterErrorKind::Unreachable,
+                        format!("no broker answered a metadata request within {timeout:?}{why}"),
+                    )(error));
+                }
+            };
             let found = metadata
                 .topics()
                 .iter()
@@ -235,7 +270,7 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                 Some((Some(error), _)) => {
                     return Err(refused(format!(
                         "topic {topic}: {}",
-                        rdkafka::error::RDKafkaErrorCode::from(error)
+                        RDKafkaErrorCode::from(error)
                     )));
                 }
                 _ => return Err(refused(format!("topic {topic} does not exist"))),
@@ -433,6 +468,78 @@ impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> 
 fn config_error(what: String) -> KafkaAdapterError {
     crate::AdapterError::new(AdapterErrorKind::Config, crate::BROKER, what)
 }
+
+/// How long one metadata request of [`Worker::check`] waits before the check looks at what
+/// librdkafka reported.
+const CHECK_SLICE: Duration = Duration::from_millis(500);
+
+/// The client context of [`Worker::check`]: it keeps the errors librdkafka reports (a TLS
+/// handshake or a SASL login the broker refused, a listener that is not what the settings say)
+/// with their reasons, and its log lines at error level; a metadata request that times out
+/// carries neither.
+#[derive(Default)]
+struct CheckContext {
+    errors: Mutex<Vec<(RDKafkaErrorCode, String)>>,
+}
+
+/// At most this many errors are kept.
+const CHECK_KEPT: usize = 64;
+
+impl CheckContext {
+    fn keep(&self, code: RDKafkaErrorCode, reason: String) {
+        let mut errors = self.errors.lock().unwrap_or_else(PoisonError::into_inner);
+        if errors.len() < CHECK_KEPT {
+            errors.push((code, reason));
+        }
+    }
+
+    /// An error the consumer's queue served.
+    fn heard(&self, error: &rdkafka::error::KafkaError) {
+        let code = error.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail);
+        self.keep(code, error.to_string());
+    }
+
+    /// A refused TLS handshake or SASL authentication, with librdkafka's reason, if one was
+    /// reported: those do not get better by waiting.
+    fn refusal(&self) -> Option<String> {
+        let errors = self.errors.lock().unwrap_or_else(PoisonError::into_inner);
+        errors.iter().find_map(|(code, reason)| match code {
+            RDKafkaErrorCode::SSL => Some(format!("the TLS connection was refused: {reason}")),
+            RDKafkaErrorCode::Authentication | RDKafkaErrorCode::SaslAuthenticationFailed => {
+                Some(format!("the SASL authentication was refused: {reason}"))
+            }
+            _ => None,
+        })
+    }
+
+    /// The last reason librdkafka gave that says more than "all brokers are down".
+    fn last_error(&self) -> Option<String> {
+        let errors = self.errors.lock().unwrap_or_else(PoisonError::into_inner);
+        let telling = errors
+            .iter()
+            .rev()
+            .find(|(code, _)| *code != RDKafkaErrorCode::AllBrokersDown);
+        telling.or(errors.last()).map(|(_, reason)| reason.clone())
+    }
+}
+
+impl ClientContext for CheckContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        use rdkafka::config::RDKafkaLogLevel::{Alert, Critical, Emerg, Error};
+        tracing::debug!(?level, fac, log_message, "librdkafka, during the start check");
+        if matches!(level, Emerg | Alert | Critical | Error) {
+            self.keep(RDKafkaErrorCode::Fail, log_message.to_owned());
+        }
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "librdkafka reported an error during the start check");
+        let code = error.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail);
+        self.keep(code, reason.to_owned());
+    }
+}
+
+impl ConsumerContext for CheckContext {}
 
 /// The broker refused the setup (a topic it does not have).
 fn refused(what: String) -> KafkaAdapterError {
