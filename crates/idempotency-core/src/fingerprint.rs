@@ -11,7 +11,7 @@
 //! * [`FingerprintMode::CanonicalJson`] — the RFC 8785 canonical form of a JSON document: member
 //!   order and whitespace do not matter.
 //! * [`FingerprintMode::JsonPointers`] — only selected members (JSON Pointers, RFC 6901), each in
-//!   canonical form; a missing member is distinct from `null`.
+//!   canonical form; a missing member counts as `null`.
 //!
 //! Several parts (method, path, selected headers, body) are combined with
 //! [`FingerprintBuilder`], which length-prefixes every part so that no two different sequences
@@ -78,7 +78,8 @@ impl Fingerprint {
         Ok(Self(Sha256::digest(canonical_json(json)?).into()))
     }
 
-    /// Digest of the selected members of a JSON document, each in canonical form.
+    /// Digest of the selected members of a JSON document, each in canonical form; a member the
+    /// document lacks counts as `null`.
     ///
     /// ```
     /// use idempotency_core::{Fingerprint, JsonPointer};
@@ -283,17 +284,22 @@ fn hash_json_pointers(
         hasher.update((pointer.0.len() as u64).to_be_bytes());
         hasher.update(pointer.0.as_bytes());
         match document.pointer(&pointer.0) {
-            // A missing member must not digest like an explicit `null`.
-            None => hasher.update([0u8]),
-            Some(value) => {
-                let canonical = serde_json_canonicalizer::to_vec(value)
-                    .map_err(|e| FingerprintError::InvalidJson(e.to_string()))?;
-                hasher.update([1u8]);
-                hasher.update((canonical.len() as u64).to_be_bytes());
-                hasher.update(&canonical);
-            }
+            // A missing member counts as `null`: a client that leaves out an optional member and
+            // one that sends it as `null` mean the same request.
+            None => hash_canonical(hasher, &serde_json::Value::Null)?,
+            Some(value) => hash_canonical(hasher, value)?,
         }
     }
+    Ok(())
+}
+
+/// Adds `value`'s canonical form, length-prefixed.
+fn hash_canonical(hasher: &mut Sha256, value: &serde_json::Value) -> Result<(), FingerprintError> {
+    let canonical =
+        serde_json_canonicalizer::to_vec(value).map_err(|e| FingerprintError::InvalidJson(e.to_string()))?;
+    hasher.update([1u8]);
+    hasher.update((canonical.len() as u64).to_be_bytes());
+    hasher.update(&canonical);
     Ok(())
 }
 
@@ -350,11 +356,15 @@ mod tests {
     }
 
     #[test]
-    fn missing_member_differs_from_null() {
+    fn a_missing_member_counts_as_null() {
         let pointers = [JsonPointer::new("/a").unwrap()];
         let missing = Fingerprint::of_json_pointers(b"{}", &pointers).unwrap();
         let null = Fingerprint::of_json_pointers(br#"{"a":null}"#, &pointers).unwrap();
-        assert_ne!(missing, null);
+        let zero = Fingerprint::of_json_pointers(br#"{"a":0}"#, &pointers).unwrap();
+        let text = Fingerprint::of_json_pointers(br#"{"a":"null"}"#, &pointers).unwrap();
+        assert_eq!(missing, null);
+        assert_ne!(null, zero);
+        assert_ne!(null, text);
     }
 
     #[test]

@@ -30,7 +30,28 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 ///
 /// [`KeyHeaderError`] saying what is wrong with the header.
 pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<Key>, KeyHeaderError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    key_from_header(headers, &IDEMPOTENCY_KEY)
+}
+
+/// As [`key_from_headers`], from the header `name` (a client that sends its key as
+/// `X-Request-Id`, say).
+///
+/// ```
+/// use http::{HeaderMap, HeaderName, HeaderValue};
+/// use idempotency_http::key_from_header;
+///
+/// let name = HeaderName::from_static("x-request-id");
+/// let mut headers = HeaderMap::new();
+/// headers.insert(&name, HeaderValue::from_static("order-1"));
+/// assert_eq!(key_from_header(&headers, &name)?.unwrap().as_str(), "order-1");
+/// # Ok::<(), idempotency_http::KeyHeaderError>(())
+/// ```
+///
+/// # Errors
+///
+/// [`KeyHeaderError`] saying what is wrong with the header.
+pub fn key_from_header(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Key>, KeyHeaderError> {
+    let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
@@ -71,6 +92,15 @@ pub enum KeyHeaderError {
     /// The key itself is not 1 to 255 bytes of visible ASCII.
     #[error(transparent)]
     Key(#[from] KeyError),
+    /// The key read from the body ([`IdempotencyLayer::key_from`](crate::IdempotencyLayer::key_from))
+    /// is not one: not a string or a number, or not 1 to 255 bytes of visible ASCII.
+    #[error("the body's member {pointer} is not a key: {why}")]
+    FromBody {
+        /// The JSON pointer the key is read from.
+        pointer: String,
+        /// What is wrong with the member.
+        why: String,
+    },
 }
 
 /// What the handler finds in the request's extensions: the key it runs under, to propagate into

@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::header::{AUTHORIZATION, PROXY_AUTHORIZATION};
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
-use idempotency_core::{FingerprintMode, Guard, Scope, ScopeSecret, Store};
+use idempotency_core::{FingerprintMode, Guard, JsonPointer, Scope, ScopeSecret, Store};
 use tower::Layer;
 
 use crate::future::DetachedRuns;
@@ -22,6 +22,10 @@ type FinalFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
+    /// The header the key is read from.
+    pub(crate) key_header: HeaderName,
+    /// Where in a JSON body the key is, when the header is absent.
+    pub(crate) key_from: Option<JsonPointer>,
     pub(crate) max_body: usize,
     pub(crate) max_response: usize,
     pub(crate) buffer_streamed: bool,
@@ -103,6 +107,8 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
             config: Arc::new(Config {
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
+                key_header: crate::IDEMPOTENCY_KEY,
+                key_from: None,
                 max_body: 1 << 20,
                 max_response: 1 << 20,
                 buffer_streamed: false,
@@ -232,8 +238,37 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
         })
     }
 
-    /// How the body enters the fingerprint (default: the raw bytes). With a JSON mode, a body
-    /// that is not JSON is fingerprinted raw.
+    /// The header the key is read from (default `Idempotency-Key`), for clients that send
+    /// theirs as another header (`X-Request-Id`, say). The value is read the same way.
+    #[must_use]
+    pub fn key_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.key_header = name)
+    }
+
+    /// Reads the key from the JSON body's member at `pointer` when the key header is absent (a
+    /// `refund_id` the client sends anyway). A string member is the key, a number its decimal
+    /// text; a member that is absent or `null` is no key (`400 missing-key` with
+    /// [`require_key`](Self::require_key), else the request passes through unguarded). A body
+    /// that is not JSON is `400 invalid-body`; a member of another type, or a string that is not
+    /// a key, is `400 invalid-key`. The header wins when both are there.
+    ///
+    /// ```
+    /// use idempotency_core::{JsonPointer, MemoryStore};
+    /// use idempotency_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).key_from(JsonPointer::new("/refund_id")?);
+    /// # let _ = layer;
+    /// # Ok::<(), idempotency_core::FingerprintError>(())
+    /// ```
+    #[must_use]
+    pub fn key_from(self, pointer: JsonPointer) -> Self {
+        self.with(|c| c.key_from = Some(pointer))
+    }
+
+    /// How the body enters the fingerprint (default: the raw bytes). With
+    /// [`FingerprintMode::CanonicalJson`], a body that is not JSON is fingerprinted raw; with
+    /// [`FingerprintMode::JsonPointers`], it is refused (`400 invalid-body`), since the members
+    /// that decide a mismatch cannot be read; a member the body lacks counts as `null`.
     #[must_use]
     pub fn fingerprint(self, mode: FingerprintMode) -> Self {
         self.with(|c| c.fingerprint = mode)

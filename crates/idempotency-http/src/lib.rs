@@ -70,7 +70,7 @@ mod wait;
 
 pub use body::{BoxError, ResponseBody};
 pub use future::{DetachedRuns, ResponseFuture};
-pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyHeaderError, key_from_headers};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyHeaderError, key_from_header, key_from_headers};
 pub use layer::{IdempotencyLayer, default_is_final};
 pub use policy::{HOP_BY_HOP, OutcomeUnknown, strip_hop_by_hop};
 pub use problem::Problem;

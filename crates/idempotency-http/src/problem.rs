@@ -40,6 +40,9 @@ pub enum Problem {
     },
     /// The request body could not be read (400).
     BodyUnreadable,
+    /// The request body is not what the route reads from it: not JSON, when the key or the
+    /// fingerprint is taken from its members (400; the reason is given).
+    InvalidBody(String),
     /// The request body did not arrive within the server's time limit; nothing ran (408).
     RequestTimeout,
     /// The first request's response was too large or streamed, so it was not stored; the request
@@ -86,6 +89,7 @@ impl Problem {
             Self::StoreUnavailable => "urn:idempotency:problem:store-unavailable",
             Self::BodyTooLarge { .. } => "urn:idempotency:problem:body-too-large",
             Self::BodyUnreadable => "urn:idempotency:problem:body-unreadable",
+            Self::InvalidBody(_) => "urn:idempotency:problem:invalid-body",
             Self::RequestTimeout => "urn:idempotency:problem:request-timeout",
             Self::NotReplayable => "urn:idempotency:problem:outcome-not-replayable",
             Self::HandlerFailed => "urn:idempotency:problem:handler-failed",
@@ -104,9 +108,11 @@ impl Problem {
     #[must_use]
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey(_) | Self::BodyUnreadable | Self::BadTarget(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::MissingKey
+            | Self::InvalidKey(_)
+            | Self::BodyUnreadable
+            | Self::InvalidBody(_)
+            | Self::BadTarget(_) => StatusCode::BAD_REQUEST,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::StoreUnavailable | Self::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -133,6 +139,7 @@ impl Problem {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::BodyUnreadable => "Request body unreadable",
+            Self::InvalidBody(_) => "Request body invalid",
             Self::RequestTimeout => "Request body too slow",
             Self::NotReplayable => "Original response cannot be replayed",
             Self::HandlerFailed => "Request handler failed",
@@ -154,7 +161,7 @@ impl Problem {
             Self::MissingKey => {
                 "This operation is idempotent and it requires correct usage of Idempotency Key.".into()
             }
-            Self::InvalidKey(why) => format!("The Idempotency-Key header is invalid: {why}."),
+            Self::InvalidKey(why) => format!("The idempotency key is invalid: {why}."),
             Self::KeyReused => {
                 "This operation is idempotent and it requires correct usage of Idempotency Key. \
                 Idempotency Key MUST not be reused across different payloads of this operation."
@@ -174,6 +181,9 @@ impl Problem {
             }
             Self::BodyUnreadable => {
                 "The request body could not be read; the request was not processed.".into()
+            }
+            Self::InvalidBody(why) => {
+                format!("The request body cannot be used: {why}; the request was not processed.")
             }
             Self::RequestTimeout => {
                 "The request body did not arrive in time; the request was not processed.".into()

@@ -10,7 +10,7 @@ use futures_util::FutureExt;
 use http::{Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency_core::{Guard, Store};
+use idempotency_core::{Guard, JsonPointer, Key, Store};
 use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
 
@@ -18,7 +18,7 @@ use crate::body::{BoxError, ResponseBody};
 use crate::capture::problem_in;
 use crate::fingerprint::fingerprint;
 use crate::future::{DetachOnDrop, DetachedRuns, ResponseFuture};
-use crate::key::key_from_headers;
+use crate::key::{KeyHeaderError, key_from_header};
 use crate::layer::Config;
 use crate::problem::Problem;
 use crate::wait::run_guarded;
@@ -180,6 +180,39 @@ where
     Ok((bytes, held))
 }
 
+/// The key in a JSON body's member at `pointer`: a string is the key, a number its decimal text;
+/// an absent or `null` member is no key.
+fn key_from_body(body: &[u8], pointer: &JsonPointer) -> Result<Option<Key>, Problem> {
+    let document: serde_json::Value = serde_json::from_slice(body).map_err(|error| {
+        Problem::InvalidBody(format!(
+            "the key is read from the JSON body's member {}, and this body is not JSON ({error})",
+            pointer.as_str()
+        ))
+    })?;
+    let refused = |why: String| {
+        Problem::InvalidKey(KeyHeaderError::FromBody {
+            pointer: pointer.as_str().to_owned(),
+            why,
+        })
+    };
+    let text = match document.pointer(pointer.as_str()) {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::String(text)) => text.clone(),
+        Some(serde_json::Value::Number(number)) => number.to_string(),
+        Some(other) => {
+            let kind = match other {
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Array(_) => "an array",
+                _ => "an object",
+            };
+            return Err(refused(format!("{kind}, where a string or a number is expected")));
+        }
+    };
+    Key::new(text)
+        .map(Some)
+        .map_err(|error| refused(error.to_string()))
+}
+
 async fn handle<I, S, ReqBody, ResBody>(
     mut inner: I,
     guard: Guard<S>,
@@ -201,8 +234,10 @@ where
     if !config.methods.contains(request.method()) {
         return inner.call(request).await.map(passthrough);
     }
-    let key = match key_from_headers(request.headers()) {
-        Ok(Some(key)) => key,
+    let header_key = match key_from_header(request.headers(), &config.key_header) {
+        Ok(Some(key)) => Some(key),
+        // Read from the body once it is in.
+        Ok(None) if config.key_from.is_some() => None,
         Ok(None) if config.require_key => return Ok(problem(&Problem::MissingKey)),
         Ok(None) => return inner.call(request).await.map(passthrough),
         Err(why) => return Ok(problem(&Problem::InvalidKey(why))),
@@ -224,8 +259,28 @@ where
         Ok(read) => read,
         Err(refused) => return Ok(problem(&refused)),
     };
+    let key = match header_key {
+        Some(key) => Ok(Some(key)),
+        None => config
+            .key_from
+            .as_ref()
+            .map_or(Ok(None), |pointer| key_from_body(&bytes, pointer)),
+    };
+    let key = match key {
+        Ok(Some(key)) => key,
+        Ok(None) if config.require_key => return Ok(problem(&Problem::MissingKey)),
+        Ok(None) => {
+            drop(budget);
+            let request = Request::from_parts(parts, ReqBody::from(bytes));
+            return inner.call(request).await.map(passthrough);
+        }
+        Err(refused) => return Ok(problem(&refused)),
+    };
     let scope = (config.scope)(&parts);
-    let fingerprint = fingerprint(&parts, &bytes, &config);
+    let fingerprint = match fingerprint(&parts, &bytes, &config) {
+        Ok(fingerprint) => fingerprint,
+        Err(refused) => return Ok(problem(&refused)),
+    };
     let request = Request::from_parts(parts, ReqBody::from(bytes));
     // If the client goes away, hyper drops this future; the guarded run must still finish and
     // record its outcome. `DetachOnDrop` polls it here and, only if it is dropped unfinished,

@@ -888,3 +888,155 @@ async fn wait_mode_answers_a_duplicate_the_moment_the_first_completes() {
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A partner's API: the key comes as `X-Request-Id`, or from the body's `refund_id` when no key
+/// header is sent, and only `amount` and `currency` decide a mismatch (a missing member counts
+/// as `null`). A body that is not JSON cannot be read for either, and is refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_from_another_header_or_the_body_and_fingerprints_of_chosen_members() {
+    use idempotency_core::{FingerprintMode, JsonPointer};
+
+    let pointers = vec![
+        JsonPointer::new("/amount").unwrap(),
+        JsonPointer::new("/currency").unwrap(),
+    ];
+    let (addr, counters) = start(common::memory().await, |layer| {
+        layer
+            .key_header(http::HeaderName::from_static("x-request-id"))
+            .key_from(JsonPointer::new("/refund_id").unwrap())
+            .fingerprint(FingerprintMode::JsonPointers(pointers))
+    })
+    .await;
+    let http = client();
+    let post = async |headers: &[(&str, &str)], body: &str| {
+        send(
+            &http,
+            addr,
+            "POST",
+            "/charges",
+            &[],
+            headers,
+            body.as_bytes(),
+            false,
+        )
+        .await
+    };
+    let by_header = [("x-request-id", "partner-1")];
+
+    // Another note is the same request; another amount is not.
+    let first = post(&by_header, r#"{"amount":10,"currency":"EUR","note":"a"}"#).await;
+    let retry = post(&by_header, r#"{"note":"b","currency":"EUR","amount":10}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.text().contains("\"key\":\"partner-1\""), "{}", first.text());
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    let other = post(&by_header, r#"{"amount":11,"currency":"EUR"}"#).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    // Idempotency-Key is not this route's header: the request has no key and passes through.
+    let unkeyed = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[b"k"],
+        &[],
+        br#"{"amount":1}"#,
+        false,
+    )
+    .await;
+    assert!(unkeyed.text().contains("\"key\":\"\""), "{}", unkeyed.text());
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 2);
+
+    // The key from the body: a string, or a number's text; a missing currency is `null`.
+    let refund = post(&[], r#"{"refund_id":"re-1","amount":5}"#).await;
+    let again = post(&[], r#"{"refund_id":"re-1","amount":5,"currency":null}"#).await;
+    assert!(refund.text().contains("\"key\":\"re-1\""), "{}", refund.text());
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    let numbered = post(&[], r#"{"refund_id":42,"amount":5}"#).await;
+    assert!(numbered.text().contains("\"key\":\"42\""), "{}", numbered.text());
+    // The header wins over the body.
+    let both = post(
+        &[("x-request-id", "re-header")],
+        r#"{"refund_id":"re-body","amount":5}"#,
+    )
+    .await;
+    assert!(both.text().contains("\"key\":\"re-header\""), "{}", both.text());
+    // No key anywhere: passed through unguarded.
+    let keyless = post(&[], r#"{"amount":5}"#).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 6);
+
+    // Refused, with the reason, and nothing runs.
+    for (headers, body, status, kind, why) in [
+        (&[][..], "amount=5", 400, "invalid-body", "this body is not JSON"),
+        (
+            &by_header[..],
+            "amount=5",
+            400,
+            "invalid-body",
+            "this one is not JSON",
+        ),
+        (
+            &[][..],
+            r#"{"refund_id":{"id":1}}"#,
+            400,
+            "invalid-key",
+            "the body's member /refund_id is not a key: an object",
+        ),
+        (&[][..], r#"{"refund_id":true}"#, 400, "invalid-key", "a boolean"),
+        (
+            &[][..],
+            r#"{"refund_id":""}"#,
+            400,
+            "invalid-key",
+            "/refund_id is not a key",
+        ),
+    ] {
+        let refused = post(headers, body).await;
+        assert_eq!(refused.status.as_u16(), status, "{body}: {}", refused.text());
+        assert!(
+            refused
+                .text()
+                .contains(&format!("urn:idempotency:problem:{kind}")),
+            "{body}: {}",
+            refused.text()
+        );
+        assert!(refused.text().contains(why), "{body}: {}", refused.text());
+    }
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 6);
+}
+
+/// With `require_key`, a body without the key's member is `400 missing-key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_key_missing_from_header_and_body_is_refused() {
+    use idempotency_core::JsonPointer;
+
+    let (addr, counters) = start(common::memory().await, |layer| {
+        layer
+            .require_key(true)
+            .key_from(JsonPointer::new("/refund_id").unwrap())
+    })
+    .await;
+    let http = client();
+    for body in [r#"{"amount":5}"#, r#"{"refund_id":null}"#] {
+        let refused = send(&http, addr, "POST", "/charges", &[], &[], body.as_bytes(), false).await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(
+            refused.text().contains("urn:idempotency:problem:missing-key"),
+            "{body}: {}",
+            refused.text()
+        );
+    }
+    let ran = send(
+        &http,
+        addr,
+        "POST",
+        "/charges",
+        &[],
+        &[],
+        br#"{"refund_id":"re-9"}"#,
+        false,
+    )
+    .await;
+    assert_eq!(ran.status, StatusCode::CREATED);
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
