@@ -528,7 +528,19 @@ impl ClientContext for CheckContext {
         use rdkafka::config::RDKafkaLogLevel::{Alert, Critical, Emerg, Error};
         tracing::debug!(?level, fac, log_message, "librdkafka, during the start check");
         if matches!(level, Emerg | Alert | Critical | Error) {
-            self.keep(RDKafkaErrorCode::Fail, log_message.to_owned());
+            // The error event with its code may come late or not at all while librdkafka
+            // suppresses identical errors; its log line says the same, in librdkafka's words.
+            let reason = log_message
+                .split_once("]: ")
+                .map_or(log_message, |(_, reason)| reason);
+            let code = if reason.contains("SSL handshake failed") {
+                RDKafkaErrorCode::SSL
+            } else if reason.contains("SASL authentication error") {
+                RDKafkaErrorCode::Authentication
+            } else {
+                RDKafkaErrorCode::Fail
+            };
+            self.keep(code, reason.to_owned());
         }
     }
 
