@@ -4,7 +4,8 @@
 //!   front of any upstream;
 //! * [`consume`]: `idem consume`, a broker's messages to an HTTP handler, on a registry of
 //!   sources;
-//! * [`flags`]: the flags' parsers; [`admin`]: the `/healthz` and `/metrics` endpoints;
+//! * [`flags`]: the flags' parsers; [`config_file`]: `idem serve --config FILE` (settings and
+//!   routes in TOML); [`admin`]: the `/healthz` and `/metrics` endpoints;
 //! * [`server`]: the gateway's HTTP/1 server, with the limits untrusted clients need;
 //! * [`tls`]: TLS for the listener (reloaded on `SIGHUP`) and for `https://` upstreams and handlers;
 //! * [`demo`]: the payments demo (`idem demo`);
@@ -18,6 +19,7 @@ pub use idempotency_core::units;
 
 pub mod admin;
 pub mod boxes;
+pub mod config_file;
 pub mod consume;
 pub mod demo;
 pub mod error;

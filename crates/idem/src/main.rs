@@ -659,14 +659,34 @@ fn main() -> ExitCode {
         Ok(command) => command,
         Err(error) => clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{error}\n")).exit(),
     };
-    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&command.get_matches()) {
+    // `idem serve --config FILE`: the file's settings where no flag or variable gives one.
+    let merged = match idem::config_file::merge(&command, std::env::args_os().collect()) {
+        Ok(merged) => merged,
+        Err(error) => {
+            eprintln!("idem: error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&merged.matches) {
         Ok(cli) => cli,
         Err(error) => error.exit(),
     };
-    if let Command::Serve(config) = &cli.command
-        && let Err(conflict) = config.check()
-    {
-        clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{conflict}\n")).exit();
+    if let Command::Serve(config) = &mut cli.command {
+        if let Some(file) = &merged.file {
+            config.routes.clone_from(&file.routes);
+        }
+        if let Err(conflict) = config.check() {
+            clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{conflict}\n")).exit();
+        }
+        if config.check {
+            if let Some(serve) = command.find_subcommand("serve") {
+                print!("{}", idem::config_file::report(&merged, serve));
+            }
+            return ExitCode::SUCCESS;
+        }
+        for warning in merged.file.iter().flat_map(|file| &file.warnings) {
+            eprintln!("idem: warning: {warning}");
+        }
     }
     init_logging(&cli.command);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -12,6 +12,7 @@
 //!   order and whitespace do not matter.
 //! * [`FingerprintMode::JsonPointers`] — only selected members (JSON Pointers, RFC 6901), each in
 //!   canonical form; a missing member counts as `null`.
+//! * [`FingerprintMode::Ignore`] — not the payload: the other parts alone.
 //!
 //! Several parts (method, path, selected headers, body) are combined with
 //! [`FingerprintBuilder`], which length-prefixes every part so that no two different sequences
@@ -204,6 +205,9 @@ pub enum FingerprintMode {
     CanonicalJson,
     /// The selected members of a JSON document, each in canonical form.
     JsonPointers(Vec<JsonPointer>),
+    /// Not the payload at all: only the other parts (an HTTP request's method, path and query)
+    /// identify the request, for routes whose bodies carry nothing that decides a mismatch.
+    Ignore,
 }
 
 /// Combines labelled parts into one [`Fingerprint`]; see [`Fingerprint::builder`].
@@ -257,6 +261,7 @@ impl FingerprintBuilder {
                 hash_json_pointers(&mut self.hasher, payload, pointers)?;
                 Ok(self)
             }
+            FingerprintMode::Ignore => Ok(self.part("payload-ignored", b"")),
         }
     }
 
@@ -396,5 +401,18 @@ mod tests {
                 .payload(&FingerprintMode::CanonicalJson, b"x")
                 .is_err()
         );
+        // Ignored: any payload, JSON or not, is the same; the other parts still count.
+        assert_eq!(
+            fp(&FingerprintMode::Ignore, body_a),
+            fp(&FingerprintMode::Ignore, b"not json")
+        );
+        let with_path = |path: &[u8]| {
+            Fingerprint::builder()
+                .part("path", path)
+                .payload(&FingerprintMode::Ignore, body_a)
+                .unwrap()
+                .finish()
+        };
+        assert_ne!(with_path(b"/a"), with_path(b"/b"));
     }
 }

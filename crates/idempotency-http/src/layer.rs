@@ -149,11 +149,23 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
         self
     }
 
-    /// Names the layer in logs and metrics (default `http`).
+    /// Names the layer in logs and metrics (default `http`): a route's name, say.
     #[must_use]
-    pub fn name(mut self, name: &'static str) -> Self {
+    pub fn name(mut self, name: impl Into<metrics::SharedString>) -> Self {
         self.guard = self.guard.name(name);
         self
+    }
+
+    /// Shares `other`'s body budget ([`max_buffered`](Self::max_buffered)) and its detached runs
+    /// ([`detached_runs`](Self::detached_runs)): layers on several routes of one server, each
+    /// configured its own way, then bound the memory of request bodies together and are waited
+    /// for together at shutdown. Set `max_buffered` on `other` first; a later `max_buffered`
+    /// here gives this layer a budget of its own again.
+    #[must_use]
+    pub fn shares_with<T>(mut self, other: &IdempotencyLayer<T>) -> Self {
+        self.detached = other.detached.clone();
+        let budget = other.config.body_budget.clone();
+        self.with(|c| c.body_budget = budget)
     }
 
     /// The methods the layer guards; others pass through untouched (default POST, PATCH).

@@ -8,14 +8,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use http::header::HeaderName;
-use http::{Method, Request, Uri};
+use http::{Method, Uri};
 use idempotency::{DynStore, ScopeSecret, Watched};
-use idempotency_http::{DetachedRuns, IdempotencyLayer};
+use idempotency_http::DetachedRuns;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 pub mod proxy;
+mod routes;
 
 use crate::admin::{ADMIN_PREFIX, Admin, admin_router};
 use crate::error::Error;
@@ -25,7 +25,7 @@ use crate::flags::{
     parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
 };
 use crate::server::{self, bind};
-use crate::tls::{self, ClientFiles, ListenerTls, ServerFiles};
+use crate::tls::{ClientFiles, ListenerTls, ServerFiles};
 pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
 
 /// Everything `idem serve` is configured with: the command line's flags (each also an `IDEM_*`
@@ -67,6 +67,17 @@ pub struct Config {
     /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// A TOML file with these settings (the flags' long names as keys) and per-route policies
+    /// (`[[route]]` tables); the flags and IDEM_* variables win over it. See docs/HTTP.md.
+    #[arg(long, env = "IDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Check the --config file, print the effective settings and routes and where each comes
+    /// from, and exit.
+    #[arg(long, requires = "config")]
+    pub check: bool,
+    /// The routes of the --config file, in file order.
+    #[arg(skip)]
+    pub routes: Vec<crate::config_file::RouteSpec>,
     /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., redis-cluster://h:p,h:p, memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
@@ -164,6 +175,15 @@ impl Config {
                 "--upstream-insecure-skip-verify verifies nothing, so --upstream-ca would be ignored: give one or the other",
             ));
         }
+        if self.routes.iter().any(|route| {
+            route
+                .max_body
+                .is_some_and(|max_body| max_body > self.max_buffered)
+        }) {
+            return Err(FlagError::Conflict(
+                "a route's max-body is larger than --max-buffered: a body of the largest size it allows could never be buffered",
+            ));
+        }
         Ok(())
     }
 
@@ -225,57 +245,19 @@ pub struct Routers {
 /// [`Error::Tls`] or [`Error::Upstream`] when an https upstream's TLS cannot be set up (a CA
 /// or client certificate file that cannot be used).
 pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Result<Routers, Error> {
-    let upstream_tls = if config.upstream.scheme_str() == Some("https") {
-        if config.upstream_insecure_skip_verify {
-            tracing::warn!(
-                upstream = %config.upstream,
-                "--upstream-insecure-skip-verify: the upstream's certificate is NOT verified; anyone on the path can read and change the traffic"
-            );
-        }
-        Some(tls::client_config(&config.upstream_tls())?)
-    } else {
-        None
-    };
     let watched = Watched::new(store);
     let health = watched.health();
     let store: DynStore = std::sync::Arc::new(watched);
-    let mut layer = IdempotencyLayer::new(store.clone())
-        .name("gateway")
-        .methods(config.methods.iter().cloned())
-        .require_key(config.require_key)
-        .max_body(config.max_body)
-        .max_buffered(config.max_buffered)
-        .max_response(config.max_response)
-        // The upstream chunks as it likes: store what ends within the limit all the same.
-        .buffer_streamed_responses(true)
-        .lease(config.lease)
-        .retention(config.retention)
-        .fail_open(config.fail_open);
-    if let Some(name) = &config.scope_header {
-        // `serve` fills the secret in from the store when the flag is absent; a router built
-        // without one (a test) gets a fresh secret of its own.
-        let secret = config.scope_secret.clone().unwrap_or_else(ScopeSecret::generate);
-        layer = layer.scope_from_header(name.clone(), secret);
-    }
-    let release_on = config.release_on.clone();
-    layer = layer.final_status(move |status| !release_on.contains(status));
-    if let Some(deadline) = config.wait {
-        layer = layer.wait(deadline);
-    }
-    let detached = layer.detached_runs();
-    let body_timeout = config.body_timeout;
-    let proxy = tower::ServiceBuilder::new()
-        .map_request(move |request: Request<Body>| {
-            request.map(|body| Body::new(server::BodyDeadline::new(body, body_timeout)))
-        })
-        .layer(layer)
-        .service(Proxy::new(
-            config.upstream.clone(),
-            config.upstream_timeout,
-            upstream_tls,
-        )?);
+    let base = routes::layer(config, &store, None).max_buffered(config.max_buffered);
+    let detached = base.detached_runs();
+    let proxy = routes::proxy(config, &config.upstream, config.upstream_timeout)?;
+    let fallback = routes::guarded(config, base.clone(), proxy);
+    let main = if config.routes.is_empty() {
+        Router::new().fallback_service(fallback)
+    } else {
+        Router::new().fallback_service(routes::RouteTable::new(config, &store, &base, fallback)?)
+    };
     let admin = Admin::new(store, &config.store, health, metrics);
-    let main = Router::new().fallback_service(proxy);
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),

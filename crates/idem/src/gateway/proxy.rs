@@ -34,7 +34,7 @@ fn problem(problem: &Problem) -> Response {
 /// The path with its `.` and `..` segments resolved (RFC 3986 §5.2.4), percent-encoded ones
 /// (`%2e%2e`) included, so that a request target can never climb above the upstream's base path:
 /// `..` at the root stays at the root.
-fn remove_dot_segments(path: &str) -> String {
+pub(crate) fn remove_dot_segments(path: &str) -> String {
     let is = |segment: &str, dots: usize| {
         let decoded = segment.to_ascii_lowercase().replace("%2e", ".");
         decoded.len() == dots && decoded.bytes().all(|b| b == b'.')
@@ -64,7 +64,7 @@ fn remove_dot_segments(path: &str) -> String {
 /// Whether `path` may hold a `.` or `..` segment, written plainly or percent-encoded: any `.`,
 /// or any `%2e` in either case. A `false` is certain; a `true` only sends the path through
 /// [`remove_dot_segments`].
-fn may_have_dot_segments(path: &str) -> bool {
+pub(crate) fn may_have_dot_segments(path: &str) -> bool {
     path.contains('.')
         || path
             .as_bytes()

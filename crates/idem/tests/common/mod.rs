@@ -124,6 +124,16 @@ fn upstream_app() -> Router {
                 },
             ),
         )
+        // An API's routes, for the configuration file's tests: answered as `/echo` is.
+        .route(
+            "/v1/{*rest}",
+            post(
+                |State(calls): State<Calls>, headers: HeaderMap, body: Bytes| async move {
+                    let (key, n) = count(&calls, &headers);
+                    echo_response(&headers, &key, n, &body)
+                },
+            ),
+        )
         .route(
             "/calls",
             get(|State(calls): State<Calls>, uri: Uri| async move {

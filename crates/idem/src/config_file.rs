@@ -1,0 +1,733 @@
+//! `idem serve --config FILE`: the gateway's settings and its routes in a TOML file.
+//!
+//! Top-level keys are `idem serve`'s flags by their long names (`upstream`, `store`,
+//! `retention`, …), so there is one list of settings: the flags'. Their values go through the
+//! flags' own parsers; the command line and the `IDEM_*` variables win over the file. Routes are
+//! `[[route]]` tables, tried in file order (see [`RouteSpec`]). Errors name the file, the line,
+//! the column and the reason; the `toml` crate's spans give the place, `serde` with
+//! `deny_unknown_fields` the unknown keys.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::parser::ValueSource;
+use http::{HeaderName, Method, Uri};
+use idempotency::{FingerprintMode, JsonPointer};
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::flags::{
+    StatusSet, parse_header_name, parse_lease, parse_limit, parse_method, parse_retention, parse_status_set,
+    parse_upstream, parse_upstream_timeout, parse_wait,
+};
+
+/// Keys of the file that are not settings of a route's or the gateway's.
+const NOT_SETTINGS: [&str; 2] = ["config", "check"];
+
+/// Why a configuration file is refused: where, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The line, from 1 (0 when the file could not be read).
+    pub line: usize,
+    /// The column, from 1.
+    pub column: usize,
+    /// The reason.
+    pub message: String,
+}
+
+impl fmt::Display for FileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.path.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.path.display(),
+                self.line,
+                self.column,
+                self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for FileError {}
+
+/// A gateway setting the file gives: the flag's long name, its values as the command line would
+/// pass them, and the line it is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSetting {
+    /// The flag's long name (`retention`).
+    pub name: String,
+    /// The value, as a flag's (`7d`; a list joined with commas); `None` for a switch that is on.
+    pub value: Option<String>,
+    /// The line of the key.
+    pub line: usize,
+}
+
+/// What a file holds: the gateway's settings and the routes.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigFile {
+    /// The file.
+    pub path: PathBuf,
+    /// The top-level settings, in file order.
+    pub settings: Vec<FileSetting>,
+    /// The routes, in file order.
+    pub routes: Vec<RouteSpec>,
+    /// Routes that are never reached (an earlier one matches every request they would), as
+    /// messages naming both lines.
+    pub warnings: Vec<String>,
+}
+
+/// How a route fingerprints the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteFingerprint {
+    /// The whole body, as the gateway's default does.
+    Body,
+    /// Not the body: method, path and query only.
+    Nothing,
+    /// The members at these JSON pointers (a member the body lacks counts as `null`).
+    Members(Vec<JsonPointer>),
+}
+
+impl RouteFingerprint {
+    /// The layer's mode.
+    #[must_use]
+    pub fn mode(&self) -> FingerprintMode {
+        match self {
+            Self::Body => FingerprintMode::Raw,
+            Self::Nothing => FingerprintMode::Ignore,
+            Self::Members(pointers) => FingerprintMode::JsonPointers(pointers.clone()),
+        }
+    }
+}
+
+/// A `[[route]]`: which requests it takes (a path and, optionally, methods) and the settings
+/// that differ from the gateway's for them. `None` is "as the gateway's".
+#[derive(Debug, Clone)]
+pub struct RouteSpec {
+    /// The route's name in logs and metrics: `name`, or the path.
+    pub name: String,
+    /// A segment prefix: `/v1/payments` takes `/v1/payments` and `/v1/payments/42`, never
+    /// `/v1/payments-export`. No trailing slash (but `/`, which takes every path).
+    pub path: String,
+    /// The methods it takes (and guards); `None`: every method, the gateway's guarded.
+    pub methods: Option<Vec<Method>>,
+    /// `false`: forwarded untouched, never recorded.
+    pub guard: bool,
+    /// Whether a key is required.
+    pub require_key: Option<bool>,
+    /// The lease.
+    pub lease: Option<Duration>,
+    /// The retention.
+    pub retention: Option<Duration>,
+    /// Wait mode's deadline.
+    pub wait: Option<Duration>,
+    /// The statuses that release the key.
+    pub release_on: Option<StatusSet>,
+    /// The largest request body.
+    pub max_body: Option<usize>,
+    /// The largest stored response.
+    pub max_response: Option<usize>,
+    /// The key's header.
+    pub key_header: Option<HeaderName>,
+    /// Where in a JSON body the key is, when the header is absent.
+    pub key_from: Option<JsonPointer>,
+    /// How the body is fingerprinted.
+    pub fingerprint: Option<RouteFingerprint>,
+    /// The header whose value scopes the keys.
+    pub scope_header: Option<HeaderName>,
+    /// Another upstream.
+    pub upstream: Option<Uri>,
+    /// The upstream's timeout.
+    pub upstream_timeout: Option<Duration>,
+    /// The line of the `[[route]]` header.
+    pub line: usize,
+    /// The keys the route sets, with their values as written, in the order of [`ROUTE_KEYS`].
+    pub written: Vec<(&'static str, String)>,
+}
+
+/// The settings a route may set, besides `name` and `path`, in the order `--check` prints them.
+pub const ROUTE_KEYS: [&str; 15] = [
+    "methods",
+    "guard",
+    "require-key",
+    "lease",
+    "retention",
+    "wait",
+    "release-on",
+    "max-body",
+    "max-response",
+    "key-header",
+    "key-from",
+    "fingerprint",
+    "scope-header",
+    "upstream",
+    "upstream-timeout",
+];
+
+impl RouteSpec {
+    /// Whether the route takes a request to `path` with `method`.
+    #[must_use]
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.takes_path(path)
+            && self
+                .methods
+                .as_ref()
+                .is_none_or(|methods| methods.contains(method))
+    }
+
+    fn takes_path(&self, path: &str) -> bool {
+        self.path == "/"
+            || path
+                .strip_prefix(self.path.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    }
+
+    /// Whether every request this route takes is taken by `earlier` first.
+    fn shadowed_by(&self, earlier: &Self) -> bool {
+        let methods = match (&earlier.methods, &self.methods) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(earlier), Some(these)) => these.iter().all(|method| earlier.contains(method)),
+        };
+        methods && earlier.takes_path(&self.path)
+    }
+}
+
+/// A `[[route]]` table as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawRoute {
+    name: Option<Spanned<String>>,
+    path: Spanned<String>,
+    methods: Option<Spanned<Vec<Spanned<String>>>>,
+    guard: Option<bool>,
+    require_key: Option<bool>,
+    lease: Option<Spanned<String>>,
+    retention: Option<Spanned<String>>,
+    wait: Option<Spanned<String>>,
+    release_on: Option<Spanned<String>>,
+    max_body: Option<Spanned<RawSize>>,
+    max_response: Option<Spanned<RawSize>>,
+    key_header: Option<Spanned<String>>,
+    key_from: Option<Spanned<String>>,
+    fingerprint: Option<Spanned<RawFingerprint>>,
+    scope_header: Option<Spanned<String>>,
+    upstream: Option<Spanned<String>>,
+    upstream_timeout: Option<Spanned<String>>,
+}
+
+/// A size: `"1MiB"` as the flags take it, or a number of bytes.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    Bytes(u64),
+    Text(String),
+}
+
+/// `"body"`, `"none"`, or a list of JSON pointers.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawFingerprint {
+    Named(String),
+    Pointers(Vec<String>),
+}
+
+/// The routes part of the file; the top-level settings are read key by key.
+#[derive(Debug, Deserialize)]
+struct RawFile {
+    #[serde(default)]
+    route: Vec<Spanned<RawRoute>>,
+}
+
+/// Reads and checks `path`: the top-level keys against `command`'s flags (the `idem serve`
+/// command, whose value parsers check the values), the routes against their own keys.
+///
+/// # Errors
+///
+/// [`FileError`] with the place and the reason: a file that cannot be read or is not TOML, an
+/// unknown key, a value a flag's parser refuses, a route without `path`, a bad duration, size,
+/// JSON pointer, URL or status list.
+pub fn load(path: &Path, command: &clap::Command) -> Result<ConfigFile, FileError> {
+    let text = std::fs::read_to_string(path).map_err(|error| FileError {
+        path: path.to_owned(),
+        line: 0,
+        column: 0,
+        message: format!("cannot be read: {error}"),
+    })?;
+    parse(path, &text, command)
+}
+
+/// As [`load`], from the file's text.
+///
+/// # Errors
+///
+/// As [`load`].
+pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigFile, FileError> {
+    let at = |span: Range<usize>, message: String| {
+        let (line, column) = line_column(text, span.start);
+        FileError {
+            path: path.to_owned(),
+            line,
+            column,
+            message,
+        }
+    };
+    let toml_error = |error: toml::de::Error| {
+        let span = error.span().unwrap_or(0..0);
+        at(span, error.message().trim_end().to_owned())
+    };
+    let table = toml::de::DeTable::parse(text).map_err(toml_error)?;
+    let mut settings = Vec::new();
+    for (key, value) in table.get_ref() {
+        let name = key.get_ref().as_ref();
+        if name == "route" {
+            continue;
+        }
+        let flag = command
+            .get_arguments()
+            .find(|arg| arg.get_long() == Some(name) && !NOT_SETTINGS.contains(&name));
+        let Some(flag) = flag else {
+            return Err(at(
+                key.span(),
+                format!(
+                    "unknown key `{name}`: the top-level keys are `idem serve`'s flags without `--`, and [[route]] tables"
+                ),
+            ));
+        };
+        let switch = !flag.get_action().takes_values();
+        let value = setting_value(name, value.get_ref(), switch).map_err(|why| at(value.span(), why))?;
+        if switch && value.as_deref() == Some("false") {
+            continue;
+        }
+        settings.push((name.to_owned(), if switch { None } else { value }, key.span()));
+    }
+    check_with_flags(&settings, command).map_err(|(span, why)| at(span, why))?;
+    let raw: RawFile = toml::from_str(text).map_err(toml_error)?;
+    let mut routes = Vec::new();
+    for route in raw.route {
+        let line = line_column(text, route.span().start).0;
+        routes.push(route_spec(route.into_inner(), line).map_err(|(span, why)| at(span, why))?);
+    }
+    let mut warnings = Vec::new();
+    for (later, route) in routes.iter().enumerate() {
+        if let Some(earlier) = routes[..later].iter().find(|earlier| route.shadowed_by(earlier)) {
+            warnings.push(format!(
+                "{}:{}: the route {} is never reached: the route at line {} ({}) takes every request it would",
+                path.display(),
+                route.line,
+                route.path,
+                earlier.line,
+                earlier.path
+            ));
+        }
+    }
+    Ok(ConfigFile {
+        path: path.to_owned(),
+        settings: settings
+            .into_iter()
+            .map(|(name, value, span)| FileSetting {
+                name,
+                value,
+                line: line_column(text, span.start).0,
+            })
+            .collect(),
+        routes,
+        warnings,
+    })
+}
+
+/// A top-level value as a flag's text: strings as they are, integers in decimal, a list joined
+/// with commas (for flags that take one), `true`/`false` for a switch.
+fn setting_value(name: &str, value: &toml::de::DeValue<'_>, switch: bool) -> Result<Option<String>, String> {
+    use toml::de::DeValue;
+    match value {
+        DeValue::Boolean(on) if switch => Ok(Some(on.to_string())),
+        _ if switch => Err(format!("`{name}` is a switch: true or false")),
+        DeValue::String(text) => Ok(Some(text.to_string())),
+        DeValue::Integer(number) => i64::from_str_radix(&number.as_str().replace('_', ""), number.radix())
+            .map(|number| Some(number.to_string()))
+            .map_err(|_| format!("`{name}`: the number is out of range")),
+        DeValue::Array(items) => {
+            let mut texts = Vec::new();
+            for item in items {
+                match item.get_ref() {
+                    DeValue::String(text) => texts.push(text.to_string()),
+                    _ => return Err(format!("`{name}`: a list of strings is expected")),
+                }
+            }
+            Ok(Some(texts.join(",")))
+        }
+        _ => Err(format!("`{name}`: a string is expected (as the flag takes it)")),
+    }
+}
+
+/// Parses the file's settings with the flags' own parsers (the command line's rules, without the
+/// environment); a setting that needs another (a certificate's key) may get it from the command
+/// line, so only errors about a value are the file's.
+fn check_with_flags(
+    settings: &[(String, Option<String>, Range<usize>)],
+    command: &clap::Command,
+) -> Result<(), (Range<usize>, String)> {
+    let mut args = vec!["serve".to_owned()];
+    if !settings.iter().any(|(name, _, _)| name == "upstream") {
+        args.extend(["--upstream".into(), "http://127.0.0.1:1".into()]);
+    }
+    for (name, value, _) in settings {
+        args.push(format!("--{name}"));
+        args.extend(value.clone());
+    }
+    let command = command
+        .clone()
+        .mut_args(|arg| arg.env(None))
+        .no_binary_name(false);
+    let Err(error) = command.try_get_matches_from(args) else {
+        return Ok(());
+    };
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if matches!(
+        error.kind(),
+        ErrorKind::MissingRequiredArgument | ErrorKind::ArgumentConflict
+    ) {
+        return Ok(());
+    }
+    let flag = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(flag)) => flag.clone(),
+        _ => String::new(),
+    };
+    let named = settings
+        .iter()
+        .find(|(name, _, _)| flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}"));
+    let span = named.map_or(0..0, |(_, _, span)| span.clone());
+    let why = error.to_string();
+    let why = why
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("error: ");
+    Err((span, why.to_owned()))
+}
+
+/// What `raw` sets, as written.
+fn written(raw: &RawRoute) -> Vec<(&'static str, String)> {
+    let text = |value: &Option<Spanned<String>>| value.as_ref().map(|value| value.get_ref().clone());
+    let size = |value: &Option<Spanned<RawSize>>| {
+        value.as_ref().map(|value| match value.get_ref() {
+            RawSize::Bytes(bytes) => bytes.to_string(),
+            RawSize::Text(text) => text.clone(),
+        })
+    };
+    let values = [
+        raw.methods.as_ref().map(|methods| {
+            methods
+                .get_ref()
+                .iter()
+                .map(|method| method.get_ref().clone())
+                .collect::<Vec<_>>()
+                .join(",")
+        }),
+        raw.guard.map(|guard| guard.to_string()),
+        raw.require_key.map(|require| require.to_string()),
+        text(&raw.lease),
+        text(&raw.retention),
+        text(&raw.wait),
+        text(&raw.release_on),
+        size(&raw.max_body),
+        size(&raw.max_response),
+        text(&raw.key_header),
+        text(&raw.key_from),
+        raw.fingerprint
+            .as_ref()
+            .map(|fingerprint| match fingerprint.get_ref() {
+                RawFingerprint::Named(name) => name.clone(),
+                RawFingerprint::Pointers(pointers) => pointers.join(","),
+            }),
+        text(&raw.scope_header),
+        text(&raw.upstream),
+        text(&raw.upstream_timeout),
+    ];
+    ROUTE_KEYS
+        .into_iter()
+        .zip(values)
+        .filter_map(|(key, value)| value.map(|value| (key, value)))
+        .collect()
+}
+
+fn route_spec(raw: RawRoute, line: usize) -> Result<RouteSpec, (Range<usize>, String)> {
+    let written = written(&raw);
+    fn parsed<T, E: fmt::Display>(
+        value: Option<Spanned<String>>,
+        key: &str,
+        parse: impl Fn(&str) -> Result<T, E>,
+    ) -> Result<Option<T>, (Range<usize>, String)> {
+        value
+            .map(|value| parse(value.get_ref()).map_err(|error| (value.span(), format!("`{key}`: {error}"))))
+            .transpose()
+    }
+    let size = |value: Option<Spanned<RawSize>>, key: &str| {
+        value
+            .map(|value| {
+                let text = match value.get_ref() {
+                    RawSize::Bytes(bytes) => bytes.to_string(),
+                    RawSize::Text(text) => text.clone(),
+                };
+                parse_limit(&text).map_err(|error| (value.span(), format!("`{key}`: {error}")))
+            })
+            .transpose()
+    };
+    let pointer = |text: &str| {
+        JsonPointer::new(text)
+            .map_err(|_| format!("`{text}` is not a JSON pointer (RFC 6901: empty, or starting with /)"))
+    };
+    let path_span = raw.path.span();
+    let path = raw.path.into_inner();
+    if !path.starts_with('/') || path.contains(['?', '#', ' ']) {
+        return Err((
+            path_span,
+            format!("`path`: `{path}` is not a path: it starts with / and has no query"),
+        ));
+    }
+    let path = if path.len() > 1 {
+        path.trim_end_matches('/').to_owned()
+    } else {
+        path
+    };
+    let path = if path.is_empty() { "/".to_owned() } else { path };
+    let methods = match raw.methods {
+        None => None,
+        Some(methods) => {
+            let span = methods.span();
+            let methods: Vec<Method> = methods
+                .into_inner()
+                .into_iter()
+                .map(|method| {
+                    parse_method(method.get_ref())
+                        .map_err(|error| (method.span(), format!("`methods`: {error}")))
+                })
+                .collect::<Result<_, _>>()?;
+            if methods.is_empty() {
+                return Err((
+                    span,
+                    "`methods`: an empty list takes no request; leave `methods` out to take every method"
+                        .into(),
+                ));
+            }
+            Some(methods)
+        }
+    };
+    let fingerprint = match raw.fingerprint {
+        None => None,
+        Some(value) => {
+            let span = value.span();
+            Some(match value.into_inner() {
+                RawFingerprint::Named(name) if name == "body" => RouteFingerprint::Body,
+                RawFingerprint::Named(name) if name == "none" => RouteFingerprint::Nothing,
+                RawFingerprint::Named(name) => {
+                    return Err((
+                        span,
+                        format!(
+                            "`fingerprint`: `{name}` is none of \"body\", \"none\" or a list of JSON pointers"
+                        ),
+                    ));
+                }
+                RawFingerprint::Pointers(pointers) => RouteFingerprint::Members(
+                    pointers
+                        .iter()
+                        .map(|text| pointer(text))
+                        .collect::<Result<_, _>>()
+                        .map_err(|why| (span.clone(), format!("`fingerprint`: {why}")))?,
+                ),
+            })
+        }
+    };
+    Ok(RouteSpec {
+        name: raw.name.map_or_else(|| path.clone(), Spanned::into_inner),
+        methods,
+        guard: raw.guard.unwrap_or(true),
+        require_key: raw.require_key,
+        lease: parsed(raw.lease, "lease", parse_lease)?,
+        retention: parsed(raw.retention, "retention", parse_retention)?,
+        wait: parsed(raw.wait, "wait", parse_wait)?,
+        release_on: parsed(raw.release_on, "release-on", parse_status_set)?,
+        max_body: size(raw.max_body, "max-body")?,
+        max_response: size(raw.max_response, "max-response")?,
+        key_header: parsed(raw.key_header, "key-header", parse_header_name)?,
+        key_from: parsed(raw.key_from, "key-from", pointer)?,
+        fingerprint,
+        scope_header: parsed(raw.scope_header, "scope-header", parse_header_name)?,
+        upstream: parsed(raw.upstream, "upstream", parse_upstream)?,
+        upstream_timeout: parsed(raw.upstream_timeout, "upstream-timeout", parse_upstream_timeout)?,
+        path,
+        line,
+        written,
+    })
+}
+
+/// The command line, merged with the `--config` file it names (or `IDEM_CONFIG`).
+#[derive(Debug)]
+pub struct Merged {
+    /// The command line's matches, with the file's settings where neither a flag nor a variable
+    /// gives one.
+    pub matches: clap::ArgMatches,
+    /// The file, when `idem serve` was given one.
+    pub file: Option<ConfigFile>,
+    /// The long names of the settings that come from the file.
+    pub from_file: Vec<String>,
+}
+
+/// Parses `args` with `command`; for `idem serve --config FILE`, reads the file and adds its
+/// settings as flags where the command line and the environment give none, so that they go
+/// through the flags' parsers and checks and lose to both. Errors of the command line itself
+/// are clap's: printed, and the process exits as for any bad flag.
+///
+/// # Errors
+///
+/// [`FileError`] when the file cannot be used.
+pub fn merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged, FileError> {
+    let probe = command
+        .clone()
+        .ignore_errors(true)
+        .mut_subcommand("serve", |serve| serve.ignore_errors(true))
+        .try_get_matches_from(&args);
+    let serve = probe
+        .as_ref()
+        .ok()
+        .and_then(|matches| matches.subcommand_matches("serve"));
+    let path = serve.and_then(|serve| serve.get_one::<PathBuf>("config").cloned());
+    let (Some(serve), Some(path), Some(serve_command)) = (serve, path, command.find_subcommand("serve"))
+    else {
+        return Ok(Merged {
+            matches: command.clone().get_matches_from(args),
+            file: None,
+            from_file: Vec::new(),
+        });
+    };
+    let file = load(&path, serve_command)?;
+    let mut from_file = Vec::new();
+    for setting in &file.settings {
+        let given = serve_command
+            .get_arguments()
+            .find(|arg| arg.get_long() == Some(setting.name.as_str()))
+            .and_then(|arg| serve.value_source(arg.get_id().as_str()));
+        if matches!(given, Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+            continue;
+        }
+        args.push(format!("--{}", setting.name).into());
+        args.extend(setting.value.clone().map(OsString::from));
+        from_file.push(setting.name.clone());
+    }
+    Ok(Merged {
+        matches: command.clone().get_matches_from(args),
+        file: Some(file),
+        from_file,
+    })
+}
+
+/// `idem serve --config FILE --check`: every setting's effective value and where it comes from
+/// (`default`, `file`, `env`, `flag`), then each route's, its own (`route`) or the gateway's.
+#[must_use]
+pub fn report(merged: &Merged, serve_command: &clap::Command) -> String {
+    use std::fmt::Write as _;
+    let Some(serve) = merged.matches.subcommand_matches("serve") else {
+        return String::new();
+    };
+    let mut rows: Vec<(String, String, &'static str)> = Vec::new();
+    for arg in serve_command.get_arguments() {
+        let (Some(long), id) = (arg.get_long(), arg.get_id().as_str()) else {
+            continue;
+        };
+        if NOT_SETTINGS.contains(&long) || matches!(long, "help" | "version") {
+            continue;
+        }
+        let Some(values) = serve.get_raw(id) else {
+            continue;
+        };
+        let value = values
+            .map(|value| value.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(",");
+        let value = if long.contains("secret") {
+            "***".to_owned()
+        } else if long == "store" {
+            idempotency::redact_url(&value)
+        } else if !arg.get_action().takes_values() {
+            if serve.get_flag(id) { "true" } else { "false" }.to_owned()
+        } else {
+            value
+        };
+        let source = if merged.from_file.iter().any(|name| name == long) {
+            "file"
+        } else {
+            match serve.value_source(id) {
+                Some(ValueSource::CommandLine) => "flag",
+                Some(ValueSource::EnvVariable) => "env",
+                _ => "default",
+            }
+        };
+        rows.push((long.to_owned(), value, source));
+    }
+    let mut out = String::new();
+    if let Some(file) = &merged.file {
+        let _ = writeln!(out, "{}: valid", file.path.display());
+        for warning in &file.warnings {
+            let _ = writeln!(out, "warning: {warning}");
+        }
+    }
+    let _ = writeln!(out, "\nsettings (setting, value, from):");
+    let width = rows.iter().map(|(name, _, _)| name.len()).max().unwrap_or(0);
+    for (name, value, source) in &rows {
+        let _ = writeln!(out, "  {name:width$}  {value}  [{source}]");
+    }
+    let routes = merged.file.as_ref().map_or(&[][..], |file| &file.routes[..]);
+    let _ = writeln!(
+        out,
+        "\nroutes ({}; the first whose path and methods match takes a request, the others get the settings above):",
+        routes.len()
+    );
+    let gateway = |name: &str| {
+        rows.iter()
+            .find(|(row, _, _)| row == name)
+            .map(|(_, value, source)| (value.clone(), format!("gateway, {source}")))
+    };
+    for (number, route) in routes.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  {}. {} (name {}, line {})",
+            number + 1,
+            route.path,
+            route.name,
+            route.line
+        );
+        for key in ROUTE_KEYS {
+            let own = route.written.iter().find(|(written, _)| *written == key);
+            let (value, source) = match (own, key) {
+                (Some((_, value)), _) => (value.clone(), format!("route, line {}", route.line)),
+                (None, "guard") => ("true".to_owned(), "default".to_owned()),
+                (None, "key-header") => ("Idempotency-Key".to_owned(), "default".to_owned()),
+                (None, "key-from") => ("none".to_owned(), "default".to_owned()),
+                (None, "fingerprint") => ("body".to_owned(), "default".to_owned()),
+                (None, "methods") => gateway("methods")
+                    .map(|(value, source)| (format!("any (guarded: {value})"), source))
+                    .unwrap_or_default(),
+                (None, _) => gateway(key).unwrap_or_else(|| ("none".to_owned(), "default".to_owned())),
+            };
+            let _ = writeln!(out, "       {key:16}  {value}  [{source}]");
+        }
+    }
+    out
+}
+
+/// The line and column (from 1) of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |last| last.chars().count()) + 1;
+    (line, column)
+}
