@@ -1,6 +1,7 @@
 //! The admin endpoints of `idem serve` and `idem consume`: `/healthz` (the store answers and
-//! its writes work) and `/metrics` (Prometheus), under [`ADMIN_PREFIX`] on the main listener or
-//! on a listener of their own.
+//! its writes work), `/metrics` (Prometheus) and, for the gateway, `/policy` (its idempotency
+//! policy per route, as the IETF draft asks servers to publish), under [`ADMIN_PREFIX`] on the
+//! main listener or on a listener of their own.
 
 use std::time::Duration;
 
@@ -28,6 +29,8 @@ pub struct Admin {
     /// The results of the guarded requests' store writes.
     health: WriteHealth,
     metrics: PrometheusHandle,
+    /// The gateway's published policy (`/policy`), when there is one.
+    policy: Option<std::sync::Arc<serde_json::Value>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -49,7 +52,15 @@ impl Admin {
                 .to_owned(),
             health,
             metrics,
+            policy: None,
         }
+    }
+
+    /// Publishes `policy` at `/policy`: what clients may rely on, per route.
+    #[must_use]
+    pub fn policy(mut self, policy: serde_json::Value) -> Self {
+        self.policy = Some(std::sync::Arc::new(policy));
+        self
     }
 }
 
@@ -107,11 +118,23 @@ async fn metrics_text(State(admin): State<Admin>) -> Response {
         .into_response()
 }
 
+async fn policy(State(admin): State<Admin>) -> Response {
+    match &admin.policy {
+        Some(policy) => axum::Json(policy.as_ref().clone()).into_response(),
+        None => http::StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 /// `/healthz` and `/metrics` under `prefix` (`""` on a listener of their own,
-/// [`ADMIN_PREFIX`] beside the gateway's proxy).
+/// [`ADMIN_PREFIX`] beside the gateway's proxy), and `/policy` when the gateway publishes one.
 pub fn admin_router(admin: Admin, prefix: &str) -> Router {
-    Router::new()
+    let router = Router::new()
         .route(&format!("{prefix}/healthz"), get(healthz))
-        .route(&format!("{prefix}/metrics"), get(metrics_text))
-        .with_state(admin)
+        .route(&format!("{prefix}/metrics"), get(metrics_text));
+    let router = if admin.policy.is_some() {
+        router.route(&format!("{prefix}/policy"), get(policy))
+    } else {
+        router
+    };
+    router.with_state(admin)
 }

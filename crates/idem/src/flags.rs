@@ -113,6 +113,13 @@ pub struct StatusSet {
 }
 
 impl StatusSet {
+    /// The classes (`5xx`) and codes (`429`), as `--release-on` lists them.
+    #[must_use]
+    pub fn items(&self) -> Vec<String> {
+        let classes = self.classes.iter().map(|class| format!("{class}xx"));
+        classes.chain(self.codes.iter().map(u16::to_string)).collect()
+    }
+
     /// Whether `status` is in the set.
     #[must_use]
     pub fn contains(&self, status: http::StatusCode) -> bool {

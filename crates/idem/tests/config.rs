@@ -55,6 +55,56 @@ async fn every_route_of_the_example_file_gets_its_own_policy() {
     let client = client();
     let json = [("content-type", "application/json")];
 
+    // The published policy, route by route, then for the requests no route takes.
+    let published = send(&client, addr, "GET", "/_idem/policy", &[], b"").await;
+    assert_eq!(published.status, 200);
+    let policy = published.json();
+    let routes = policy["routes"].as_array().unwrap();
+    assert_eq!(routes.len(), 4, "{policy}");
+    let whole = serde_json::json!({ "method_and_target": true, "body": "whole", "members": [] });
+    let payments = &routes[0];
+    assert_eq!(payments["name"], "/v1/payments");
+    assert_eq!(payments["path"], "/v1/payments");
+    assert_eq!(payments["methods"], serde_json::json!(["POST"]));
+    assert_eq!(payments["guarded"], true);
+    assert_eq!(payments["guarded_methods"], serde_json::json!(["POST"]));
+    assert_eq!(payments["key_header"], "Idempotency-Key");
+    assert_eq!(payments["key_from"], serde_json::Value::Null);
+    assert_eq!(payments["require_key"], true);
+    assert_eq!(payments["retention_seconds"], 60.0);
+    assert_eq!(payments["lease_seconds"], 30.0);
+    assert_eq!(payments["wait_seconds"], serde_json::Value::Null);
+    assert_eq!(
+        payments["release_on"],
+        serde_json::json!(["408", "409", "425", "429"])
+    );
+    assert_eq!(payments["fingerprint"], whole);
+    let search = &routes[1];
+    assert_eq!(search["path"], "/v1/search");
+    assert_eq!(search["methods"], serde_json::Value::Null);
+    assert_eq!(search["guarded"], false);
+    assert_eq!(search["guarded_methods"], serde_json::json!([]));
+    let orders = &routes[2];
+    assert_eq!(orders["key_header"], "X-Request-Id");
+    assert_eq!(orders["guarded_methods"], serde_json::json!(["POST", "PATCH"]));
+    assert_eq!(orders["retention_seconds"], 2.0);
+    assert_eq!(orders["require_key"], false);
+    assert_eq!(
+        orders["fingerprint"],
+        serde_json::json!({ "method_and_target": true, "body": "members", "members": ["/amount", "/currency"] })
+    );
+    assert_eq!(routes[3]["key_from"], "/refund_id");
+    assert_eq!(routes[3]["key_header"], "Idempotency-Key");
+    let default = &policy["default"];
+    assert_eq!(default["name"], "gateway");
+    assert_eq!(default["path"], serde_json::Value::Null);
+    assert_eq!(default["retention_seconds"], 2.0);
+    assert_eq!(
+        default["release_on"],
+        serde_json::json!(["1xx", "3xx", "5xx", "408", "409", "425", "429"])
+    );
+    assert_eq!(default["fingerprint"], whole);
+
     // /v1/payments requires a key.
     let keyless = send(&client, addr, "POST", "/v1/payments", &json, br#"{"amount":10}"#).await;
     assert_eq!(keyless.status, 400);

@@ -257,7 +257,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     } else {
         Router::new().fallback_service(routes::RouteTable::new(config, &store, &base, fallback)?)
     };
-    let admin = Admin::new(store, &config.store, health, metrics);
+    let admin = Admin::new(store, &config.store, health, metrics).policy(routes::policy(config));
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),

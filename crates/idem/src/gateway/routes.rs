@@ -24,7 +24,7 @@ use tower::{Service, ServiceExt};
 
 use super::Config;
 use super::proxy::{Proxy, may_have_dot_segments, remove_dot_segments};
-use crate::config_file::RouteSpec;
+use crate::config_file::{RouteFingerprint, RouteSpec};
 use crate::error::Error;
 use crate::server;
 use crate::tls;
@@ -203,4 +203,77 @@ fn route_service(
         layer(config, store, Some(route)).shares_with(base),
         proxy,
     ))
+}
+
+/// The published policy (`/_idem/policy`): for each route in file order, then for the requests
+/// no route takes, what a client may rely on. The schema is in `docs/HTTP.md`.
+pub(crate) fn policy(config: &Config) -> serde_json::Value {
+    let entry = |route: Option<&RouteSpec>| {
+        let guarded = route.is_none_or(|route| route.guard);
+        let methods = route.and_then(|route| route.methods.as_ref());
+        let guarded_methods: Vec<String> = if guarded {
+            methods
+                .unwrap_or(&config.methods)
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let seconds = |duration: std::time::Duration| duration.as_secs_f64();
+        let fingerprint = route.and_then(|route| route.fingerprint.as_ref());
+        let (body, members) = match fingerprint {
+            None | Some(RouteFingerprint::Body) => ("whole", Vec::new()),
+            Some(RouteFingerprint::Nothing) => ("none", Vec::new()),
+            Some(RouteFingerprint::Members(pointers)) => (
+                "members",
+                pointers
+                    .iter()
+                    .map(|pointer| pointer.as_str().to_owned())
+                    .collect(),
+            ),
+        };
+        serde_json::json!({
+            "name": route.map_or("gateway", |route| route.name.as_str()),
+            "path": route.map(|route| route.path.as_str()),
+            "methods": methods.map(|methods| methods.iter().map(ToString::to_string).collect::<Vec<_>>()),
+            "guarded": guarded,
+            "guarded_methods": guarded_methods,
+            "key_header": route
+                .and_then(|route| route.key_header.as_ref())
+                .map_or("Idempotency-Key".to_owned(), |header| canonical_header(header.as_str())),
+            "key_from": route.and_then(|route| route.key_from.as_ref()).map(|pointer| pointer.as_str()),
+            "require_key": route.and_then(|route| route.require_key).unwrap_or(config.require_key),
+            "retention_seconds": seconds(route.and_then(|route| route.retention).unwrap_or(config.retention)),
+            "lease_seconds": seconds(route.and_then(|route| route.lease).unwrap_or(config.lease)),
+            "wait_seconds": route.and_then(|route| route.wait).or(config.wait).map(seconds),
+            "release_on": route
+                .and_then(|route| route.release_on.as_ref())
+                .unwrap_or(&config.release_on)
+                .items(),
+            "fingerprint": {
+                "method_and_target": true,
+                "body": body,
+                "members": members,
+            },
+        })
+    };
+    serde_json::json!({
+        "routes": config.routes.iter().map(|route| entry(Some(route))).collect::<Vec<_>>(),
+        "default": entry(None),
+    })
+}
+
+/// `x-request-id` as `X-Request-Id`: header names are case-insensitive, and this is how people
+/// write them.
+fn canonical_header(name: &str) -> String {
+    name.split('-')
+        .map(|word| {
+            let mut chars = word.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_uppercase().to_string() + chars.as_str()
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("-")
 }
