@@ -17,6 +17,9 @@ use idempotency::{
 use idempotency_http::Problem;
 use metrics_exporter_prometheus::PrometheusHandle;
 
+/// The gateway's policy as `/policy` publishes it, replaced when the configuration is reloaded.
+pub type SharedPolicy = std::sync::Arc<std::sync::RwLock<serde_json::Value>>;
+
 /// The prefix of the gateway's own endpoints on the main listener.
 pub const ADMIN_PREFIX: &str = "/_idem";
 
@@ -29,8 +32,8 @@ pub struct Admin {
     /// The results of the guarded requests' store writes.
     health: WriteHealth,
     metrics: PrometheusHandle,
-    /// The gateway's published policy (`/policy`), when there is one.
-    policy: Option<std::sync::Arc<serde_json::Value>>,
+    /// The gateway's published policy (`/policy`), when there is one; a reload replaces it.
+    policy: Option<SharedPolicy>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -58,8 +61,8 @@ impl Admin {
 
     /// Publishes `policy` at `/policy`: what clients may rely on, per route.
     #[must_use]
-    pub fn policy(mut self, policy: serde_json::Value) -> Self {
-        self.policy = Some(std::sync::Arc::new(policy));
+    pub fn policy(mut self, policy: SharedPolicy) -> Self {
+        self.policy = Some(policy);
         self
     }
 }
@@ -120,7 +123,13 @@ async fn metrics_text(State(admin): State<Admin>) -> Response {
 
 async fn policy(State(admin): State<Admin>) -> Response {
     match &admin.policy {
-        Some(policy) => axum::Json(policy.as_ref().clone()).into_response(),
+        Some(policy) => {
+            let policy = policy
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            axum::Json(policy).into_response()
+        }
         None => http::StatusCode::NOT_FOUND.into_response(),
     }
 }

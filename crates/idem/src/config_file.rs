@@ -590,7 +590,48 @@ pub struct Merged {
 /// # Errors
 ///
 /// [`FileError`] when the file cannot be used.
-pub fn merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged, FileError> {
+pub fn merge(command: &clap::Command, args: Vec<OsString>) -> Result<Merged, FileError> {
+    match try_merge(command, args) {
+        Ok(merged) => Ok(merged),
+        Err(MergeError::File(error)) => Err(error),
+        Err(MergeError::Flags(error)) => error.exit(),
+    }
+}
+
+/// Why [`try_merge`] failed.
+#[derive(Debug)]
+pub enum MergeError {
+    /// The file cannot be used.
+    File(FileError),
+    /// The command line with the file's settings is refused by its parsers (clap's message).
+    Flags(clap::Error),
+}
+
+impl fmt::Display for MergeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::File(error) => error.fmt(f),
+            Self::Flags(error) => {
+                let text = error.to_string();
+                f.write_str(
+                    text.lines()
+                        .next()
+                        .unwrap_or_default()
+                        .trim_start_matches("error: "),
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for MergeError {}
+
+/// As [`merge`], returning the command line's errors instead of exiting: what a reload does.
+///
+/// # Errors
+///
+/// [`MergeError`] saying what is wrong.
+pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged, MergeError> {
     let probe = command
         .clone()
         .ignore_errors(true)
@@ -604,12 +645,15 @@ pub fn merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged,
     let (Some(serve), Some(path), Some(serve_command)) = (serve, path, command.find_subcommand("serve"))
     else {
         return Ok(Merged {
-            matches: command.clone().get_matches_from(args),
+            matches: command
+                .clone()
+                .try_get_matches_from(args)
+                .map_err(MergeError::Flags)?,
             file: None,
             from_file: Vec::new(),
         });
     };
-    let file = load(&path, serve_command)?;
+    let file = load(&path, serve_command).map_err(MergeError::File)?;
     let mut from_file = Vec::new();
     for setting in &file.settings {
         let given = serve_command
@@ -624,7 +668,10 @@ pub fn merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged,
         from_file.push(setting.name.clone());
     }
     Ok(Merged {
-        matches: command.clone().get_matches_from(args),
+        matches: command
+            .clone()
+            .try_get_matches_from(args)
+            .map_err(MergeError::Flags)?,
         file: Some(file),
         from_file,
     })

@@ -674,6 +674,7 @@ fn main() -> ExitCode {
     if let Command::Serve(config) = &mut cli.command {
         if let Some(file) = &merged.file {
             config.routes.clone_from(&file.routes);
+            config.reload_args = Some(std::env::args_os().collect());
         }
         if let Err(conflict) = config.check() {
             clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{conflict}\n")).exit();

@@ -395,3 +395,135 @@ fn a_shadowed_route_is_warned_about_with_both_lines() {
     );
     assert!(out.contains("shadow.toml:6:"), "{out}");
 }
+
+/// Seconds from the response's `Date` to its `Idempotency-Key-Expires`.
+fn retained_for(seen: &common::Seen) -> u64 {
+    let at = |name: &str| {
+        httpdate::parse_http_date(seen.header(name).unwrap_or_else(|| panic!("no {name}"))).unwrap()
+    };
+    at("idempotency-key-expires")
+        .duration_since(at("date"))
+        .unwrap()
+        .as_secs()
+}
+
+/// SIGHUP while 50 requests are in flight on /v1/payments and the file gives the route another
+/// retention: none fails, and later requests get the new retention. A file that does not parse
+/// keeps the running routes, and the metric and the log say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
+    let (_upstream, upstream) = start_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let up = format!("http://{upstream}");
+    let file = example(dir.path(), &up, &up);
+    let addr = free_addr();
+    let gateway = start_gateway(addr, &["--config", &file], true).await;
+    let client = client();
+    let hangup = || {
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &gateway.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let before = send(
+        &client,
+        addr,
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "before")],
+        b"{}",
+    )
+    .await;
+    assert_eq!(before.status, 201);
+    assert!(
+        (55..=60).contains(&retained_for(&before)),
+        "{}",
+        retained_for(&before)
+    );
+
+    // 50 requests held by the upstream, then the file changes and SIGHUP comes.
+    let keys: Vec<String> = (0..50).map(|n| format!("held-{n}")).collect();
+    let held: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (client, key) = (client.clone(), key.clone());
+            tokio::spawn(async move {
+                send(
+                    &client,
+                    addr,
+                    "POST",
+                    "/v1/payments?ms=1500",
+                    &[("idempotency-key", &key)],
+                    b"{}",
+                )
+                .await
+            })
+        })
+        .collect();
+    for key in &keys {
+        idempotency_testkit::eventually(
+            Duration::from_secs(30),
+            "the request reached the upstream",
+            async || calls(&client, upstream, key).await == 1,
+        )
+        .await;
+    }
+    let text = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace("retention = \"60s\"", "retention = \"3600s\"");
+    std::fs::write(&file, text).unwrap();
+    hangup();
+    for request in held {
+        let answered = request.await.unwrap();
+        assert_eq!(
+            answered.status,
+            201,
+            "{}",
+            String::from_utf8_lossy(&answered.body)
+        );
+    }
+    common::metric_at_least(addr, "idem_config_reloads_total", &[("result", "ok")], 1.0).await;
+    let after = send(
+        &client,
+        addr,
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "after")],
+        b"{}",
+    )
+    .await;
+    assert!(
+        (3595..=3600).contains(&retained_for(&after)),
+        "{}",
+        retained_for(&after)
+    );
+    for key in &keys {
+        assert_eq!(calls(&client, upstream, key).await, 1, "{key}");
+    }
+
+    // A file that does not parse: the running routes stay (a key is still required there).
+    std::fs::write(
+        &file,
+        "upstream = \"http://127.0.0.1:3000\"\n[[route]]\nretries = 3\n",
+    )
+    .unwrap();
+    hangup();
+    common::metric_at_least(addr, "idem_config_reloads_total", &[("result", "failed")], 1.0).await;
+    let keyless = send(&client, addr, "POST", "/v1/payments", &[], b"{}").await;
+    assert_eq!(keyless.status, 400);
+    let still = send(
+        &client,
+        addr,
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "still")],
+        b"{}",
+    )
+    .await;
+    assert!(
+        (3595..=3600).contains(&retained_for(&still)),
+        "{}",
+        retained_for(&still)
+    );
+}

@@ -78,6 +78,10 @@ pub struct Config {
     /// The routes of the --config file, in file order.
     #[arg(skip)]
     pub routes: Vec<crate::config_file::RouteSpec>,
+    /// The process's command line, when its settings come from a --config file: SIGHUP merges
+    /// the file with it again.
+    #[arg(skip)]
+    pub reload_args: Option<Vec<std::ffi::OsString>>,
     /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., redis-cluster://h:p,h:p, memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
@@ -236,6 +240,8 @@ pub struct Routers {
     /// The guarded runs whose clients went away, finishing on tasks of their own: the gateway
     /// waits for them before it exits.
     pub detached: DetachedRuns,
+    /// What SIGHUP reloads the configuration file with, when there is one.
+    reloader: Option<std::sync::Arc<routes::Reloader>>,
 }
 
 /// The gateway's routers: the layer around the proxy, and the admin endpoints.
@@ -252,12 +258,21 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let detached = base.detached_runs();
     let proxy = routes::proxy(config, &config.upstream, config.upstream_timeout)?;
     let fallback = routes::guarded(config, base.clone(), proxy);
-    let main = if config.routes.is_empty() {
-        Router::new().fallback_service(fallback)
-    } else {
-        Router::new().fallback_service(routes::RouteTable::new(config, &store, &base, fallback)?)
-    };
-    let admin = Admin::new(store, &config.store, health, metrics).policy(routes::policy(config));
+    let live = routes::LiveRoutes::new(routes::RouteTable::new(config, &store, &base, fallback)?);
+    let main = Router::new().fallback_service(live.clone());
+    let policy: crate::admin::SharedPolicy =
+        std::sync::Arc::new(std::sync::RwLock::new(routes::policy(config)));
+    let reloader = config.reload_args.clone().map(|args| {
+        std::sync::Arc::new(routes::Reloader::new(
+            config,
+            args,
+            store.clone(),
+            base.clone(),
+            live,
+            std::sync::Arc::clone(&policy),
+        ))
+    });
+    let admin = Admin::new(store, &config.store, health, metrics).policy(policy);
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
@@ -266,7 +281,15 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
         main,
         admin,
         detached,
+        reloader,
     })
+}
+
+/// `idem serve`'s command line as the binary parses it: what a reload merges the configuration
+/// file with again.
+fn command() -> clap::Command {
+    use clap::Args;
+    clap::Command::new("idem").subcommand(Config::augment_args(clap::Command::new("serve")))
 }
 
 /// Runs the gateway until `shutdown`, then stops accepting, lets in-flight requests finish
@@ -298,9 +321,6 @@ pub async fn serve(
     }
     let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
     let listener = bind(config.listen).await?;
-    if let Some(tls) = &listener_tls {
-        tokio::spawn(reload_on_hangup(tls.clone()));
-    }
     // Expired records are deleted in the background, so the table does not grow without bound.
     let purging = config.purge_every.0.map(|every| {
         tokio::spawn(
@@ -314,7 +334,11 @@ pub async fn serve(
         main,
         admin,
         detached,
+        reloader,
     } = router(&config, store, metrics)?;
+    if listener_tls.is_some() || reloader.is_some() {
+        tokio::spawn(reload_on_hangup(listener_tls.clone(), reloader));
+    }
     let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
     let limits = server::Limits {
         header_timeout: config.header_timeout,
@@ -352,14 +376,40 @@ pub async fn serve(
     Ok(())
 }
 
-/// Reads the listener's certificate and key again on every `SIGHUP`; a pair that cannot be used
-/// leaves the current one in place, and the log says why.
-async fn reload_on_hangup(tls: ListenerTls) {
+/// On every `SIGHUP`: reads the configuration file again (an invalid one leaves the running
+/// configuration in place, and the log says why, with the line and column), and the listener's
+/// certificate and key (a pair that cannot be used leaves the current one in place).
+async fn reload_on_hangup(tls: Option<ListenerTls>, reloader: Option<std::sync::Arc<routes::Reloader>>) {
     let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
-        tracing::warn!("SIGHUP cannot be caught here: the certificate will not be reloaded");
+        tracing::warn!(
+            "SIGHUP cannot be caught here: the certificate and the configuration file will not be reloaded"
+        );
         return;
     };
     while hangups.recv().await.is_some() {
+        if let Some(reloader) = &reloader {
+            match reloader.reload() {
+                Ok(restart) => {
+                    metrics::counter!("idem_config_reloads_total", "result" => "ok").increment(1);
+                    if !restart.is_empty() {
+                        tracing::warn!(
+                            settings = %restart.join(", "),
+                            "SIGHUP: these settings changed but need a restart; they keep their running values"
+                        );
+                    }
+                    tracing::info!(
+                        "SIGHUP: the configuration file was reloaded; new requests get its routes and settings"
+                    );
+                }
+                Err(error) => {
+                    metrics::counter!("idem_config_reloads_total", "result" => "failed").increment(1);
+                    tracing::error!(%error, "SIGHUP: the configuration file was not taken; the running configuration stays");
+                }
+            }
+        }
+        let Some(tls) = &tls else {
+            continue;
+        };
         match tls.reload() {
             Ok(()) => {
                 metrics::counter!("idem_tls_reloads_total", "result" => "ok").increment(1);

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -24,6 +24,7 @@ use tower::{Service, ServiceExt};
 
 use super::Config;
 use super::proxy::{Proxy, may_have_dot_segments, remove_dot_segments};
+use crate::admin::SharedPolicy;
 use crate::config_file::{RouteFingerprint, RouteSpec};
 use crate::error::Error;
 use crate::server;
@@ -77,6 +78,151 @@ pub(crate) fn matched_path(path: &str) -> Cow<'_, str> {
     } else {
         path
     }
+}
+
+/// The route table requests go through now: a reload swaps it, and requests already running
+/// finish with the services they took.
+#[derive(Clone)]
+pub(crate) struct LiveRoutes(Arc<RwLock<RouteTable>>);
+
+impl LiveRoutes {
+    pub(crate) fn new(table: RouteTable) -> Self {
+        Self(Arc::new(RwLock::new(table)))
+    }
+
+    fn replace(&self, table: RouteTable) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = table;
+    }
+}
+
+impl Service<Request<Body>> for LiveRoutes {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let mut table = self.0.read().unwrap_or_else(PoisonError::into_inner).clone();
+        table.call(request)
+    }
+}
+
+/// What a reload of the configuration file needs: the running settings, the command line to
+/// merge the file with again, and what it replaces.
+pub(crate) struct Reloader {
+    current: Mutex<Config>,
+    args: Vec<std::ffi::OsString>,
+    store: DynStore,
+    base: IdempotencyLayer<DynStore>,
+    live: LiveRoutes,
+    policy: SharedPolicy,
+}
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloader").finish_non_exhaustive()
+    }
+}
+
+impl Reloader {
+    pub(crate) fn new(
+        config: &Config,
+        args: Vec<std::ffi::OsString>,
+        store: DynStore,
+        base: IdempotencyLayer<DynStore>,
+        live: LiveRoutes,
+        policy: SharedPolicy,
+    ) -> Self {
+        Self {
+            current: Mutex::new(config.clone()),
+            args,
+            store,
+            base,
+            live,
+            policy,
+        }
+    }
+
+    /// Reads the file again and merges it with the command line and the environment as at
+    /// start: the routes and the per-request settings are replaced for new requests; the
+    /// settings of the process (the store, the listeners, TLS, the limits of connections) keep
+    /// their running values, and their names are returned.
+    ///
+    /// # Errors
+    ///
+    /// Why the file or the merged settings are refused: nothing is replaced then.
+    pub(crate) fn reload(&self) -> Result<Vec<&'static str>, String> {
+        let current = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let command = crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))
+            .map_err(|error| error.to_string())?;
+        let merged =
+            crate::config_file::try_merge(&command, self.args.clone()).map_err(|error| error.to_string())?;
+        let serve = merged
+            .matches
+            .subcommand_matches("serve")
+            .ok_or("the command line is not `idem serve`")?;
+        let mut next =
+            <Config as clap::FromArgMatches>::from_arg_matches(serve).map_err(|error| error.to_string())?;
+        next.routes = merged.file.map(|file| file.routes).unwrap_or_default();
+        next.reload_args.clone_from(&current.reload_args);
+        if next.scope_secret.is_none() {
+            // The secret the store keeps, read at start.
+            next.scope_secret.clone_from(&current.scope_secret);
+        }
+        let restart = keep_process_settings(&current, &mut next);
+        next.check().map_err(|error| error.to_string())?;
+        let base = layer(&next, &self.store, None).shares_with(&self.base);
+        let proxy = proxy(&next, &next.upstream, next.upstream_timeout).map_err(|error| error.to_string())?;
+        let fallback = guarded(&next, base.clone(), proxy);
+        let table =
+            RouteTable::new(&next, &self.store, &base, fallback).map_err(|error| error.to_string())?;
+        self.live.replace(table);
+        *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy(&next);
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = next;
+        Ok(restart)
+    }
+}
+
+/// Gives `next` the running values of the settings a running process cannot change (the store,
+/// the listeners and their TLS, the connection and memory limits, the upstream's TLS files);
+/// returns the names of those `next` wanted to change.
+fn keep_process_settings(current: &Config, next: &mut Config) -> Vec<&'static str> {
+    let mut restart = Vec::new();
+    macro_rules! keep {
+        ($($field:ident => $name:literal),* $(,)?) => {$(
+            if format!("{:?}", next.$field) != format!("{:?}", current.$field) {
+                restart.push($name);
+                next.$field = current.$field.clone();
+            }
+        )*};
+    }
+    keep!(
+        listen => "listen",
+        admin_listen => "admin-listen",
+        store => "store",
+        no_migrate => "no-migrate",
+        tls_cert => "tls-cert",
+        tls_key => "tls-key",
+        tls_client_ca => "tls-client-ca",
+        upstream_ca => "upstream-ca",
+        upstream_client_cert => "upstream-client-cert",
+        upstream_client_key => "upstream-client-key",
+        upstream_insecure_skip_verify => "upstream-insecure-skip-verify",
+        scope_secret => "scope-secret",
+        max_buffered => "max-buffered",
+        max_connections => "max-connections",
+        header_timeout => "header-timeout",
+        purge_every => "purge-every",
+        drain_timeout => "drain-timeout",
+    );
+    restart
 }
 
 impl Service<Request<Body>> for RouteTable {

@@ -128,8 +128,11 @@ fn upstream_app() -> Router {
         .route(
             "/v1/{*rest}",
             post(
-                |State(calls): State<Calls>, headers: HeaderMap, body: Bytes| async move {
+                |State(calls): State<Calls>, uri: Uri, headers: HeaderMap, body: Bytes| async move {
                     let (key, n) = count(&calls, &headers);
+                    if let Some(ms) = query(&uri, "ms").and_then(|v| v.parse().ok()) {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
                     echo_response(&headers, &key, n, &body)
                 },
             ),
