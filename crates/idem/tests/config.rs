@@ -417,7 +417,28 @@ async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
     let up = format!("http://{upstream}");
     let file = example(dir.path(), &up, &up);
     let addr = free_addr();
-    let gateway = start_gateway(addr, &["--config", &file], true).await;
+    // The gateway's log, read as it comes.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--listen", &addr.to_string(), "--config", &file])
+        .env("IDEM_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn({
+        let log = std::sync::Arc::clone(&log);
+        move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        }
+    });
+    let gateway = common::ready(common::Process { child }, addr, "idem serve").await;
     let client = client();
     let hangup = || {
         let status = std::process::Command::new("kill")
@@ -510,6 +531,12 @@ async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
     .unwrap();
     hangup();
     common::metric_at_least(addr, "idem_config_reloads_total", &[("result", "failed")], 1.0).await;
+    let logged = format!("{file}:3:1: unknown field `retries`");
+    idempotency_testkit::eventually(Duration::from_secs(30), "the failed reload logged", async || {
+        log.lock().unwrap().contains(&logged)
+    })
+    .await;
+    assert!(log.lock().unwrap().contains("the running configuration stays"));
     let keyless = send(&client, addr, "POST", "/v1/payments", &[], b"{}").await;
     assert_eq!(keyless.status, 400);
     let still = send(
