@@ -256,9 +256,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let store: DynStore = std::sync::Arc::new(watched);
     let base = routes::layer(config, &store, None).max_buffered(config.max_buffered);
     let detached = base.detached_runs();
-    let proxy = routes::proxy(config, &config.upstream, config.upstream_timeout)?;
-    let fallback = routes::guarded(config, base.clone(), proxy);
-    let live = routes::LiveRoutes::new(routes::RouteTable::new(config, &store, &base, fallback)?);
+    let live = routes::LiveRoutes::new(routes::RouteTable::build(config, &store, &base)?);
     let main = Router::new().fallback_service(live.clone());
     let policy: crate::admin::SharedPolicy =
         std::sync::Arc::new(std::sync::RwLock::new(routes::policy(config)));

@@ -108,6 +108,19 @@ impl Proxy {
         })
     }
 
+    /// The upstream's base URL.
+    #[must_use]
+    pub fn upstream(&self) -> &Uri {
+        &self.upstream
+    }
+
+    /// The same proxy (its connections shared) waiting `timeout` for an answer.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The path and query the upstream gets: the request's, behind the upstream's base path,
     /// dot segments resolved.
     fn target(&self, uri: &Uri) -> Result<PathAndQuery, http::Error> {

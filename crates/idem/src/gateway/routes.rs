@@ -13,6 +13,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -27,6 +28,7 @@ use super::proxy::{Proxy, may_have_dot_segments, remove_dot_segments};
 use crate::admin::SharedPolicy;
 use crate::config_file::{RouteFingerprint, RouteSpec};
 use crate::error::Error;
+use crate::flags::StatusSet;
 use crate::server;
 use crate::tls;
 
@@ -35,28 +37,99 @@ pub(crate) type RouteService = BoxCloneSyncService<Request<Body>, Response, Infa
 
 /// The routes in file order, and the service of the requests none of them takes.
 #[derive(Clone)]
-pub(crate) struct RouteTable {
-    routes: Arc<[(RouteSpec, RouteService)]>,
+pub(crate) struct RouteTable(Arc<Table>);
+
+struct Table {
+    routes: Vec<(RouteSpec, RouteService)>,
     fallback: RouteService,
 }
 
 impl RouteTable {
-    /// The table of `config.routes`, each route's settings over the gateway's; the gateway's
-    /// own layer is `base`, which the routes' layers share their body budget with.
-    pub(crate) fn new(
+    /// The table of `config`: the gateway's own layer `base` (with `config`'s settings) around a
+    /// proxy to `config.upstream` for the requests no route takes, and each route's settings
+    /// over `config`'s in a layer that shares `base`'s body budget. Routes to the same upstream
+    /// share its connections; the upstream TLS settings (the system's trust store among them)
+    /// are read once.
+    pub(crate) fn build(
         config: &Config,
         store: &DynStore,
         base: &IdempotencyLayer<DynStore>,
-        fallback: RouteService,
     ) -> Result<Self, Error> {
+        let mut proxies = Proxies::new(config);
+        let fallback = guarded(
+            config,
+            base.clone(),
+            proxies.get(&config.upstream, config.upstream_timeout)?,
+        );
         let mut routes = Vec::with_capacity(config.routes.len());
         for route in &config.routes {
-            routes.push((route.clone(), route_service(config, store, base, route)?));
+            let settings = Effective::of(config, Some(route));
+            let proxy = proxies.get(settings.upstream, settings.upstream_timeout)?;
+            let service = if route.guard {
+                guarded(config, layer(config, store, Some(route)).shares_with(base), proxy)
+            } else {
+                BoxCloneSyncService::new(proxy)
+            };
+            routes.push((route.clone(), service));
         }
-        Ok(Self {
-            routes: routes.into(),
-            fallback,
-        })
+        Ok(Self(Arc::new(Table { routes, fallback })))
+    }
+
+    /// The service of the first route that takes a request with `method` to `path`, or the
+    /// fallback's.
+    fn pick(&self, method: &http::Method, path: &str) -> RouteService {
+        let table = &self.0;
+        if table.routes.is_empty() {
+            return table.fallback.clone();
+        }
+        let path = matched_path(path);
+        table
+            .routes
+            .iter()
+            .find(|(route, _)| route.matches(method, &path))
+            .map_or(&table.fallback, |(_, service)| service)
+            .clone()
+    }
+}
+
+/// The proxies of one table, one per upstream: routes to the same upstream share its
+/// connections, and its TLS client settings are made at most once.
+struct Proxies<'a> {
+    config: &'a Config,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    made: Vec<Proxy>,
+}
+
+impl<'a> Proxies<'a> {
+    fn new(config: &'a Config) -> Self {
+        Self {
+            config,
+            tls: None,
+            made: Vec::new(),
+        }
+    }
+
+    /// A proxy to `upstream` that waits `timeout` for its answers.
+    fn get(&mut self, upstream: &http::Uri, timeout: Duration) -> Result<Proxy, Error> {
+        if let Some(made) = self.made.iter().find(|proxy| proxy.upstream() == upstream) {
+            return Ok(made.clone().timeout(timeout));
+        }
+        let tls = if upstream.scheme_str() == Some("https") {
+            if self.tls.is_none() {
+                if self.config.upstream_insecure_skip_verify {
+                    tracing::warn!(
+                        "--upstream-insecure-skip-verify: the upstream's certificate is NOT verified; anyone on the path can read and change the traffic"
+                    );
+                }
+                self.tls = Some(tls::client_config(&self.config.upstream_tls())?);
+            }
+            self.tls.clone()
+        } else {
+            None
+        };
+        let proxy = Proxy::new(upstream.clone(), timeout, tls)?;
+        self.made.push(proxy.clone());
+        Ok(proxy)
     }
 }
 
@@ -105,8 +178,12 @@ impl Service<Request<Body>> for LiveRoutes {
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        let mut table = self.0.read().unwrap_or_else(PoisonError::into_inner).clone();
-        table.call(request)
+        let service = self
+            .0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pick(request.method(), request.uri().path());
+        Box::pin(service.oneshot(request))
     }
 }
 
@@ -179,10 +256,7 @@ impl Reloader {
         let restart = keep_process_settings(&current, &mut next);
         next.check().map_err(|error| error.to_string())?;
         let base = layer(&next, &self.store, None).shares_with(&self.base);
-        let proxy = proxy(&next, &next.upstream, next.upstream_timeout).map_err(|error| error.to_string())?;
-        let fallback = guarded(&next, base.clone(), proxy);
-        let table =
-            RouteTable::new(&next, &self.store, &base, fallback).map_err(|error| error.to_string())?;
+        let table = RouteTable::build(&next, &self.store, &base).map_err(|error| error.to_string())?;
         self.live.replace(table);
         *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy(&next);
         *self.current.lock().unwrap_or_else(PoisonError::into_inner) = next;
@@ -225,25 +299,56 @@ fn keep_process_settings(current: &Config, next: &mut Config) -> Vec<&'static st
     restart
 }
 
-impl Service<Request<Body>> for RouteTable {
-    type Response = Response;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+/// A route's settings over the gateway's (or the gateway's alone): what its layer is built
+/// with, and what its policy publishes.
+struct Effective<'a> {
+    name: &'a str,
+    /// The methods guarded.
+    methods: &'a [http::Method],
+    require_key: bool,
+    max_body: usize,
+    max_response: usize,
+    lease: Duration,
+    retention: Duration,
+    wait: Option<Duration>,
+    release_on: &'a StatusSet,
+    key_header: Option<&'a http::HeaderName>,
+    key_from: Option<&'a idempotency::JsonPointer>,
+    fingerprint: Option<&'a RouteFingerprint>,
+    scope_header: Option<&'a http::HeaderName>,
+    upstream: &'a http::Uri,
+    upstream_timeout: Duration,
+}
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        // Each call takes a clone of its route's service and waits for it to be ready.
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
-        let path = matched_path(request.uri().path());
-        let service = self
-            .routes
-            .iter()
-            .find(|(route, _)| route.matches(request.method(), &path))
-            .map_or(&self.fallback, |(_, service)| service)
-            .clone();
-        Box::pin(service.oneshot(request))
+impl<'a> Effective<'a> {
+    fn of(config: &'a Config, route: Option<&'a RouteSpec>) -> Self {
+        Self {
+            name: route.map_or("gateway", |route| route.name.as_str()),
+            methods: route
+                .and_then(|route| route.methods.as_deref())
+                .unwrap_or(&config.methods),
+            require_key: route.and_then(|r| r.require_key).unwrap_or(config.require_key),
+            max_body: route.and_then(|r| r.max_body).unwrap_or(config.max_body),
+            max_response: route.and_then(|r| r.max_response).unwrap_or(config.max_response),
+            lease: route.and_then(|r| r.lease).unwrap_or(config.lease),
+            retention: route.and_then(|r| r.retention).unwrap_or(config.retention),
+            wait: route.and_then(|r| r.wait).or(config.wait),
+            release_on: route
+                .and_then(|r| r.release_on.as_ref())
+                .unwrap_or(&config.release_on),
+            key_header: route.and_then(|r| r.key_header.as_ref()),
+            key_from: route.and_then(|r| r.key_from.as_ref()),
+            fingerprint: route.and_then(|r| r.fingerprint.as_ref()),
+            scope_header: route
+                .and_then(|r| r.scope_header.as_ref())
+                .or(config.scope_header.as_ref()),
+            upstream: route
+                .and_then(|r| r.upstream.as_ref())
+                .unwrap_or(&config.upstream),
+            upstream_timeout: route
+                .and_then(|r| r.upstream_timeout)
+                .unwrap_or(config.upstream_timeout),
+        }
     }
 }
 
@@ -253,71 +358,44 @@ pub(crate) fn layer(
     store: &DynStore,
     route: Option<&RouteSpec>,
 ) -> IdempotencyLayer<DynStore> {
-    let methods = route
-        .and_then(|route| route.methods.clone())
-        .unwrap_or_else(|| config.methods.clone());
+    let settings = Effective::of(config, route);
     let mut layer = IdempotencyLayer::new(store.clone())
-        .name(route.map_or_else(|| "gateway".to_owned(), |route| route.name.clone()))
-        .methods(methods)
-        .require_key(route.and_then(|r| r.require_key).unwrap_or(config.require_key))
-        .max_body(route.and_then(|r| r.max_body).unwrap_or(config.max_body))
-        .max_response(route.and_then(|r| r.max_response).unwrap_or(config.max_response))
+        .name(settings.name.to_owned())
+        .methods(settings.methods.iter().cloned())
+        .require_key(settings.require_key)
+        .max_body(settings.max_body)
+        .max_response(settings.max_response)
         // The upstream chunks as it likes: store what ends within the limit all the same.
         .buffer_streamed_responses(true)
-        .lease(route.and_then(|r| r.lease).unwrap_or(config.lease))
-        .retention(route.and_then(|r| r.retention).unwrap_or(config.retention))
+        .lease(settings.lease)
+        .retention(settings.retention)
         .fail_open(config.fail_open);
-    if let Some(header) = route.and_then(|r| r.key_header.clone()) {
-        layer = layer.key_header(header);
+    if let Some(header) = settings.key_header {
+        layer = layer.key_header(header.clone());
     }
-    if let Some(pointer) = route.and_then(|r| r.key_from.clone()) {
-        layer = layer.key_from(pointer);
+    if let Some(pointer) = settings.key_from {
+        layer = layer.key_from(pointer.clone());
     }
-    if let Some(fingerprint) = route.and_then(|r| r.fingerprint.as_ref()) {
+    if let Some(fingerprint) = settings.fingerprint {
         layer = layer.fingerprint(fingerprint.mode());
     }
-    if let Some(name) = route
-        .and_then(|r| r.scope_header.clone())
-        .or_else(|| config.scope_header.clone())
-    {
+    if let Some(name) = settings.scope_header {
         // `serve` fills the secret in from the store when the flag is absent; a router built
         // without one (a test) gets a fresh secret of its own.
         let secret = config.scope_secret.clone().unwrap_or_else(ScopeSecret::generate);
-        layer = layer.scope_from_header(name, secret);
+        layer = layer.scope_from_header(name.clone(), secret);
     }
-    let release_on = route
-        .and_then(|r| r.release_on.clone())
-        .unwrap_or_else(|| config.release_on.clone());
+    let release_on = settings.release_on.clone();
     layer = layer.final_status(move |status| !release_on.contains(status));
-    if let Some(deadline) = route.and_then(|r| r.wait).or(config.wait) {
+    if let Some(deadline) = settings.wait {
         layer = layer.wait(deadline);
     }
     layer
 }
 
-/// A proxy to `upstream` with the gateway's upstream TLS settings.
-pub(crate) fn proxy(
-    config: &Config,
-    upstream: &http::Uri,
-    timeout: std::time::Duration,
-) -> Result<Proxy, Error> {
-    let tls = if upstream.scheme_str() == Some("https") {
-        if config.upstream_insecure_skip_verify {
-            tracing::warn!(
-                %upstream,
-                "--upstream-insecure-skip-verify: the upstream's certificate is NOT verified; anyone on the path can read and change the traffic"
-            );
-        }
-        Some(tls::client_config(&config.upstream_tls())?)
-    } else {
-        None
-    };
-    Ok(Proxy::new(upstream.clone(), timeout, tls)?)
-}
-
 /// The service of requests a layer guards, in front of `proxy`: the body deadline, the layer,
 /// the proxy.
-pub(crate) fn guarded(config: &Config, layer: IdempotencyLayer<DynStore>, proxy: Proxy) -> RouteService {
+fn guarded(config: &Config, layer: IdempotencyLayer<DynStore>, proxy: Proxy) -> RouteService {
     let body_timeout = config.body_timeout;
     let service = tower::ServiceBuilder::new()
         .map_request(move |request: Request<Body>| {
@@ -329,46 +407,15 @@ pub(crate) fn guarded(config: &Config, layer: IdempotencyLayer<DynStore>, proxy:
     BoxCloneSyncService::new(service)
 }
 
-fn route_service(
-    config: &Config,
-    store: &DynStore,
-    base: &IdempotencyLayer<DynStore>,
-    route: &RouteSpec,
-) -> Result<RouteService, Error> {
-    let upstream = route.upstream.as_ref().unwrap_or(&config.upstream);
-    let proxy = proxy(
-        config,
-        upstream,
-        route.upstream_timeout.unwrap_or(config.upstream_timeout),
-    )?;
-    if !route.guard {
-        return Ok(BoxCloneSyncService::new(proxy));
-    }
-    Ok(guarded(
-        config,
-        layer(config, store, Some(route)).shares_with(base),
-        proxy,
-    ))
-}
-
 /// The published policy (`/_idem/policy`): for each route in file order, then for the requests
 /// no route takes, what a client may rely on. The schema is in `docs/HTTP.md`.
 pub(crate) fn policy(config: &Config) -> serde_json::Value {
     let entry = |route: Option<&RouteSpec>| {
+        let settings = Effective::of(config, route);
         let guarded = route.is_none_or(|route| route.guard);
-        let methods = route.and_then(|route| route.methods.as_ref());
-        let guarded_methods: Vec<String> = if guarded {
-            methods
-                .unwrap_or(&config.methods)
-                .iter()
-                .map(ToString::to_string)
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let seconds = |duration: std::time::Duration| duration.as_secs_f64();
-        let fingerprint = route.and_then(|route| route.fingerprint.as_ref());
-        let (body, members) = match fingerprint {
+        let names = |methods: &[http::Method]| methods.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let seconds = |duration: Duration| duration.as_secs_f64();
+        let (body, members) = match settings.fingerprint {
             None | Some(RouteFingerprint::Body) => ("whole", Vec::new()),
             Some(RouteFingerprint::Nothing) => ("none", Vec::new()),
             Some(RouteFingerprint::Members(pointers)) => (
@@ -380,23 +427,20 @@ pub(crate) fn policy(config: &Config) -> serde_json::Value {
             ),
         };
         serde_json::json!({
-            "name": route.map_or("gateway", |route| route.name.as_str()),
+            "name": settings.name,
             "path": route.map(|route| route.path.as_str()),
-            "methods": methods.map(|methods| methods.iter().map(ToString::to_string).collect::<Vec<_>>()),
+            "methods": route.and_then(|route| route.methods.as_deref()).map(names),
             "guarded": guarded,
-            "guarded_methods": guarded_methods,
-            "key_header": route
-                .and_then(|route| route.key_header.as_ref())
+            "guarded_methods": if guarded { names(settings.methods) } else { Vec::new() },
+            "key_header": settings
+                .key_header
                 .map_or("Idempotency-Key".to_owned(), |header| canonical_header(header.as_str())),
-            "key_from": route.and_then(|route| route.key_from.as_ref()).map(|pointer| pointer.as_str()),
-            "require_key": route.and_then(|route| route.require_key).unwrap_or(config.require_key),
-            "retention_seconds": seconds(route.and_then(|route| route.retention).unwrap_or(config.retention)),
-            "lease_seconds": seconds(route.and_then(|route| route.lease).unwrap_or(config.lease)),
-            "wait_seconds": route.and_then(|route| route.wait).or(config.wait).map(seconds),
-            "release_on": route
-                .and_then(|route| route.release_on.as_ref())
-                .unwrap_or(&config.release_on)
-                .items(),
+            "key_from": settings.key_from.map(|pointer| pointer.as_str()),
+            "require_key": settings.require_key,
+            "retention_seconds": seconds(settings.retention),
+            "lease_seconds": seconds(settings.lease),
+            "wait_seconds": settings.wait.map(seconds),
+            "release_on": settings.release_on.items(),
             "fingerprint": {
                 "method_and_target": true,
                 "body": body,
