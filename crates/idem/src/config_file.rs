@@ -67,8 +67,6 @@ pub struct FileSetting {
     pub name: String,
     /// The value, as a flag's (`7d`; a list joined with commas); `None` for a switch that is on.
     pub value: Option<String>,
-    /// The line of the key.
-    pub line: usize,
 }
 
 /// What a file holds: the gateway's settings and the routes.
@@ -232,6 +230,16 @@ enum RawSize {
     Text(String),
 }
 
+impl RawSize {
+    /// As the flags take it.
+    fn text(&self) -> String {
+        match self {
+            Self::Bytes(bytes) => bytes.to_string(),
+            Self::Text(text) => text.clone(),
+        }
+    }
+}
+
 /// `"body"`, `"none"`, or a list of JSON pointers.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -291,10 +299,7 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
         if name == "route" {
             continue;
         }
-        let flag = command
-            .get_arguments()
-            .find(|arg| arg.get_long() == Some(name) && !NOT_SETTINGS.contains(&name));
-        let Some(flag) = flag else {
+        let Some(flag) = setting_flag(command, name) else {
             return Err(at(
                 key.span(),
                 format!(
@@ -307,10 +312,15 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
         if switch && value.as_deref() == Some("false") {
             continue;
         }
-        settings.push((name.to_owned(), if switch { None } else { value }, key.span()));
+        let setting = FileSetting {
+            name: name.to_owned(),
+            value: if switch { None } else { value },
+        };
+        settings.push((setting, key.span()));
     }
     check_with_flags(&settings, command).map_err(|(span, why)| at(span, why))?;
-    let raw: RawFile = toml::from_str(text).map_err(toml_error)?;
+    // The routes from the table already parsed, its spans kept.
+    let raw = RawFile::deserialize(toml::de::Deserializer::from(table)).map_err(toml_error)?;
     let mut routes = Vec::new();
     for route in raw.route {
         let line = line_column(text, route.span().start).0;
@@ -331,14 +341,7 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
     }
     Ok(ConfigFile {
         path: path.to_owned(),
-        settings: settings
-            .into_iter()
-            .map(|(name, value, span)| FileSetting {
-                name,
-                value,
-                line: line_column(text, span.start).0,
-            })
-            .collect(),
+        settings: settings.into_iter().map(|(setting, _)| setting).collect(),
         routes,
         warnings,
     })
@@ -373,21 +376,18 @@ fn setting_value(name: &str, value: &toml::de::DeValue<'_>, switch: bool) -> Res
 /// environment); a setting that needs another (a certificate's key) may get it from the command
 /// line, so only errors about a value are the file's.
 fn check_with_flags(
-    settings: &[(String, Option<String>, Range<usize>)],
+    settings: &[(FileSetting, Range<usize>)],
     command: &clap::Command,
 ) -> Result<(), (Range<usize>, String)> {
     let mut args = vec!["serve".to_owned()];
-    if !settings.iter().any(|(name, _, _)| name == "upstream") {
+    if !settings.iter().any(|(setting, _)| setting.name == "upstream") {
         args.extend(["--upstream".into(), "http://127.0.0.1:1".into()]);
     }
-    for (name, value, _) in settings {
-        args.push(format!("--{name}"));
-        args.extend(value.clone());
+    for (setting, _) in settings {
+        args.push(format!("--{}", setting.name));
+        args.extend(setting.value.clone());
     }
-    let command = command
-        .clone()
-        .mut_args(|arg| arg.env(None))
-        .no_binary_name(false);
+    let command = command.clone().mut_args(|arg| arg.env(None));
     let Err(error) = command.try_get_matches_from(args) else {
         return Ok(());
     };
@@ -402,28 +402,33 @@ fn check_with_flags(
         Some(ContextValue::String(flag)) => flag.clone(),
         _ => String::new(),
     };
-    let named = settings
-        .iter()
-        .find(|(name, _, _)| flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}"));
-    let span = named.map_or(0..0, |(_, _, span)| span.clone());
-    let why = error.to_string();
-    let why = why
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim_start_matches("error: ");
-    Err((span, why.to_owned()))
+    let named = settings.iter().find(|(setting, _)| {
+        let name = &setting.name;
+        flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}")
+    });
+    let span = named.map_or(0..0, |(_, span)| span.clone());
+    Err((span, clap_reason(&error)))
+}
+
+/// clap's message for `error`, its first line without `error: `.
+fn clap_reason(error: &clap::Error) -> String {
+    let text = error.to_string();
+    let first = text.lines().next().unwrap_or_default();
+    first.trim_start_matches("error: ").to_owned()
+}
+
+/// The flag of `idem serve` (`command`) that the file's top-level key `name` sets.
+fn setting_flag<'c>(command: &'c clap::Command, name: &str) -> Option<&'c clap::Arg> {
+    if NOT_SETTINGS.contains(&name) {
+        return None;
+    }
+    command.get_arguments().find(|arg| arg.get_long() == Some(name))
 }
 
 /// What `raw` sets, as written.
 fn written(raw: &RawRoute) -> Vec<(&'static str, String)> {
     let text = |value: &Option<Spanned<String>>| value.as_ref().map(|value| value.get_ref().clone());
-    let size = |value: &Option<Spanned<RawSize>>| {
-        value.as_ref().map(|value| match value.get_ref() {
-            RawSize::Bytes(bytes) => bytes.to_string(),
-            RawSize::Text(text) => text.clone(),
-        })
-    };
+    let size = |value: &Option<Spanned<RawSize>>| value.as_ref().map(|value| value.get_ref().text());
     let values = [
         raw.methods.as_ref().map(|methods| {
             methods
@@ -474,11 +479,8 @@ fn route_spec(raw: RawRoute, line: usize) -> Result<RouteSpec, (Range<usize>, St
     let size = |value: Option<Spanned<RawSize>>, key: &str| {
         value
             .map(|value| {
-                let text = match value.get_ref() {
-                    RawSize::Bytes(bytes) => bytes.to_string(),
-                    RawSize::Text(text) => text.clone(),
-                };
-                parse_limit(&text).map_err(|error| (value.span(), format!("`{key}`: {error}")))
+                parse_limit(&value.get_ref().text())
+                    .map_err(|error| (value.span(), format!("`{key}`: {error}")))
             })
             .transpose()
     };
@@ -494,12 +496,9 @@ fn route_spec(raw: RawRoute, line: usize) -> Result<RouteSpec, (Range<usize>, St
             format!("`path`: `{path}` is not a path: it starts with / and has no query"),
         ));
     }
-    let path = if path.len() > 1 {
-        path.trim_end_matches('/').to_owned()
-    } else {
-        path
-    };
-    let path = if path.is_empty() { "/".to_owned() } else { path };
+    // No trailing slash, but `/` itself.
+    let trimmed = path.trim_end_matches('/');
+    let path = if trimmed.is_empty() { "/" } else { trimmed }.to_owned();
     let methods = match raw.methods {
         None => None,
         Some(methods) => {
@@ -611,15 +610,7 @@ impl fmt::Display for MergeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::File(error) => error.fmt(f),
-            Self::Flags(error) => {
-                let text = error.to_string();
-                f.write_str(
-                    text.lines()
-                        .next()
-                        .unwrap_or_default()
-                        .trim_start_matches("error: "),
-                )
-            }
+            Self::Flags(error) => f.write_str(&clap_reason(error)),
         }
     }
 }
@@ -656,9 +647,7 @@ pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Mer
     let file = load(&path, serve_command).map_err(MergeError::File)?;
     let mut from_file = Vec::new();
     for setting in &file.settings {
-        let given = serve_command
-            .get_arguments()
-            .find(|arg| arg.get_long() == Some(setting.name.as_str()))
+        let given = setting_flag(serve_command, &setting.name)
             .and_then(|arg| serve.value_source(arg.get_id().as_str()));
         if matches!(given, Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
             continue;
