@@ -352,7 +352,12 @@ fn bad_files_are_refused_with_the_place_and_the_reason() {
             ":4:12:",
             "`methods`",
         ),
-        ("syntax", "[[route]\npath = \"/a\"\n", ":2:", ""),
+        (
+            "syntax",
+            "[[route]\npath = \"/a\"\n",
+            ":2:9:",
+            "unclosed array table",
+        ),
         ("switch", "require-key = \"yes\"\n", ":2:15:", "is a switch"),
     ] {
         let path = dir.path().join(format!("{name}.toml"));
@@ -394,6 +399,22 @@ fn a_shadowed_route_is_warned_about_with_both_lines() {
         "{out}"
     );
     assert!(out.contains("shadow.toml:6:"), "{out}");
+}
+
+/// A payment with `key` on /v1/payments: how many seconds its record is kept, from the
+/// response's `Date` to its `Idempotency-Key-Expires`.
+async fn payment_retained_for(client: &common::HttpClient, addr: std::net::SocketAddr, key: &str) -> u64 {
+    let seen = send(
+        client,
+        addr,
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", key)],
+        b"{}",
+    )
+    .await;
+    assert_eq!(seen.status, 201, "{key}");
+    retained_for(&seen)
 }
 
 /// Seconds from the response's `Date` to its `Idempotency-Key-Expires`.
@@ -447,21 +468,8 @@ async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
             .unwrap();
         assert!(status.success());
     };
-    let before = send(
-        &client,
-        addr,
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "before")],
-        b"{}",
-    )
-    .await;
-    assert_eq!(before.status, 201);
-    assert!(
-        (55..=60).contains(&retained_for(&before)),
-        "{}",
-        retained_for(&before)
-    );
+    let before = payment_retained_for(&client, addr, "before").await;
+    assert!((55..=60).contains(&before), "{before}");
 
     // 50 requests held by the upstream, then the file changes and SIGHUP comes.
     let keys: Vec<String> = (0..50).map(|n| format!("held-{n}")).collect();
@@ -505,20 +513,8 @@ async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
         );
     }
     common::metric_at_least(addr, "idem_config_reloads_total", &[("result", "ok")], 1.0).await;
-    let after = send(
-        &client,
-        addr,
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "after")],
-        b"{}",
-    )
-    .await;
-    assert!(
-        (3595..=3600).contains(&retained_for(&after)),
-        "{}",
-        retained_for(&after)
-    );
+    let after = payment_retained_for(&client, addr, "after").await;
+    assert!((3595..=3600).contains(&after), "{after}");
     for key in &keys {
         assert_eq!(calls(&client, upstream, key).await, 1, "{key}");
     }
@@ -539,18 +535,6 @@ async fn sighup_reloads_the_file_and_no_request_in_flight_fails() {
     assert!(log.lock().unwrap().contains("the running configuration stays"));
     let keyless = send(&client, addr, "POST", "/v1/payments", &[], b"{}").await;
     assert_eq!(keyless.status, 400);
-    let still = send(
-        &client,
-        addr,
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "still")],
-        b"{}",
-    )
-    .await;
-    assert!(
-        (3595..=3600).contains(&retained_for(&still)),
-        "{}",
-        retained_for(&still)
-    );
+    let still = payment_retained_for(&client, addr, "still").await;
+    assert!((3595..=3600).contains(&still), "{still}");
 }
