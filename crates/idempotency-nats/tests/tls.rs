@@ -92,19 +92,22 @@ async fn a_worker_over_tls_with_the_ca_and_a_client_certificate_runs_each_key_on
     }
 }
 
+/// The error of a worker's connection to `url`, which must fail.
+async fn refused_at_connect(url: &str) -> idempotency_nats::AdapterError {
+    let consumer = Arc::new(Consumer::new("refused", MemoryStore::new(), Charger::default()));
+    NatsSource::from_url(url)
+        .unwrap()
+        .connect(CONNECT, consumer)
+        .await
+        .unwrap_err()
+}
+
 /// Connecting fails with the cause: the system's trust store does not know the test CA
 /// (verification is on by default), another CA, another name, and a client requiring TLS of a
 /// server without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_ca_a_wrong_name_and_a_server_without_tls_fail_at_connect() {
-    let connect = async |url: String| {
-        let consumer = Arc::new(Consumer::new("tls", MemoryStore::new(), Charger::default()));
-        NatsSource::from_url(&url)
-            .unwrap()
-            .connect(CONNECT, consumer)
-            .await
-            .unwrap_err()
-    };
+    let connect = async |url: String| refused_at_connect(&url).await;
     let system = connect(format!("{}?stream=S&consumer=C", tls_url())).await;
     assert_eq!(system.kind(), AdapterErrorKind::Unreachable, "{system}");
     assert!(system.to_string().contains("UnknownIssuer"), "{system}");
@@ -332,12 +335,7 @@ async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
         server.url,
         file("ca.pem")
     );
-    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), Charger::default()));
-    let public = NatsSource::from_url(&public)
-        .unwrap()
-        .connect(CONNECT, consumer)
-        .await
-        .unwrap_err();
+    let public = refused_at_connect(&public).await;
     assert_eq!(public.kind(), AdapterErrorKind::Config, "{public}");
     assert!(public.to_string().contains("not an NKey seed"), "{public}");
     assert!(!public.to_string().contains(&user.public_key()), "{public}");
@@ -349,12 +347,7 @@ async fn an_nkey_seed_authenticates_and_another_users_is_refused() {
         server.url,
         file("ca.pem")
     );
-    let consumer = Arc::new(Consumer::new("nkey", MemoryStore::new(), Charger::default()));
-    let malformed = NatsSource::from_url(&creds)
-        .unwrap()
-        .connect(CONNECT, consumer)
-        .await
-        .unwrap_err();
+    let malformed = refused_at_connect(&creds).await;
     assert_eq!(malformed.kind(), AdapterErrorKind::Config, "{malformed}");
     assert!(
         malformed.to_string().contains(&format!("`creds` {garbage}")),
@@ -451,16 +444,7 @@ async fn runs_once_and_a_stranger_is_refused(
     stop.notify_one();
     running.await.unwrap().unwrap();
 
-    let consumer = Arc::new(Consumer::new(
-        auth.to_owned(),
-        MemoryStore::new(),
-        Charger::default(),
-    ));
-    let refused = NatsSource::from_url(&url(stranger))
-        .unwrap()
-        .connect(CONNECT, consumer)
-        .await
-        .unwrap_err();
+    let refused = refused_at_connect(&url(stranger)).await;
     assert_eq!(refused.kind(), AdapterErrorKind::Unreachable, "{refused}");
     assert!(refused.to_string().contains("authorization"), "{refused}");
 }
