@@ -231,12 +231,8 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                     move || {
                         let fetched = consumer.fetch_metadata(Some(&topic), slice);
                         // A consumer's errors (a refused handshake or login among them) come
-                        // through its queue: serve it, so that the context hears of them.
-                        while let Some(served) = consumer.poll(Duration::ZERO) {
-                            if let Err(error) = served {
-                                consumer.context().heard(&error);
-                            }
-                        }
+                        // through its queue: serving it hands them to the context.
+                        while consumer.poll(Duration::ZERO).is_some() {}
                         fetched
                     }
                 })
@@ -491,12 +487,6 @@ impl CheckContext {
         if errors.len() < CHECK_KEPT {
             errors.push((code, reason));
         }
-    }
-
-    /// An error the consumer's queue served.
-    fn heard(&self, error: &rdkafka::error::KafkaError) {
-        let code = error.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail);
-        self.keep(code, error.to_string());
     }
 
     /// A refused TLS handshake or SASL authentication, with librdkafka's reason, if one was
