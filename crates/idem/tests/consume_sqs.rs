@@ -16,14 +16,39 @@ fn endpoint() -> String {
     std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
 }
 
+/// The local server over HTTPS (`scripts/services moto-tls`), named as its certificate names it.
+fn tls_endpoint() -> String {
+    std::env::var("AWS_TLS_ENDPOINT_URL").unwrap_or_else(|_| "https://localhost:5443".into())
+}
+
 /// A queue and its dead-letter queue, of the test's own.
 struct Sqs {
     client: Client,
     queue_url: String,
     dead_url: String,
+    /// `idem consume` reaches the queue over HTTPS with this `ca=` file.
+    tls_ca: Option<String>,
 }
 
 impl Sqs {
+    /// The queues of [`new`](Self::new), consumed over HTTPS verified against the test CA.
+    async fn over_tls() -> Self {
+        Self {
+            tls_ca: Some(idempotency_testkit::tls::file("ca.pem")),
+            ..Self::new().await
+        }
+    }
+
+    /// `idem consume`'s `--from` for the queue over HTTPS, trusting `ca` when given.
+    fn source_over_tls(&self, endpoint: &str, ca: Option<&str>) -> String {
+        let path = self.queue_url.splitn(4, '/').nth(3).unwrap();
+        let mut from = format!("sqs://?queue_url={endpoint}/{path}&wait=0s&visibility=3s");
+        if let Some(ca) = ca {
+            from.push_str(&format!("&ca={ca}"));
+        }
+        from
+    }
+
     async fn new() -> Self {
         let config = Config::builder()
             .behavior_version_latest()
@@ -56,6 +81,7 @@ impl Sqs {
             client,
             queue_url,
             dead_url,
+            tls_ca: None,
         }
     }
 }
@@ -69,7 +95,10 @@ impl Broker for Sqs {
     /// up the heartbeats) and a 3 s visibility timeout; the dead-letter queue is found by its
     /// name (QUEUE-dead) and the endpoint from the queue's URL.
     fn from(&self) -> String {
-        format!("sqs://?queue_url={}&wait=0s&visibility=3s", self.queue_url)
+        match &self.tls_ca {
+            Some(ca) => self.source_over_tls(&tls_endpoint(), Some(ca)),
+            None => format!("sqs://?queue_url={}&wait=0s&visibility=3s", self.queue_url),
+        }
     }
 
     /// A killed consumer's message comes back after the 3 s visibility timeout; an 8 s lease
@@ -221,14 +250,49 @@ async fn missing_queues_and_an_unreachable_service_are_clear_errors() {
             "cannot reach SQS",
         ),
     ] {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(["consume", "--from", &from, "--to", "http://127.0.0.1:1/m"])
-            .args(["--store", "memory://"])
-            .envs(sqs.env())
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(1), "{from}: {err}");
-        assert!(err.contains(why), "{from}: {err}");
+        stops_at_start(&sqs, &from, &[why]);
+    }
+}
+
+/// `idem consume --from FROM` exits with 1 before calling any handler, its error naming each
+/// of `causes`.
+fn stops_at_start(sqs: &Sqs, from: &str, causes: &[&str]) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["consume", "--from", from, "--to", "http://127.0.0.1:1/m"])
+        .args(["--store", "memory://"])
+        .envs(sqs.env())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{from}: {err}");
+    for cause in causes {
+        assert!(err.contains(cause), "{from}: {err}");
+    }
+}
+
+/// The worker's SQS client over HTTPS (`ca=`, `scripts/services moto-tls`), queue and dead
+/// letters alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_https_with_the_ca_every_message_published_three_times_is_handled_once() {
+    consume::three_copies_run_once(&Sqs::over_tls().await).await;
+}
+
+/// Without `ca` (the system's trust store), with another CA and by an address the certificate
+/// does not name, `idem consume` stops at its start check with the TLS cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_queue_of_another_ca_or_name_stops_the_consumer_at_start() {
+    let sqs = Sqs::new().await;
+    let by_address = tls_endpoint().replace("localhost", "127.0.0.1");
+    let other_ca = idempotency_testkit::tls::file("other-ca.pem");
+    let ca = idempotency_testkit::tls::file("ca.pem");
+    for (from, why) in [
+        (sqs.source_over_tls(&tls_endpoint(), None), "UnknownIssuer"),
+        (
+            sqs.source_over_tls(&tls_endpoint(), Some(&other_ca)),
+            "UnknownIssuer",
+        ),
+        (sqs.source_over_tls(&by_address, Some(&ca)), "not valid for name"),
+    ] {
+        stops_at_start(&sqs, &from, &["cannot reach SQS", why]);
     }
 }

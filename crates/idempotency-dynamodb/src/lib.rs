@@ -52,5 +52,5 @@
 mod store;
 mod url;
 
-pub use store::{DynamoDbOptions, DynamoDbStore, http_client};
+pub use store::{DynamoDbOptions, DynamoDbStore, http_client, http_client_trusting};
 pub use url::{DynamoDbUrl, KIND};

@@ -152,8 +152,18 @@ impl DynamoDbStore {
     /// with `endpoint` and `region` overriding what the environment says (a local server needs
     /// the endpoint). TLS is rustls with the `ring` provider: no C library is built.
     pub async fn connect(options: DynamoDbOptions, endpoint: Option<&str>, region: Option<&str>) -> Self {
-        let mut loader =
-            aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
+        Self::connect_through(options, endpoint, region, http_client()).await
+    }
+
+    /// [`connect`](Self::connect) through `http_client` (for example
+    /// [`http_client_trusting`] a private CA).
+    pub async fn connect_through(
+        options: DynamoDbOptions,
+        endpoint: Option<&str>,
+        region: Option<&str>,
+        http_client: aws_sdk_dynamodb::config::SharedHttpClient,
+    ) -> Self {
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client);
         if let Some(endpoint) = endpoint {
             loader = loader.endpoint_url(endpoint);
         }
@@ -803,12 +813,37 @@ impl StoreAdmin for DynamoDbStore {
 /// The HTTPS client this crate configures its clients with: rustls on the `ring` provider, so
 /// no C library (`aws-lc-sys`) is built. Pass it to a client built by hand
 /// (`aws_sdk_dynamodb::Config::builder().http_client(http_client())`).
+/// It verifies servers against the system's trust store (which honours `SSL_CERT_FILE` and
+/// `SSL_CERT_DIR`).
 #[must_use]
 pub fn http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
     use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
     aws_smithy_http_client::Builder::new()
         .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
         .build_https()
+}
+
+/// [`http_client`] verifying servers against the CA certificates in the PEM file `ca` instead
+/// of the system's trust store: a compatible server or a TLS proxy with a private CA.
+///
+/// # Errors
+///
+/// [`ErrorKind::InvalidConfig`] naming the file and why it cannot be used.
+pub fn http_client_trusting(
+    ca: &std::path::Path,
+) -> Result<aws_sdk_dynamodb::config::SharedHttpClient, StoreError> {
+    use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
+    let refuse =
+        |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("ca={}: {why}", ca.display()));
+    let pem = idempotency_core::pem::read_ca_file(ca).map_err(refuse)?;
+    let context = TlsContext::builder()
+        .with_trust_store(TrustStore::empty().with_pem_certificate(pem))
+        .build()
+        .map_err(|e| refuse(e.to_string()))?;
+    Ok(aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
+        .tls_context(context)
+        .build_https())
 }
 
 /// The `ttl` attribute for a record expiring at `expires_at`: DynamoDB's TTL deletion reads

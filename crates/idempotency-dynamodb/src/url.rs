@@ -7,7 +7,7 @@ use idempotency_core::{Access, DynStore, ErrorKind, OpenFuture, StoreError, Stor
 
 use crate::{DynamoDbOptions, DynamoDbStore};
 
-/// `dynamodb://TABLE?region=…&endpoint=…&max_clock_skew=…`, for a
+/// `dynamodb://TABLE?region=…&endpoint=…&ca=…&max_clock_skew=…`, for a
 /// [`Registry`](idempotency_core::Registry); see [`DynamoDbUrl::parse`].
 pub const KIND: StoreKind = StoreKind {
     name: "dynamodb",
@@ -27,12 +27,16 @@ pub struct DynamoDbUrl {
     pub endpoint: Option<String>,
     /// `region=`; otherwise the environment's (`AWS_REGION`, the profile).
     pub region: Option<String>,
+    /// `ca=FILE`: the CA certificates an `https://` endpoint is verified against, instead of
+    /// the system's trust store.
+    pub ca: Option<std::path::PathBuf>,
 }
 
 impl DynamoDbUrl {
     /// Parses `dynamodb://TABLE` with the optional parameters `region=NAME`,
-    /// `endpoint=URL` (percent-encode it when it has a query of its own) and
-    /// `max_clock_skew=DURATION` (`500ms`, `2s`). Credentials never go in the URL: they come
+    /// `endpoint=URL` (percent-encode it when it has a query of its own), `ca=FILE` (a PEM
+    /// file of the CA certificates the endpoint is verified against instead of the system's
+    /// trust store; checked here) and `max_clock_skew=DURATION` (`500ms`, `2s`). Credentials never go in the URL: they come
     /// from the usual AWS environment variables, profile or instance role.
     ///
     /// # Errors
@@ -72,7 +76,7 @@ impl DynamoDbUrl {
             )));
         }
         let mut options = DynamoDbOptions::table(table)?;
-        let (mut endpoint, mut region) = (None, None);
+        let (mut endpoint, mut region, mut ca) = (None, None, None);
         for (name, value) in parsed.query_pairs() {
             match &*name {
                 "region" if !value.is_empty() => region = Some(value.into_owned()),
@@ -86,6 +90,11 @@ impl DynamoDbUrl {
                         )));
                     }
                     endpoint = Some(value.into_owned());
+                }
+                "ca" => {
+                    let path = std::path::PathBuf::from(&*value);
+                    crate::http_client_trusting(&path)?;
+                    ca = Some(path);
                 }
                 "max_clock_skew" => {
                     let skew: Duration = humantime::parse_duration(&value).map_err(|e| {
@@ -103,15 +112,21 @@ impl DynamoDbUrl {
                 "region" => return Err(invalid(format!("`{shown}`: region= is empty"))),
                 other => {
                     return Err(invalid(format!(
-                        "unknown parameter `{other}` in `{shown}` (known: region, endpoint, max_clock_skew)"
+                        "unknown parameter `{other}` in `{shown}` (known: region, endpoint, ca, max_clock_skew)"
                     )));
                 }
             }
+        }
+        if ca.is_some() && endpoint.as_deref().is_some_and(|e| e.starts_with("http://")) {
+            return Err(invalid(format!(
+                "`{shown}`: ca= verifies an https:// endpoint, and endpoint= is http://"
+            )));
         }
         Ok(Self {
             options,
             endpoint,
             region,
+            ca,
         })
     }
 }
@@ -124,8 +139,14 @@ fn open_url(url: String, access: Access) -> OpenFuture {
             options,
             endpoint,
             region,
+            ca,
         } = DynamoDbUrl::parse(&url)?;
-        let store = DynamoDbStore::connect(options, endpoint.as_deref(), region.as_deref()).await;
+        let client = match &ca {
+            Some(ca) => crate::http_client_trusting(ca)?,
+            None => crate::http_client(),
+        };
+        let store =
+            DynamoDbStore::connect_through(options, endpoint.as_deref(), region.as_deref(), client).await;
         match access {
             Access::Create => store.migrate().await?,
             // Existing, ReadOnly, and any stricter access to come: never create.
@@ -187,6 +208,10 @@ mod tests {
                 "expected an http:// or https:// URL",
             ),
             ("dynamodb://?password=s3cret", "names no table"),
+            (
+                "dynamodb://records?ca=/nonexistent/ca.pem",
+                "ca=/nonexistent/ca.pem: No such file",
+            ),
             ("postgres://records", "is not a dynamodb:// URL"),
             ("dynamodb records", "not a dynamodb:// URL"),
         ];

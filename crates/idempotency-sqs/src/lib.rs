@@ -215,7 +215,8 @@ pub(crate) fn config(message: impl Into<String>) -> AdapterError {
 }
 
 /// The HTTP client the SQS clients of this crate use: rustls with the `ring` provider, so no C
-/// library is built. Pass it to an `aws_sdk_sqs::Config` of your own.
+/// library is built. Pass it to an `aws_sdk_sqs::Config` of your own. It verifies servers
+/// against the system's trust store (which honours `SSL_CERT_FILE` and `SSL_CERT_DIR`).
 #[must_use]
 pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
     aws_smithy_http_client::Builder::new()
@@ -225,11 +226,42 @@ pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
         .build_https()
 }
 
+/// [`http_client`] verifying servers against the CA certificates in the PEM file `ca` instead
+/// of the system's trust store: a compatible server or a TLS proxy with a private CA.
+///
+/// # Errors
+///
+/// [`AdapterErrorKind::Config`] naming the file and why it cannot be used.
+pub fn http_client_trusting(
+    ca: &std::path::Path,
+) -> Result<aws_sdk_sqs::config::SharedHttpClient, AdapterError> {
+    use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
+    let refuse = |why: String| config(format!("ca={}: {why}", ca.display()));
+    let pem = idempotency_core::pem::read_ca_file(ca).map_err(refuse)?;
+    let context = TlsContext::builder()
+        .with_trust_store(TrustStore::empty().with_pem_certificate(pem))
+        .build()
+        .map_err(|e| refuse(e.to_string()))?;
+    Ok(aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
+        .tls_context(context)
+        .build_https())
+}
+
 /// A client configured the usual AWS way (environment, profile, instance role), with
 /// `endpoint` and `region` overriding what the environment says (a local server needs the
 /// endpoint).
 pub async fn client(endpoint: Option<&str>, region: Option<&str>) -> aws_sdk_sqs::Client {
-    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
+    client_through(endpoint, region, http_client()).await
+}
+
+/// [`client`] through `http_client` (for example [`http_client_trusting`] a private CA).
+pub async fn client_through(
+    endpoint: Option<&str>,
+    region: Option<&str>,
+    http_client: aws_sdk_sqs::config::SharedHttpClient,
+) -> aws_sdk_sqs::Client {
+    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client);
     if let Some(endpoint) = endpoint {
         loader = loader.endpoint_url(endpoint);
     }

@@ -22,6 +22,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  dead_letter_url=URL    where dead letters go (default: the queue's name with -dead beside it)\n\
                  dead_letter=redrive    leave dead letters to the queue's redrive policy instead\n\
                  endpoint=URL           a service outside AWS (default: the queue URL's origin when it is not on AWS)\n\
+                 ca=FILE                the CA certificates (PEM) an https:// service is verified against, instead of the system's\n\
                  visibility=30s         the visibility timeout, 1s to 12h, extended every third of it while a handler runs\n\
                  wait=20s               the long poll, 0s (short polling) to 20s\n\
                  credentials come from the environment, as for every AWS tool",
@@ -43,6 +44,9 @@ pub struct SqsSource {
     pub region: Option<String>,
     /// The service endpoint; the SDK's for the region when `None`.
     pub endpoint: Option<String>,
+    /// `ca=FILE`: the CA certificates the service is verified against, instead of the system's
+    /// trust store.
+    pub ca: Option<std::path::PathBuf>,
     /// The visibility timeout.
     pub visibility: Duration,
     /// The long poll; zero for short polling.
@@ -59,6 +63,7 @@ impl fmt::Debug for SqsSource {
             )
             .field("region", &self.region)
             .field("endpoint", &self.endpoint)
+            .field("ca", &self.ca)
             .field("visibility", &self.visibility)
             .field("wait", &self.wait)
             .finish()
@@ -66,7 +71,7 @@ impl fmt::Debug for SqsSource {
 }
 
 impl SqsSource {
-    /// Parses `sqs://[REGION]?queue_url=URL[&dead_letter_url=URL | &dead_letter=redrive][&endpoint=URL][&visibility=30s][&wait=20s]`.
+    /// Parses `sqs://[REGION]?queue_url=URL[&dead_letter_url=URL | &dead_letter=redrive][&endpoint=URL][&ca=FILE][&visibility=30s][&wait=20s]`.
     ///
     /// ```
     /// use idempotency_sqs::SqsSource;
@@ -151,6 +156,20 @@ impl SqsSource {
             None if !is_aws(&queue) => Some(queue.origin().ascii_serialization()),
             None => None,
         };
+        let ca = match params.take("ca") {
+            Some(path) => {
+                let path = std::path::PathBuf::from(path);
+                crate::http_client_trusting(&path)?;
+                let service = endpoint.clone().unwrap_or_else(|| queue_url.clone());
+                if service.starts_with("http://") {
+                    return Err(refuse(
+                        "ca= verifies an https:// service, and this one is http://".into(),
+                    ));
+                }
+                Some(path)
+            }
+            None => None,
+        };
         let region = match (region, params.take("region")) {
             (_, Some(_)) => {
                 return Err(refuse(
@@ -174,12 +193,13 @@ impl SqsSource {
                 "must be from 0s to 20s",
             )?
             .unwrap_or(Duration::from_secs(20));
-        params.finish("queue_url, dead_letter_url, dead_letter, endpoint, visibility, wait")?;
+        params.finish("queue_url, dead_letter_url, dead_letter, endpoint, ca, visibility, wait")?;
         Ok(Self {
             queue_url,
             dead_letter_url,
             region,
             endpoint,
+            ca,
             visibility,
             wait,
         })
@@ -193,22 +213,31 @@ impl SqsSource {
 
     /// A worker on the queue with a client for the source's region and endpoint (credentials
     /// from the environment): its dead letters, visibility and polling as the URL says.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Config`] when the `ca` file can no longer be used.
     pub async fn worker<P: idempotency_consumer::Processor<SqsMessage> + 'static>(
         &self,
         processor: Arc<P>,
-    ) -> Worker<P> {
-        let client = crate::client(self.endpoint.as_deref(), self.region.as_deref()).await;
+    ) -> Result<Worker<P>, AdapterError> {
+        let http_client = match &self.ca {
+            Some(ca) => crate::http_client_trusting(ca)?,
+            None => crate::http_client(),
+        };
+        let client =
+            crate::client_through(self.endpoint.as_deref(), self.region.as_deref(), http_client).await;
         let dead_letters = match &self.dead_letter_url {
             Some(url) => DeadLetters::Queue(url.clone()),
             None => DeadLetters::RedrivePolicy,
         };
         let worker = Worker::new(client, self.queue_url.clone(), dead_letters, processor)
             .visibility_timeout(self.visibility);
-        if self.wait.is_zero() {
+        Ok(if self.wait.is_zero() {
             worker.short_polling(SHORT_POLL_PAUSE)
         } else {
             worker.wait_time(self.wait)
-        }
+        })
     }
 }
 
@@ -248,7 +277,7 @@ fn run(url: String, settings: SourceSettings, processor: AnyProcessor, shutdown:
         let source = SqsSource::from_url(&url)?;
         let worker = source
             .worker(Arc::new(processor))
-            .await
+            .await?
             .name(settings.name)
             .concurrency(settings.concurrency)
             .prefetch(settings.prefetch);
@@ -341,6 +370,10 @@ mod tests {
             (
                 "sqs://?queue_url=http://h/1/q&queue=q",
                 "unknown parameter `queue`",
+            ),
+            (
+                "sqs://?queue_url=https://h/1/q&ca=/nonexistent/ca.pem",
+                "ca=/nonexistent/ca.pem: No such file",
             ),
             ("amqp://h", "not an sqs:// URL"),
         ] {
