@@ -49,7 +49,7 @@ use std::time::Duration;
 
 mod source;
 mod worker;
-pub use source::{KafkaSource, SOURCE};
+pub use source::{KafkaSource, SOURCE, producer_from_url};
 pub use worker::Worker;
 
 /// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and

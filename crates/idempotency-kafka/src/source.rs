@@ -105,33 +105,7 @@ impl KafkaSource {
     /// [`AdapterErrorKind::Config`] saying what is wrong (never echoing the password).
     pub fn from_url(url: &str) -> Result<Self, AdapterError> {
         let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
-        let rest = strip_scheme(url, "kafka")
-            .ok_or_else(|| refuse(format!("not a kafka:// URL; expected {}", SOURCE.example)))?;
-        let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let authority = authority.trim_end_matches('/');
-        if authority.contains('/') {
-            return Err(refuse(
-                "a Kafka URL has no path: kafka://HOST:PORT?topic=TOPIC&group=GROUP".into(),
-            ));
-        }
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((userinfo, hosts)) => (Some(userinfo), hosts),
-            None => (None, authority),
-        };
-        for broker in hosts.split(',') {
-            let port = broker
-                .rsplit_once(':')
-                .map(|(host, port)| (host, port.parse::<u16>()));
-            match port {
-                Some((host, Ok(port))) if !host.is_empty() && port > 0 => {}
-                _ => {
-                    return Err(refuse(format!(
-                        "`{broker}` is not a broker address: expected HOST:PORT (several separated by commas)"
-                    )));
-                }
-            }
-        }
-        let mut params = Params::new(BROKER, query);
+        let (brokers, userinfo, mut params) = split_url(url, SOURCE.example)?;
         let topic = params
             .take("topic")
             .ok_or_else(|| refuse("names no topic: add ?topic=TOPIC&group=GROUP".into()))?;
@@ -159,41 +133,14 @@ impl KafkaSource {
                 "`{group}` is not a consumer group name Kafka accepts"
             )));
         }
-        let mut settings = params.into_rest();
-        if let Some(owned) = OWNED.iter().find(|owned| settings.contains_key(**owned)) {
-            return Err(refuse(format!(
-                "`{owned}` is set by the source itself (the brokers are the URL's hosts, the group is group=, offsets are committed once recorded)"
-            )));
-        }
-        if let Some((name, _)) = settings.iter().find(|(_, value)| value.is_empty()) {
-            return Err(refuse(format!("the setting `{name}` has no value")));
-        }
-        for name in PEM_FILES {
-            let Some(path) = settings.get(name).map(std::path::Path::new) else {
-                continue;
-            };
-            // librdkafka also takes a directory of CAs, or `probe` to look for the system's.
-            if name == "ssl.ca.location" && (path.as_os_str() == "probe" || path.is_dir()) {
-                continue;
-            }
-            idempotency_core::pem::check_file(path)
-                .map_err(|why| refuse(format!("`{name}` {}: {why}", path.display())))?;
-        }
-        if let Some(userinfo) = userinfo {
-            let decode = |text: &str| {
-                percent_encoding::percent_decode_str(text)
-                    .decode_utf8()
-                    .map(|text| text.into_owned())
-                    .map_err(|_| refuse("the user or password is not UTF-8 once decoded".into()))
-            };
-            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-            settings.insert("sasl.username".into(), decode(user)?);
-            if !password.is_empty() {
-                settings.insert("sasl.password".into(), decode(password)?);
-            }
-        }
+        let settings = client_settings(
+            params,
+            userinfo,
+            &OWNED,
+            "is set by the source itself (the brokers are the URL's hosts, the group is group=, offsets are committed once recorded)",
+        )?;
         Ok(Self {
-            brokers: hosts.to_owned(),
+            brokers,
             topic,
             group,
             dead_letter,
@@ -241,6 +188,130 @@ impl KafkaSource {
 /// On a revocation or SIGTERM the running calls get the handler timeout to finish, and a bit
 /// more to be recorded; meanwhile the poll thread waits for them, so the group must not count
 /// the member as gone before that.
+/// A `kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?…]` URL split by hand (a list of
+/// brokers is no URL authority): the brokers, the user information, the query's parameters.
+fn split_url<'u>(url: &'u str, example: &str) -> Result<(String, Option<&'u str>, Params), AdapterError> {
+    let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+    let rest = strip_scheme(url, "kafka")
+        .ok_or_else(|| refuse(format!("not a kafka:// URL; expected {example}")))?;
+    let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let authority = authority.trim_end_matches('/');
+    if authority.contains('/') {
+        return Err(refuse(format!("a Kafka URL has no path: {example}")));
+    }
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, authority),
+    };
+    for broker in hosts.split(',') {
+        let port = broker
+            .rsplit_once(':')
+            .map(|(host, port)| (host, port.parse::<u16>()));
+        match port {
+            Some((host, Ok(port))) if !host.is_empty() && port > 0 => {}
+            _ => {
+                return Err(refuse(format!(
+                    "`{broker}` is not a broker address: expected HOST:PORT (several separated by commas)"
+                )));
+            }
+        }
+    }
+    Ok((hosts.to_owned(), userinfo, Params::new(BROKER, query)))
+}
+
+/// The librdkafka settings a URL's remaining parameters and user information make: none of
+/// `owned` (refused with `why_owned`), none empty, the PEM files checked, the user and password
+/// as `sasl.username` and `sasl.password`.
+fn client_settings(
+    params: Params,
+    userinfo: Option<&str>,
+    owned: &[&str],
+    why_owned: &str,
+) -> Result<BTreeMap<String, String>, AdapterError> {
+    let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+    let mut settings = params.into_rest();
+    if let Some(owned) = owned.iter().find(|owned| settings.contains_key(**owned)) {
+        return Err(refuse(format!("`{owned}` {why_owned}")));
+    }
+    if let Some((name, _)) = settings.iter().find(|(_, value)| value.is_empty()) {
+        return Err(refuse(format!("the setting `{name}` has no value")));
+    }
+    for name in PEM_FILES {
+        let Some(path) = settings.get(name).map(std::path::Path::new) else {
+            continue;
+        };
+        // librdkafka also takes a directory of CAs, or `probe` to look for the system's.
+        if name == "ssl.ca.location" && (path.as_os_str() == "probe" || path.is_dir()) {
+            continue;
+        }
+        idempotency_core::pem::check_file(path)
+            .map_err(|why| refuse(format!("`{name}` {}: {why}", path.display())))?;
+    }
+    if let Some(userinfo) = userinfo {
+        let decode = |text: &str| {
+            percent_encoding::percent_decode_str(text)
+                .decode_utf8()
+                .map(|text| text.into_owned())
+                .map_err(|_| refuse("the user or password is not UTF-8 once decoded".into()))
+        };
+        let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+        settings.insert("sasl.username".into(), decode(user)?);
+        if !password.is_empty() {
+            settings.insert("sasl.password".into(), decode(password)?);
+        }
+    }
+    Ok(settings)
+}
+
+/// Settings an idempotent producer sets itself.
+const PRODUCER_OWNED: [&str; 3] = ["bootstrap.servers", "enable.idempotence", "acks"];
+
+/// An idempotent producer ([`idempotent_producer`](crate::idempotent_producer)'s settings)
+/// for the brokers a `kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?SETTING=V…]` URL names,
+/// with the same librdkafka settings as a source's URL (`security.protocol`, `sasl.*`,
+/// `ssl.*.location`, checked the same way): for publishers, such as the outbox relay's
+/// `KafkaPublisher`.
+///
+/// With the `tls` feature, `kafka://relay:PASSWORD@k1:9093?security.protocol=SASL_SSL&sasl.mechanism=SCRAM-SHA-512`
+/// reaches a managed cluster.
+///
+/// ```
+/// let producer = idempotency_kafka::producer_from_url(
+///     "kafka://k1:9092,k2:9092?client.id=orders-relay&message.timeout.ms=30000",
+/// )?;
+/// # drop(producer);
+/// # Ok::<(), idempotency_kafka::AdapterError>(())
+/// ```
+///
+/// # Errors
+///
+/// [`AdapterErrorKind::Config`] saying what is wrong (never echoing the password), librdkafka's
+/// reason for a setting it refuses included.
+pub fn producer_from_url(url: &str) -> Result<rdkafka::producer::FutureProducer, AdapterError> {
+    let (brokers, userinfo, params) = split_url(url, "kafka://HOST:PORT?SETTING=VALUE")?;
+    let settings = client_settings(
+        params,
+        userinfo,
+        &PRODUCER_OWNED,
+        "is set by the producer itself (the brokers are the URL's hosts; an idempotent producer waits for every replica)",
+    )?;
+    let mut client = ClientConfig::new();
+    client
+        .set("bootstrap.servers", &brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all");
+    for (name, value) in &settings {
+        client.set(name, value);
+    }
+    client.create().map_err(|e| {
+        AdapterError::new(
+            AdapterErrorKind::Config,
+            BROKER,
+            format!("librdkafka refused the producer's settings: {e}"),
+        )
+    })
+}
+
 fn settle_timeout(handler_timeout: Duration) -> Duration {
     handler_timeout.saturating_add(Duration::from_secs(5))
 }
@@ -353,6 +424,35 @@ mod tests {
             ),
         ] {
             let error = KafkaSource::from_url(url).unwrap_err();
+            assert_eq!(error.kind(), AdapterErrorKind::Config, "{url}");
+            assert!(error.to_string().contains(why), "{url}: {error}");
+            assert!(!error.to_string().contains("s3cret"), "{url}: {error}");
+        }
+    }
+
+    #[test]
+    fn producer_urls_take_a_sources_settings_and_refuse_the_producers_own() {
+        let producer = producer_from_url("kafka://u:s3cret@k1:9092,k2:9092?client.id=relay&linger.ms=5");
+        assert!(producer.is_ok(), "{:?}", producer.err());
+        for (url, why) in [
+            (
+                "kafka://k1:9092?enable.idempotence=false",
+                "`enable.idempotence` is set by the producer",
+            ),
+            ("kafka://k1:9092?acks=1", "`acks` is set by the producer"),
+            ("kafka://k1?client.id=x", "not a broker address"),
+            ("kafka://k1:9092/orders", "has no path"),
+            (
+                "kafka://u:s3cret@k1:9092?topic=orders",
+                "librdkafka refused the producer's settings",
+            ),
+            (
+                "kafka://k1:9092?ssl.ca.location=/nonexistent/ca.pem",
+                "`ssl.ca.location` /nonexistent/ca.pem: No such file",
+            ),
+            ("nats://k1:9092", "not a kafka:// URL"),
+        ] {
+            let error = producer_from_url(url).map(drop).unwrap_err();
             assert_eq!(error.kind(), AdapterErrorKind::Config, "{url}");
             assert!(error.to_string().contains(why), "{url}: {error}");
             assert!(!error.to_string().contains("s3cret"), "{url}: {error}");

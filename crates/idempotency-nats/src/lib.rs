@@ -34,7 +34,7 @@ use idempotency_core::Key;
 
 mod source;
 mod worker;
-pub use source::{NatsSource, NatsTls, SOURCE};
+pub use source::{NatsSource, NatsTls, SOURCE, connect_url};
 pub use worker::{Worker, WorkerError};
 
 /// The header a dead-lettered message carries its reason in.

@@ -69,6 +69,140 @@ pub struct NatsTls {
     pub creds: Option<std::path::PathBuf>,
 }
 
+impl NatsTls {
+    /// The connection parameters of a `nats://` or `tls://` URL's query (`tls_required`, `ca`,
+    /// `cert`, `key`, `nkey`, `creds`), taken off `params`; the files are checked here.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Config`] naming the parameter and what is wrong with it.
+    pub fn take(params: &mut Params, scheme: &str) -> Result<Self, AdapterError> {
+        let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+        let required = match params.take("tls_required").as_deref() {
+            None | Some("false") => scheme == "tls",
+            Some("true") => true,
+            Some(other) => return Err(refuse(format!("tls_required={other}: expected true or false"))),
+        };
+        let ca = params.pem_file("ca")?;
+        let client = match (params.pem_file("cert")?, params.pem_file("key")?) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err(refuse("a client certificate needs both `cert` and `key`".into())),
+        };
+        let nkey = params.take("nkey").map(std::path::PathBuf::from);
+        let creds = params.take("creds").map(std::path::PathBuf::from);
+        if nkey.is_some() && creds.is_some() {
+            return Err(refuse(
+                "give `nkey` or `creds`, not both: each says who the client is".into(),
+            ));
+        }
+        for (name, path) in [("nkey", &nkey), ("creds", &creds)] {
+            if let Some(path) = path {
+                std::fs::metadata(path).map_err(|e| refuse(format!("`{name}` {}: {e}", path.display())))?;
+            }
+        }
+        Ok(Self {
+            required,
+            ca,
+            client,
+            nkey,
+            creds,
+        })
+    }
+
+    /// Connects to `url` (the server, without parameters) with these settings; the first
+    /// connection must work within `timeout`, after which the client reconnects by itself for
+    /// as long as it takes.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Config`] for an unusable `nkey` or `creds` file,
+    /// [`AdapterErrorKind::Unreachable`] when the server does not answer or refuses the
+    /// connection (TLS verification, authentication), with the client's reason.
+    pub async fn connect(&self, url: &str, timeout: Duration) -> Result<async_nats::Client, AdapterError> {
+        let unreachable = |why: String| AdapterError::new(AdapterErrorKind::Unreachable, BROKER, why);
+        let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+        let mut options = async_nats::ConnectOptions::new()
+            .max_reconnects(None)
+            .require_tls(self.required);
+        if let Some(ca) = &self.ca {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &self.client {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if let Some(path) = &self.nkey {
+            let seed = std::fs::read_to_string(path)
+                .map_err(|e| refuse(format!("`nkey` {}: {e}", path.display())))?;
+            let seed = seed.trim();
+            // A seed is an `S…` key; a public key (`U…`) is the usual mix-up.
+            if !seed.starts_with('S') {
+                return Err(refuse(format!(
+                    "`nkey` {}: not an NKey seed (a seed starts with S; a U… key is the public half)",
+                    path.display()
+                )));
+            }
+            options = options.nkey(seed.to_owned());
+        }
+        if let Some(path) = &self.creds {
+            options = options
+                .credentials_file(path)
+                .await
+                .map_err(|e| refuse(format!("`creds` {}: {e}", path.display())))?;
+        }
+        tokio::time::timeout(timeout, options.connect(url))
+            .await
+            .map_err(|_| unreachable(format!("the server did not answer within {timeout:?}")))?
+            .map_err(|e| {
+                unreachable(format!(
+                    "cannot connect to the server: {}",
+                    idempotency_core::redact_url(&e.to_string())
+                ))
+            })
+    }
+}
+
+/// A client of the server a `nats://HOST:PORT` or `tls://HOST:PORT` URL names, with the same
+/// connection parameters as a source's (`tls_required`, `ca`, `cert`, `key`, `nkey`, `creds`,
+/// a user and password in the URL) and no others: for publishers, such as the outbox relay's
+/// `NatsPublisher` (`async_nats::jetstream::new(client)`).
+///
+/// ```no_run
+/// # async fn f() -> Result<(), idempotency_nats::AdapterError> {
+/// let client = idempotency_nats::connect_url(
+///     "tls://nats.example.com:4222?ca=/etc/idem/ca.pem&creds=/run/secrets/nats.creds",
+///     std::time::Duration::from_secs(10),
+/// )
+/// .await?;
+/// let jetstream = async_nats::jetstream::new(client);
+/// # drop(jetstream); Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// [`AdapterErrorKind::Config`] for a malformed URL, an unknown parameter or an unusable file;
+/// [`AdapterErrorKind::Unreachable`] as [`NatsTls::connect`] says.
+pub async fn connect_url(url: &str, timeout: Duration) -> Result<async_nats::Client, AdapterError> {
+    let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
+    let mut parsed = url::Url::parse(url).map_err(|e| {
+        refuse(format!(
+            "`{}` is not a URL ({e}); expected nats://HOST:PORT or tls://HOST:PORT",
+            idempotency_core::redact_url(url)
+        ))
+    })?;
+    if !SOURCE.schemes.contains(&parsed.scheme()) {
+        return Err(refuse(format!(
+            "`{}:` is not a NATS URL; expected nats://HOST:PORT or tls://HOST:PORT",
+            parsed.scheme()
+        )));
+    }
+    let mut params = Params::new(BROKER, parsed.query().unwrap_or_default());
+    let tls = NatsTls::take(&mut params, parsed.scheme())?;
+    params.finish("tls_required, ca, cert, key, nkey, creds")?;
+    parsed.set_query(None);
+    tls.connect(parsed.as_str(), timeout).await
+}
+
 impl fmt::Debug for NatsSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsSource")
@@ -125,29 +259,7 @@ impl NatsSource {
             (Duration::from_secs(1), Duration::from_secs(86_400)),
             "must be from 1s to 24h",
         )?;
-        let required = match params.take("tls_required").as_deref() {
-            None | Some("false") => parsed.scheme() == "tls",
-            Some("true") => true,
-            Some(other) => return Err(refuse(format!("tls_required={other}: expected true or false"))),
-        };
-        let ca = params.pem_file("ca")?;
-        let client = match (params.pem_file("cert")?, params.pem_file("key")?) {
-            (Some(cert), Some(key)) => Some((cert, key)),
-            (None, None) => None,
-            _ => return Err(refuse("a client certificate needs both `cert` and `key`".into())),
-        };
-        let nkey = params.take("nkey").map(std::path::PathBuf::from);
-        let creds = params.take("creds").map(std::path::PathBuf::from);
-        if nkey.is_some() && creds.is_some() {
-            return Err(refuse(
-                "give `nkey` or `creds`, not both: each says who the client is".into(),
-            ));
-        }
-        for (name, path) in [("nkey", &nkey), ("creds", &creds)] {
-            if let Some(path) = path {
-                std::fs::metadata(path).map_err(|e| refuse(format!("`{name}` {}: {e}", path.display())))?;
-            }
-        }
+        let tls = NatsTls::take(&mut params, parsed.scheme())?;
         params.finish(
             "stream, consumer, subject, dead_letter, ack_wait, tls_required, ca, cert, key, nkey, creds",
         )?;
@@ -159,13 +271,7 @@ impl NatsSource {
             dead_letter,
             subject,
             ack_wait,
-            tls: NatsTls {
-                required,
-                ca,
-                client,
-                nkey,
-                creds,
-            },
+            tls,
         })
     }
 
@@ -188,45 +294,7 @@ impl NatsSource {
         timeout: Duration,
         processor: Arc<P>,
     ) -> Result<Worker<P>, AdapterError> {
-        let unreachable = |why: String| AdapterError::new(AdapterErrorKind::Unreachable, BROKER, why);
-        let mut options = async_nats::ConnectOptions::new()
-            .max_reconnects(None)
-            .require_tls(self.tls.required);
-        if let Some(ca) = &self.tls.ca {
-            options = options.add_root_certificates(ca.clone());
-        }
-        if let Some((cert, key)) = &self.tls.client {
-            options = options.add_client_certificate(cert.clone(), key.clone());
-        }
-        let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
-        if let Some(path) = &self.tls.nkey {
-            let seed = std::fs::read_to_string(path)
-                .map_err(|e| refuse(format!("`nkey` {}: {e}", path.display())))?;
-            let seed = seed.trim();
-            // A seed is an `S…` key; a public key (`U…`) is the usual mix-up.
-            if !seed.starts_with('S') {
-                return Err(refuse(format!(
-                    "`nkey` {}: not an NKey seed (a seed starts with S; a U… key is the public half)",
-                    path.display()
-                )));
-            }
-            options = options.nkey(seed.to_owned());
-        }
-        if let Some(path) = &self.tls.creds {
-            options = options
-                .credentials_file(path)
-                .await
-                .map_err(|e| refuse(format!("`creds` {}: {e}", path.display())))?;
-        }
-        let client = tokio::time::timeout(timeout, options.connect(self.url.as_str()))
-            .await
-            .map_err(|_| unreachable(format!("the server did not answer within {timeout:?}")))?
-            .map_err(|e| {
-                unreachable(format!(
-                    "cannot connect to the server: {}",
-                    idempotency_core::redact_url(&e.to_string())
-                ))
-            })?;
+        let client = self.tls.connect(&self.url, timeout).await?;
         let jetstream = async_nats::jetstream::new(client);
         if jetstream
             .stream_by_subject(self.dead_letter.as_str())

@@ -34,6 +34,17 @@ impl KafkaPublisher {
         )?))
     }
 
+    /// A publisher with an idempotent producer for the brokers and librdkafka settings a
+    /// `kafka://[USER:PASSWORD@]HOST:PORT[,…][?SETTING=V…]` URL names, as `idem consume`'s
+    /// Kafka sources take them (TLS, SASL; see [`idempotency_kafka::producer_from_url`]).
+    ///
+    /// # Errors
+    ///
+    /// What is wrong with the URL or a setting, never echoing the password.
+    pub fn from_url(url: &str) -> Result<Self, idempotency_kafka::AdapterError> {
+        Ok(Self::with_producer(idempotency_kafka::producer_from_url(url)?))
+    }
+
     /// A publisher on `producer` (configure it with `enable.idempotence=true`).
     #[must_use]
     pub fn with_producer(producer: FutureProducer) -> Self {

@@ -28,6 +28,23 @@ impl NatsPublisher {
     pub fn new(jetstream: jetstream::Context) -> Self {
         Self { jetstream }
     }
+
+    /// A publisher on a client of the server `url` names, with the same connection parameters
+    /// as `idem consume`'s NATS sources (`tls://`, `tls_required`, `ca`, `cert`, `key`, `nkey`,
+    /// `creds`; see [`idempotency_nats::connect_url`]); the first connection must work within
+    /// `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// A malformed URL or unusable file, or a server that does not answer or refuses the
+    /// connection, with the reason.
+    pub async fn connect(
+        url: &str,
+        timeout: std::time::Duration,
+    ) -> Result<Self, idempotency_nats::AdapterError> {
+        let client = idempotency_nats::connect_url(url, timeout).await?;
+        Ok(Self::new(jetstream::new(client)))
+    }
 }
 
 impl Publisher for NatsPublisher {
