@@ -1,7 +1,9 @@
-//! The admin endpoints of `idem serve` and `idem consume`: `/healthz` (the store answers and
-//! its writes work), `/metrics` (Prometheus) and, for the gateway, `/policy` (its idempotency
-//! policy per route, as the IETF draft asks servers to publish), under [`ADMIN_PREFIX`] on the
-//! main listener or on a listener of their own.
+//! The admin endpoints of `idem serve` and `idem consume`: `/livez` (the process answers),
+//! `/readyz` (the store answers, its writes work, and the process is not draining), `/healthz`
+//! (the store answers and its writes work, whether draining or not: kept as it always was),
+//! `/metrics` (Prometheus) and, for the gateway, `/policy` (its idempotency policy per route, as
+//! the IETF draft asks servers to publish), under [`ADMIN_PREFIX`] on the main listener or on a
+//! listener of their own.
 
 use std::time::Duration;
 
@@ -23,6 +25,24 @@ pub type SharedPolicy = std::sync::Arc<std::sync::RwLock<serde_json::Value>>;
 /// The prefix of the gateway's own endpoints on the main listener.
 pub const ADMIN_PREFIX: &str = "/_idem";
 
+/// Whether the process is shutting down: set at the first moment of `SIGTERM`, so that
+/// `/readyz` answers `503` (and load balancers stop sending) while running work drains.
+#[derive(Debug, Clone, Default)]
+pub struct Draining(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Draining {
+    /// From now on, `/readyz` answers `503`.
+    pub fn start(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`start`](Self::start) was called.
+    #[must_use]
+    pub fn is_draining(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// What the admin endpoints (`/healthz`, `/metrics`) answer from.
 #[derive(Clone)]
 pub struct Admin {
@@ -34,6 +54,8 @@ pub struct Admin {
     metrics: PrometheusHandle,
     /// The gateway's published policy (`/policy`), when there is one; a reload replaces it.
     policy: Option<SharedPolicy>,
+    /// Set when shutdown begins: `/readyz` answers `503` from then on.
+    draining: Draining,
 }
 
 impl std::fmt::Debug for Admin {
@@ -56,7 +78,14 @@ impl Admin {
             health,
             metrics,
             policy: None,
+            draining: Draining::default(),
         }
+    }
+
+    /// What `/readyz` reads to know that shutdown has begun; start it when the signal comes.
+    #[must_use]
+    pub fn draining(&self) -> Draining {
+        self.draining.clone()
     }
 
     /// Publishes `policy` at `/policy`: what clients may rely on, per route.
@@ -87,9 +116,9 @@ async fn probe_write(store: &DynStore) -> Result<(), idempotency::StoreError> {
     }
 }
 
-/// `200` when the store answers a read and its writes work: the last guarded request's write
-/// worked, or, when it failed, a probe write works now. `503` with what failed otherwise.
-async fn healthz(State(admin): State<Admin>) -> Response {
+/// `Ok` when the store answers a read and its writes work: the last guarded request's write
+/// worked, or, when it failed, a probe write works now. What failed otherwise.
+async fn store_check(admin: &Admin) -> Result<(), String> {
     let probe = async {
         if let Some(failure) = admin.health.failure() {
             probe_write(&admin.store)
@@ -98,17 +127,53 @@ async fn healthz(State(admin): State<Admin>) -> Response {
         }
         let scope = Scope::new("idem-healthz").map_err(|e| e.to_string())?;
         let key = Key::new("probe").map_err(|e| e.to_string())?;
-        admin.store.get(&scope, &key).await.map_err(|e| e.to_string())
+        admin
+            .store
+            .get(&scope, &key)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
     };
     match tokio::time::timeout(Duration::from_secs(2), probe).await {
-        Ok(Ok(_)) => {
+        Ok(checked) => checked,
+        Err(_) => Err("the store did not answer within 2s".into()),
+    }
+}
+
+/// `200` when the store check passes, `503` with what failed otherwise.
+async fn healthz(State(admin): State<Admin>) -> Response {
+    match store_check(&admin).await {
+        Ok(()) => {
             axum::Json(serde_json::json!({ "status": "ok", "store": admin.store_kind })).into_response()
         }
-        Ok(Err(why)) => Problem::StoreUnavailable
+        Err(why) => Problem::StoreUnavailable
             .to_response_with_detail(&why)
             .map(Body::from),
-        Err(_) => Problem::StoreUnavailable
-            .to_response_with_detail("the store did not answer within 2s")
+    }
+}
+
+/// `200` while the process answers: a liveness probe that restarts it only when it is wedged,
+/// never because its store is away (a restart would not bring the store back).
+async fn livez() -> Response {
+    axum::Json(serde_json::json!({ "status": "alive" })).into_response()
+}
+
+/// `503` from the moment shutdown begins (`{"status":"draining"}`), else as `/healthz`: a
+/// readiness probe that takes the process out of rotation while the store is away or it drains.
+async fn readyz(State(admin): State<Admin>) -> Response {
+    if admin.draining.is_draining() {
+        return (
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({ "status": "draining", "store": admin.store_kind })),
+        )
+            .into_response();
+    }
+    match store_check(&admin).await {
+        Ok(()) => {
+            axum::Json(serde_json::json!({ "status": "ready", "store": admin.store_kind })).into_response()
+        }
+        Err(why) => Problem::StoreUnavailable
+            .to_response_with_detail(&why)
             .map(Body::from),
     }
 }
@@ -134,10 +199,13 @@ async fn policy(State(admin): State<Admin>) -> Response {
     }
 }
 
-/// `/healthz` and `/metrics` under `prefix` (`""` on a listener of their own,
-/// [`ADMIN_PREFIX`] beside the gateway's proxy), and `/policy` when the gateway publishes one.
+/// `/livez`, `/readyz`, `/healthz` and `/metrics` under `prefix` (`""` on a listener of their
+/// own, [`ADMIN_PREFIX`] beside the gateway's proxy), and `/policy` when the gateway publishes
+/// one.
 pub fn admin_router(admin: Admin, prefix: &str) -> Router {
     let router = Router::new()
+        .route(&format!("{prefix}/livez"), get(livez))
+        .route(&format!("{prefix}/readyz"), get(readyz))
         .route(&format!("{prefix}/healthz"), get(healthz))
         .route(&format!("{prefix}/metrics"), get(metrics_text));
     let router = if admin.policy.is_some() {

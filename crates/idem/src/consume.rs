@@ -101,7 +101,8 @@ pub struct Config {
     /// Deliveries of one message before it is dead-lettered.
     #[arg(long, env = "IDEM_MAX_DELIVERIES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_deliveries: u32,
-    /// Serve /_idem/healthz and /_idem/metrics on this address.
+    /// Serve /_idem/livez, /_idem/readyz, /_idem/healthz and /_idem/metrics on this address
+    /// (until the running calls have been settled at shutdown).
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 }
@@ -461,13 +462,24 @@ pub async fn consume(
         .map_err(|e| Error::open(&config.store, e))?;
     let watched = Watched::new(store.clone());
     let health = watched.health();
-    let shutdown: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(shutdown);
+    let admin = Admin::new(store, &config.store, health, metrics);
+    let draining = admin.draining();
+    // `/readyz` answers 503 from the signal on, while the running calls finish.
+    let shutdown: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(async move {
+        shutdown.await;
+        draining.start();
+        tracing::info!("shutting down: /readyz answers 503 from now on");
+    });
     let shutdown: Shutdown = futures_util::FutureExt::shared(shutdown);
+    // The admin listener answers probes until the worker has settled its last call.
+    let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
     if let Some(addr) = config.admin_listen {
         let listener = bind(addr).await?;
-        let admin = admin_router(Admin::new(store, &config.store, health, metrics), ADMIN_PREFIX);
-        let stop = shutdown.clone();
+        let admin = admin_router(admin, ADMIN_PREFIX);
         tokio::spawn(async move {
+            let stop = async move {
+                let _ = admin_stop.await;
+            };
             let _ = axum::serve(listener, admin).with_graceful_shutdown(stop).await;
         });
     }
@@ -484,9 +496,9 @@ pub async fn consume(
         .handler_timeout(config.handler_timeout)
         .start_check(START_CHECK);
     tracing::info!(source = kind.name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "starting");
-    (kind.run)(from, settings, AnyProcessor::new(processor), Box::pin(shutdown))
-        .await
-        .map_err(|error| ConsumeError::Broker { from: shown, error })?;
+    let ran = (kind.run)(from, settings, AnyProcessor::new(processor), Box::pin(shutdown)).await;
+    drop(stopped);
+    ran.map_err(|error| ConsumeError::Broker { from: shown, error })?;
     tracing::info!("stopped: the running calls were recorded and settled");
     Ok(())
 }

@@ -237,6 +237,16 @@ pub fn parse_drain_timeout(text: &str) -> Result<Duration, FlagError> {
     bounded_duration(text, "--drain-timeout", range, "from 0s to 1h")
 }
 
+/// `--drain-delay`: from 0 s to 10 min.
+///
+/// # Errors
+///
+/// A malformed duration, or one out of range.
+pub fn parse_drain_delay(text: &str) -> Result<Duration, FlagError> {
+    let range = (Duration::ZERO, Duration::from_secs(600));
+    bounded_duration(text, "--drain-delay", range, "from 0s to 10m")
+}
+
 /// `--purge-every`: an interval, or never.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PurgeEvery(pub Option<Duration>);

@@ -20,9 +20,9 @@ mod routes;
 use crate::admin::{ADMIN_PREFIX, Admin, admin_router};
 use crate::error::Error;
 use crate::flags::{
-    FlagError, PurgeEvery, SecretParser, StatusSet, parse_client_timeout, parse_drain_timeout,
-    parse_header_name, parse_lease, parse_limit, parse_method, parse_purge_every, parse_retention,
-    parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
+    FlagError, PurgeEvery, SecretParser, StatusSet, parse_client_timeout, parse_drain_delay,
+    parse_drain_timeout, parse_header_name, parse_lease, parse_limit, parse_method, parse_purge_every,
+    parse_retention, parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
 };
 use crate::server::{self, bind};
 use crate::tls::{ClientFiles, ListenerTls, ServerFiles};
@@ -152,6 +152,11 @@ pub struct Config {
     /// its lease, and a retry takes it over.
     #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_drain_timeout)]
     pub drain_timeout: Duration,
+    /// After SIGTERM, how long the gateway goes on serving while `/_idem/readyz` answers 503,
+    /// before it stops accepting and drains: time for load balancers to take it out of
+    /// rotation (Kubernetes removes a terminating pod's endpoints in parallel with the signal).
+    #[arg(long, env = "IDEM_DRAIN_DELAY", default_value = "0s", value_parser = parse_drain_delay)]
+    pub drain_delay: Duration,
 }
 
 impl Config {
@@ -242,6 +247,8 @@ pub struct Routers {
     pub detached: DetachedRuns,
     /// What SIGHUP reloads the configuration file with, when there is one.
     reloader: Option<std::sync::Arc<routes::Reloader>>,
+    /// Started when shutdown begins: `/readyz` answers `503` from then on.
+    pub draining: crate::admin::Draining,
 }
 
 /// The gateway's routers: the layer around the proxy, and the admin endpoints.
@@ -271,6 +278,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
         ))
     });
     let admin = Admin::new(store, &config.store, health, metrics).policy(policy);
+    let draining = admin.draining();
     let (main, admin) = match config.admin_listen {
         Some(_) => (main, Some(admin_router(admin, ""))),
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
@@ -280,6 +288,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
         admin,
         detached,
         reloader,
+        draining,
     })
 }
 
@@ -333,19 +342,33 @@ pub async fn serve(
         admin,
         detached,
         reloader,
+        draining,
     } = router(&config, store, metrics)?;
     if listener_tls.is_some() || reloader.is_some() {
         tokio::spawn(reload_on_hangup(listener_tls.clone(), reloader));
     }
-    let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    // Shutdown begins with the signal: `/readyz` answers 503 at once, the listener keeps
+    // serving for `--drain-delay` (load balancers see the 503 and stop sending), then it
+    // stops accepting and running requests drain.
+    let (drain_delay, draining_now) = (config.drain_delay, draining.clone());
+    let shutdown = async move {
+        shutdown.await;
+        draining_now.start();
+        tracing::info!(delay = ?drain_delay, "shutting down: /readyz answers 503 from now on");
+        tokio::time::sleep(drain_delay).await;
+    };
     let limits = server::Limits {
         header_timeout: config.header_timeout,
         max_connections: config.max_connections as usize,
         drain_timeout: config.drain_timeout,
     };
+    // The admin listener answers probes until the main listener has drained.
+    let (drained, admin_stop) = tokio::sync::oneshot::channel::<()>();
     if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
         let admin_listener = bind(addr).await?;
-        let stop = shutdown.clone();
+        let stop = async move {
+            let _ = admin_stop.await;
+        };
         // The admin listener stays plain: it answers probes and scrapes on an address of the
         // pod or host (see docs/TLS.md); on the main listener, the admin paths are HTTPS too.
         tokio::spawn(server::serve(
@@ -368,6 +391,7 @@ pub async fn serve(
     if server::serve(listener, main, limits, listener_tls.as_ref(), detached, shutdown).await {
         tracing::info!("drained; in-flight requests finished and recorded");
     }
+    drop(drained);
     if let Some(purging) = purging {
         purging.abort();
     }

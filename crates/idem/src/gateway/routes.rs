@@ -295,6 +295,7 @@ fn keep_process_settings(current: &Config, next: &mut Config) -> Vec<&'static st
         header_timeout => "header-timeout",
         purge_every => "purge-every",
         drain_timeout => "drain-timeout",
+        drain_delay => "drain-delay",
     );
     restart
 }

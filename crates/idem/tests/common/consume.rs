@@ -351,12 +351,31 @@ pub async fn kill_9_mid_call<B: Broker>(broker: &B) {
 pub async fn sigterm_mid_call<B: Broker>(broker: &B) {
     let ledger = Ledger::default();
     let handler = start_handler(ledger.clone()).await;
-    let mut consume = start(broker, handler, super::free_addr(), &[]).await;
+    let admin = super::free_addr();
+    let mut consume = start(broker, handler, admin, &[]).await;
+    let client = super::client();
+    let probe = async |path: &str| {
+        super::try_send(&client, admin, "GET", path, &[], b"")
+            .await
+            .map(|seen| seen.status)
+    };
+    assert_eq!(probe("/_idem/readyz").await, Some(200));
     broker.publish("long", b"sleep:1500").await;
     until("the call started", || ledger.calls("long").len() == 1).await;
-    let status = consume
-        .terminate(Duration::from_secs(30))
-        .expect("idem consume exits");
+    let pid = consume.child.id().to_string();
+    let exited = tokio::task::spawn_blocking(move || consume.terminate(Duration::from_secs(30)));
+    // From the signal on, readiness is 503 while the running call finishes; liveness stays 200.
+    let _ = Command::new("kill").args(["-TERM", &pid]).status();
+    let mut seen = None;
+    while seen != Some(503) {
+        seen = probe("/_idem/readyz").await;
+        assert!(
+            seen.is_some(),
+            "the admin listener closed before readiness said 503"
+        );
+    }
+    assert_eq!(probe("/_idem/livez").await, Some(200));
+    let status = exited.await.unwrap().expect("idem consume exits");
     assert!(status.success(), "{status}");
     assert_eq!(*ledger.finished.lock().unwrap(), vec!["long".to_owned()]);
     until_settled(broker).await;
