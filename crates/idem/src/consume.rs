@@ -105,6 +105,9 @@ pub struct Config {
     /// (until the running calls have been settled at shutdown).
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// How each consumed message's log event shows its key: `hash` (a digest), `plain` or `off`.
+    #[arg(long, env = "IDEM_LOG_KEYS", default_value = "hash")]
+    pub log_keys: idempotency::KeyLog,
 }
 
 fn consumer_name(text: &str) -> Result<String, InvalidName> {
@@ -489,7 +492,8 @@ pub async fn consume(
     let processor: Processor = Consumer::new(name, watched, handler)
         .lease(config.lease)
         .retention(config.retention)
-        .max_deliveries(config.max_deliveries);
+        .max_deliveries(config.max_deliveries)
+        .log_keys(config.log_keys);
     let settings = SourceSettings::new(config.name.clone())
         .concurrency(calls)
         .prefetch(usize::from(config.prefetch))

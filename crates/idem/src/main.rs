@@ -21,6 +21,26 @@ use idempotency::{Access, DynStore, Key, ListFilter, Scope, StateFilter};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as `text` (for people) or `json` (one JSON object per line, for a log
+    /// pipeline), on standard error.
+    #[arg(
+        long,
+        global = true,
+        env = "IDEM_LOG_FORMAT",
+        default_value = "text",
+        value_enum
+    )]
+    log_format: LogFormat,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `fields` (the message and the event's
+    /// fields), `target` and the spans it is in.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -632,7 +652,7 @@ fn list_filter(args: &ListArgs) -> Result<ListFilter, Error> {
 /// syntax: `debug`, `warn,idempotency=debug`, …); without it, `serve` logs at `info`, `demo`
 /// at `error` (its faults make the gateway warn by design, and the table reports them) and the
 /// other commands at `warn`. Directives that do not parse are ignored.
-fn init_logging(command: &Command) {
+fn init_logging(command: &Command, format: LogFormat) {
     let default = match command {
         Command::Serve(_) | Command::Consume(_) => tracing::Level::INFO,
         Command::Demo(_) => tracing::Level::ERROR,
@@ -642,11 +662,18 @@ fn init_logging(command: &Command) {
         .with_default_directive(tracing_subscriber::filter::LevelFilter::from_level(default).into())
         .with_env_var("IDEM_LOG")
         .from_env_lossy();
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_target(false).init(),
+        // JSON lines carry their target: `idempotency_http::request` marks the request events.
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
 }
 
 fn main() -> ExitCode {
@@ -689,7 +716,7 @@ fn main() -> ExitCode {
             eprintln!("idem: warning: {warning}");
         }
     }
-    init_logging(&cli.command);
+    init_logging(&cli.command, cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

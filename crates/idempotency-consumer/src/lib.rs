@@ -453,6 +453,8 @@ struct Rules {
     backoff: Backoff,
     max_deliveries: u32,
     in_flight_wait: Duration,
+    /// How keys appear in the per-message log event.
+    key_log: idempotency_core::KeyLog,
 }
 
 impl Rules {
@@ -507,34 +509,69 @@ impl Rules {
     }
 
     /// The disposition of a message after the guard ran (or did not run) its handler: the one
-    /// place the ack rules read an [`Execution`], for every kind of consumer.
+    /// place the ack rules read an [`Execution`], for every kind of consumer. Logs the
+    /// message's `info` event (target `idempotency_consumer::message`): the consumer, the key
+    /// as `key_log` shows it, the attempt, the guard's decision, the disposition, the
+    /// deliveries, the time since `started` and the W3C trace id of its `traceparent` header.
     fn settle<V>(
         &self,
         run: Result<Execution<Result<V, HandlerError>>, StoreError>,
         key: &Key,
-        deliveries: u32,
+        message: &dyn Delivery,
+        started: std::time::Instant,
     ) -> Disposition {
-        match run {
-            Err(error) => self.store_unavailable(&error, deliveries),
-            Ok(Execution::Replayed(_)) => self.duplicate(),
-            Ok(Execution::InFlight { retry_after, .. }) => self.in_flight(retry_after),
-            Ok(Execution::Mismatch) => self.mismatch(key),
-            Ok(Execution::Executed { value, recorded, .. }) => match (value, recorded) {
-                (Ok(_), Recorded::Completed { .. }) => self.executed(),
+        let deliveries = message.delivery_count();
+        let (decision, attempt, disposition) = match run {
+            Err(error) => ("store-error", 0, self.store_unavailable(&error, deliveries)),
+            Ok(Execution::Replayed(_)) => ("replayed", 0, self.duplicate()),
+            Ok(Execution::InFlight { retry_after, .. }) => ("in-flight", 0, self.in_flight(retry_after)),
+            Ok(Execution::Mismatch) => ("mismatch", 0, self.mismatch(key)),
+            Ok(Execution::Executed {
+                value,
+                recorded,
+                attempt,
+                ..
+            }) => match (value, recorded) {
+                (Ok(_), Recorded::Completed { .. }) => ("acquired", attempt, self.executed()),
                 // Another delivery took the key over while this one ran; that delivery's outcome
                 // stands, and this copy of the message is a duplicate.
-                (Ok(_), Recorded::LeaseLost) => self.duplicate(),
+                (Ok(_), Recorded::LeaseLost) => ("unknown", attempt, self.duplicate()),
                 // The side effect happened but is not recorded (or, impossibly with this
                 // policy, was released or left unknown): never ack an outcome that is not durable. In a
                 // transaction, nothing committed (or the commit's fate is unknown): the
                 // redelivery runs or replays.
                 (Ok(_), recorded @ (Recorded::Failed(_) | Recorded::Released | Recorded::Unknown)) => {
                     tracing::error!(consumer = &*self.name, ?recorded, "outcome not recorded");
-                    self.store_unavailable(&"the outcome could not be recorded", deliveries)
+                    let disposition =
+                        self.store_unavailable(&"the outcome could not be recorded", deliveries);
+                    ("store-error", attempt, disposition)
                 }
-                (Err(error), _) => self.failed(error, deliveries),
+                (Err(error), _) => ("released", attempt, self.failed(error, deliveries)),
             },
-        }
+        };
+        let settled = match &disposition {
+            Disposition::Ack => "ack",
+            Disposition::Nack { .. } => "nack",
+            Disposition::DeadLetter { .. } => "dead-letter",
+        };
+        let trace_id = message
+            .header("traceparent")
+            .and_then(|value| std::str::from_utf8(value).ok())
+            .and_then(|value| value.split('-').nth(1))
+            .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()));
+        tracing::info!(
+            target: "idempotency_consumer::message",
+            consumer = &*self.name,
+            key = %key.logged(self.key_log),
+            attempt,
+            decision,
+            disposition = settled,
+            deliveries,
+            total_ms = started.elapsed().as_secs_f64() * 1000.0,
+            trace_id,
+            "message"
+        );
+        disposition
     }
 
     fn failed(&self, error: HandlerError, deliveries: u32) -> Disposition {
@@ -610,6 +647,7 @@ impl<S: Store, H> Consumer<S, H> {
                 backoff: Backoff::default(),
                 max_deliveries: 5,
                 in_flight_wait: DEFAULT_IN_FLIGHT_WAIT,
+                key_log: idempotency_core::KeyLog::Plain,
             },
         }
     }
@@ -623,6 +661,15 @@ impl<S: Store, H> Consumer<S, H> {
     #[must_use]
     pub fn in_flight_wait(mut self, wait: Duration) -> Self {
         self.rules.in_flight_wait = wait;
+        self
+    }
+
+    /// How keys appear in the per-message log event and the guard's warnings (default
+    /// [`KeyLog::Plain`](idempotency_core::KeyLog::Plain): truncated past 16 bytes).
+    #[must_use]
+    pub fn log_keys(mut self, how: idempotency_core::KeyLog) -> Self {
+        self.rules.key_log = how;
+        self.guard = self.guard.log_keys(how);
         self
     }
 
@@ -705,6 +752,7 @@ where
     M: Delivery + Sync,
 {
     async fn process(&self, message: &M) -> Disposition {
+        let started = std::time::Instant::now();
         let rules = &self.rules;
         let key = match rules.key(message) {
             Ok(key) => key,
@@ -722,6 +770,6 @@ where
                 )
             })
             .await;
-        rules.settle(run, &key, message.delivery_count())
+        rules.settle(run, &key, message, started)
     }
 }

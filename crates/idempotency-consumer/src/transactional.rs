@@ -166,6 +166,7 @@ where
             handler,
             rules,
         } = &self.inner;
+        let started = std::time::Instant::now();
         let key = match rules.key(message) {
             Ok(key) => key,
             Err(dead) => return dead,
@@ -183,6 +184,6 @@ where
                 )
             })
             .await;
-        rules.settle(run, &key, message.delivery_count())
+        rules.settle(run, &key, message, started)
     }
 }

@@ -245,6 +245,8 @@ pub struct Guard<S> {
     lease: Duration,
     retention: Duration,
     heartbeat: Option<Duration>,
+    /// How keys appear in the guard's log lines.
+    key_log: crate::KeyLog,
     /// The handles of the metrics every run moves, registered on first use and shared by the
     /// clones: looking a labelled metric up in the recorder on every call cost as much as a
     /// store call on the memory store.
@@ -324,6 +326,7 @@ impl<S: Store> Guard<S> {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             heartbeat: None,
+            key_log: crate::KeyLog::Plain,
             hot: Arc::default(),
             waiters: Arc::default(),
         }
@@ -365,6 +368,24 @@ impl<S: Store> Guard<S> {
     /// The store.
     pub fn store(&self) -> &S {
         &self.store
+    }
+
+    /// How keys appear in the guard's log lines (default [`KeyLog::Plain`](crate::KeyLog::Plain):
+    /// truncated past 16 bytes).
+    #[must_use]
+    pub fn log_keys(mut self, how: crate::KeyLog) -> Self {
+        self.key_log = how;
+        self
+    }
+
+    /// How keys appear in the guard's log lines.
+    pub fn key_log(&self) -> crate::KeyLog {
+        self.key_log
+    }
+
+    /// The guard's name ([`name`](Self::name)), as logs and metrics label it.
+    pub fn label(&self) -> &str {
+        &self.name
     }
 
     /// The configured lease.
@@ -447,7 +468,7 @@ impl<S: Store> Guard<S> {
                 tracing::Span::current().record("result", "panicked");
                 tracing::error!(
                     scope = %held.scope.redacted(),
-                    key = %held.key.redacted(),
+                    key = %held.key.logged(self.key_log),
                     "operation panicked; releasing the key so a retry can run"
                 );
                 let _ = self.release(&held, held_for(&held_until)).await;
@@ -475,7 +496,7 @@ impl<S: Store> Guard<S> {
             "idempotency.run",
             guard = &*self.name,
             scope = %scope.redacted(),
-            key = %key.redacted(),
+            key = %key.logged(self.key_log),
             transaction,
             attempt = tracing::field::Empty,
             result = tracing::field::Empty,
@@ -517,7 +538,7 @@ impl<S: Store> Guard<S> {
                         .increment(1);
                     tracing::warn!(
                         scope = %held.scope.redacted(),
-                        key = %held.key.redacted(),
+                        key = %held.key.logged(self.key_log),
                         attempt = held.attempt,
                         "took over an expired lease: a previous attempt may have partially run"
                     );
@@ -588,7 +609,7 @@ impl<S: Store> Guard<S> {
                         .increment(1);
                     tracing::warn!(
                         scope = %held.scope.redacted(),
-                        key = %held.key.redacted(),
+                        key = %held.key.logged(self.key_log),
                         "heartbeat refused: another attempt took the key over"
                     );
                 }
@@ -596,7 +617,7 @@ impl<S: Store> Guard<S> {
                 // back before then.
                 Err(error) => tracing::warn!(
                     scope = %held.scope.redacted(),
-                    key = %held.key.redacted(),
+                    key = %held.key.logged(self.key_log),
                     %error,
                     "heartbeat failed"
                 ),
@@ -628,7 +649,7 @@ impl<S: Store> Guard<S> {
             .increment(1);
         tracing::warn!(
             scope = %held.scope.redacted(),
-            key = %held.key.redacted(),
+            key = %held.key.logged(self.key_log),
             took_ms = took.as_millis(),
             lease_ms = self.lease.as_millis(),
             how,
@@ -641,7 +662,7 @@ impl<S: Store> Guard<S> {
         metrics::counter!("idempotency_outcome_unknown_total", "guard" => self.name.clone()).increment(1);
         tracing::warn!(
             scope = %held.scope.redacted(),
-            key = %held.key.redacted(),
+            key = %held.key.logged(self.key_log),
             "the outcome is unknown; the key stays in flight until its lease ends, then a retry runs again as a recovered attempt"
         );
         Recorded::Unknown
@@ -666,7 +687,7 @@ impl<S: Store> Guard<S> {
                     .increment(1);
                 tracing::warn!(
                     scope = %held.scope.redacted(),
-                    key = %held.key.redacted(),
+                    key = %held.key.logged(self.key_log),
                     "complete refused: another attempt took the key over; this outcome is discarded"
                 );
                 Recorded::LeaseLost
@@ -674,7 +695,7 @@ impl<S: Store> Guard<S> {
             Err(error) => {
                 tracing::error!(
                     scope = %held.scope.redacted(),
-                    key = %held.key.redacted(),
+                    key = %held.key.logged(self.key_log),
                     %error,
                     "could not record the outcome; the key stays in flight until its lease expires"
                 );
@@ -705,7 +726,7 @@ impl<S: Store> Guard<S> {
             Err(error) => {
                 tracing::error!(
                     scope = %held.scope.redacted(),
-                    key = %held.key.redacted(),
+                    key = %held.key.logged(self.key_log),
                     %error,
                     "could not release the key; it stays in flight until its lease expires"
                 );
@@ -736,7 +757,7 @@ impl<S: Store> Guard<S> {
                 Err(error) if error.is_retryable() && until.allows(tries, backoff) => {
                     tracing::warn!(
                         scope = %scope.redacted(),
-                        key = %key.redacted(),
+                        key = %key.logged(self.key_log),
                         %error,
                         tries,
                         "{} failed; retrying",
@@ -916,7 +937,7 @@ impl<S: TransactionalStore> Guard<S> {
                     Err(error) => {
                         tracing::error!(
                             scope = %held.scope.redacted(),
-                            key = %held.key.redacted(),
+                            key = %held.key.logged(self.key_log),
                             %error,
                             "commit failed; its fate is unknown, a retry replays if it committed"
                         );
@@ -933,7 +954,7 @@ impl<S: TransactionalStore> Guard<S> {
         };
         tracing::error!(
             scope = %held.scope.redacted(),
-            key = %held.key.redacted(),
+            key = %held.key.logged(self.key_log),
             error = %failed,
             "could not record the outcome; rolling the transaction back"
         );

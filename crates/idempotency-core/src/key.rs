@@ -288,6 +288,63 @@ impl Key {
     }
 }
 
+impl Key {
+    /// The key as logs show it under `how`.
+    #[must_use]
+    pub fn logged(&self, how: KeyLog) -> LoggedKey<'_> {
+        LoggedKey { key: self, how }
+    }
+}
+
+/// How keys appear in logs: a key is not a secret, but it may carry an order number or an
+/// e-mail address a log pipeline should not keep.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyLog {
+    /// The key, truncated past 16 bytes ([`Key::redacted`]).
+    #[default]
+    Plain,
+    /// The first 16 hex digits of its SHA-256: the lines of one key can be found together, and
+    /// nothing a client sent is written down.
+    Hash,
+    /// Not shown (`(not logged)`).
+    Off,
+}
+
+impl std::str::FromStr for KeyLog {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "hash" => Ok(Self::Hash),
+            "plain" => Ok(Self::Plain),
+            "off" => Ok(Self::Off),
+            other => Err(format!("`{other}`: expected hash, plain or off")),
+        }
+    }
+}
+
+/// A key as [`Key::logged`] shows it.
+#[derive(Debug, Clone, Copy)]
+pub struct LoggedKey<'k> {
+    key: &'k Key,
+    how: KeyLog,
+}
+
+impl fmt::Display for LoggedKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.how {
+            KeyLog::Plain => fmt::Display::fmt(&self.key.redacted(), f),
+            KeyLog::Hash => {
+                let digest = Sha256::digest(self.key.as_str().as_bytes());
+                let mut text = String::with_capacity(16);
+                push_hex(&mut text, &digest[..8]);
+                f.write_str(&text)
+            }
+            KeyLog::Off => f.write_str("(not logged)"),
+        }
+    }
+}
+
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("Key").field(&&*self.0).finish()

@@ -53,7 +53,7 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, Fingerp
 pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
 pub use health::{Watched, WriteFailure, WriteHealth};
 pub use identifier::Identifier;
-pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, MAX_KEY_LEN, Redacted, Scope};
+pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, KeyLog, LoggedKey, MAX_KEY_LEN, Redacted, Scope};
 pub use lanes::Lanes;
 pub use memory::MemoryStore;
 pub use purge::Purger;

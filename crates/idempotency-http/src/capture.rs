@@ -35,6 +35,16 @@ pub(crate) enum Captured<B, E> {
     BodyFailed(BoxError),
 }
 
+impl<B, E> Captured<B, E> {
+    /// The upstream's status, when it answered.
+    pub(crate) fn status(&self) -> Option<u16> {
+        match self {
+            Self::Buffered { parts, .. } | Self::Streaming { parts, .. } => Some(parts.status.as_u16()),
+            Self::Failed(_) | Self::BodyFailed(_) => None,
+        }
+    }
+}
+
 pub(crate) async fn capture<B, E>(result: Result<Response<B>, E>, config: &Config) -> Captured<B, E>
 where
     B: Body<Data = Bytes>,

@@ -38,6 +38,8 @@ pub(crate) struct Config {
     pub(crate) allowed_headers: Vec<HeaderName>,
     /// The bytes of request bodies all requests through the layer may hold at once.
     pub(crate) body_budget: Option<Arc<tokio::sync::Semaphore>>,
+    /// How keys appear in the per-request log event.
+    pub(crate) log_keys: crate::log::KeyLog,
 }
 
 /// The default outcome policy ([`crate::guide`]): 2xx and 4xx are final and stored, except 408, 409, 425
@@ -103,7 +105,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     /// - fail closed.
     pub fn new(store: S) -> Self {
         Self {
-            guard: Guard::new(store).name("http"),
+            guard: Guard::new(store).name("http").log_keys(crate::KeyLog::Hash),
             config: Arc::new(Config {
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
@@ -120,6 +122,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
                 fail_open: false,
                 allowed_headers: Vec::new(),
                 body_budget: None,
+                log_keys: crate::log::KeyLog::Hash,
             }),
             detached: DetachedRuns::default(),
         }
@@ -147,6 +150,14 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
         change(Arc::make_mut(&mut self.config));
         self
+    }
+
+    /// How the key appears in the `info` event each guarded request logs
+    /// ([`KeyLog::Hash`](crate::KeyLog::Hash) by default: a digest; see [`crate::log`]).
+    #[must_use]
+    pub fn log_keys(mut self, log: crate::KeyLog) -> Self {
+        self.guard = self.guard.log_keys(log);
+        self.with(|c| c.log_keys = log)
     }
 
     /// Names the layer in logs and metrics (default `http`): a route's name, say.

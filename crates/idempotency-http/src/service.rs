@@ -281,6 +281,7 @@ where
         Ok(fingerprint) => fingerprint,
         Err(refused) => return Ok(problem(&refused)),
     };
+    let log = crate::log::RequestLog::new(std::time::Instant::now(), &parts, &scope, &key, config.log_keys);
     let request = Request::from_parts(parts, ReqBody::from(bytes));
     // If the client goes away, hyper drops this future; the guarded run must still finish and
     // record its outcome. `DetachOnDrop` polls it here and, only if it is dropped unfinished,
@@ -289,7 +290,7 @@ where
     let run = AssertUnwindSafe(async move {
         // The body's share of the budget is held until the run ends (detached or not).
         let _budget = budget;
-        run_guarded(inner, guard, config, scope, key, fingerprint, request).await
+        run_guarded(inner, guard, config, (scope, key, fingerprint), request, log).await
     })
     .catch_unwind();
     match DetachOnDrop::new(run, detached).await {

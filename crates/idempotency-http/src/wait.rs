@@ -6,13 +6,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use idempotency_core::{Execution, Fingerprint, Guard, InFlightWait, Key, Scope, Store};
+use idempotency_core::{Execution, Fingerprint, Guard, InFlightWait, Key, Recorded, Scope, Store};
 use tower::Service;
 
 use crate::body::{BoxError, ResponseBody};
 use crate::capture::{Captured, capture, respond_executed};
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
+use crate::log::{Decided, RequestLog};
 use crate::policy::decide;
 use crate::problem::Problem;
 use crate::replay::replay;
@@ -22,10 +23,9 @@ pub(crate) async fn run_guarded<I, S, ReqBody, ResBody>(
     inner: I,
     guard: Guard<S>,
     config: Arc<Config>,
-    scope: Scope,
-    key: Key,
-    fingerprint: Fingerprint,
+    (scope, key, fingerprint): (Scope, Key, Fingerprint),
     request: Request<ReqBody>,
+    log: RequestLog,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
 where
     I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -40,6 +40,14 @@ where
     let mut waiting: Option<InFlightWait> = None;
     // The handler runs at most once, whichever loop iteration acquires the key.
     let mut pending = Some((inner, request));
+    let route = guard.label().to_owned();
+    // Every answer goes out through here, with its log event.
+    let answer =
+        |decided: Decided, attempt: u32, response: Result<Response<ResponseBody<ResBody>>, I::Error>| {
+            let status = response.as_ref().map_or(0, |response| response.status().as_u16());
+            log.emit(&route, decided, attempt, status);
+            response
+        };
     loop {
         let run = guard
             .run(
@@ -56,16 +64,37 @@ where
                         recovered: attempt.recovered(),
                     });
                     let config = Arc::clone(&config);
-                    async move { capture(inner.call(request).await, &config).await }
+                    let timer = log.upstream_timer();
+                    async move {
+                        let began = std::time::Instant::now();
+                        let captured = capture(inner.call(request).await, &config).await;
+                        timer.record(began.elapsed(), captured.status());
+                        captured
+                    }
                 },
             )
             .await;
         match run {
-            Ok(Execution::Executed { value, recorded, .. }) => {
-                return respond_executed(value, &recorded, guard.lease_duration());
+            Ok(Execution::Executed {
+                value,
+                recorded,
+                attempt,
+                ..
+            }) => {
+                let decided = match recorded {
+                    Recorded::Completed { .. } => Decided::Acquired,
+                    Recorded::Released => Decided::Released,
+                    Recorded::Unknown | Recorded::LeaseLost => Decided::Unknown,
+                    Recorded::Failed(_) => Decided::StoreError,
+                };
+                return answer(
+                    decided,
+                    attempt,
+                    respond_executed(value, &recorded, guard.lease_duration()),
+                );
             }
-            Ok(Execution::Replayed(done)) => return Ok(replay(&done)),
-            Ok(Execution::Mismatch) => return Ok(problem(&Problem::KeyReused)),
+            Ok(Execution::Replayed(done)) => return answer(Decided::Replayed, 0, Ok(replay(&done))),
+            Ok(Execution::Mismatch) => return answer(Decided::Mismatch, 0, Ok(problem(&Problem::KeyReused))),
             Ok(Execution::InFlight { retry_after, .. }) => {
                 let again = match (&mut waiting, config.wait) {
                     (_, None) => false,
@@ -78,7 +107,11 @@ where
                     }
                 };
                 if !again {
-                    return Ok(problem(&Problem::InFlight { retry_after }));
+                    return answer(
+                        Decided::InFlight,
+                        0,
+                        Ok(problem(&Problem::InFlight { retry_after })),
+                    );
                 }
             }
             // A saturated store sheds new work to keep its running attempts' leases: never run
@@ -86,18 +119,27 @@ where
             // "busy", not "unreachable".
             Err(error) if error.kind() == idempotency_core::ErrorKind::Overloaded => {
                 tracing::warn!(%error, "idempotency store saturated; shedding the request");
-                return Ok(problem(&Problem::Overloaded {
-                    what: "the idempotency store's capacity",
-                }));
+                return answer(
+                    Decided::Overloaded,
+                    0,
+                    Ok(problem(&Problem::Overloaded {
+                        what: "the idempotency store's capacity",
+                    })),
+                );
             }
             Err(error) => {
                 if config.fail_open {
                     tracing::warn!(%error, "idempotency store unavailable; running without it (fail-open)");
                     let (mut inner, request) = pending.take().expect("the handler has not run");
-                    return inner.call(request).await.map(passthrough);
+                    let timer = log.upstream_timer();
+                    let began = std::time::Instant::now();
+                    let response = inner.call(request).await.map(passthrough);
+                    let status = response.as_ref().ok().map(|response| response.status().as_u16());
+                    timer.record(began.elapsed(), status);
+                    return answer(Decided::StoreError, 1, response);
                 }
                 tracing::warn!(%error, "idempotency store unavailable; refusing the request (fail-closed)");
-                return Ok(problem(&Problem::StoreUnavailable));
+                return answer(Decided::StoreError, 0, Ok(problem(&Problem::StoreUnavailable)));
             }
         }
     }

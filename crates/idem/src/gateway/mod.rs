@@ -157,6 +157,10 @@ pub struct Config {
     /// rotation (Kubernetes removes a terminating pod's endpoints in parallel with the signal).
     #[arg(long, env = "IDEM_DRAIN_DELAY", default_value = "0s", value_parser = parse_drain_delay)]
     pub drain_delay: Duration,
+    /// How each guarded request's log event shows its key: `hash` (a digest: lines of one key
+    /// can be found together, and nothing a client sent is written down), `plain` or `off`.
+    #[arg(long, env = "IDEM_LOG_KEYS", default_value = "hash")]
+    pub log_keys: idempotency_http::KeyLog,
 }
 
 impl Config {

@@ -370,7 +370,8 @@ pub(crate) fn layer(
         .buffer_streamed_responses(true)
         .lease(settings.lease)
         .retention(settings.retention)
-        .fail_open(config.fail_open);
+        .fail_open(config.fail_open)
+        .log_keys(config.log_keys);
     if let Some(header) = settings.key_header {
         layer = layer.key_header(header.clone());
     }
