@@ -201,6 +201,102 @@ async fn the_content_type_property_reaches_the_handler() {
     );
 }
 
+/// `--log-format json`: one line per message, with its decision and disposition, the key as a
+/// digest and the trace id of its `traceparent` header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_message_is_one_json_line_with_its_decision() {
+    use std::io::{BufRead, BufReader};
+
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let rabbit = Rabbit::new("json-log").await;
+    let admin = common::free_addr();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "consume",
+            "--from",
+            &rabbit.from(),
+            "--to",
+            &format!("http://{handler}/messages"),
+        ])
+        .args([
+            "--admin-listen",
+            &admin.to_string(),
+            "--store",
+            "memory://",
+            "--log-format",
+            "json",
+        ])
+        .env("IDEM_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut consume = common::ready(common::Process { child }, admin, "idem consume").await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "Idempotency-Key".into(),
+        AMQPValue::LongString(LongString::from("order-json-1")),
+    );
+    headers.insert(
+        "traceparent".into(),
+        AMQPValue::LongString(LongString::from(format!("00-{trace}-00f067aa0ba902b7-01"))),
+    );
+    for _ in 0..2 {
+        rabbit
+            .channel
+            .basic_publish(
+                "".into(),
+                rabbit.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                b"charge",
+                BasicProperties::default().with_headers(headers.clone()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    consume::count_at_least(admin, "duplicate", 1.0).await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = consume.terminate(Duration::from_secs(30));
+        (status, consume)
+    });
+    let (status, mut consume) = status.await.unwrap();
+    assert_eq!(status.and_then(|status| status.code()), Some(0));
+    let lines: Vec<String> = BufReader::new(consume.child.stderr.take().unwrap())
+        .lines()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        !lines.join("\n").contains("order-json-1"),
+        "the key is in the log"
+    );
+    let mut events: Vec<(String, String)> = lines
+        .iter()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|event| event["target"] == "idempotency_consumer::message")
+        .map(|event| {
+            let fields = &event["fields"];
+            assert_eq!(fields["trace_id"], trace, "{event}");
+            assert_eq!(fields["key"].as_str().map(str::len), Some(16), "{event}");
+            (
+                fields["decision"].as_str().unwrap().to_owned(),
+                fields["disposition"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    events.sort();
+    assert_eq!(
+        events,
+        [
+            ("acquired".into(), "ack".into()),
+            ("replayed".into(), "ack".into())
+        ]
+    );
+}
+
 #[test]
 fn bad_input_is_refused_with_a_clear_error() {
     let amqp = amqp_url();
