@@ -273,6 +273,11 @@ impl HttpHandler {
         {
             request = request.header("Idempotency-Message-Id", id);
         }
+        // The message's trace context goes on to the handler (replaced by the call's own span
+        // when traces are exported: see `call`).
+        for (name, value) in trace_headers(message) {
+            request = request.header(name, value);
+        }
         request
             .body(Full::new(Bytes::copy_from_slice(message.payload())))
             .map_err(|e| HandlerError::fatal(format!("the message cannot be sent as an HTTP request: {e}")))
@@ -290,7 +295,18 @@ impl HttpHandler {
             .acquire()
             .await
             .map_err(|_| HandlerError::retry("idem consume is shutting down"))?;
-        let request = self.request(message, attempt)?;
+        let mut request = self.request(message, attempt)?;
+        // The call's span continues the message's trace (its `traceparent` header); the
+        // handler continues it from the call's.
+        let span = tracing::info_span!(
+            "idem.handler",
+            otel.kind = "client",
+            messaging.source = %self.source,
+            attempt = attempt.number,
+            http.response.status_code = tracing::field::Empty,
+        );
+        crate::telemetry::continue_from(&span, request.headers());
+        span.in_scope(|| crate::telemetry::propagate(request.headers_mut()));
         let deadline = tokio::time::Instant::now() + self.timeout;
         let late = || {
             HandlerError::retry(format!(
@@ -303,6 +319,7 @@ impl HttpHandler {
             .map_err(|_| late())?
             .map_err(|e| HandlerError::retry(format!("the handler could not be reached: {}", causes(&e))))?;
         let status = response.status();
+        span.record("http.response.status_code", status.as_u16());
         // Once the status is in, the handler's answer is known: a 2xx whose body is too long,
         // late or cut off still means the work was done, and is recorded (without the body)
         // rather than run again.
@@ -322,6 +339,18 @@ impl HttpHandler {
             };
         disposition(status, body)
     }
+}
+
+/// The W3C trace context headers of `message` (`traceparent`, `tracestate`) that are valid
+/// header values.
+fn trace_headers(message: &dyn Delivery) -> Vec<(&'static str, http::HeaderValue)> {
+    ["traceparent", "tracestate"]
+        .into_iter()
+        .filter_map(|name| {
+            let value = http::HeaderValue::from_bytes(message.header(name)?).ok()?;
+            Some((name, value))
+        })
+        .collect()
 }
 
 /// An error and its causes, outermost first: the client's own message ("client error

@@ -8,6 +8,7 @@
 //!   routes in TOML); [`admin`]: the `/healthz` and `/metrics` endpoints;
 //! * [`server`]: the gateway's HTTP/1 server, with the limits untrusted clients need;
 //! * [`tls`]: TLS for the listener (reloaded on `SIGHUP`) and for `https://` upstreams and handlers;
+//! * [`telemetry`]: OpenTelemetry traces (OTLP export, `traceparent` in and out);
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
 //! * [`units`]: human durations and sizes as the flags take them;
@@ -27,5 +28,6 @@ pub mod flags;
 pub mod gateway;
 pub mod ops;
 pub mod server;
+pub mod telemetry;
 pub mod tls;
 mod upstream;

@@ -652,7 +652,11 @@ fn list_filter(args: &ListArgs) -> Result<ListFilter, Error> {
 /// syntax: `debug`, `warn,idempotency=debug`, …); without it, `serve` logs at `info`, `demo`
 /// at `error` (its faults make the gateway warn by design, and the table reports them) and the
 /// other commands at `warn`. Directives that do not parse are ignored.
-fn init_logging(command: &Command, format: LogFormat) {
+fn init_logging(command: &Command, format: LogFormat) -> idem::telemetry::Telemetry {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+
     let default = match command {
         Command::Serve(_) | Command::Consume(_) => tracing::Level::INFO,
         Command::Demo(_) => tracing::Level::ERROR,
@@ -662,18 +666,26 @@ fn init_logging(command: &Command, format: LogFormat) {
         .with_default_directive(tracing_subscriber::filter::LevelFilter::from_level(default).into())
         .with_env_var("IDEM_LOG")
         .from_env_lossy();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.with_target(false).init(),
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match format {
+        LogFormat::Text => fmt.with_target(false).boxed(),
         // JSON lines carry their target: `idempotency_http::request` marks the request events.
-        LogFormat::Json => builder
-            .json()
-            .with_current_span(false)
-            .with_span_list(false)
-            .init(),
-    }
+        LogFormat::Json => fmt.json().with_current_span(false).with_span_list(false).boxed(),
+    };
+    // Spans go to the exporter whatever IDEM_LOG says of the log lines.
+    let (telemetry, traces) = match idem::telemetry::Telemetry::start() {
+        Ok(started) => started,
+        Err(error) => {
+            eprintln!("idem: warning: traces are not exported: {error}");
+            (idem::telemetry::Telemetry::default(), None)
+        }
+    };
+    let traces = traces.map(|layer| layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
+    tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(traces)
+        .init();
+    telemetry
 }
 
 fn main() -> ExitCode {
@@ -716,7 +728,7 @@ fn main() -> ExitCode {
             eprintln!("idem: warning: {warning}");
         }
     }
-    init_logging(&cli.command, cli.log_format);
+    let telemetry = init_logging(&cli.command, cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -724,7 +736,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    let result = runtime.block_on(run(cli.command));
+    // The spans still waiting go out before the exit.
+    telemetry.shutdown();
+    match result {
         Ok(output) => {
             print!("{output}");
             if !output.is_empty() && !output.ends_with('\n') {

@@ -211,28 +211,30 @@ async fn each_message_is_one_json_line_with_its_decision() {
     let handler = start_handler(ledger.clone()).await;
     let rabbit = Rabbit::new("json-log").await;
     let admin = common::free_addr();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args([
-            "consume",
-            "--from",
-            &rabbit.from(),
-            "--to",
-            &format!("http://{handler}/messages"),
-        ])
-        .args([
-            "--admin-listen",
-            &admin.to_string(),
-            "--store",
-            "memory://",
-            "--log-format",
-            "json",
-        ])
-        .env("IDEM_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut consume = common::ready(common::Process { child }, admin, "idem consume").await;
+    let (from, to, admin_text) = (
+        rabbit.from(),
+        format!("http://{handler}/messages"),
+        admin.to_string(),
+    );
+    let args = [
+        "consume",
+        "--from",
+        &from,
+        "--to",
+        &to,
+        "--admin-listen",
+        &admin_text,
+        "--store",
+        "memory://",
+        "--log-format",
+        "json",
+    ];
+    let mut consume = common::ready(
+        common::spawn_idem(&args, &[], "info", true),
+        admin,
+        "idem consume",
+    )
+    .await;
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let mut headers = FieldTable::default();
     headers.insert(

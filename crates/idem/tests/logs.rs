@@ -6,12 +6,11 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use axum::Router;
 use axum::routing::post;
-use common::{Process, client, free_addr, ready, send};
+use common::{client, free_addr, ready, send};
 use tokio::sync::{mpsc, watch};
 
 const CREDENTIAL: &str = "Bearer s3cret-token-of-alice";
@@ -46,22 +45,23 @@ async fn upstream() -> (SocketAddr, mpsc::UnboundedReceiver<()>, watch::Sender<b
 async fn each_guarded_request_is_one_json_line_with_its_decision_and_no_secret() {
     let (upstream, mut arrivals, release) = upstream().await;
     let listen = free_addr();
-    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["serve", "--listen", &listen.to_string()])
-        .args([
-            "--upstream",
-            &format!("http://{upstream}"),
-            "--store",
-            "memory://",
-        ])
-        .args(["--scope-header", "authorization", "--upstream-timeout", "300ms"])
-        .args(["--log-format", "json"])
-        .env("IDEM_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut gateway = ready(Process { child }, listen, "idem serve").await;
+    let (listen_text, upstream_text) = (listen.to_string(), format!("http://{upstream}"));
+    let args = [
+        "serve",
+        "--listen",
+        &listen_text,
+        "--upstream",
+        &upstream_text,
+        "--store",
+        "memory://",
+        "--scope-header",
+        "authorization",
+        "--upstream-timeout",
+        "300ms",
+        "--log-format",
+        "json",
+    ];
+    let mut gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
     let client = client();
     let post = async |path: &str, key: &str, body: &[u8]| {
         let headers = [("idempotency-key", key), ("authorization", CREDENTIAL)];

@@ -778,7 +778,7 @@ impl<S: Store> Guard<S> {
     ) -> Result<R, StoreError> {
         let started = Instant::now();
         let result = call
-            .instrument(tracing::debug_span!("idempotency.store", op = op.as_str()))
+            .instrument(tracing::info_span!("idempotency.store", op = op.as_str()))
             .await;
         self.hot().durations[op as usize].record(started.elapsed().as_secs_f64());
         if let Err(error) = &result {

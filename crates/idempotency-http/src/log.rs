@@ -125,6 +125,10 @@ impl RequestLog {
             code => Some(code),
         };
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        // The request's span (`idempotency.request`) carries the decision to a trace.
+        let span = tracing::Span::current();
+        span.record("decision", decided.as_str());
+        span.record("attempt", attempt);
         tracing::info!(
             target: "idempotency_http::request",
             route,

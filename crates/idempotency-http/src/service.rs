@@ -4,6 +4,7 @@ use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use tracing::Instrument;
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -287,11 +288,22 @@ where
     // record its outcome. `DetachOnDrop` polls it here and, only if it is dropped unfinished,
     // moves it onto a task of its own: the guarantee of a spawned task without paying a task
     // switch on every request.
-    let run = AssertUnwindSafe(async move {
-        // The body's share of the budget is held until the run ends (detached or not).
-        let _budget = budget;
-        run_guarded(inner, guard, config, (scope, key, fingerprint), request, log).await
-    })
+    // The guarded request's span: its store calls and the inner service's work are children;
+    // the decision and the attempt are recorded on it when the answer is known.
+    let span = tracing::info_span!(
+        "idempotency.request",
+        route = guard.label(),
+        decision = tracing::field::Empty,
+        attempt = tracing::field::Empty,
+    );
+    let run = AssertUnwindSafe(
+        async move {
+            // The body's share of the budget is held until the run ends (detached or not).
+            let _budget = budget;
+            run_guarded(inner, guard, config, (scope, key, fingerprint), request, log).await
+        }
+        .instrument(span),
+    )
     .catch_unwind();
     match DetachOnDrop::new(run, detached).await {
         Ok(result) => result,

@@ -268,7 +268,9 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let base = routes::layer(config, &store, None).max_buffered(config.max_buffered);
     let detached = base.detached_runs();
     let live = routes::LiveRoutes::new(routes::RouteTable::build(config, &store, &base)?);
-    let main = Router::new().fallback_service(live.clone());
+    let main = Router::new()
+        .fallback_service(live.clone())
+        .layer(axum::middleware::from_fn(traced));
     let policy: crate::admin::SharedPolicy =
         std::sync::Arc::new(std::sync::RwLock::new(routes::policy(config)));
     let reloader = config.reload_args.clone().map(|args| {
@@ -294,6 +296,24 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
         reloader,
         draining,
     })
+}
+
+/// The server span of every request through the gateway (`idem.request`), continuing the
+/// client's trace when its `traceparent` carries one; the layer's and the proxy's spans are its
+/// children.
+async fn traced(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use tracing::Instrument;
+    let span = tracing::info_span!(
+        "idem.request",
+        otel.kind = "server",
+        http.request.method = %request.method(),
+        url.path = %request.uri().path(),
+        http.response.status_code = tracing::field::Empty,
+    );
+    crate::telemetry::continue_from(&span, request.headers());
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
+    response
 }
 
 /// `idem serve`'s command line as the binary parses it: what a reload merges the configuration

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tracing::Instrument;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -169,9 +170,26 @@ impl Proxy {
             }
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(key.attempt));
         }
+        // The upstream call's span; the upstream continues the trace from it.
+        let span = tracing::info_span!(
+            "upstream",
+            otel.kind = "client",
+            http.request.method = %request.method(),
+            url.full = %format_args!("{}{}", self.upstream, request.uri()),
+            http.response.status_code = tracing::field::Empty,
+        );
+        span.in_scope(|| crate::telemetry::propagate(request.headers_mut()));
         // The timeout covers the whole response, its body included.
         let deadline = Box::pin(tokio::time::sleep(self.timeout));
-        let response = match self.connections.send(request, deadline).await {
+        let sent = self
+            .connections
+            .send(request, deadline)
+            .instrument(span.clone())
+            .await;
+        if let Ok(response) = &sent {
+            span.record("http.response.status_code", response.status().as_u16());
+        }
+        let response = match sent {
             Err(Failure::TimedOut) => {
                 metrics::counter!("idem_upstream_errors_total", "kind" => "timeout").increment(1);
                 tracing::warn!(upstream = %self.upstream, "upstream timed out; the outcome is unknown");

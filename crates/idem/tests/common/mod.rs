@@ -267,6 +267,25 @@ pub fn idem(args: &[&str]) -> (i32, String, String) {
 }
 
 /// `idem` with `args` (a `serve` command line) as a process of its own, logging warnings.
+/// `idem` with `args` and `env` as a process of its own, logging at `log` (`IDEM_LOG`); its
+/// standard error piped for the test to read when `capture_stderr`, else shown.
+pub fn spawn_idem(args: &[&str], env: &[(&str, String)], log: &str, capture_stderr: bool) -> Process {
+    Process {
+        child: Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .envs(env.iter().map(|(name, value)| (*name, value.as_str())))
+            .env("IDEM_LOG", log)
+            .stdout(Stdio::null())
+            .stderr(if capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
+            .spawn()
+            .expect("start idem"),
+    }
+}
+
 pub fn spawn_serve(args: &[&str]) -> Process {
     Process {
         child: Command::new(env!("CARGO_BIN_EXE_idem"))

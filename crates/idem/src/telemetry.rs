@@ -1,0 +1,124 @@
+//! OpenTelemetry traces: spans exported over OTLP (HTTP/protobuf) when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, named by
+//! `OTEL_SERVICE_NAME` (default `idem`); off otherwise. The library crates only open `tracing`
+//! spans (`idempotency.request`, `idempotency.store`); this module turns them into
+//! OpenTelemetry spans, and carries W3C `traceparent` in (from a client's request or a
+//! message's headers) and out (to the upstream or the handler).
+//!
+//! The exporter's other standard variables apply as the OpenTelemetry SDK reads them
+//! (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, …).
+
+use http::HeaderMap;
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// The exporter, kept to flush what is left at exit.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+/// Whether traces are exported: an OTLP endpoint is configured.
+#[must_use]
+pub fn configured() -> bool {
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|name| std::env::var_os(name).is_some_and(|value| !value.is_empty()))
+}
+
+impl Telemetry {
+    /// The OTLP exporter and the `tracing` layer that feeds it, when [`configured`].
+    ///
+    /// # Errors
+    ///
+    /// The exporter cannot be built (an endpoint that is no URL, say).
+    pub fn start<S>() -> Result<(Self, Option<impl tracing_subscriber::Layer<S>>), String>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        if !configured() {
+            return Ok((Self::default(), None));
+        }
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .build()
+            .map_err(|e| format!("the OTLP trace exporter: {e}"))?;
+        let mut resource = opentelemetry_sdk::Resource::builder();
+        if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+            resource = resource.with_service_name("idem");
+        }
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(resource.build())
+            .build();
+        let tracer = provider.tracer("idem");
+        let layer = tracing_opentelemetry::layer().with_tracer(tracer);
+        Ok((
+            Self {
+                provider: Some(provider),
+            },
+            Some(layer),
+        ))
+    }
+
+    /// Exports the spans still waiting (at exit).
+    pub fn shutdown(&self) {
+        if let Some(provider) = &self.provider
+            && let Err(error) = provider.shutdown()
+        {
+            tracing::warn!(%error, "the last spans could not be exported");
+        }
+    }
+}
+
+struct HeaderExtractor<'h>(&'h HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+struct HeaderInjector<'h>(&'h mut HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+/// Makes `span` continue the trace of the W3C `traceparent` in `headers`, when there is a valid
+/// one (a malformed one is ignored: the span starts a trace of its own).
+pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
+    if !configured() || !headers.contains_key("traceparent") {
+        return;
+    }
+    let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    let _ = span.set_parent(parent);
+}
+
+/// Puts the current span's `traceparent` (and `tracestate`) into `headers`, replacing what
+/// came in, when traces are exported; otherwise leaves `headers` as they are (a client's
+/// `traceparent` then passes through unchanged).
+pub fn propagate(headers: &mut HeaderMap) {
+    if !configured() {
+        return;
+    }
+    let context = tracing::Span::current().context();
+    TraceContextPropagator::new().inject_context(&context, &mut HeaderInjector(headers));
+}
