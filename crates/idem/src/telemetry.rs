@@ -6,7 +6,8 @@
 //! message's headers) and out (to the upstream or the handler).
 //!
 //! The exporter's other standard variables apply as the OpenTelemetry SDK reads them
-//! (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, …).
+//! (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, …). An `https://` collector is
+//! verified against the system's trust store (`SSL_CERT_FILE` names a private CA's bundle).
 
 use http::HeaderMap;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
@@ -45,6 +46,8 @@ impl Telemetry {
         if !configured() {
             return Ok((Self::default(), None));
         }
+        // An https:// collector: the exporter's client takes the process's rustls provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .build()

@@ -84,6 +84,32 @@ impl Receiver {
         addr
     }
 
+    /// As [`start`](Self::start), over TLS with `leaf`'s certificate; counts the refused
+    /// handshakes.
+    async fn start_tls(&self, leaf: &common::pki::Leaf) -> (SocketAddr, Arc<std::sync::atomic::AtomicU32>) {
+        let plain = self.start().await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(common::pki::Ca::server_config(leaf));
+        let refused: Arc<std::sync::atomic::AtomicU32> = Arc::default();
+        let counted = Arc::clone(&refused);
+        // TLS terminated here, then the bytes go to the plain receiver.
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, refused) = (acceptor.clone(), Arc::clone(&counted));
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(stream).await else {
+                        refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    };
+                    let mut backend = tokio::net::TcpStream::connect(plain).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut backend).await;
+                });
+            }
+        });
+        (addr, refused)
+    }
+
     fn in_trace(&self, trace_id: &str) -> Vec<Span> {
         self.spans
             .lock()
@@ -338,4 +364,78 @@ async fn idem_consume_continues_a_messages_trace_to_the_handler() {
         .header("order-traced-2", "traceparent")
         .expect("the handler got a traceparent");
     assert_eq!(received, format!("00-{trace}-{}-01", call[0].span_id));
+}
+
+/// An `https://` collector is verified against the system's trust store, which `SSL_CERT_FILE`
+/// names here: with the collector's CA the spans arrive; with another CA the handshake is
+/// refused and nothing is exported (the request itself is served all the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_collector_gets_the_spans_only_when_its_certificate_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = common::pki::Ca::new("collector CA");
+    let ca_file = ca.write(dir.path(), "collector-ca");
+    let other_file = common::pki::Ca::new("another CA").write(dir.path(), "other-ca");
+    let leaf = ca.server(&["localhost"], 7, common::pki::Validity::Current);
+    let receiver = Receiver::default();
+    let (collector, refused) = receiver.start_tls(&leaf).await;
+    let upstream = {
+        let app = Router::new().route("/pay", post(|| async { (http::StatusCode::CREATED, "charged") }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    };
+    for (trust, trace, exported) in [
+        (&ca_file, "1bf92f3577b34da6a3ce929d0e0e4731", true),
+        (&other_file, "2bf92f3577b34da6a3ce929d0e0e4732", false),
+    ] {
+        let listen = free_addr();
+        let (listen_text, upstream_text) = (listen.to_string(), format!("http://{upstream}"));
+        let args = [
+            "serve",
+            "--listen",
+            &listen_text,
+            "--upstream",
+            &upstream_text,
+            "--store",
+            "memory://",
+        ];
+        let env = [
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("https://localhost:{}", collector.port()),
+            ),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
+            ("SSL_CERT_FILE", trust.display().to_string()),
+        ];
+        let mut gateway = ready(
+            common::spawn_idem(&args, &env, "warn", false),
+            listen,
+            "idem serve",
+        )
+        .await;
+        let headers = [("idempotency-key", trace), ("traceparent", &traceparent(trace))];
+        assert_eq!(
+            send(&client(), listen, "POST", "/pay", &headers, b"{}")
+                .await
+                .status,
+            201
+        );
+        let exited = tokio::task::spawn_blocking(move || gateway.terminate(Duration::from_secs(30)));
+        assert_eq!(exited.await.unwrap().and_then(|status| status.code()), Some(0));
+        let spans = receiver.in_trace(trace);
+        if exported {
+            assert!(spans.iter().any(|span| span.name == "upstream"), "{spans:#?}");
+            assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 0);
+        } else {
+            assert!(
+                spans.is_empty(),
+                "exported to a collector of another CA: {spans:#?}"
+            );
+            assert!(
+                refused.load(std::sync::atomic::Ordering::SeqCst) > 0,
+                "no handshake was refused"
+            );
+        }
+    }
 }
