@@ -556,9 +556,7 @@ impl Rules {
         };
         let trace_id = message
             .header("traceparent")
-            .and_then(|value| std::str::from_utf8(value).ok())
-            .and_then(|value| value.split('-').nth(1))
-            .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()));
+            .and_then(idempotency_core::trace::trace_id);
         tracing::info!(
             target: "idempotency_consumer::message",
             consumer = &*self.name,

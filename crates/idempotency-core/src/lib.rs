@@ -44,6 +44,7 @@ pub mod secret;
 pub mod sql;
 mod store;
 mod time;
+pub mod trace;
 pub mod transaction;
 pub mod units;
 pub mod wait;

@@ -18,9 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::request::Parts;
+use http::{HeaderValue, Method, Uri};
 pub use idempotency_core::KeyLog;
 use idempotency_core::{Key, Scope};
-use sha2::{Digest, Sha256};
 
 /// What the guard decided for a request, as its log event says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,77 +50,65 @@ impl Decided {
     }
 }
 
-/// The first 16 hex digits of the SHA-256 of `text`.
-fn digest(text: &str) -> String {
-    let digest = Sha256::digest(text.as_bytes());
-    digest[..8].iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
-/// The trace id of a valid W3C `traceparent` (`00-TRACEID-SPANID-FLAGS`, 32 hex digits, not
-/// all zeros).
-pub(crate) fn trace_id(parts: &Parts) -> Option<String> {
-    let value = parts.headers.get("traceparent")?.to_str().ok()?;
-    let mut fields = value.trim().split('-');
-    let (version, trace, span) = (fields.next()?, fields.next()?, fields.next()?);
-    let hex = |text: &str, len: usize| {
-        text.len() == len
-            && text
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let valid = hex(version, 2)
-        && version != "ff"
-        && hex(trace, 32)
-        && hex(span, 16)
-        && trace.bytes().any(|b| b != b'0');
-    valid.then(|| trace.to_owned())
-}
-
-/// A guarded request's log event, filled in as it runs.
+/// A guarded request's log event, filled in as it runs. It keeps what it needs as it came (all
+/// cheap clones); the digests and the trace id are worked out only when the event is logged.
 #[derive(Debug)]
 pub(crate) struct RequestLog {
     started: Instant,
-    method: String,
-    path: String,
-    scope: String,
-    key: Option<String>,
-    trace_id: Option<String>,
-    /// Nanoseconds in the upstream call, set when it returns.
-    upstream: Arc<AtomicU64>,
-    upstream_status: Arc<AtomicU64>,
+    method: Method,
+    uri: Uri,
+    scope: Scope,
+    key: Key,
+    key_log: KeyLog,
+    traceparent: Option<HeaderValue>,
+    /// What the upstream call reports.
+    upstream: Arc<Upstream>,
+}
+
+/// The upstream call's duration (nanoseconds) and status (`0`: none).
+#[derive(Debug, Default)]
+struct Upstream {
+    nanos: AtomicU64,
+    status: AtomicU64,
 }
 
 impl RequestLog {
-    pub(crate) fn new(started: Instant, parts: &Parts, scope: &Scope, key: &Key, log: KeyLog) -> Self {
+    pub(crate) fn new(started: Instant, parts: &Parts, scope: &Scope, key: &Key, key_log: KeyLog) -> Self {
         Self {
             started,
-            method: parts.method.to_string(),
-            path: parts.uri.path().to_owned(),
-            scope: digest(scope.as_str()),
-            key: match log {
-                KeyLog::Off => None,
-                shown => Some(key.logged(shown).to_string()),
-            },
-            trace_id: trace_id(parts),
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            scope: scope.clone(),
+            key: key.clone(),
+            key_log,
+            traceparent: parts.headers.get("traceparent").cloned(),
             upstream: Arc::default(),
-            upstream_status: Arc::default(),
         }
     }
 
     /// What the upstream call reports its time and status through.
     pub(crate) fn upstream_timer(&self) -> UpstreamTimer {
-        UpstreamTimer {
-            nanos: Arc::clone(&self.upstream),
-            status: Arc::clone(&self.upstream_status),
-        }
+        UpstreamTimer(Arc::clone(&self.upstream))
     }
 
-    /// Emits the event.
+    /// The first 16 hex digits of the scope's SHA-256 (core's [`Scope::digest`]).
+    fn scope_digest(&self) -> String {
+        let mut digest = Scope::digest(self.scope.as_str().as_bytes()).as_str().to_owned();
+        digest.truncate(16);
+        digest
+    }
+
+    /// The key as [`KeyLog`] shows it, or `None` when it is not logged.
+    fn key_shown(&self) -> Option<String> {
+        (self.key_log != KeyLog::Off).then(|| self.key.logged(self.key_log).to_string())
+    }
+
+    /// Records the decision on the request's span and emits the event.
     pub(crate) fn emit(&self, route: &str, decided: Decided, attempt: u32, status: u16) {
         let total = self.started.elapsed();
-        let upstream = Duration::from_nanos(self.upstream.load(Ordering::Relaxed));
+        let upstream = Duration::from_nanos(self.upstream.nanos.load(Ordering::Relaxed));
         let store = total.saturating_sub(upstream);
-        let upstream_status = match self.upstream_status.load(Ordering::Relaxed) {
+        let upstream_status = match self.upstream.status.load(Ordering::Relaxed) {
             0 => None,
             code => Some(code),
         };
@@ -129,13 +117,14 @@ impl RequestLog {
         let span = tracing::Span::current();
         span.record("decision", decided.as_str());
         span.record("attempt", attempt);
+        // The fields are evaluated only when the event is enabled: no digest otherwise.
         tracing::info!(
             target: "idempotency_http::request",
             route,
             method = %self.method,
-            path = %self.path,
-            scope = %self.scope,
-            key = self.key.as_deref(),
+            path = self.uri.path(),
+            scope = %self.scope_digest(),
+            key = self.key_shown(),
             attempt,
             decision = decided.as_str(),
             status,
@@ -143,7 +132,7 @@ impl RequestLog {
             store_ms = ms(store),
             upstream_ms = ms(upstream),
             total_ms = ms(total),
-            trace_id = self.trace_id.as_deref(),
+            trace_id = self.traceparent.as_ref().and_then(|value| idempotency_core::trace::trace_id(value.as_bytes())),
             "request"
         );
     }
@@ -151,18 +140,15 @@ impl RequestLog {
 
 /// Records the upstream call's duration and status into a [`RequestLog`].
 #[derive(Debug, Clone)]
-pub(crate) struct UpstreamTimer {
-    nanos: Arc<AtomicU64>,
-    status: Arc<AtomicU64>,
-}
+pub(crate) struct UpstreamTimer(Arc<Upstream>);
 
 impl UpstreamTimer {
     pub(crate) fn record(&self, took: Duration, status: Option<u16>) {
-        self.nanos.store(
-            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        self.status.store(status.map_or(0, u64::from), Ordering::Relaxed);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.0.nanos.store(nanos, Ordering::Relaxed);
+        self.0
+            .status
+            .store(status.map_or(0, u64::from), Ordering::Relaxed);
     }
 }
 
@@ -180,37 +166,19 @@ mod tests {
     }
 
     #[test]
-    fn only_a_valid_traceparent_gives_a_trace_id() {
-        let id = "4bf92f3577b34da6a3ce929d0e0e4736";
-        assert_eq!(
-            trace_id(&parts(&format!("00-{id}-00f067aa0ba902b7-01"))).as_deref(),
-            Some(id)
-        );
-        for bad in [
-            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6-00f067aa0ba902b7-01",
-            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-            "garbage",
-            "",
-        ] {
-            assert_eq!(trace_id(&parts(bad)), None, "{bad}");
-        }
-    }
-
-    #[test]
     fn keys_are_logged_as_configured_and_scopes_only_as_digests() {
         let scope = Scope::new("tenant-secret-42").unwrap();
         let key = Key::new("order-7").unwrap();
         let request = parts("x");
         let hashed = RequestLog::new(Instant::now(), &request, &scope, &key, KeyLog::Hash);
-        assert_eq!(hashed.key.as_deref().map(str::len), Some(16));
-        assert_ne!(hashed.key.as_deref(), Some("order-7"));
-        assert!(!hashed.scope.contains("tenant"));
+        assert_eq!(hashed.key_shown().as_deref().map(str::len), Some(16));
+        assert_ne!(hashed.key_shown().as_deref(), Some("order-7"));
+        assert_eq!(hashed.scope_digest().len(), 16);
+        assert!(!hashed.scope_digest().contains("tenant"));
         let plain = RequestLog::new(Instant::now(), &request, &scope, &key, KeyLog::Plain);
-        assert_eq!(plain.key.as_deref(), Some("order-7"));
+        assert_eq!(plain.key_shown().as_deref(), Some("order-7"));
         assert_eq!(
-            RequestLog::new(Instant::now(), &request, &scope, &key, KeyLog::Off).key,
+            RequestLog::new(Instant::now(), &request, &scope, &key, KeyLog::Off).key_shown(),
             None
         );
         assert_eq!("plain".parse(), Ok(KeyLog::Plain));
