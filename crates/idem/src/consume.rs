@@ -297,14 +297,18 @@ impl HttpHandler {
             .map_err(|_| HandlerError::retry("idem consume is shutting down"))?;
         let mut request = self.request(message, attempt)?;
         // The call's span continues the message's trace (its `traceparent` header); the
-        // handler continues it from the call's.
-        let span = tracing::info_span!(
-            "idem.handler",
-            otel.kind = "client",
-            messaging.source = %self.source,
-            attempt = attempt.number,
-            http.response.status_code = tracing::field::Empty,
-        );
+        // handler continues it from the call's. No span when spans are not exported.
+        let span = if crate::telemetry::exporting() {
+            tracing::info_span!(
+                "idem.handler",
+                otel.kind = "client",
+                messaging.source = %self.source,
+                attempt = attempt.number,
+                http.response.status_code = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
         crate::telemetry::continue_from(&span, request.headers());
         span.in_scope(|| crate::telemetry::propagate(request.headers_mut()));
         let deadline = tokio::time::Instant::now() + self.timeout;

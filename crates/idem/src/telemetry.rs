@@ -9,6 +9,8 @@
 //! (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, …). An `https://` collector is
 //! verified against the system's trust store (`SSL_CERT_FILE` names a private CA's bundle).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use http::HeaderMap;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
@@ -22,7 +24,18 @@ pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
 }
 
-/// Whether traces are exported: an OTLP endpoint is configured.
+/// Whether [`Telemetry::start`] set up the exporter: read on every request, instead of the
+/// environment.
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Whether spans are exported ([`Telemetry::start`] set up the exporter): without, the binary
+/// opens no spans of its own.
+#[must_use]
+pub fn exporting() -> bool {
+    EXPORTING.load(Ordering::Relaxed)
+}
+
+/// Whether an OTLP endpoint is configured in the environment.
 #[must_use]
 pub fn configured() -> bool {
     [
@@ -61,6 +74,7 @@ impl Telemetry {
             .with_resource(resource.build())
             .build();
         let tracer = provider.tracer("idem");
+        EXPORTING.store(true, Ordering::Relaxed);
         let layer = tracing_opentelemetry::layer().with_tracer(tracer);
         Ok((
             Self {
@@ -108,7 +122,7 @@ impl Injector for HeaderInjector<'_> {
 /// Makes `span` continue the trace of the W3C `traceparent` in `headers`, when there is a valid
 /// one (a malformed one is ignored: the span starts a trace of its own).
 pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
-    if !configured() || !headers.contains_key("traceparent") {
+    if !exporting() || !headers.contains_key("traceparent") {
         return;
     }
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
@@ -119,7 +133,7 @@ pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
 /// came in, when traces are exported; otherwise leaves `headers` as they are (a client's
 /// `traceparent` then passes through unchanged).
 pub fn propagate(headers: &mut HeaderMap) {
-    if !configured() {
+    if !exporting() {
         return;
     }
     let context = tracing::Span::current().context();

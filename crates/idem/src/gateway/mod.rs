@@ -268,9 +268,13 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let base = routes::layer(config, &store, None).max_buffered(config.max_buffered);
     let detached = base.detached_runs();
     let live = routes::LiveRoutes::new(routes::RouteTable::build(config, &store, &base)?);
-    let main = Router::new()
-        .fallback_service(live.clone())
-        .layer(axum::middleware::from_fn(traced));
+    let main = Router::new().fallback_service(live.clone());
+    // The server span, only when spans are exported: no work per request otherwise.
+    let main = if crate::telemetry::exporting() {
+        main.layer(axum::middleware::from_fn(traced))
+    } else {
+        main
+    };
     let policy: crate::admin::SharedPolicy =
         std::sync::Arc::new(std::sync::RwLock::new(routes::policy(config)));
     let reloader = config.reload_args.clone().map(|args| {
