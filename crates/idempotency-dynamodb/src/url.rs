@@ -93,7 +93,9 @@ impl DynamoDbUrl {
                 }
                 "ca" => {
                     let path = std::path::PathBuf::from(&*value);
-                    crate::http_client_trusting(&path)?;
+                    // Checked here; the client that trusts it is built when the store opens.
+                    idempotency_core::pem::read_ca_file(&path)
+                        .map_err(|why| invalid(format!("ca={}: {why}", path.display())))?;
                     ca = Some(path);
                 }
                 "max_clock_skew" => {
