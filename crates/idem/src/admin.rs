@@ -140,16 +140,21 @@ async fn store_check(admin: &Admin) -> Result<(), String> {
     }
 }
 
-/// `200` when the store check passes, `503` with what failed otherwise.
-async fn healthz(State(admin): State<Admin>) -> Response {
-    match store_check(&admin).await {
+/// `200` `{"status": STATUS}` when the store check passes, `503` with what failed otherwise.
+async fn store_answer(admin: &Admin, status: &str) -> Response {
+    match store_check(admin).await {
         Ok(()) => {
-            axum::Json(serde_json::json!({ "status": "ok", "store": admin.store_kind })).into_response()
+            axum::Json(serde_json::json!({ "status": status, "store": admin.store_kind })).into_response()
         }
         Err(why) => Problem::StoreUnavailable
             .to_response_with_detail(&why)
             .map(Body::from),
     }
+}
+
+/// The store check alone, draining or not.
+async fn healthz(State(admin): State<Admin>) -> Response {
+    store_answer(&admin, "ok").await
 }
 
 /// `200` while the process answers: a liveness probe that restarts it only when it is wedged,
@@ -168,14 +173,7 @@ async fn readyz(State(admin): State<Admin>) -> Response {
         )
             .into_response();
     }
-    match store_check(&admin).await {
-        Ok(()) => {
-            axum::Json(serde_json::json!({ "status": "ready", "store": admin.store_kind })).into_response()
-        }
-        Err(why) => Problem::StoreUnavailable
-            .to_response_with_detail(&why)
-            .map(Body::from),
-    }
+    store_answer(&admin, "ready").await
 }
 
 async fn metrics_text(State(admin): State<Admin>) -> Response {
