@@ -35,9 +35,7 @@ async fn upstream() -> (SocketAddr, mpsc::UnboundedReceiver<()>, watch::Sender<b
             }),
         )
         .route("/stall", post(std::future::pending::<()>));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let addr = common::serve_app(app).await;
     (addr, arrivals, release)
 }
 

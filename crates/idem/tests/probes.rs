@@ -36,9 +36,7 @@ impl Holding {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let addr = common::serve_app(app).await;
         Self {
             addr,
             arrivals,

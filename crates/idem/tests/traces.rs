@@ -78,10 +78,7 @@ impl Receiver {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        addr
+        common::serve_app(app).await
     }
 
     /// As [`start`](Self::start), over TLS with `leaf`'s certificate; counts the refused
@@ -167,10 +164,7 @@ async fn a_request_continues_the_clients_trace_through_the_store_to_the_upstream
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        addr
+        common::serve_app(app).await
     };
     let listen = free_addr();
     let (listen_text, upstream_text) = (listen.to_string(), format!("http://{upstream}"));
@@ -380,10 +374,7 @@ async fn an_https_collector_gets_the_spans_only_when_its_certificate_verifies() 
     let (collector, refused) = receiver.start_tls(&leaf).await;
     let upstream = {
         let app = Router::new().route("/pay", post(|| async { (http::StatusCode::CREATED, "charged") }));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        addr
+        common::serve_app(app).await
     };
     for (trust, trace, exported) in [
         (&ca_file, "1bf92f3577b34da6a3ce929d0e0e4731", true),

@@ -286,6 +286,14 @@ pub fn spawn_idem(args: &[&str], env: &[(&str, String)], log: &str, capture_stde
     }
 }
 
+/// Serves `app` on a loopback port of its own (an upstream, a handler, a receiver of a test's).
+pub async fn serve_app(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
 pub fn spawn_serve(args: &[&str]) -> Process {
     Process {
         child: Command::new(env!("CARGO_BIN_EXE_idem"))
