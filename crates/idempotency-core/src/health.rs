@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use crate::{
-    BeginRequest, Claim, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats, Store,
-    StoreAdmin, StoreError, Timestamp,
+    BeginRequest, Claim, Completion, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope,
+    Stats, Store, StoreAdmin, StoreError, Timestamp,
 };
 
 /// The results of a store's recent writes: shared by a [`Watched`] store and whoever reports
@@ -146,6 +146,16 @@ impl<S> Watched<S> {
         self.health.record(&result);
         result
     }
+
+    /// Records a batch's answers: its first failure if any, else a success.
+    fn record_all<T>(&self, results: Vec<Result<T, StoreError>>) -> Vec<Result<T, StoreError>> {
+        match results.iter().find(|result| result.is_err()) {
+            Some(failed) => self.health.record(failed),
+            None if !results.is_empty() => self.health.record(&Ok::<(), StoreError>(())),
+            None => {}
+        }
+        results
+    }
 }
 
 #[async_trait]
@@ -173,6 +183,14 @@ impl<S: Store> Store for Watched<S> {
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
         self.inner.get(scope, key).await
+    }
+
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        self.record_all(self.inner.begin_many(requests).await)
+    }
+
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        self.record_all(self.inner.complete_many(completions).await)
     }
 }
 

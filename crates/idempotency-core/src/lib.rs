@@ -64,7 +64,9 @@ pub use record::{
 };
 pub use registry::{Access, DynStore, OpenFuture, Registry, StoreKind};
 pub use secret::{ScopeSecret, SecretError};
-pub use store::{ErrorKind, Store, StoreAdmin, StoreError, is_credential, is_scheme, redact_url};
+pub use store::{
+    Completion, ErrorKind, Store, StoreAdmin, StoreError, failed_batch, is_credential, is_scheme, redact_url,
+};
 pub use time::{
     Backoff, Clock, MAX_DURATION, ManualClock, SystemClock, Timestamp, duration_millis, stored_millis,
 };

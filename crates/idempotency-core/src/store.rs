@@ -305,6 +305,75 @@ pub trait Store: Send + Sync + fmt::Debug {
 
     /// The live record at `(scope, key)`, if any (expired records are absent).
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError>;
+
+    /// [`Store::begin`] for each request of a batch: one answer per request, in the batch's
+    /// order, each the answer its single call would get had the calls run one after another in
+    /// that order (each key its own claim, token, fencing, attempt, mismatch and in-flight
+    /// answer; a key twice in one batch is claimed by its first request and in flight for its
+    /// second).
+    ///
+    /// The default runs the single calls one after another. A store that can do better runs
+    /// the batch in one round trip or one transaction; if that round trip or transaction
+    /// fails, every request of the batch gets an error of the same kind and, as for a single
+    /// call that fails, its effect is unknown to the caller.
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        let mut claims = Vec::with_capacity(requests.len());
+        for request in requests {
+            claims.push(self.begin(request).await);
+        }
+        claims
+    }
+
+    /// [`Store::complete`] for each completion of a batch, answered as
+    /// [`Store::begin_many`] answers: one result per completion, in order, each what its
+    /// single call would return; a failed batch round trip fails every completion of it.
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        let mut done = Vec::with_capacity(completions.len());
+        for completion in completions {
+            done.push(
+                self.complete(&completion.held, completion.outcome.clone(), completion.retention)
+                    .await,
+            );
+        }
+        done
+    }
+}
+
+/// One completion of a [`Store::complete_many`] batch: the arguments of one
+/// [`Store::complete`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The attempt that ran, holding the record.
+    pub held: Held,
+    /// What it produced.
+    pub outcome: Outcome,
+    /// How long the completed record is kept.
+    pub retention: Duration,
+}
+
+impl Completion {
+    /// The completion of `held` with `outcome`, kept for `retention`.
+    #[must_use]
+    pub fn new(held: Held, outcome: Outcome, retention: Duration) -> Self {
+        Self {
+            held,
+            outcome,
+            retention,
+        }
+    }
+}
+
+/// The answers of a batch whose one round trip or transaction failed: every call of it gets
+/// `error`'s kind and message (the effect of each is unknown, as for a single call that fails).
+#[must_use]
+pub fn failed_batch<T>(error: &StoreError, len: usize) -> Vec<Result<T, StoreError>> {
+    (0..len)
+        .map(|_| {
+            let mut copy = StoreError::new(error.kind, error.message.clone());
+            copy.source.clone_from(&error.source);
+            Err(copy)
+        })
+        .collect()
 }
 
 /// Inspection and cleanup, for operators.
@@ -354,6 +423,13 @@ macro_rules! forward_store {
             }
             async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
                 (**self).get(scope, key).await
+            }
+            async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+                (**self).begin_many(requests).await
+            }
+            async fn complete_many(&self, completions: &[Completion])
+                -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+                (**self).complete_many(completions).await
             }
         }
 

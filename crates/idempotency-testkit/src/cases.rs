@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, RecordState, Scope,
+    BeginRequest, Claim, Completion, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, RecordState, Scope,
     StateFilter, Store, StoreAdmin, SummaryState, Token,
 };
 use tokio::sync::Barrier;
@@ -1006,6 +1006,246 @@ async fn list_filters_orders_and_pages<H: Harness>(harness: &H) {
 
     let theirs = ctx.store.list(&ListFilter::default().scope(other)).await.unwrap();
     assert_eq!(theirs.len(), 1);
+}
+
+/// How many keys each batch of the batch race claims.
+const BATCH_KEYS: usize = 8;
+
+/// One `begin_many` over keys in every state answers each as its single call would: a new key
+/// is acquired, a completed one replays, a live lease is in flight, another fingerprint is a
+/// mismatch, an expired lease is taken over, the caller's own token acquires again; and an
+/// empty batch gets no answer.
+async fn a_batch_answers_each_key_as_its_single_call_would<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    assert!(ctx.store.begin_many(&[]).await.is_empty());
+    let (new, done, busy, other, expired, own) = (key(), key(), key(), key(), key(), key());
+    let token = ctx.acquire(&ctx.request(&done, 1)).await;
+    assert!(!ctx.complete(&done, token, b"kept").await.is_lease_lost());
+    let _ = ctx.acquire(&ctx.request(&busy, 1)).await;
+    let _ = ctx.acquire(&ctx.request(&other, 1)).await;
+    let _ = ctx.acquire(&ctx.request(&expired, 1).lease(ctx.unit() * 2)).await;
+    let mine = ctx.request(&own, 1);
+    let _ = ctx.acquire(&mine).await;
+    ctx.time.pass(ctx.unit() * 3).await;
+
+    let batch = [
+        ctx.request(&busy, 1),
+        ctx.request(&new, 1),
+        ctx.request(&expired, 1),
+        ctx.request(&other, 2),
+        mine.clone(),
+        ctx.request(&done, 1),
+    ];
+    let claims: Vec<Claim> = ctx
+        .store
+        .begin_many(&batch)
+        .await
+        .into_iter()
+        .map(|claim| claim.expect("begin_many"))
+        .collect();
+    assert_eq!(claims.len(), batch.len(), "{claims:?}");
+    assert!(
+        matches!(claims[0], Claim::InFlight { attempt: 1, .. }),
+        "{:?}",
+        claims[0]
+    );
+    assert!(
+        matches!(&claims[1], Claim::Acquired(held) if held.token == batch[1].token && held.attempt == 1 && !held.recovered),
+        "{:?}",
+        claims[1]
+    );
+    assert!(
+        matches!(&claims[2], Claim::Acquired(held) if held.token == batch[2].token && held.attempt == 2 && held.recovered),
+        "{:?}",
+        claims[2]
+    );
+    assert_eq!(claims[3], Claim::Mismatch);
+    assert!(
+        matches!(&claims[4], Claim::Acquired(held) if held.token == mine.token && held.attempt == 1),
+        "{:?}",
+        claims[4]
+    );
+    assert!(
+        matches!(&claims[5], Claim::Replay(replay) if replay.outcome.as_bytes() == b"kept"),
+        "{:?}",
+        claims[5]
+    );
+    // What the batch claimed is held as a single call's claim is.
+    for (request, claim) in batch.iter().zip(&claims) {
+        if let Claim::Acquired(held) = claim {
+            let record = ctx.store.get(&ctx.scope, &request.key).await.unwrap().unwrap();
+            assert!(
+                matches!(record.state, RecordState::InFlight { token, .. } if token == held.token),
+                "{record:?}"
+            );
+            assert_eq!(record.attempt, held.attempt);
+        }
+    }
+}
+
+/// A key twice in one batch: the first request claims it, the second (another token) finds it
+/// in flight, and the same request twice acquires twice (a retry with its own token). Two
+/// completions of one key with the held token are both accepted, as a completion retried with
+/// its token is.
+async fn the_same_key_twice_in_a_batch_is_claimed_by_the_first<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let key = key();
+    let (first, second) = (ctx.request(&key, 1), ctx.request(&key, 1));
+    let claims = ctx.store.begin_many(&[first.clone(), second]).await;
+    assert!(
+        matches!(&claims[0], Ok(Claim::Acquired(held)) if held.token == first.token && held.attempt == 1),
+        "{claims:?}"
+    );
+    assert!(
+        matches!(claims[1], Ok(Claim::InFlight { attempt: 1, .. })),
+        "{claims:?}"
+    );
+
+    let twice = ctx.store.begin_many(&[first.clone(), first.clone()]).await;
+    assert!(
+        twice
+            .iter()
+            .all(|claim| matches!(claim, Ok(Claim::Acquired(held)) if held.token == first.token)),
+        "{twice:?}"
+    );
+
+    let held = ctx.held(&key, first.token);
+    let done = ctx
+        .store
+        .complete_many(&[
+            Completion::new(held.clone(), Outcome::from(&b"once"[..]), KEEP),
+            Completion::new(held, Outcome::from(&b"once"[..]), KEEP),
+        ])
+        .await;
+    assert!(
+        done.iter()
+            .all(|fenced| matches!(fenced, Ok(Fenced::Accepted(_)))),
+        "{done:?}"
+    );
+    assert!(
+        matches!(ctx.begin(&ctx.request(&key, 1)).await, Claim::Replay(replay) if replay.outcome.as_bytes() == b"once")
+    );
+}
+
+/// A stale token among fresh ones in `complete_many`: only its completion gets `LeaseLost`,
+/// the newer attempt's record is untouched, and the others complete.
+async fn a_stale_token_in_a_batch_loses_only_its_own_lease<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let (a, b, c) = (key(), key(), key());
+    let token_a = ctx.acquire(&ctx.request(&a, 1)).await;
+    let stale = ctx.acquire(&ctx.request(&b, 1).lease(ctx.unit() * 2)).await;
+    let token_c = ctx.acquire(&ctx.request(&c, 1)).await;
+    ctx.time.pass(ctx.unit() * 3).await;
+    let newer = ctx.acquire(&ctx.request(&b, 1)).await;
+
+    let done = ctx
+        .store
+        .complete_many(&[
+            Completion::new(ctx.held(&a, token_a), Outcome::from(&b"a"[..]), KEEP),
+            Completion::new(ctx.held(&b, stale), Outcome::from(&b"stale"[..]), KEEP),
+            Completion::new(ctx.held(&c, token_c), Outcome::from(&b"c"[..]), KEEP),
+        ])
+        .await;
+    assert!(matches!(done[0], Ok(Fenced::Accepted(_))), "{done:?}");
+    assert!(matches!(done[1], Ok(Fenced::LeaseLost)), "{done:?}");
+    assert!(matches!(done[2], Ok(Fenced::Accepted(_))), "{done:?}");
+    assert!(ctx.store.complete_many(&[]).await.is_empty());
+
+    for (key, outcome) in [(&a, &b"a"[..]), (&c, &b"c"[..])] {
+        assert!(
+            matches!(ctx.begin(&ctx.request(key, 1)).await, Claim::Replay(replay) if replay.outcome.as_bytes() == outcome)
+        );
+    }
+    let record = ctx.store.get(&ctx.scope, &b).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InFlight { token, .. } if token == newer),
+        "{record:?}"
+    );
+    assert_eq!(record.attempt, 2);
+}
+
+/// 64 concurrent `begin_many`s, each over the same eight new keys in an order of its own:
+/// every key is acquired exactly once and in flight for the other 63 (a store that locks per
+/// key in a batch must not deadlock or fail a batch here); then the winners complete in
+/// batches and 64 more batches all replay. Repeated [`RACE_ROUNDS`] / 10 times.
+async fn race_64_batches_over_the_same_keys_claim_each_key_once<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    for round in 0..RACE_ROUNDS / 10 {
+        let keys: Vec<Key> = (0..BATCH_KEYS).map(|_| key()).collect();
+        let answers = race_batches(&ctx, &keys, round).await;
+        let mut winners: Vec<Option<Token>> = vec![None; BATCH_KEYS];
+        for (order, claims) in &answers {
+            for (at, claim) in order.iter().zip(claims) {
+                match claim {
+                    Claim::Acquired(held) => {
+                        assert!(winners[*at].is_none(), "round {round}: key {at} acquired twice");
+                        winners[*at] = Some(held.token);
+                    }
+                    Claim::InFlight { attempt: 1, .. } => {}
+                    other => panic!("round {round}: key {at}: {other:?}"),
+                }
+            }
+        }
+        let winners: Vec<Token> = winners
+            .into_iter()
+            .enumerate()
+            .map(|(at, token)| token.unwrap_or_else(|| panic!("round {round}: key {at} was never acquired")))
+            .collect();
+        let completions: Vec<Completion> = keys
+            .iter()
+            .zip(&winners)
+            .map(|(key, token)| Completion::new(ctx.held(key, *token), Outcome::from(&b"once"[..]), KEEP))
+            .collect();
+        for done in ctx.store.complete_many(&completions).await {
+            assert!(matches!(done, Ok(Fenced::Accepted(_))), "round {round}: {done:?}");
+        }
+        for (_, claims) in race_batches(&ctx, &keys, round).await {
+            assert!(
+                claims
+                    .iter()
+                    .all(|c| matches!(c, Claim::Replay(done) if done.outcome.as_bytes() == b"once")),
+                "round {round}: {claims:?}"
+            );
+        }
+    }
+}
+
+/// [`RACERS`] tasks each `begin_many` over `keys` in an order of its own, released together:
+/// each task's order (indexes into `keys`) and its answers in that order.
+async fn race_batches<S: StoreAdmin + Clone + 'static>(
+    ctx: &Ctx<S>,
+    keys: &[Key],
+    round: usize,
+) -> Vec<(Vec<usize>, Vec<Claim>)> {
+    let barrier = Arc::new(Barrier::new(RACERS));
+    let mut racers = Vec::with_capacity(RACERS);
+    for racer in 0..RACERS {
+        let store = ctx.store.clone();
+        let barrier = Arc::clone(&barrier);
+        // A rotation and a direction of its own: the orders cross in every way a lock could.
+        let mut order: Vec<usize> = (0..keys.len())
+            .map(|i| (i + racer + round) % keys.len())
+            .collect();
+        if racer % 2 == 1 {
+            order.reverse();
+        }
+        let batch: Vec<BeginRequest> = order.iter().map(|at| ctx.request(&keys[*at], 1)).collect();
+        racers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let claims = store
+                .begin_many(&batch)
+                .await
+                .into_iter()
+                .map(|claim| claim.expect("begin_many during the race"))
+                .collect();
+            (order, claims)
+        }));
+    }
+    let mut answers = Vec::with_capacity(RACERS);
+    for racer in racers {
+        answers.push(racer.await.expect("racer task"));
+    }
+    answers
 }
 
 async fn race_once<S: Store + Clone + 'static>(store: &S, request: &BeginRequest) -> Vec<Claim> {

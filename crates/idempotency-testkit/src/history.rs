@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Fingerprint, Held, Key, Outcome, Record, RecordState, Scope, Store,
-    StoreError, Timestamp, Token,
+    BeginRequest, Claim, Completion, Fenced, Fingerprint, Held, Key, Outcome, Record, RecordState, Scope,
+    Store, StoreError, Timestamp, Token,
 };
 
 /// What a call asked.
@@ -250,10 +250,75 @@ impl<S: Store> Recorder<S> {
         });
         result
     }
+
+    /// Records each call of a batch as a call of its own, all called when the batch was and
+    /// returned when it returned: the checker may then order them any way (a store is held to
+    /// the batch's order only for calls on one key, which the model's single calls cover).
+    async fn record_many<T>(
+        &self,
+        calls: Vec<(Scope, Key, Input)>,
+        batch: impl Future<Output = Vec<Result<T, StoreError>>>,
+        output: impl Fn(&T) -> Output,
+    ) -> Vec<Result<T, StoreError>> {
+        let called = self.clock.fetch_add(1, Ordering::SeqCst);
+        let results = batch.await;
+        let returned = self.clock.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            results.len(),
+            calls.len(),
+            "a batch answers every call of it, once"
+        );
+        let mut log = self.log.lock().expect("history lock");
+        for ((scope, key, input), result) in calls.into_iter().zip(&results) {
+            let (output, returned) = match result {
+                Ok(value) => (Some(output(value)), Some(returned)),
+                Err(_) => (None, None),
+            };
+            log.push(Operation {
+                scope,
+                key,
+                input,
+                output,
+                called,
+                returned,
+            });
+        }
+        results
+    }
 }
 
 #[async_trait]
 impl<S: Store> Store for Recorder<S> {
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        let calls = requests
+            .iter()
+            .map(|request| {
+                let input = Input::Begin {
+                    fingerprint: request.fingerprint,
+                    token: request.token,
+                };
+                (request.scope.clone(), request.key.clone(), input)
+            })
+            .collect();
+        self.record_many(calls, self.inner.begin_many(requests), Output::of_claim)
+            .await
+    }
+
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        let calls = completions
+            .iter()
+            .map(|completion| {
+                let input = Input::Complete {
+                    token: completion.held.token,
+                    outcome: completion.outcome.clone(),
+                };
+                (completion.held.scope.clone(), completion.held.key.clone(), input)
+            })
+            .collect();
+        self.record_many(calls, self.inner.complete_many(completions), Output::of_fenced)
+            .await
+    }
+
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let input = Input::Begin {
             fingerprint: request.fingerprint,

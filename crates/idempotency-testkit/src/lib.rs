@@ -134,6 +134,10 @@ macro_rules! __with_cases {
             race_64_begins_exactly_one_acquires,
             race_64_begins_on_expired_lease_exactly_one_takes_over,
             race_stale_complete_against_takeover,
+            a_batch_answers_each_key_as_its_single_call_would,
+            the_same_key_twice_in_a_batch_is_claimed_by_the_first,
+            a_stale_token_in_a_batch_loses_only_its_own_lease,
+            race_64_batches_over_the_same_keys_claim_each_key_once,
         }
     };
 }

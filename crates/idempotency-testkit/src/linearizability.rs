@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Fingerprint, Held, Key, Outcome, Record, Scope, Store, Timestamp, Token,
+    BeginRequest, Claim, Completion, Fenced, Fingerprint, Held, Key, Outcome, Record, Scope, Store,
+    Timestamp, Token,
 };
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
@@ -434,7 +435,28 @@ impl Client {
                     }
                 };
                 let outcome = Outcome::new(format!("outcome {:08x}", self.rng.random::<u32>()));
-                let result = store.complete(&self.holding(token), outcome, LONG).await;
+                let result = if self.rng.random_range(0..3) == 0 {
+                    // The batch call, now and then with a stale or unknown token beside it.
+                    let mut batch = vec![Completion::new(self.holding(token), outcome, LONG)];
+                    if self.rng.random() {
+                        let other = self.some_token();
+                        let outcome = Outcome::new(format!("beside {:08x}", self.rng.random::<u32>()));
+                        batch.insert(
+                            self.rng.random_range(0..2),
+                            Completion::new(self.holding(other), outcome, LONG),
+                        );
+                    }
+                    let position = batch
+                        .iter()
+                        .position(|c| c.held.token == token)
+                        .expect("in the batch");
+                    store.complete_many(&batch).await.swap_remove(position).map(drop)
+                } else {
+                    store
+                        .complete(&self.holding(token), outcome, LONG)
+                        .await
+                        .map(drop)
+                };
                 if result.is_ok() && self.held.as_ref().is_some_and(|h| h.token == token) {
                     self.drop_held();
                 }
@@ -443,12 +465,21 @@ impl Client {
     }
 
     async fn begin<S: Store>(&mut self, store: &S, request: BeginRequest) {
-        self.last_begin = Some(request.clone());
-        if let Ok(Claim::Acquired(held)) = store.begin(&request).await {
-            if self.held.as_ref().is_some_and(|h| h.token != held.token) {
-                self.drop_held();
+        let claims = match (self.rng.random_range(0..3), self.last_begin.clone()) {
+            // The batch call, alone or after the client's earlier begin retried (the same key
+            // twice in one batch: the first's answer comes before the second's).
+            (0, Some(earlier)) if self.rng.random() => store.begin_many(&[earlier, request.clone()]).await,
+            (0, _) => store.begin_many(std::slice::from_ref(&request)).await,
+            _ => vec![store.begin(&request).await],
+        };
+        self.last_begin = Some(request);
+        for claim in claims {
+            if let Ok(Claim::Acquired(held)) = claim {
+                if self.held.as_ref().is_some_and(|h| h.token != held.token) {
+                    self.drop_held();
+                }
+                self.held = Some(held);
             }
-            self.held = Some(held);
         }
     }
 }
