@@ -229,6 +229,36 @@ impl<C: Connection> Connections<C> {
         result
     }
 
+    /// Runs a batch of calls in one transaction on one connection
+    /// ([`crate::sql::in_one_transaction`]): one answer per call, in the batch's order, or the
+    /// failure of the transaction as every call's answer ([`crate::failed_batch`]).
+    pub async fn batch<X, T, R>(
+        &self,
+        store: &X,
+        batch: &[T],
+        each: impl for<'c> FnMut(&'c mut C, &'c X, &'c T) -> BoxFuture<'c, Result<R, StoreError>> + Send,
+    ) -> Vec<Result<R, StoreError>>
+    where
+        C::Database: sqlx::Database<Connection = C>,
+        X: Sync + ?Sized,
+        T: crate::BatchCall + Sync,
+        R: Send,
+    {
+        let answers = self
+            .run(async |connection| {
+                crate::sql::in_one_transaction::<C::Database, _, _, _>(
+                    connection,
+                    store,
+                    batch,
+                    self.map_error,
+                    each,
+                )
+                .await
+            })
+            .await;
+        crate::batch_answers(batch.len(), answers)
+    }
+
     async fn get(&self) -> Result<Object<Opener<C>>, StoreError> {
         self.pool.get().await.map_err(|error| match error {
             PoolError::Timeout(TimeoutType::Wait) => StoreError::new(

@@ -65,7 +65,8 @@ pub use record::{
 pub use registry::{Access, DynStore, OpenFuture, Registry, StoreKind};
 pub use secret::{ScopeSecret, SecretError};
 pub use store::{
-    Completion, ErrorKind, Store, StoreAdmin, StoreError, failed_batch, is_credential, is_scheme, redact_url,
+    BatchCall, Completion, ErrorKind, Store, StoreAdmin, StoreError, batch_answers, begin_each,
+    complete_each, failed_batch, is_credential, is_scheme, lock_order, redact_url,
 };
 pub use time::{
     Backoff, Clock, MAX_DURATION, ManualClock, SystemClock, Timestamp, duration_millis, stored_millis,

@@ -21,6 +21,7 @@
 //! acquisition in flight (ms or NULL) and the server's time (ms). Integers are read as `i64`
 //! on every server: a store whose column is narrower casts it in the statement.
 
+use futures_util::future::BoxFuture;
 use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -54,6 +55,49 @@ pub fn map_error(
         _ => (ErrorKind::Backend, error.to_string()),
     };
     StoreError::new(kind, format!("{doing}: {detail}")).with_source(error)
+}
+
+/// Runs a batch in one transaction on `connection`: `each` for every call (with `store`, what
+/// the calls share, such as the store's statements), in [`lock_order`](crate::lock_order) (so
+/// that two batches never deadlock on each other), then one commit; the answers come back in
+/// the batch's order. A failure of any call or of the commit ends the transaction unfinished
+/// (the connection rolls it back) and is the answer of the whole batch: none of its writes
+/// took effect, or, when the commit failed, which did is unknown, as for a single call that
+/// fails.
+///
+/// # Errors
+///
+/// The first failure: beginning the transaction, a call, or the commit (`map_error` names the
+/// server's).
+pub async fn in_one_transaction<DB, X, T, R>(
+    connection: &mut DB::Connection,
+    store: &X,
+    batch: &[T],
+    map_error: crate::connections::MapError,
+    mut each: impl for<'c> FnMut(&'c mut DB::Connection, &'c X, &'c T) -> BoxFuture<'c, Result<R, StoreError>>
+    + Send,
+) -> Result<Vec<R>, StoreError>
+where
+    DB: sqlx::Database,
+    X: Sync + ?Sized,
+    T: crate::BatchCall + Sync,
+    R: Send,
+{
+    use sqlx::Connection as _;
+
+    let mut tx = connection
+        .begin()
+        .await
+        .map_err(|e| map_error("begin a batch's transaction", e))?;
+    let mut answers: Vec<Option<R>> = std::iter::repeat_with(|| None).take(batch.len()).collect();
+    for at in crate::lock_order(batch) {
+        answers[at] = Some(each(&mut tx, store, &batch[at]).await?);
+    }
+    tx.commit().await.map_err(|e| map_error("commit a batch", e))?;
+    Ok(answers
+        .into_iter()
+        .map(|answer| answer.unwrap_or_else(|| unreachable!("lock_order names every call once")))
+        .collect())
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as

@@ -317,26 +317,44 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// fails, every request of the batch gets an error of the same kind and, as for a single
     /// call that fails, its effect is unknown to the caller.
     async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
-        let mut claims = Vec::with_capacity(requests.len());
-        for request in requests {
-            claims.push(self.begin(request).await);
-        }
-        claims
+        begin_each(self, requests).await
     }
 
     /// [`Store::complete`] for each completion of a batch, answered as
     /// [`Store::begin_many`] answers: one result per completion, in order, each what its
     /// single call would return; a failed batch round trip fails every completion of it.
     async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
-        let mut done = Vec::with_capacity(completions.len());
-        for completion in completions {
-            done.push(
-                self.complete(&completion.held, completion.outcome.clone(), completion.retention)
-                    .await,
-            );
-        }
-        done
+        complete_each(self, completions).await
     }
+}
+
+/// [`Store::begin_many`] as single calls, one after another: the default, and what a store
+/// with a native batch does for a batch too small to gain from it.
+pub async fn begin_each<S: Store + ?Sized>(
+    store: &S,
+    requests: &[BeginRequest],
+) -> Vec<Result<Claim, StoreError>> {
+    let mut claims = Vec::with_capacity(requests.len());
+    for request in requests {
+        claims.push(store.begin(request).await);
+    }
+    claims
+}
+
+/// [`Store::complete_many`] as single calls, one after another (see [`begin_each`]).
+pub async fn complete_each<S: Store + ?Sized>(
+    store: &S,
+    completions: &[Completion],
+) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+    let mut done = Vec::with_capacity(completions.len());
+    for completion in completions {
+        done.push(
+            store
+                .complete(&completion.held, completion.outcome.clone(), completion.retention)
+                .await,
+        );
+    }
+    done
 }
 
 /// One completion of a [`Store::complete_many`] batch: the arguments of one
@@ -360,6 +378,56 @@ impl Completion {
             outcome,
             retention,
         }
+    }
+}
+
+/// A call of a batch, by the record it touches.
+pub trait BatchCall {
+    /// The scope and key of the record the call touches.
+    fn record_key(&self) -> (&Scope, &Key);
+}
+
+impl BatchCall for BeginRequest {
+    fn record_key(&self) -> (&Scope, &Key) {
+        (&self.scope, &self.key)
+    }
+}
+
+impl BatchCall for Completion {
+    fn record_key(&self) -> (&Scope, &Key) {
+        (&self.held.scope, &self.held.key)
+    }
+}
+
+/// The positions of a batch's calls in the order a store that locks a row per key should run
+/// them: by scope, then key, and a key's calls in the batch's order. Two transactions that take
+/// their locks in this one order cannot deadlock on each other.
+///
+/// ```
+/// use idempotency_core::{BeginRequest, Fingerprint, Key, Scope, lock_order};
+///
+/// let request = |key: &str| BeginRequest::new(Scope::global(), Key::new(key).unwrap(), Fingerprint::of_bytes(b""));
+/// let batch = [request("b"), request("a"), request("b"), request("c")];
+/// assert_eq!(lock_order(&batch), [1, 0, 2, 3]);
+/// ```
+#[must_use]
+pub fn lock_order<T: BatchCall>(batch: &[T]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    // Stable: a key's calls keep the batch's order.
+    order.sort_by(|a, b| {
+        let ((scope_a, key_a), (scope_b, key_b)) = (batch[*a].record_key(), batch[*b].record_key());
+        (scope_a.as_str(), key_a.as_str()).cmp(&(scope_b.as_str(), key_b.as_str()))
+    });
+    order
+}
+
+/// The answers of a batch of `len` calls run in one round trip or transaction: its answers,
+/// or, when it failed, [`failed_batch`].
+#[must_use]
+pub fn batch_answers<T>(len: usize, batch: Result<Vec<T>, StoreError>) -> Vec<Result<T, StoreError>> {
+    match batch {
+        Ok(answers) => answers.into_iter().map(Ok).collect(),
+        Err(error) => failed_batch(&error, len),
     }
 }
 

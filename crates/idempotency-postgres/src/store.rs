@@ -8,9 +8,9 @@ use idempotency_core::connections::Connections;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
 use idempotency_core::{
-    Access, BeginRequest, Claim, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome, Record,
-    RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    duration_millis, stored_millis,
+    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
+    Record, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp,
+    Token, begin_each, complete_each, duration_millis, failed_batch, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -437,6 +437,36 @@ impl Store for PostgresStore {
             })
             .await?;
         row.map(|row| decode_record(&row, 0)).transpose()
+    }
+
+    /// One transaction on one connection for the whole batch: each request's statements as
+    /// [`Store::begin`] runs them (a replay, an in-flight conflict or a mismatch still only
+    /// reads), in [`lock_order`], then one commit.
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        if requests.len() < 2 {
+            return begin_each(self, requests).await;
+        }
+        let _lane = match self.lanes.new_work().await {
+            Ok(lane) => lane,
+            Err(error) => return failed_batch(&error, requests.len()),
+        };
+        self.connections
+            .batch(&self.sql, requests, |tx, sql, request| {
+                Box::pin(begin_on(tx, sql, request))
+            })
+            .await
+    }
+
+    /// One transaction on one connection for the whole batch, as [`Store::begin_many`].
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        if completions.len() < 2 {
+            return complete_each(self, completions).await;
+        }
+        self.connections
+            .batch(&self.sql, completions, |tx, sql, c| {
+                Box::pin(complete_on(tx, sql, &c.held, &c.outcome, c.retention))
+            })
+            .await
     }
 }
 
