@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use idempotency_core::{ErrorKind, StoreError};
+use idempotency_core::{ErrorKind, StoreError, failed_batch};
 use redis::Value;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
@@ -185,41 +185,49 @@ async fn send(shared: &Shared, kind: Kind, jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
-    let (_, many, op) = shared.scripts(kind);
-    let doing = match kind {
-        Kind::Begin => "run a batch of begins",
-        Kind::Complete => "run a batch of completes",
+    let (_, many, _) = shared.scripts(kind);
+    let calls: Vec<(&str, &[Vec<u8>])> = jobs.iter().map(|job| (job.key.as_str(), &job.args[..])).collect();
+    let replies = run_many(&shared.connection, many, kind, &calls).await;
+    for (job, reply) in jobs.into_iter().zip(replies) {
+        let _ = job.reply.send(reply);
+    }
+}
+
+/// Runs one call of the batch script `many` (of `kind`) for `calls` (each a record key and its
+/// one-key script's arguments; keys that share a slot on a cluster): one reply per call, in
+/// order, each what the one-key script would have answered, or the call's failure for every
+/// call when the batch's reply was lost or unreadable.
+pub(crate) async fn run_many(
+    connection: &Connection,
+    many: &redis::Script,
+    kind: Kind,
+    calls: &[(&str, &[Vec<u8>])],
+) -> Vec<Result<Value, StoreError>> {
+    let (op, doing) = match kind {
+        Kind::Begin => ("begin", "run a batch of begins"),
+        Kind::Complete => ("complete", "run a batch of completes"),
     };
-    metrics::histogram!("idempotency_redis_batch_size", "op" => op).record(jobs.len() as f64);
+    metrics::histogram!("idempotency_redis_batch_size", "op" => op).record(calls.len() as f64);
     let mut invocation = many.prepare_invoke();
-    for job in &jobs {
-        invocation.key(&job.key);
-        for arg in &job.args {
+    for (key, args) in calls {
+        invocation.key(*key);
+        for arg in *args {
             invocation.arg(&arg[..]);
         }
     }
-    let reply = invocation
-        .invoke_async::<Value>(&mut shared.connection.clone())
-        .await;
+    let reply = invocation.invoke_async::<Value>(&mut connection.clone()).await;
     match reply {
-        Ok(Value::Array(items)) if items.len() == jobs.len() => {
-            for (job, item) in jobs.into_iter().zip(items) {
-                let _ = job.reply.send(item_result(item, doing));
-            }
+        Ok(Value::Array(items)) if items.len() == calls.len() => {
+            items.into_iter().map(|item| item_result(item, doing)).collect()
         }
-        Ok(other) => {
-            for job in jobs {
-                let _ = job.reply.send(Err(StoreError::new(
-                    ErrorKind::Protocol,
-                    format!("{doing}: unexpected reply {other:?}"),
-                )));
-            }
-        }
-        Err(error) => {
-            for job in jobs {
-                let _ = job.reply.send(Err(map_error(doing, error.clone())));
-            }
-        }
+        Ok(other) => failed_batch(
+            &StoreError::new(
+                ErrorKind::Protocol,
+                format!("{doing}: unexpected reply {other:?}"),
+            ),
+            calls.len(),
+        ),
+        Err(error) => failed_batch(&map_error(doing, error), calls.len()),
     }
 }
 

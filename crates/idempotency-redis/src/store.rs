@@ -7,16 +7,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    BeginRequest, Claim, Completed, DecodeError, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter,
-    Outcome, Record, RecordParts, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp,
-    Token, redact_url, stored_millis,
+    BeginRequest, Claim, Completed, Completion, DecodeError, ErrorKind, Fenced, Fingerprint, Held, Key,
+    ListFilter, Outcome, Record, RecordParts, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError,
+    Timestamp, Token, begin_each, complete_each, redact_url, stored_millis,
 };
 use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
 use sha2::{Digest, Sha256};
 
-use crate::batch::{Batcher, Kind};
+use crate::batch::{Batcher, Kind, MAX_BATCH, run_many};
 use crate::error::map_error;
 use crate::scripts;
 
@@ -93,6 +94,9 @@ struct Scripts {
     release: redis::Script,
     extend: redis::Script,
     get: redis::Script,
+    /// The batch scripts, for `begin_many` and `complete_many`.
+    begin_many: redis::Script,
+    complete_many: redis::Script,
 }
 
 /// The Redis store. Clones share the connection.
@@ -204,6 +208,8 @@ impl RedisStore {
             scripts: Arc::new(Scripts {
                 begin: redis::Script::new(&scripts::begin()),
                 complete: redis::Script::new(&scripts::complete()),
+                begin_many: redis::Script::new(&scripts::begin_many()),
+                complete_many: redis::Script::new(&scripts::complete_many()),
                 release: redis::Script::new(&scripts::release()),
                 extend: redis::Script::new(&scripts::extend()),
                 get: redis::Script::new(&scripts::get()),
@@ -307,6 +313,53 @@ impl RedisStore {
                 self.run(script, &key, args).await
             }
         }
+    }
+
+    /// Runs the batch script of `kind` over `calls` (record key, one-key arguments): in
+    /// chunks of [`MAX_BATCH`] one after another on a single server; on a cluster grouped by
+    /// slot (a script's keys must share one), the groups at once and each group's chunks in
+    /// order, so that a key's calls keep the batch's order. One reply per call, in order.
+    async fn run_many(&self, kind: Kind, calls: &[(String, Vec<Vec<u8>>)]) -> Vec<Result<Value, StoreError>> {
+        let script = match kind {
+            Kind::Begin => &self.scripts.begin_many,
+            Kind::Complete => &self.scripts.complete_many,
+        };
+        let groups: Vec<Vec<usize>> = match &self.connection {
+            Connection::Single(_) => vec![(0..calls.len()).collect()],
+            Connection::Cluster(_) => {
+                let mut by_slot: Vec<(Slot, Vec<usize>)> = Vec::new();
+                for (at, (key, _)) in calls.iter().enumerate() {
+                    let slot = Slot::for_key(key);
+                    match by_slot.iter_mut().find(|(s, _)| *s == slot) {
+                        Some((_, group)) => group.push(at),
+                        None => by_slot.push((slot, vec![at])),
+                    }
+                }
+                by_slot.into_iter().map(|(_, group)| group).collect()
+            }
+        };
+        let runs = groups.iter().map(async |group| {
+            let mut replies = Vec::with_capacity(group.len());
+            for chunk in group.chunks(MAX_BATCH) {
+                let chunk: Vec<(&str, &[Vec<u8>])> = chunk
+                    .iter()
+                    .map(|at| (calls[*at].0.as_str(), &calls[*at].1[..]))
+                    .collect();
+                replies.extend(run_many(&self.connection, script, kind, &chunk).await);
+            }
+            replies
+        });
+        let mut answers: Vec<Option<Result<Value, StoreError>>> =
+            std::iter::repeat_with(|| None).take(calls.len()).collect();
+        for (group, replies) in groups.iter().zip(futures_util::future::join_all(runs).await) {
+            for (at, reply) in group.iter().zip(replies) {
+                answers[*at] = Some(reply);
+            }
+        }
+        answers
+            .into_iter()
+            .map(|answer| answer.unwrap_or_else(|| unreachable!("every call is in one group")))
+            .collect()
     }
 
     async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
@@ -685,6 +738,43 @@ fn decode_get(value: Value) -> Result<Option<(Timestamp, Record)>, StoreError> {
     Ok(Some((ms(&fields[0])?, record)))
 }
 
+/// The one-key `begin` script's arguments for `request`.
+fn begin_args(request: &BeginRequest) -> Vec<Vec<u8>> {
+    vec![
+        request.scope.as_str().as_bytes().to_vec(),
+        request.key.as_str().as_bytes().to_vec(),
+        request.fingerprint.to_hex().into_bytes(),
+        request.token.to_hex().into_bytes(),
+        stored_millis(request.lease).to_string().into_bytes(),
+        stored_millis(request.retention).to_string().into_bytes(),
+    ]
+}
+
+/// The claim a `begin` script's reply to `request` makes.
+fn claim_of(request: &BeginRequest, reply: Value) -> Result<Claim, StoreError> {
+    let fields = array(reply)?;
+    let tag = fields.first().map(text).transpose()?.unwrap_or_default();
+    match (tag, fields.len()) {
+        ("acquired", 4) => Ok(Claim::Acquired(Held::acquired(
+            request,
+            attempt_of(&fields[1])?,
+            ms(&fields[2])?,
+        ))),
+        ("in_flight", 4) => Ok(Claim::InFlight {
+            attempt: attempt_of(&fields[1])?,
+            retry_after: Duration::from_millis(u64::try_from(int(&fields[2])?).unwrap_or(1)),
+        }),
+        ("replay", 6) => Ok(Claim::Replay(Completed {
+            attempt: attempt_of(&fields[1])?,
+            completed_at: ms(&fields[2])?,
+            expires_at: ms(&fields[3])?,
+            outcome: Outcome::new(bytes(&fields[4])?.unwrap_or_default().to_vec()),
+        })),
+        ("mismatch", 2) => Ok(Claim::Mismatch),
+        _ => Err(protocol(&format!("begin answered {fields:?}"))),
+    }
+}
+
 fn attempt_of(value: &Value) -> Result<u32, StoreError> {
     u32::try_from(int(value)?).map_err(|_| protocol("an attempt out of range"))
 }
@@ -693,40 +783,9 @@ fn attempt_of(value: &Value) -> Result<u32, StoreError> {
 impl Store for RedisStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let key = self.record_key(&request.scope, &request.key);
-        let fingerprint = request.fingerprint.to_hex();
-        let token = request.token.to_hex();
-        let lease = stored_millis(request.lease).to_string();
-        let retention = stored_millis(request.retention).to_string();
-        let args = [
-            request.scope.as_str().as_bytes(),
-            request.key.as_str().as_bytes(),
-            fingerprint.as_bytes(),
-            token.as_bytes(),
-            lease.as_bytes(),
-            retention.as_bytes(),
-        ];
-        let reply = self.run_batched(Kind::Begin, key, &args).await?;
-        let fields = array(reply)?;
-        let tag = fields.first().map(text).transpose()?.unwrap_or_default();
-        match (tag, fields.len()) {
-            ("acquired", 4) => Ok(Claim::Acquired(Held::acquired(
-                request,
-                attempt_of(&fields[1])?,
-                ms(&fields[2])?,
-            ))),
-            ("in_flight", 4) => Ok(Claim::InFlight {
-                attempt: attempt_of(&fields[1])?,
-                retry_after: Duration::from_millis(u64::try_from(int(&fields[2])?).unwrap_or(1)),
-            }),
-            ("replay", 6) => Ok(Claim::Replay(Completed {
-                attempt: attempt_of(&fields[1])?,
-                completed_at: ms(&fields[2])?,
-                expires_at: ms(&fields[3])?,
-                outcome: Outcome::new(bytes(&fields[4])?.unwrap_or_default().to_vec()),
-            })),
-            ("mismatch", 2) => Ok(Claim::Mismatch),
-            _ => Err(protocol(&format!("begin answered {fields:?}"))),
-        }
+        let args = begin_args(request);
+        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        claim_of(request, self.run_batched(Kind::Begin, key, &args).await?)
     }
 
     async fn complete(
@@ -743,6 +802,61 @@ impl Store for RedisStore {
         let token = held.token.to_hex();
         let args = [token.as_bytes(), outcome.as_bytes(), retention.as_bytes()];
         fenced(self.run_batched(Kind::Complete, key, &args).await?)
+    }
+
+    /// The batch script for the whole batch: one script call per 32 requests on a
+    /// single server; on a cluster, one per slot the keys fall in (the calls of different slots
+    /// at once, those of one slot in order).
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        if requests.len() < 2 {
+            return begin_each(self, requests).await;
+        }
+        let calls: Vec<(String, Vec<Vec<u8>>)> = requests
+            .iter()
+            .map(|request| (self.record_key(&request.scope, &request.key), begin_args(request)))
+            .collect();
+        let replies = self.run_many(Kind::Begin, &calls).await;
+        requests
+            .iter()
+            .zip(replies)
+            .map(|(request, reply)| claim_of(request, reply?))
+            .collect()
+    }
+
+    /// As [`Store::begin_many`]; a completion with [`Token::NONE`] is answered without a call.
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        if completions.len() < 2 {
+            return complete_each(self, completions).await;
+        }
+        let sent: Vec<&Completion> = completions
+            .iter()
+            .filter(|c| c.held.token != Token::NONE)
+            .collect();
+        let calls: Vec<(String, Vec<Vec<u8>>)> = sent
+            .iter()
+            .map(|c| {
+                let args = vec![
+                    c.held.token.to_hex().into_bytes(),
+                    c.outcome.as_bytes().to_vec(),
+                    stored_millis(c.retention).to_string().into_bytes(),
+                ];
+                (self.record_key(&c.held.scope, &c.held.key), args)
+            })
+            .collect();
+        let mut replies = self.run_many(Kind::Complete, &calls).await.into_iter();
+        completions
+            .iter()
+            .map(|c| {
+                if c.held.token == Token::NONE {
+                    return Ok(Fenced::LeaseLost);
+                }
+                fenced(
+                    replies
+                        .next()
+                        .unwrap_or_else(|| unreachable!("a reply per call sent"))?,
+                )
+            })
+            .collect()
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
