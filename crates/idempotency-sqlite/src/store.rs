@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::{
-    Access, BeginRequest, Claim, Clock, ErrorKind, Fenced, Fingerprint, Held, Key, ListFilter, Outcome,
-    Record, RecordColumns, RecordParts, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin,
-    StoreError, Timestamp, Token, duration_millis,
+    Access, BatchCall, BeginRequest, Claim, Clock, Completion, ErrorKind, Fenced, Fingerprint, Held, Key,
+    ListFilter, Outcome, Record, RecordColumns, RecordParts, RecordSummary, Scope, StateFilter, Stats, Store,
+    StoreAdmin, StoreError, Timestamp, Token, begin_each, duration_millis,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior, params};
 
@@ -236,6 +236,19 @@ impl SqliteStore {
         R: Send + 'static,
         F: FnOnce(Timestamp, Option<&Record>) -> (R, Effect) + Send + 'static,
     {
+        self.queue_transition(scope, key, step)?
+            .await
+            .map_err(|_| stopped())?
+    }
+
+    /// Queues a transition for the writer and returns where its answer will come: transitions
+    /// queued one after another without waiting join the same group's transaction (as far as
+    /// a group holds), in the order they were queued.
+    fn queue_transition<R, F>(&self, scope: &Scope, key: &Key, step: F) -> Result<Answer<R>, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(Timestamp, Option<&Record>) -> (R, Effect) + Send + 'static,
+    {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let pending = Step {
             scope: scope.clone(),
@@ -248,9 +261,33 @@ impl SqliteStore {
             .writer
             .send(Job::Transition(Box::new(pending)))
             .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        Ok(answer)
+    }
+
+    /// Queues every transition of a batch at once (one group commit for all, as far as a group
+    /// holds) and waits for their answers, in order.
+    async fn transitions<R, F>(&self, steps: Vec<(&Scope, &Key, F)>) -> Vec<Result<R, StoreError>>
+    where
+        R: Send + 'static,
+        F: FnOnce(Timestamp, Option<&Record>) -> (R, Effect) + Send + 'static,
+    {
+        let queued: Vec<Result<Answer<R>, StoreError>> = steps
+            .into_iter()
+            .map(|(scope, key, step)| self.queue_transition(scope, key, step))
+            .collect();
+        let mut answers = Vec::with_capacity(queued.len());
+        for answer in queued {
+            answers.push(match answer {
+                Ok(answer) => answer.await.unwrap_or_else(|_| Err(stopped())),
+                Err(error) => Err(error),
+            });
+        }
+        answers
     }
 }
+
+/// Where a queued transition's answer comes.
+type Answer<R> = tokio::sync::oneshot::Receiver<Result<R, StoreError>>;
 
 /// Runs `f` alone on the connection of the thread behind `queue`.
 async fn alone<R, F>(queue: &mpsc::Sender<Job>, f: F) -> Result<R, StoreError>
@@ -490,6 +527,83 @@ impl Store for SqliteStore {
             Ok(select_record(connection, &scope, &key)?.filter(|record| !record.is_expired(now)))
         })
         .await
+    }
+
+    /// The batch's replays, in-flight answers and mismatches in one job on the read connection
+    /// (for keys that stand once in the batch); every claim or takeover queued for the writer
+    /// at once, so that they share a group's commit.
+    async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
+        if requests.len() < 2 {
+            return begin_each(self, requests).await;
+        }
+        let mut answers: Vec<Option<Result<Claim, StoreError>>> = vec![None; requests.len()];
+        if self.inner.reader.is_some() {
+            // A key that stands twice goes to the writer each time: its second request must
+            // see what the first one wrote.
+            let once: Vec<usize> = (0..requests.len())
+                .filter(|at| {
+                    let (scope, key) = requests[*at].record_key();
+                    requests.iter().filter(|r| r.record_key() == (scope, key)).count() == 1
+                })
+                .collect();
+            let reads: Vec<BeginRequest> = once.iter().map(|at| requests[*at].clone()).collect();
+            let decided = self
+                .read(move |connection, clock| {
+                    let now = clock.now();
+                    reads
+                        .iter()
+                        .map(|read| {
+                            let existing = select_record(connection, &read.scope, &read.key)?;
+                            Ok(match machine::begin(now, existing.as_ref(), read) {
+                                (claim, Effect::None) => Some(claim),
+                                (_, Effect::Put(_)) => None,
+                            })
+                        })
+                        .collect::<Result<Vec<_>, StoreError>>()
+                })
+                .await;
+            // A failed read decides nothing: the writer decides every request instead.
+            if let Ok(decided) = decided {
+                for (at, claim) in once.into_iter().zip(decided) {
+                    answers[at] = claim.map(Ok);
+                }
+            }
+        }
+        let undecided: Vec<usize> = (0..requests.len()).filter(|at| answers[*at].is_none()).collect();
+        let steps = undecided
+            .iter()
+            .map(|at| {
+                let request = requests[*at].clone();
+                let step = move |now, record: Option<&Record>| machine::begin(now, record, &request);
+                (&requests[*at].scope, &requests[*at].key, step)
+            })
+            .collect();
+        for (at, claim) in undecided.into_iter().zip(self.transitions(steps).await) {
+            answers[at] = Some(claim);
+        }
+        answers
+            .into_iter()
+            .map(|answer| answer.unwrap_or_else(|| unreachable!("every request is decided")))
+            .collect()
+    }
+
+    /// Every completion queued for the writer at once: one group's commit for the batch.
+    async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        let steps = completions
+            .iter()
+            .map(|completion| {
+                let (token, outcome, retention) = (
+                    completion.held.token,
+                    completion.outcome.clone(),
+                    completion.retention,
+                );
+                let step = move |now, record: Option<&Record>| {
+                    machine::complete(now, record, token, outcome, retention)
+                };
+                (&completion.held.scope, &completion.held.key, step)
+            })
+            .collect();
+        self.transitions(steps).await
     }
 }
 
