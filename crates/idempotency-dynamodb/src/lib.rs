@@ -17,6 +17,10 @@
 //!   case an update expression cannot decide, an `extend` whose lease would outlive the
 //!   record's retention (it has no `max`), is written after that answer, conditioned on the
 //!   item's version: a second request, only near the end of a record's retention.
+//! - `begin_many` and `complete_many` are the single calls one after another (the contract's
+//!   default): `TransactWriteItems` keeps a condition per item but is all or nothing, so one
+//!   key's failed condition (a duplicate) would cancel every other key's write, and
+//!   `BatchWriteItem` takes no conditions. A batch costs what its calls cost.
 //!
 //! # Time
 //!
