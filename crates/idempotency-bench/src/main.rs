@@ -6,12 +6,13 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|mysql|redis|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|mysql|redis|batches|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
 //! scripts/bench-gateway          # gateway: idem serve on each store vs nginx vs the upstream (wrk)
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
 
 mod aws;
+mod batches;
 mod boxes;
 mod consume;
 mod consumers;
@@ -73,6 +74,9 @@ enum Target {
     Postgres,
     Mysql,
     Redis,
+    /// `begin_many`/`complete_many` against the single calls on SQLite, PostgreSQL, MySQL and
+    /// Redis: keys per second with 8 and 32 callers, 32 keys per caller's window.
+    Batches,
     Http,
     /// `idem serve` on each store vs nginx vs the upstream, each a process, loaded by wrk
     /// (needs nginx and wrk: `scripts/bench-gateway`).
@@ -142,6 +146,7 @@ fn main() -> ExitCode {
             Target::Postgres => postgres::run(window, rounds),
             Target::Mysql => mysql::run(window, rounds),
             Target::Redis => redis::run(window, rounds),
+            Target::Batches => batches::run(window, rounds),
             Target::Http => http::run(window, rounds),
             Target::Gateway => gateway::run(
                 window,
