@@ -441,7 +441,7 @@ impl Store for PostgresStore {
 
     /// One transaction on one connection for the whole batch: each request's statements as
     /// [`Store::begin`] runs them (a replay, an in-flight conflict or a mismatch still only
-    /// reads), in [`lock_order`], then one commit.
+    /// reads), in [`lock_order`](idempotency_core::lock_order), then one commit.
     async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
