@@ -435,13 +435,7 @@ pub fn batch_answers<T>(len: usize, batch: Result<Vec<T>, StoreError>) -> Vec<Re
 /// `error`'s kind and message (the effect of each is unknown, as for a single call that fails).
 #[must_use]
 pub fn failed_batch<T>(error: &StoreError, len: usize) -> Vec<Result<T, StoreError>> {
-    (0..len)
-        .map(|_| {
-            let mut copy = StoreError::new(error.kind, error.message.clone());
-            copy.source.clone_from(&error.source);
-            Err(copy)
-        })
-        .collect()
+    (0..len).map(|_| Err(error.clone())).collect()
 }
 
 /// Inspection and cleanup, for operators.
