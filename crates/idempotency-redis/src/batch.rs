@@ -197,11 +197,11 @@ async fn send(shared: &Shared, kind: Kind, jobs: Vec<Job>) {
 /// one-key script's arguments; keys that share a slot on a cluster): one reply per call, in
 /// order, each what the one-key script would have answered, or the call's failure for every
 /// call when the batch's reply was lost or unreadable.
-pub(crate) async fn run_many(
+pub(crate) async fn run_many<A: AsRef<[u8]>>(
     connection: &Connection,
     many: &redis::Script,
     kind: Kind,
-    calls: &[(&str, &[Vec<u8>])],
+    calls: &[(&str, &[A])],
 ) -> Vec<Result<Value, StoreError>> {
     let (op, doing) = match kind {
         Kind::Begin => ("begin", "run a batch of begins"),
@@ -212,7 +212,7 @@ pub(crate) async fn run_many(
     for (key, args) in calls {
         invocation.key(*key);
         for arg in *args {
-            invocation.arg(&arg[..]);
+            invocation.arg(arg.as_ref());
         }
     }
     let reply = invocation.invoke_async::<Value>(&mut connection.clone()).await;

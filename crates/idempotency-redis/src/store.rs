@@ -319,7 +319,11 @@ impl RedisStore {
     /// chunks of [`MAX_BATCH`] one after another on a single server; on a cluster grouped by
     /// slot (a script's keys must share one), the groups at once and each group's chunks in
     /// order, so that a key's calls keep the batch's order. One reply per call, in order.
-    async fn run_many(&self, kind: Kind, calls: &[(String, Vec<Vec<u8>>)]) -> Vec<Result<Value, StoreError>> {
+    async fn run_many<const N: usize>(
+        &self,
+        kind: Kind,
+        calls: &[(String, [&[u8]; N])],
+    ) -> Vec<Result<Value, StoreError>> {
         let script = match kind {
             Kind::Begin => &self.scripts.begin_many,
             Kind::Complete => &self.scripts.complete_many,
@@ -341,7 +345,7 @@ impl RedisStore {
         let runs = groups.iter().map(async |group| {
             let mut replies = Vec::with_capacity(group.len());
             for chunk in group.chunks(MAX_BATCH) {
-                let chunk: Vec<(&str, &[Vec<u8>])> = chunk
+                let chunk: Vec<(&str, &[&[u8]])> = chunk
                     .iter()
                     .map(|at| (calls[*at].0.as_str(), &calls[*at].1[..]))
                     .collect();
@@ -738,16 +742,59 @@ fn decode_get(value: Value) -> Result<Option<(Timestamp, Record)>, StoreError> {
     Ok(Some((ms(&fields[0])?, record)))
 }
 
-/// The one-key `begin` script's arguments for `request`.
-fn begin_args(request: &BeginRequest) -> Vec<Vec<u8>> {
-    vec![
-        request.scope.as_str().as_bytes().to_vec(),
-        request.key.as_str().as_bytes().to_vec(),
-        request.fingerprint.to_hex().into_bytes(),
-        request.token.to_hex().into_bytes(),
-        stored_millis(request.lease).to_string().into_bytes(),
-        stored_millis(request.retention).to_string().into_bytes(),
-    ]
+/// The one-key `begin` script's arguments of a request that are not already text in it.
+struct BeginArgs {
+    fingerprint: String,
+    token: String,
+    lease: String,
+    retention: String,
+}
+
+impl BeginArgs {
+    fn of(request: &BeginRequest) -> Self {
+        Self {
+            fingerprint: request.fingerprint.to_hex(),
+            token: request.token.to_hex(),
+            lease: stored_millis(request.lease).to_string(),
+            retention: stored_millis(request.retention).to_string(),
+        }
+    }
+
+    /// The script's six arguments, borrowed from `request` and these.
+    fn with<'a>(&'a self, request: &'a BeginRequest) -> [&'a [u8]; 6] {
+        [
+            request.scope.as_str().as_bytes(),
+            request.key.as_str().as_bytes(),
+            self.fingerprint.as_bytes(),
+            self.token.as_bytes(),
+            self.lease.as_bytes(),
+            self.retention.as_bytes(),
+        ]
+    }
+}
+
+/// The one-key `complete` script's arguments of a completion that are not already bytes in it.
+struct CompleteArgs {
+    token: String,
+    retention: String,
+}
+
+impl CompleteArgs {
+    fn of(held: &Held, retention: Duration) -> Self {
+        Self {
+            token: held.token.to_hex(),
+            retention: stored_millis(retention).to_string(),
+        }
+    }
+
+    /// The script's three arguments, borrowed from these and `outcome` (never copied).
+    fn with<'a>(&'a self, outcome: &'a Outcome) -> [&'a [u8]; 3] {
+        [
+            self.token.as_bytes(),
+            outcome.as_bytes(),
+            self.retention.as_bytes(),
+        ]
+    }
 }
 
 /// The claim a `begin` script's reply to `request` makes.
@@ -783,9 +830,11 @@ fn attempt_of(value: &Value) -> Result<u32, StoreError> {
 impl Store for RedisStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let key = self.record_key(&request.scope, &request.key);
-        let args = begin_args(request);
-        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-        claim_of(request, self.run_batched(Kind::Begin, key, &args).await?)
+        let args = BeginArgs::of(request);
+        claim_of(
+            request,
+            self.run_batched(Kind::Begin, key, &args.with(request)).await?,
+        )
     }
 
     async fn complete(
@@ -797,11 +846,12 @@ impl Store for RedisStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let retention = stored_millis(retention).to_string();
         let key = self.record_key(&held.scope, &held.key);
-        let token = held.token.to_hex();
-        let args = [token.as_bytes(), outcome.as_bytes(), retention.as_bytes()];
-        fenced(self.run_batched(Kind::Complete, key, &args).await?)
+        let args = CompleteArgs::of(held, retention);
+        fenced(
+            self.run_batched(Kind::Complete, key, &args.with(&outcome))
+                .await?,
+        )
     }
 
     /// The batch script for the whole batch: one script call per 32 requests on a
@@ -811,9 +861,11 @@ impl Store for RedisStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        let calls: Vec<(String, Vec<Vec<u8>>)> = requests
+        let args: Vec<BeginArgs> = requests.iter().map(BeginArgs::of).collect();
+        let calls: Vec<(String, [&[u8]; 6])> = requests
             .iter()
-            .map(|request| (self.record_key(&request.scope, &request.key), begin_args(request)))
+            .zip(&args)
+            .map(|(request, args)| (self.record_key(&request.scope, &request.key), args.with(request)))
             .collect();
         let replies = self.run_many(Kind::Begin, &calls).await;
         requests
@@ -832,16 +884,14 @@ impl Store for RedisStore {
             .iter()
             .filter(|c| c.held.token != Token::NONE)
             .collect();
-        let calls: Vec<(String, Vec<Vec<u8>>)> = sent
+        let args: Vec<CompleteArgs> = sent
             .iter()
-            .map(|c| {
-                let args = vec![
-                    c.held.token.to_hex().into_bytes(),
-                    c.outcome.as_bytes().to_vec(),
-                    stored_millis(c.retention).to_string().into_bytes(),
-                ];
-                (self.record_key(&c.held.scope, &c.held.key), args)
-            })
+            .map(|c| CompleteArgs::of(&c.held, c.retention))
+            .collect();
+        let calls: Vec<(String, [&[u8]; 3])> = sent
+            .iter()
+            .zip(&args)
+            .map(|(c, args)| (self.record_key(&c.held.scope, &c.held.key), args.with(&c.outcome)))
             .collect();
         let mut replies = self.run_many(Kind::Complete, &calls).await.into_iter();
         completions
