@@ -284,6 +284,28 @@ impl SqliteStore {
         }
         answers
     }
+    /// What the read connection decides for each of `requests` in one job: the claim when it
+    /// writes nothing (a replay, an in-flight answer, a mismatch), `None` when the writer must
+    /// decide (a claim or a takeover), without a write, a lock or a wait for a group's fsync.
+    async fn decided_by_reading(
+        &self,
+        requests: Vec<BeginRequest>,
+    ) -> Result<Vec<Option<Claim>>, StoreError> {
+        self.read(move |connection, clock| {
+            let now = clock.now();
+            requests
+                .iter()
+                .map(|request| {
+                    let existing = select_record(connection, &request.scope, &request.key)?;
+                    Ok(match machine::begin(now, existing.as_ref(), request) {
+                        (claim, Effect::None) => Some(claim),
+                        (_, Effect::Put(_)) => None,
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
 }
 
 /// Where a queued transition's answer comes.
@@ -467,21 +489,10 @@ impl Store for SqliteStore {
         // A replay, an in-flight answer or a mismatch is decided on the read connection, without
         // a write, a lock or a wait for a group's fsync; only a claim or a takeover goes to the
         // writer, which decides again on the record as its transaction sees it.
-        if self.inner.reader.is_some() {
-            let read = request.clone();
-            let decided = self
-                .read(move |connection, clock| {
-                    let now = clock.now();
-                    let existing = select_record(connection, &read.scope, &read.key)?;
-                    Ok(match machine::begin(now, existing.as_ref(), &read) {
-                        (claim, Effect::None) => Some(claim),
-                        (_, Effect::Put(_)) => None,
-                    })
-                })
-                .await?;
-            if let Some(claim) = decided {
-                return Ok(claim);
-            }
+        if self.inner.reader.is_some()
+            && let Some(Some(claim)) = self.decided_by_reading(vec![request.clone()]).await?.pop()
+        {
+            return Ok(claim);
         }
         let request = request.clone();
         let (scope, key) = (request.scope.clone(), request.key.clone());
@@ -547,21 +558,7 @@ impl Store for SqliteStore {
                 })
                 .collect();
             let reads: Vec<BeginRequest> = once.iter().map(|at| requests[*at].clone()).collect();
-            let decided = self
-                .read(move |connection, clock| {
-                    let now = clock.now();
-                    reads
-                        .iter()
-                        .map(|read| {
-                            let existing = select_record(connection, &read.scope, &read.key)?;
-                            Ok(match machine::begin(now, existing.as_ref(), read) {
-                                (claim, Effect::None) => Some(claim),
-                                (_, Effect::Put(_)) => None,
-                            })
-                        })
-                        .collect::<Result<Vec<_>, StoreError>>()
-                })
-                .await;
+            let decided = self.decided_by_reading(reads).await;
             // A failed read decides nothing: the writer decides every request instead.
             if let Ok(decided) = decided {
                 for (at, claim) in once.into_iter().zip(decided) {
