@@ -231,9 +231,11 @@ impl<C: Connection> Connections<C> {
 
     /// Runs a batch of calls in one transaction on one connection
     /// ([`crate::sql::in_one_transaction`]): one answer per call, in the batch's order, or the
-    /// failure of the transaction as every call's answer ([`crate::failed_batch`]).
+    /// failure of the transaction as every call's answer ([`crate::failed_batch`]). New work
+    /// (a batch of `begin`s) passes the store's `lanes`, and holds one lane for the batch.
     pub async fn batch<X, T, R>(
         &self,
+        lanes: Option<&crate::Lanes>,
         store: &X,
         batch: &[T],
         each: impl for<'c> FnMut(&'c mut C, &'c X, &'c T) -> BoxFuture<'c, Result<R, StoreError>> + Send,
@@ -244,8 +246,12 @@ impl<C: Connection> Connections<C> {
         T: crate::BatchCall + Sync,
         R: Send,
     {
-        let answers = self
-            .run(async |connection| {
+        let answers = async {
+            let _lane = match lanes {
+                Some(lanes) => Some(lanes.new_work().await?),
+                None => None,
+            };
+            self.run(async |connection| {
                 crate::sql::in_one_transaction::<C::Database, _, _, _>(
                     connection,
                     store,
@@ -255,8 +261,9 @@ impl<C: Connection> Connections<C> {
                 )
                 .await
             })
-            .await;
-        crate::batch_answers(batch.len(), answers)
+            .await
+        };
+        crate::batch_answers(batch.len(), answers.await)
     }
 
     async fn get(&self) -> Result<Object<Opener<C>>, StoreError> {

@@ -11,7 +11,7 @@ use idempotency_core::sql as sql_rows;
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordColumns, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
-    Timestamp, Token, begin_each, complete_each, duration_millis, failed_batch, stored_millis,
+    Timestamp, Token, begin_each, complete_each, duration_millis, stored_millis,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
@@ -675,12 +675,8 @@ impl Store for MysqlStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        let _lane = match self.lanes.new_work().await {
-            Ok(lane) => lane,
-            Err(error) => return failed_batch(&error, requests.len()),
-        };
         self.connections
-            .batch(self, requests, |tx, store, request| {
+            .batch(Some(&self.lanes), self, requests, |tx, store, request| {
                 Box::pin(begin_on(tx, store, request, Within::Transaction))
             })
             .await
@@ -692,7 +688,7 @@ impl Store for MysqlStore {
             return complete_each(self, completions).await;
         }
         self.connections
-            .batch(self.statements(), completions, |tx, sql, c| {
+            .batch(None, self.statements(), completions, |tx, sql, c| {
                 Box::pin(complete_on(tx, sql, &c.held, &c.outcome, c.retention))
             })
             .await

@@ -10,7 +10,7 @@ use idempotency_core::sql as sql_rows;
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp,
-    Token, begin_each, complete_each, duration_millis, failed_batch, stored_millis,
+    Token, begin_each, complete_each, duration_millis, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -446,12 +446,8 @@ impl Store for PostgresStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        let _lane = match self.lanes.new_work().await {
-            Ok(lane) => lane,
-            Err(error) => return failed_batch(&error, requests.len()),
-        };
         self.connections
-            .batch(&self.sql, requests, |tx, sql, request| {
+            .batch(Some(&self.lanes), &self.sql, requests, |tx, sql, request| {
                 Box::pin(begin_on(tx, sql, request))
             })
             .await
@@ -463,7 +459,7 @@ impl Store for PostgresStore {
             return complete_each(self, completions).await;
         }
         self.connections
-            .batch(&self.sql, completions, |tx, sql, c| {
+            .batch(None, &self.sql, completions, |tx, sql, c| {
                 Box::pin(complete_on(tx, sql, &c.held, &c.outcome, c.retention))
             })
             .await
