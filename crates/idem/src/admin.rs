@@ -116,28 +116,43 @@ async fn probe_write(store: &DynStore) -> Result<(), idempotency::StoreError> {
     }
 }
 
+/// Why the store check failed: the text the health endpoints answer with.
+#[derive(Debug, thiserror::Error)]
+enum StoreCheckError {
+    /// Writes failed, and so does a probe write now.
+    #[error("{failure}; a probe write failed too: {now}")]
+    Writes {
+        failure: idempotency::WriteFailure,
+        now: idempotency::StoreError,
+    },
+    /// The store does not answer a read.
+    #[error(transparent)]
+    Read(#[from] idempotency::StoreError),
+    /// The probe's scope or key is refused by the key rules.
+    #[error(transparent)]
+    Key(#[from] idempotency::KeyError),
+    /// The store did not answer in time.
+    #[error("the store did not answer within 2s")]
+    Timeout,
+}
+
 /// `Ok` when the store answers a read and its writes work: the last guarded request's write
 /// worked, or, when it failed, a probe write works now. What failed otherwise.
-async fn store_check(admin: &Admin) -> Result<(), String> {
+async fn store_check(admin: &Admin) -> Result<(), StoreCheckError> {
     let probe = async {
         if let Some(failure) = admin.health.failure() {
             probe_write(&admin.store)
                 .await
-                .map_err(|now| format!("{failure}; a probe write failed too: {now}"))?;
+                .map_err(|now| StoreCheckError::Writes { failure, now })?;
         }
-        let scope = Scope::new("idem-healthz").map_err(|e| e.to_string())?;
-        let key = Key::new("probe").map_err(|e| e.to_string())?;
-        admin
-            .store
-            .get(&scope, &key)
-            .await
-            .map(drop)
-            .map_err(|e| e.to_string())
+        let scope = Scope::new("idem-healthz")?;
+        let key = Key::new("probe")?;
+        admin.store.get(&scope, &key).await?;
+        Ok(())
     };
-    match tokio::time::timeout(Duration::from_secs(2), probe).await {
-        Ok(checked) => checked,
-        Err(_) => Err("the store did not answer within 2s".into()),
-    }
+    tokio::time::timeout(Duration::from_secs(2), probe)
+        .await
+        .unwrap_or(Err(StoreCheckError::Timeout))
 }
 
 /// `200` `{"status": STATUS}` when the store check passes, `503` with what failed otherwise.
@@ -147,7 +162,7 @@ async fn store_answer(admin: &Admin, status: &str) -> Response {
             axum::Json(serde_json::json!({ "status": status, "store": admin.store_kind })).into_response()
         }
         Err(why) => Problem::StoreUnavailable
-            .to_response_with_detail(&why)
+            .to_response_with_detail(&why.to_string())
             .map(Body::from),
     }
 }

@@ -308,7 +308,8 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
             ));
         };
         let switch = !flag.get_action().takes_values();
-        let value = setting_value(name, value.get_ref(), switch).map_err(|why| at(value.span(), why))?;
+        let value =
+            setting_value(name, value.get_ref(), switch).map_err(|why| at(value.span(), why.to_string()))?;
         if switch && value.as_deref() == Some("false") {
             continue;
         }
@@ -347,28 +348,45 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
     })
 }
 
+/// Why a top-level value cannot be a flag's text; the message names the setting.
+#[derive(Debug, thiserror::Error)]
+enum ValueError {
+    #[error("`{0}` is a switch: true or false")]
+    NotASwitch(String),
+    #[error("`{0}`: the number is out of range")]
+    OutOfRange(String),
+    #[error("`{0}`: a list of strings is expected")]
+    NotStrings(String),
+    #[error("`{0}`: a string is expected (as the flag takes it)")]
+    NotAString(String),
+}
+
 /// A top-level value as a flag's text: strings as they are, integers in decimal, a list joined
 /// with commas (for flags that take one), `true`/`false` for a switch.
-fn setting_value(name: &str, value: &toml::de::DeValue<'_>, switch: bool) -> Result<Option<String>, String> {
+fn setting_value(
+    name: &str,
+    value: &toml::de::DeValue<'_>,
+    switch: bool,
+) -> Result<Option<String>, ValueError> {
     use toml::de::DeValue;
     match value {
         DeValue::Boolean(on) if switch => Ok(Some(on.to_string())),
-        _ if switch => Err(format!("`{name}` is a switch: true or false")),
+        _ if switch => Err(ValueError::NotASwitch(name.to_owned())),
         DeValue::String(text) => Ok(Some(text.to_string())),
         DeValue::Integer(number) => i64::from_str_radix(&number.as_str().replace('_', ""), number.radix())
             .map(|number| Some(number.to_string()))
-            .map_err(|_| format!("`{name}`: the number is out of range")),
+            .map_err(|_| ValueError::OutOfRange(name.to_owned())),
         DeValue::Array(items) => {
             let mut texts = Vec::new();
             for item in items {
                 match item.get_ref() {
                     DeValue::String(text) => texts.push(text.to_string()),
-                    _ => return Err(format!("`{name}`: a list of strings is expected")),
+                    _ => return Err(ValueError::NotStrings(name.to_owned())),
                 }
             }
             Ok(Some(texts.join(",")))
         }
-        _ => Err(format!("`{name}`: a string is expected (as the flag takes it)")),
+        _ => Err(ValueError::NotAString(name.to_owned())),
     }
 }
 

@@ -446,7 +446,10 @@ mod secret_tests {
         },
     }
 
-    fn parse(args: &[&str], environment: &[(&str, String)]) -> Result<(String, String), String> {
+    fn parse(
+        args: &[&str],
+        environment: &[(&str, String)],
+    ) -> Result<(String, String), Box<dyn std::error::Error>> {
         use clap::{CommandFactory, FromArgMatches};
         let lookup = |name: &str| {
             environment
@@ -454,11 +457,9 @@ mod secret_tests {
                 .find(|(n, _)| *n == name)
                 .map(|(_, v)| std::ffi::OsString::from(v))
         };
-        let command = secrets_from_files(Cli::command(), &lookup).map_err(|e| e.to_string())?;
-        let matches = command.try_get_matches_from(args).map_err(|e| e.to_string())?;
-        let Sub::Run { store, from } = Cli::from_arg_matches(&matches)
-            .map_err(|e| e.to_string())?
-            .command;
+        let command = secrets_from_files(Cli::command(), &lookup)?;
+        let matches = command.try_get_matches_from(args)?;
+        let Sub::Run { store, from } = Cli::from_arg_matches(&matches)?.command;
         Ok((store, from))
     }
 
@@ -490,11 +491,13 @@ mod secret_tests {
             ("IDEM_STORE", "memory://".to_owned()),
         ];
         assert_eq!(
-            parse(&["idem", "run", "--from", "x"], &both).unwrap_err(),
+            parse(&["idem", "run", "--from", "x"], &both)
+                .unwrap_err()
+                .to_string(),
             "IDEM_STORE and IDEM_STORE_FILE are both set: give the value one way"
         );
         let missing = vec![("IDEM_FROM_FILE", "/nonexistent/from".to_owned())];
-        let error = parse(&["idem", "run"], &missing).unwrap_err();
+        let error = parse(&["idem", "run"], &missing).unwrap_err().to_string();
         assert!(
             error.starts_with("IDEM_FROM_FILE /nonexistent/from: No such file"),
             "{error}"
@@ -503,6 +506,7 @@ mod secret_tests {
         assert!(
             parse(&["idem", "run"], &blank)
                 .unwrap_err()
+                .to_string()
                 .ends_with("the file is empty")
         );
         std::fs::remove_dir_all(&dir).unwrap();

@@ -51,8 +51,8 @@ impl Telemetry {
     ///
     /// # Errors
     ///
-    /// The exporter cannot be built (an endpoint that is no URL, say).
-    pub fn start<S>() -> Result<(Self, Option<impl tracing_subscriber::Layer<S>>), String>
+    /// [`TelemetryError`]: the exporter cannot be built (an endpoint that is no URL, say).
+    pub fn start<S>() -> Result<(Self, Option<impl tracing_subscriber::Layer<S>>), TelemetryError>
     where
         S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
     {
@@ -64,7 +64,7 @@ impl Telemetry {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .build()
-            .map_err(|e| format!("the OTLP trace exporter: {e}"))?;
+            .map_err(TelemetryError)?;
         let mut resource = opentelemetry_sdk::Resource::builder();
         if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
             resource = resource.with_service_name("idem");
@@ -93,6 +93,11 @@ impl Telemetry {
         }
     }
 }
+
+/// Why the OTLP trace exporter could not be built; the process runs on without exporting.
+#[derive(Debug, thiserror::Error)]
+#[error("the OTLP trace exporter: {0}")]
+pub struct TelemetryError(#[source] opentelemetry_otlp::ExporterBuildError);
 
 struct HeaderExtractor<'h>(&'h HeaderMap);
 

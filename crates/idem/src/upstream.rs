@@ -49,6 +49,8 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 use tokio_util::either::Either;
 
+use crate::error::UpstreamError;
+
 /// How long a connection may sit unused before a request closes it instead of using it
 /// (hyper-util's default). An upstream that closes idle connections sooner costs nothing: its
 /// close has arrived by the time a request looks, and the request takes another connection.
@@ -126,9 +128,9 @@ impl Upstream {
     ///
     /// # Errors
     ///
-    /// An `https` upstream without a TLS configuration, or whose host is not a name a
-    /// certificate can carry.
-    pub(crate) fn new(upstream: &Uri, tls: Option<Arc<ClientConfig>>) -> Result<Self, String> {
+    /// [`UpstreamError::Tls`]: an `https` upstream without a TLS configuration, or whose host is
+    /// not a name a certificate can carry.
+    pub(crate) fn new(upstream: &Uri, tls: Option<Arc<ClientConfig>>) -> Result<Self, UpstreamError> {
         let host = upstream.host().unwrap_or("localhost");
         let https = upstream.scheme_str() == Some("https");
         let default_port = if https { 443 } else { 80 };
@@ -143,12 +145,16 @@ impl Upstream {
         let host_header =
             HeaderValue::from_str(&header).unwrap_or_else(|_| HeaderValue::from_static("localhost"));
         let tls = if https {
-            let config =
-                tls.ok_or_else(|| format!("{upstream}: an https upstream needs a TLS configuration"))?;
+            let config = tls.ok_or_else(|| {
+                UpstreamError::Tls(format!("{upstream}: an https upstream needs a TLS configuration"))
+            })?;
             // The name checked against the certificate, and sent as SNI (not for an address).
             let name = host.trim_start_matches('[').trim_end_matches(']');
-            let name = ServerName::try_from(name.to_owned())
-                .map_err(|e| format!("{upstream}: `{name}` cannot be checked against a certificate: {e}"))?;
+            let name = ServerName::try_from(name.to_owned()).map_err(|e| {
+                UpstreamError::Tls(format!(
+                    "{upstream}: `{name}` cannot be checked against a certificate: {e}"
+                ))
+            })?;
             Some((TlsConnector::from(config), name))
         } else {
             None

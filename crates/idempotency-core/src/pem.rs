@@ -6,22 +6,44 @@
 
 use std::path::Path;
 
+/// Why a PEM file a setting names cannot be used. Its text is the reason alone, never the
+/// file's content: callers prefix it with the setting's name and the path.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PemError {
+    /// The file could not be read (missing, a directory, no permission).
+    #[error("{0}")]
+    Unreadable(#[from] std::io::Error),
+    /// The file holds no PEM block at all.
+    #[error("not a PEM file (no -----BEGIN line)")]
+    NotPem,
+    /// A `CERTIFICATE` block could not be decoded.
+    #[error("not a PEM file of certificates ({0})")]
+    NotCertificates(String),
+    /// A certificate that cannot serve as a trust anchor.
+    #[error("holds a certificate that cannot be a CA ({0})")]
+    NotCa(String),
+    /// A CA file without a single `CERTIFICATE` block (a key file, say).
+    #[error("holds no certificate (no -----BEGIN CERTIFICATE----- block)")]
+    NoCertificate,
+}
+
 /// Checks that `path` is a readable file holding a PEM block (`-----BEGIN `).
 ///
 /// ```
 /// let error = idempotency_core::pem::check_file("/nonexistent/ca.pem".as_ref()).unwrap_err();
-/// assert!(error.starts_with("No such file"));
+/// assert!(error.to_string().starts_with("No such file"));
 /// ```
 ///
 /// # Errors
 ///
-/// The reason, never the file's content.
-pub fn check_file(path: &Path) -> Result<(), String> {
-    let text = std::fs::read(path).map_err(|e| e.to_string())?;
+/// [`PemError::Unreadable`] or [`PemError::NotPem`].
+pub fn check_file(path: &Path) -> Result<(), PemError> {
+    let text = std::fs::read(path)?;
     if text.windows(11).any(|w| w == b"-----BEGIN ") {
         Ok(())
     } else {
-        Err("not a PEM file (no -----BEGIN line)".into())
+        Err(PemError::NotPem)
     }
 }
 
@@ -31,7 +53,7 @@ pub fn check_file(path: &Path) -> Result<(), String> {
 ///
 /// ```
 /// let error = idempotency_core::pem::read_ca_file("/nonexistent/ca.pem".as_ref()).unwrap_err();
-/// assert!(error.starts_with("No such file"));
+/// assert!(error.to_string().starts_with("No such file"));
 /// ```
 ///
 /// # Errors
@@ -39,20 +61,20 @@ pub fn check_file(path: &Path) -> Result<(), String> {
 /// The reason (unreadable, no certificate, a block that is not a certificate a CA can have),
 /// never the file's content.
 #[cfg(feature = "rustls")]
-pub fn read_ca_file(path: &Path) -> Result<Vec<u8>, String> {
+pub fn read_ca_file(path: &Path) -> Result<Vec<u8>, PemError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
 
-    let pem = std::fs::read(path).map_err(|e| e.to_string())?;
+    let pem = std::fs::read(path)?;
     let mut roots = rustls::RootCertStore::empty();
     for certificate in CertificateDer::pem_slice_iter(&pem) {
-        let certificate = certificate.map_err(|e| format!("not a PEM file of certificates ({e})"))?;
+        let certificate = certificate.map_err(|e| PemError::NotCertificates(e.to_string()))?;
         roots
             .add(certificate)
-            .map_err(|e| format!("holds a certificate that cannot be a CA ({e})"))?;
+            .map_err(|e| PemError::NotCa(e.to_string()))?;
     }
     if roots.is_empty() {
-        return Err("holds no certificate (no -----BEGIN CERTIFICATE----- block)".into());
+        return Err(PemError::NoCertificate);
     }
     Ok(pem)
 }
@@ -86,7 +108,7 @@ mod tests {
         for (name, text, expected) in cases {
             let path = dir.join(name);
             std::fs::write(&path, text).unwrap();
-            let error = read_ca_file(&path).unwrap_err();
+            let error = read_ca_file(&path).unwrap_err().to_string();
             assert!(error.contains(expected), "{name}: {error}");
             assert!(
                 !error.contains("bm90"),

@@ -122,7 +122,7 @@ pub fn check_pem_files(url: &str, parameters: &[&str]) -> Result<(), StoreError>
         let path = percent_decoded(value);
         let refuse =
             |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("`{name}` {path}: {why}"));
-        crate::pem::check_file(path.as_ref()).map_err(refuse)?;
+        crate::pem::check_file(path.as_ref()).map_err(|why| refuse(why.to_string()))?;
     }
     Ok(())
 }

@@ -58,7 +58,7 @@ pub struct KafkaSource {
     pub dead_letter: String,
     /// Any other librdkafka setting (security, SASL, timeouts), the URL's user and password as
     /// `sasl.username` and `sasl.password`.
-    pub settings: BTreeMap<String, String>,
+    pub settings: ClientSettings,
 }
 
 impl fmt::Debug for KafkaSource {
@@ -219,6 +219,9 @@ fn split_url<'u>(url: &'u str, example: &str) -> Result<(String, Option<&'u str>
     Ok((hosts.to_owned(), userinfo, Params::new(BROKER, query)))
 }
 
+/// librdkafka settings by name, as `ClientConfig::set` takes them.
+pub(crate) type ClientSettings = BTreeMap<String, String>;
+
 /// The librdkafka settings a URL's remaining parameters and user information make: none of
 /// `owned` (refused with `why_owned`), none empty, the PEM files checked, the user and password
 /// as `sasl.username` and `sasl.password`.
@@ -227,7 +230,7 @@ fn client_settings(
     userinfo: Option<&str>,
     owned: &[&str],
     why_owned: &str,
-) -> Result<BTreeMap<String, String>, AdapterError> {
+) -> Result<ClientSettings, AdapterError> {
     let refuse = |why: String| AdapterError::new(AdapterErrorKind::Config, BROKER, why);
     let mut settings = params.into_rest();
     if let Some(owned) = owned.iter().find(|owned| settings.contains_key(**owned)) {

@@ -237,7 +237,7 @@ pub fn http_client_trusting(
 ) -> Result<aws_sdk_sqs::config::SharedHttpClient, AdapterError> {
     use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
     let refuse = |why: String| config(format!("ca={}: {why}", ca.display()));
-    let pem = idempotency_core::pem::read_ca_file(ca).map_err(refuse)?;
+    let pem = idempotency_core::pem::read_ca_file(ca).map_err(|why| refuse(why.to_string()))?;
     let context = TlsContext::builder()
         .with_trust_store(TrustStore::empty().with_pem_certificate(pem))
         .build()

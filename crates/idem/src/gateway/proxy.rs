@@ -103,7 +103,7 @@ impl Proxy {
         tls: Option<Arc<ClientConfig>>,
     ) -> Result<Self, UpstreamError> {
         Ok(Self {
-            connections: Upstream::new(&upstream, tls).map_err(UpstreamError::Tls)?,
+            connections: Upstream::new(&upstream, tls)?,
             upstream,
             timeout,
         })

@@ -231,22 +231,20 @@ impl Reloader {
     /// # Errors
     ///
     /// Why the file or the merged settings are refused: nothing is replaced then.
-    pub(crate) fn reload(&self) -> Result<Vec<&'static str>, String> {
+    pub(crate) fn reload(&self) -> Result<Vec<&'static str>, ReloadError> {
         let current = self
             .current
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let command = crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))
-            .map_err(|error| error.to_string())?;
-        let merged =
-            crate::config_file::try_merge(&command, self.args.clone()).map_err(|error| error.to_string())?;
+        let command = crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))?;
+        let merged = crate::config_file::try_merge(&command, self.args.clone())?;
         let serve = merged
             .matches
             .subcommand_matches("serve")
-            .ok_or("the command line is not `idem serve`")?;
-        let mut next =
-            <Config as clap::FromArgMatches>::from_arg_matches(serve).map_err(|error| error.to_string())?;
+            .ok_or(ReloadError::NotServe)?;
+        let mut next = <Config as clap::FromArgMatches>::from_arg_matches(serve)
+            .map_err(|error| ReloadError::Merge(crate::config_file::MergeError::Flags(error)))?;
         next.routes = merged.file.map(|file| file.routes).unwrap_or_default();
         next.reload_args.clone_from(&current.reload_args);
         if next.scope_secret.is_none() {
@@ -254,14 +252,34 @@ impl Reloader {
             next.scope_secret.clone_from(&current.scope_secret);
         }
         let restart = keep_process_settings(&current, &mut next);
-        next.check().map_err(|error| error.to_string())?;
+        next.check()?;
         let base = layer(&next, &self.store, None).shares_with(&self.base);
-        let table = RouteTable::build(&next, &self.store, &base).map_err(|error| error.to_string())?;
+        let table = RouteTable::build(&next, &self.store, &base).map_err(Box::new)?;
         self.live.replace(table);
         *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy(&next);
         *self.current.lock().unwrap_or_else(PoisonError::into_inner) = next;
         Ok(restart)
     }
+}
+
+/// Why a reload was refused; the running configuration stays.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReloadError {
+    /// A `*_FILE` variable names a secret file that cannot be used.
+    #[error(transparent)]
+    Secrets(#[from] crate::flags::SecretFileError),
+    /// The file, or the command line merged with it, is refused.
+    #[error(transparent)]
+    Merge(#[from] crate::config_file::MergeError),
+    /// The process was not started as `idem serve` (nothing to reload).
+    #[error("the command line is not `idem serve`")]
+    NotServe,
+    /// A merged setting is out of its range.
+    #[error(transparent)]
+    Flags(#[from] crate::flags::FlagError),
+    /// The routes cannot be built (an upstream URL or its TLS settings).
+    #[error(transparent)]
+    Routes(#[from] Box<Error>),
 }
 
 /// Gives `next` the running values of the settings a running process cannot change (the store,
