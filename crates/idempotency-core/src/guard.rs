@@ -54,11 +54,14 @@ use metrics::SharedString;
 use tracing::Instrument;
 
 use crate::wait::{InFlightWait, Waiters};
+
+mod batch;
 use crate::{
     Backoff, BeginRequest, Claim, Completed, DEFAULT_LEASE, DEFAULT_RETENTION, ErrorKind, Fenced,
     Fingerprint, Held, InTransaction, Key, Outcome, Scope, Store, StoreError, Timestamp, Token,
     TransactionalStore, TxFuture, TxOperation,
 };
+pub use batch::{Claimed, ClaimedRun, RunLease};
 
 /// What to record for a finished operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -273,6 +276,8 @@ struct HotMetrics {
 enum Op {
     Begin,
     Complete,
+    BeginMany,
+    CompleteMany,
     Release,
     Extend,
     Commit,
@@ -280,9 +285,11 @@ enum Op {
 }
 
 impl Op {
-    const ALL: [Op; 6] = [
+    const ALL: [Op; 8] = [
         Op::Begin,
         Op::Complete,
+        Op::BeginMany,
+        Op::CompleteMany,
         Op::Release,
         Op::Extend,
         Op::Commit,
@@ -293,6 +300,8 @@ impl Op {
         match self {
             Op::Begin => "begin",
             Op::Complete => "complete",
+            Op::BeginMany => "begin_many",
+            Op::CompleteMany => "complete_many",
             Op::Release => "release",
             Op::Extend => "extend",
             Op::Commit => "commit",
@@ -587,41 +596,56 @@ impl<S: Store> Guard<S> {
         lease_lost: &AtomicBool,
         held_until: &Mutex<tokio::time::Instant>,
     ) -> std::convert::Infallible {
-        let every = self
-            .heartbeat
-            .unwrap_or(self.lease / 3)
-            .max(Duration::from_millis(1));
+        let every = self.heartbeat_interval();
         loop {
             tokio::time::sleep(every).await;
-            if lease_lost.load(Ordering::Relaxed) {
-                continue;
+            self.beat(held, lease_lost, held_until, every).await;
+        }
+    }
+
+    /// How often a held lease is extended: the configured heartbeat, or a third of the lease.
+    fn heartbeat_interval(&self) -> Duration {
+        self.heartbeat
+            .unwrap_or(self.lease / 3)
+            .max(Duration::from_millis(1))
+    }
+
+    /// One heartbeat of `held`: extends its lease unless it was lost, and notes the answer.
+    async fn beat(
+        &self,
+        held: &Held,
+        lease_lost: &AtomicBool,
+        held_until: &Mutex<tokio::time::Instant>,
+        every: Duration,
+    ) {
+        if lease_lost.load(Ordering::Relaxed) {
+            return;
+        }
+        let sent = tokio::time::Instant::now();
+        let answer = self.timed(Op::Extend, self.store.extend(held, self.lease)).await;
+        self.check_late(held, sent, every, held_for(held_until));
+        match answer {
+            Ok(Fenced::Accepted(_)) => {
+                *held_until.lock().unwrap_or_else(PoisonError::into_inner) = later(sent, self.lease);
             }
-            let sent = tokio::time::Instant::now();
-            let answer = self.timed(Op::Extend, self.store.extend(held, self.lease)).await;
-            self.check_late(held, sent, every, held_for(held_until));
-            match answer {
-                Ok(Fenced::Accepted(_)) => {
-                    *held_until.lock().unwrap_or_else(PoisonError::into_inner) = later(sent, self.lease);
-                }
-                Ok(Fenced::LeaseLost) => {
-                    lease_lost.store(true, Ordering::Relaxed);
-                    metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "extend")
-                        .increment(1);
-                    tracing::warn!(
-                        scope = %held.scope.redacted(),
-                        key = %held.key.logged(self.key_log),
-                        "heartbeat refused: another attempt took the key over"
-                    );
-                }
-                // Keep beating: the lease is still ours until it expires, and the store may come
-                // back before then.
-                Err(error) => tracing::warn!(
+            Ok(Fenced::LeaseLost) => {
+                lease_lost.store(true, Ordering::Relaxed);
+                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "extend")
+                    .increment(1);
+                tracing::warn!(
                     scope = %held.scope.redacted(),
                     key = %held.key.logged(self.key_log),
-                    %error,
-                    "heartbeat failed"
-                ),
+                    "heartbeat refused: another attempt took the key over"
+                );
             }
+            // Keep beating: the lease is still ours until it expires, and the store may come
+            // back before then.
+            Err(error) => tracing::warn!(
+                scope = %held.scope.redacted(),
+                key = %held.key.logged(self.key_log),
+                %error,
+                "heartbeat failed"
+            ),
         }
     }
 
@@ -677,6 +701,11 @@ impl<S: Store> Guard<S> {
                 || self.store.complete(held, outcome.clone(), self.retention),
             )
             .await;
+        self.completion(held, result)
+    }
+
+    /// What the answer of a `complete` of `held` means for its outcome, counted and logged.
+    fn completion(&self, held: &Held, result: Result<Fenced<Timestamp>, StoreError>) -> Recorded {
         match result {
             Ok(Fenced::Accepted(expires_at)) => {
                 self.waiters.wake(&held.scope, &held.key);
@@ -776,21 +805,44 @@ impl<S: Store> Guard<S> {
         op: Op,
         call: impl Future<Output = Result<R, StoreError>>,
     ) -> Result<R, StoreError> {
+        let result = self.timed_call(op, call).await;
+        if let Err(error) = &result {
+            self.count_error(op, error);
+        }
+        result
+    }
+
+    /// A batch call timed as one round trip, each failed answer counted.
+    async fn timed_many<R>(
+        &self,
+        op: Op,
+        call: impl Future<Output = Vec<Result<R, StoreError>>>,
+    ) -> Vec<Result<R, StoreError>> {
+        let answers = self.timed_call(op, call).await;
+        for error in answers.iter().filter_map(|answer| answer.as_ref().err()) {
+            self.count_error(op, error);
+        }
+        answers
+    }
+
+    /// Runs a store call in its span and records its duration.
+    async fn timed_call<R>(&self, op: Op, call: impl Future<Output = R>) -> R {
         let started = Instant::now();
         let result = call
             .instrument(tracing::info_span!("idempotency.store", op = op.as_str()))
             .await;
         self.hot().durations[op as usize].record(started.elapsed().as_secs_f64());
-        if let Err(error) = &result {
-            metrics::counter!(
-                "idempotency_store_errors_total",
-                "guard" => self.name.clone(),
-                "op" => op.as_str(),
-                "kind" => error.kind().as_str(),
-            )
-            .increment(1);
-        }
         result
+    }
+
+    fn count_error(&self, op: Op, error: &StoreError) {
+        metrics::counter!(
+            "idempotency_store_errors_total",
+            "guard" => self.name.clone(),
+            "op" => op.as_str(),
+            "kind" => error.kind().as_str(),
+        )
+        .increment(1);
     }
 }
 

@@ -51,7 +51,9 @@ pub mod wait;
 
 pub use codec::{DecodeError, RecordColumns, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
-pub use guard::{Attempt, Decision, Execution, Guard, OutcomePolicy, Recorded};
+pub use guard::{
+    Attempt, Claimed, ClaimedRun, Decision, Execution, Guard, OutcomePolicy, Recorded, RunLease,
+};
 pub use health::{Watched, WriteFailure, WriteHealth};
 pub use identifier::Identifier;
 pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, KeyLog, LoggedKey, MAX_KEY_LEN, Redacted, Scope};

@@ -47,14 +47,15 @@ use std::sync::LazyLock;
 /// The storage-neutral core, under its own name (everything below is also re-exported here).
 pub use idempotency_core as core;
 pub use idempotency_core::{
-    Access, Attempt, Backoff, BeginRequest, Claim, Clock, Completed, DEFAULT_CONSUMER_RETENTION,
-    DEFAULT_LEASE, DEFAULT_RETENTION, Decision, DecodeError, DynStore, ErrorKind, Execution, Fenced,
-    Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, Guard, Held, IDEMPOTENCY_KEY_HEADER,
-    InTransaction, JsonPointer, Key, KeyError, KeyLog, Lanes, ListFilter, LoggedKey, MAX_DURATION,
-    MAX_KEY_LEN, ManualClock, MemoryStore, Outcome, OutcomePolicy, Purger, Record, RecordParts, RecordState,
-    RecordSummary, Recorded, Redacted, Registry, Scope, ScopeSecret, SecretError, StateFilter, Stats, Store,
-    StoreAdmin, StoreError, StoreKind, SummaryState, SystemClock, Timestamp, Token, TransactionalStore,
-    TxFuture, TxOperation, Watched, WriteFailure, WriteHealth, redact_url, stored_millis,
+    Access, Attempt, Backoff, BeginRequest, Claim, Claimed, ClaimedRun, Clock, Completed, Completion,
+    DEFAULT_CONSUMER_RETENTION, DEFAULT_LEASE, DEFAULT_RETENTION, Decision, DecodeError, DynStore, ErrorKind,
+    Execution, Fenced, Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, Guard, Held,
+    IDEMPOTENCY_KEY_HEADER, InTransaction, JsonPointer, Key, KeyError, KeyLog, Lanes, ListFilter, LoggedKey,
+    MAX_DURATION, MAX_KEY_LEN, ManualClock, MemoryStore, Outcome, OutcomePolicy, Purger, Record, RecordParts,
+    RecordState, RecordSummary, Recorded, Redacted, Registry, RunLease, Scope, ScopeSecret, SecretError,
+    StateFilter, Stats, Store, StoreAdmin, StoreError, StoreKind, SummaryState, SystemClock, Timestamp,
+    Token, TransactionalStore, TxFuture, TxOperation, Watched, WriteFailure, WriteHealth, redact_url,
+    stored_millis,
 };
 
 #[cfg(feature = "sqlite")]
