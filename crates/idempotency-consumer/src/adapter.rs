@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use crate::{BoxError, Delivery, Disposition, Processor};
+use crate::{BoxError, Decisions, Delivery, Disposition, Processor};
 
 /// How long a settlement may take by default.
 pub const DEFAULT_SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -180,16 +180,56 @@ impl<B: Broker> Pipeline<B> {
             std::panic::AssertUnwindSafe(processor.process(message))
                 .catch_unwind()
                 .await
-                .unwrap_or_else(|_| {
-                    self.metrics.panics.increment(1);
-                    tracing::error!(
-                        consumer = %self.consumer,
-                        broker = B::NAME,
-                        "the message processor panicked; the message comes back"
-                    );
-                    Disposition::Nack { after: PANIC_RETRY }
-                })
+                .unwrap_or_else(|_| self.panicked())
         };
+        self.keeping_alive(&[message], work).await
+    }
+
+    /// Decides a batch of `messages` that arrived together, in their order, handing each
+    /// disposition to `decided` as soon as it is final ([`Processor::process_many`]): at least
+    /// one for a non-empty batch, and after a panic of the processor a nack after
+    /// [`PANIC_RETRY`] of the first message it had not decided. The broker's hold on every
+    /// message of the batch is renewed while the processor runs.
+    pub async fn decide_many<P: Processor<B::Message>>(
+        &self,
+        processor: &P,
+        messages: &[&B::Message],
+        decided: &Decisions,
+    ) {
+        if messages.is_empty() {
+            return;
+        }
+        let work = async {
+            let finished = std::panic::AssertUnwindSafe(processor.process_many(messages, decided))
+                .catch_unwind()
+                .await;
+            if finished.is_err() && decided.count() < messages.len() {
+                decided.send(self.panicked());
+            } else if decided.count() == 0 && !decided.is_closed() {
+                tracing::error!(
+                    consumer = %self.consumer,
+                    broker = B::NAME,
+                    "the message processor decided none of a batch; its first message comes back"
+                );
+                decided.send(Disposition::Nack { after: PANIC_RETRY });
+            }
+        };
+        self.keeping_alive(messages, work).await;
+    }
+
+    /// The answer for a processor that panicked, counted and logged.
+    fn panicked(&self) -> Disposition {
+        self.metrics.panics.increment(1);
+        tracing::error!(
+            consumer = %self.consumer,
+            broker = B::NAME,
+            "the message processor panicked; the message comes back"
+        );
+        Disposition::Nack { after: PANIC_RETRY }
+    }
+
+    /// Runs `work`, renewing the broker's hold on each of `messages` at its interval meanwhile.
+    async fn keeping_alive<T>(&self, messages: &[&B::Message], work: impl Future<Output = T>) -> T {
         let Some(every) = self.broker.keep_alive_every() else {
             return work.await;
         };
@@ -199,17 +239,19 @@ impl<B: Broker> Pipeline<B> {
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticks.tick().await;
-                match self.broker.keep_alive(message).await {
-                    Ok(()) => self.metrics.keep_alive_ok.increment(1),
-                    Err(error) => {
-                        self.metrics.keep_alive_failed.increment(1);
-                        tracing::warn!(consumer = %self.consumer, %error, "keeping the message's hold alive failed");
+                for message in messages {
+                    match self.broker.keep_alive(message).await {
+                        Ok(()) => self.metrics.keep_alive_ok.increment(1),
+                        Err(error) => {
+                            self.metrics.keep_alive_failed.increment(1);
+                            tracing::warn!(consumer = %self.consumer, %error, "keeping the message's hold alive failed");
+                        }
                     }
                 }
             }
         };
         tokio::select! {
-            disposition = work => disposition,
+            done = work => done,
             never = keep_alive => never,
         }
     }

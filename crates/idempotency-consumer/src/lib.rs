@@ -86,6 +86,7 @@ use idempotency_core::{
 pub mod guide {}
 
 pub mod adapter;
+mod batch;
 pub mod source;
 pub mod transactional;
 pub use transactional::{TxConsumer, TxHandler};
@@ -383,12 +384,96 @@ impl<M: ?Sized + Sync, H: Handler<M> + ?Sized> Handler<M> for Arc<H> {
 pub trait Processor<M: ?Sized>: Send + Sync {
     /// Decides what to do with `message`, running the handler if this delivery acquires the key.
     fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send;
+
+    /// Decides `messages`, which arrived together, in their order, handing each disposition
+    /// to `decided` as soon as it is final, in the batch's order: every message up to the
+    /// first one answered with [`Disposition::Nack`], which ends the batch (the messages after
+    /// it did not run and hold nothing; the caller offers them again), or the first one after
+    /// the caller [closed](Decisions::close) `decided`. For a non-empty batch not closed
+    /// before it started, at least one disposition is handed. A message's failure, panic or
+    /// dead letter never changes the answers of its neighbours.
+    ///
+    /// The default decides them one by one with [`process`](Self::process); [`Consumer`]
+    /// claims the batch's keys in one store round trip and records their outcomes together,
+    /// before it hands their dispositions over (so before any ack).
+    fn process_many(&self, messages: &[&M], decided: &Decisions) -> impl Future<Output = ()> + Send
+    where
+        M: Sync,
+    {
+        async move {
+            for message in messages {
+                if decided.is_closed() {
+                    break;
+                }
+                let disposition = self.process(message).await;
+                let nack = matches!(disposition, Disposition::Nack { .. });
+                decided.send(disposition);
+                if nack {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Where [`Processor::process_many`] hands the dispositions of a batch, in order, each as
+/// soon as it is final: a broker's worker settles the first messages of a batch (and commits
+/// their offsets) while later ones still run.
+#[derive(Debug, Clone)]
+pub struct Decisions {
+    sender: tokio::sync::mpsc::UnboundedSender<Disposition>,
+    sent: Arc<std::sync::atomic::AtomicUsize>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Decisions {
+    /// A new sink, and the receiver that gets its dispositions in the order they were handed.
+    #[must_use]
+    pub fn channel() -> (Self, tokio::sync::mpsc::UnboundedReceiver<Disposition>) {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Self {
+                sender,
+                sent: Arc::default(),
+                closed: Arc::default(),
+            },
+            receiver,
+        )
+    }
+
+    /// Hands the next message's disposition over (dropped if the receiver is gone).
+    pub fn send(&self, disposition: Disposition) {
+        self.sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.sender.send(disposition);
+    }
+
+    /// Asks the processor to end the batch before its next handler (the worker is stopping:
+    /// a revocation, a shutdown). What runs finishes and is handed over.
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the batch is to end before its next handler.
+    #[must_use]
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many dispositions were handed so far.
+    #[must_use]
+    pub fn count(&self) -> usize {
+        self.sent.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 /// A shared processor processes as the processor it points to.
 impl<M: ?Sized + Sync, P: Processor<M> + ?Sized> Processor<M> for Arc<P> {
     fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send {
         (**self).process(message)
+    }
+
+    fn process_many(&self, messages: &[&M], decided: &Decisions) -> impl Future<Output = ()> + Send {
+        (**self).process_many(messages, decided)
     }
 }
 
@@ -620,6 +705,7 @@ pub struct Consumer<S, H> {
     guard: Guard<S>,
     handler: H,
     rules: Rules,
+    linger: Duration,
 }
 
 impl<S: Store, H> Consumer<S, H> {
@@ -647,6 +733,7 @@ impl<S: Store, H> Consumer<S, H> {
                 in_flight_wait: DEFAULT_IN_FLIGHT_WAIT,
                 key_log: idempotency_core::KeyLog::Plain,
             },
+            linger: DEFAULT_LINGER,
         }
     }
 
@@ -659,6 +746,15 @@ impl<S: Store, H> Consumer<S, H> {
     #[must_use]
     pub fn in_flight_wait(mut self, wait: Duration) -> Self {
         self.rules.in_flight_wait = wait;
+        self
+    }
+
+    /// How long, in a batch ([`Processor::process_many`]), the outcomes already run wait for
+    /// the next handler before they are recorded (default [`DEFAULT_LINGER`]): a slow handler
+    /// never holds its predecessors' acks back longer than this and one store round trip.
+    #[must_use]
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
         self
     }
 
@@ -740,6 +836,10 @@ impl<S: Store, H> Consumer<S, H> {
     }
 }
 
+/// How long the outcomes of a batch wait for the next handler by default
+/// ([`Consumer::linger`]).
+pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+
 /// How long a delivery of a key in flight waits for its outcome by default.
 pub const DEFAULT_IN_FLIGHT_WAIT: Duration = Duration::from_secs(5);
 
@@ -751,11 +851,27 @@ where
 {
     async fn process(&self, message: &M) -> Disposition {
         let started = std::time::Instant::now();
-        let rules = &self.rules;
-        let key = match rules.key(message) {
+        let key = match self.rules.key(message) {
             Ok(key) => key,
             Err(dead) => return dead,
         };
+        self.process_keyed(message, key, started).await
+    }
+
+    fn process_many(&self, messages: &[&M], decided: &Decisions) -> impl Future<Output = ()> + Send {
+        batch::process_many(self, messages, decided)
+    }
+}
+
+impl<S: Store, H> Consumer<S, H> {
+    /// [`Processor::process`] of a message whose key is known: one guarded run, waiting while
+    /// its key is in flight.
+    async fn process_keyed<M>(&self, message: &M, key: Key, started: std::time::Instant) -> Disposition
+    where
+        H: Handler<M>,
+        M: Delivery + Sync,
+    {
+        let rules = &self.rules;
         let fingerprint = Fingerprint::of_bytes(message.payload());
         let run = self
             .waiting(&key, || {

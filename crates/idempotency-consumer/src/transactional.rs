@@ -165,6 +165,7 @@ where
             guard,
             handler,
             rules,
+            ..
         } = &self.inner;
         let started = std::time::Instant::now();
         let key = match rules.key(message) {

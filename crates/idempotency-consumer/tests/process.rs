@@ -487,3 +487,282 @@ fn every_consumer_metric_moves_when_its_event_happens() {
         ) >= 1
     );
 }
+
+// ---- Batches (`Processor::process_many`): each message answered as alone, two round trips.
+
+/// A clock that follows Tokio's (paused) clock, so that the store's leases run out as the
+/// test's time passes.
+#[derive(Debug)]
+struct TokioClock(tokio::time::Instant);
+
+impl idempotency_core::Clock for TokioClock {
+    fn now(&self) -> idempotency_core::Timestamp {
+        let elapsed = u64::try_from(self.0.elapsed().as_millis()).unwrap();
+        idempotency_core::Timestamp::from_unix_millis(1_767_225_600_000 + i64::try_from(elapsed).unwrap())
+    }
+}
+
+/// The side effects of a batch's handlers, as an upstream that deduplicates by the forwarded
+/// key records them: every run (key, attempt, whether it took an expired lease over), and the
+/// effects, one per key. Fails `poison` keys fatally, and parks the handler of `blocks` until
+/// the test ends (a crash in the middle of the batch), telling `started` when it is there.
+#[derive(Default)]
+struct Ledger {
+    runs: Mutex<Vec<(String, u32, bool)>>,
+    effects: Mutex<std::collections::BTreeSet<String>>,
+    poison: Vec<String>,
+    slow: Option<Duration>,
+    blocks: Mutex<Option<String>>,
+    started: tokio::sync::Notify,
+}
+
+impl Handler<Message> for Ledger {
+    async fn handle(&self, _: &Message, attempt: &Attempt) -> Result<Outcome, HandlerError> {
+        let key = attempt.key().to_string();
+        self.runs
+            .lock()
+            .unwrap()
+            .push((key.clone(), attempt.number(), attempt.recovered()));
+        if let Some(slow) = self.slow {
+            tokio::time::sleep(slow).await;
+        }
+        let blocks = {
+            let mut blocks = self.blocks.lock().unwrap();
+            blocks.take_if(|blocked| *blocked == key)
+        };
+        if blocks.is_some() {
+            self.started.notify_one();
+            std::future::pending::<()>().await;
+        }
+        if self.poison.contains(&key) {
+            return Err(HandlerError::fatal("the payload has no amount"));
+        }
+        self.effects.lock().unwrap().insert(key.clone());
+        Ok(Outcome::new(format!("charged {key}")))
+    }
+}
+
+impl Ledger {
+    fn runs_of(&self, key: &str) -> usize {
+        self.runs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _, _)| k == key)
+            .count()
+    }
+}
+
+fn batch_consumer(ledger: Ledger, lease: Duration) -> (Consumer<MemoryStore, Arc<Ledger>>, Arc<Ledger>) {
+    let ledger = Arc::new(ledger);
+    let store = MemoryStore::with_clock(Arc::new(TokioClock(tokio::time::Instant::now())));
+    let consumer = Consumer::new("payments", store, Arc::clone(&ledger)).lease(lease);
+    (consumer, ledger)
+}
+
+/// The dispositions `process_many` hands over for `messages`, in order.
+async fn many<P: Processor<Message>>(processor: &P, messages: &[Message]) -> Vec<Disposition> {
+    let batch: Vec<&Message> = messages.iter().collect();
+    let (decided, mut dispositions) = idempotency_consumer::Decisions::channel();
+    processor.process_many(&batch, &decided).await;
+    drop(decided);
+    let mut handed = Vec::new();
+    while let Some(disposition) = dispositions.recv().await {
+        handed.push(disposition);
+    }
+    handed
+}
+
+/// The same key twice in one batch runs once: the second copy waits for the first one's
+/// outcome (recorded before it is answered) and is acked as a duplicate.
+#[tokio::test(start_paused = true)]
+async fn the_same_key_twice_in_a_batch_runs_once() {
+    let (consumer, ledger) = batch_consumer(Ledger::default(), Duration::from_secs(60));
+    let messages = [
+        Message::keyed("pay-1", "EUR 10"),
+        Message::keyed("pay-2", "EUR 20"),
+        Message::keyed("pay-1", "EUR 10"),
+        Message::keyed("pay-3", "EUR 30"),
+    ];
+    let decided = many(&consumer, &messages).await;
+    assert_eq!(decided, vec![Disposition::Ack; 4]);
+    assert_eq!(ledger.runs_of("pay-1"), 1);
+    assert_eq!(ledger.runs.lock().unwrap().len(), 3);
+    // Recorded: the whole batch again is all duplicates.
+    assert_eq!(many(&consumer, &messages).await, vec![Disposition::Ack; 4]);
+    assert_eq!(ledger.runs.lock().unwrap().len(), 3);
+}
+
+/// A poison message and a reused key in one batch are dead-lettered, exactly those two; their
+/// neighbours run and are acked, in order.
+#[tokio::test(start_paused = true)]
+async fn a_poison_message_and_a_reused_key_dead_letter_alone() {
+    let (consumer, ledger) = batch_consumer(
+        Ledger {
+            poison: vec!["pay-poison".into()],
+            ..Ledger::default()
+        },
+        Duration::from_secs(60),
+    );
+    assert_eq!(
+        consumer.process(&Message::keyed("pay-reused", "EUR 10")).await,
+        Disposition::Ack
+    );
+    let messages = [
+        Message::keyed("pay-1", "EUR 10"),
+        Message::keyed("pay-poison", "EUR 20"),
+        Message::keyed("pay-2", "EUR 30"),
+        Message::keyed("pay-reused", "EUR 99"),
+        Message::default(),
+        Message::keyed("pay-3", "EUR 40"),
+    ];
+    let decided = many(&consumer, &messages).await;
+    let dead: Vec<String> = decided
+        .iter()
+        .filter_map(|disposition| match disposition {
+            Disposition::DeadLetter { reason } => Some(reason.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decided.len(), 6, "{decided:?}");
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert_eq!(dead[0], "the payload has no amount");
+    assert!(dead[1].contains("different payload"), "{}", dead[1]);
+    assert_eq!(dead[2], "no Idempotency-Key header");
+    for acked in [0, 2, 5] {
+        assert_eq!(decided[acked], Disposition::Ack, "message {acked}");
+    }
+    let effects = ledger.effects.lock().unwrap().clone();
+    assert_eq!(
+        effects.into_iter().collect::<Vec<_>>(),
+        ["pay-1", "pay-2", "pay-3", "pay-reused"]
+    );
+}
+
+/// A handler slower than the lease, four times over in one batch: the heartbeat keeps every
+/// claimed lease alive, so the last message's key is still held when another consumer (a
+/// redelivery elsewhere) asks for it after the lease would have run out; it runs once.
+#[tokio::test(start_paused = true)]
+async fn the_last_lease_of_a_batch_outlives_slow_handlers_before_it() {
+    let (consumer, ledger) = batch_consumer(
+        Ledger {
+            slow: Some(Duration::from_secs(2)),
+            ..Ledger::default()
+        },
+        Duration::from_secs(3),
+    );
+    let elsewhere = consumer.clone().in_flight_wait(Duration::ZERO);
+    let messages: Vec<Message> = (1..=4)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    let (decided, competitor) = tokio::join!(many(&consumer, &messages), async {
+        // Past the first lease (3 s) and before the last handler starts (6 s).
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        elsewhere.process(&messages[3].redelivered()).await
+    });
+    assert!(
+        matches!(competitor, Disposition::Nack { .. }),
+        "the last key was taken over: {competitor:?}"
+    );
+    assert_eq!(decided, vec![Disposition::Ack; 4]);
+    assert_eq!(ledger.runs_of("pay-4"), 1);
+    assert!(
+        ledger
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(_, attempt, _)| *attempt == 1)
+    );
+}
+
+/// A crash (the task aborted) while the third handler of a batch runs: nothing of the batch
+/// was recorded, and every key of it stays held until its lease runs out (a redelivery then
+/// runs nothing and is not acked). Redelivered after the leases, every message runs once more
+/// and is acked (none lost), each as a recovered attempt that the handler can tell from a
+/// first one (the upstream that deduplicates by the key applies each effect once).
+#[tokio::test(start_paused = true)]
+async fn a_crash_in_the_middle_of_a_batch_loses_nothing_and_runs_nothing_twice() {
+    let (consumer, ledger) = batch_consumer(
+        Ledger {
+            blocks: Mutex::new(Some("pay-3".into())),
+            ..Ledger::default()
+        },
+        Duration::from_secs(10),
+    );
+    let messages: Vec<Message> = (1..=6)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    let crashed = {
+        let (consumer, messages) = (consumer.clone(), messages.clone());
+        tokio::spawn(async move { many(&consumer, &messages).await })
+    };
+    ledger.started.notified().await;
+    crashed.abort();
+    assert!(crashed.await.unwrap_err().is_cancelled());
+    let before: Vec<String> = ledger
+        .runs
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, _, _)| k.clone())
+        .collect();
+    assert_eq!(before, ["pay-1", "pay-2", "pay-3"]);
+    // Redelivered while the leases hold: nothing runs, nothing is acked.
+    let early = consumer.clone().in_flight_wait(Duration::ZERO);
+    let redelivered: Vec<Message> = messages.iter().map(Message::redelivered).collect();
+    let decided = many(&early, &redelivered).await;
+    assert!(matches!(decided[..], [Disposition::Nack { .. }]), "{decided:?}");
+    assert_eq!(ledger.runs.lock().unwrap().len(), 3);
+    // After the leases: everything runs and is acked.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let decided = many(&consumer, &redelivered).await;
+    assert_eq!(decided, vec![Disposition::Ack; 6]);
+    let runs = ledger.runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 3 + 6, "{runs:?}");
+    for (index, (key, attempt, recovered)) in runs[3..].iter().enumerate() {
+        assert_eq!(key, &format!("pay-{}", index + 1));
+        assert!(
+            *attempt == 2 && *recovered,
+            "{key}: attempt {attempt}, recovered {recovered}"
+        );
+    }
+    let effects = ledger.effects.lock().unwrap().clone();
+    assert_eq!(effects.len(), 6, "every message's effect, once: {effects:?}");
+}
+
+/// A handler that never ends in the middle of a batch does not hold its predecessors back:
+/// after the linger their outcomes are recorded and their dispositions handed over (a Kafka
+/// partition commits them) while it still runs. Liveness: counting effects would not show it.
+#[tokio::test(start_paused = true)]
+async fn a_stuck_handler_does_not_hold_back_the_acks_before_it() {
+    let (consumer, ledger) = batch_consumer(
+        Ledger {
+            blocks: Mutex::new(Some("pay-3".into())),
+            ..Ledger::default()
+        },
+        Duration::from_secs(60),
+    );
+    let messages: Vec<Message> = (1..=4)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    let (decided, mut dispositions) = idempotency_consumer::Decisions::channel();
+    let running = {
+        let (consumer, messages) = (consumer.clone(), messages.clone());
+        tokio::spawn(async move {
+            let batch: Vec<&Message> = messages.iter().collect();
+            consumer.process_many(&batch, &decided).await;
+        })
+    };
+    assert_eq!(dispositions.recv().await, Some(Disposition::Ack));
+    assert_eq!(dispositions.recv().await, Some(Disposition::Ack));
+    // Recorded before they were handed over: a redelivery elsewhere is a duplicate.
+    let elsewhere = consumer.clone().in_flight_wait(Duration::ZERO);
+    assert_eq!(many(&elsewhere, &messages[..2]).await, vec![Disposition::Ack; 2]);
+    assert_eq!(ledger.runs.lock().unwrap().len(), 3, "the third still runs");
+    assert!(
+        dispositions.try_recv().is_err(),
+        "nothing after the stuck message"
+    );
+    running.abort();
+}

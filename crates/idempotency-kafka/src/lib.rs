@@ -50,7 +50,7 @@ use std::time::Duration;
 mod source;
 mod worker;
 pub use source::{KafkaSource, SOURCE, producer_from_url};
-pub use worker::Worker;
+pub use worker::{DEFAULT_BATCH, DEFAULT_LINGER, Worker};
 
 /// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and
 /// messages, at the version this crate uses.

@@ -1,14 +1,14 @@
 //! A long-lived member of a consumer group: partitions processed concurrently, each in order;
 //! offsets committed in batches, and only up to messages whose outcome is recorded.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use idempotency_consumer::{Backoff, Disposition, Processor};
+use idempotency_consumer::{Backoff, Decisions, Disposition, Processor};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Message, OwnedMessage};
@@ -25,6 +25,12 @@ use crate::{KafkaAdapterError, KafkaBroker, KafkaMessage, kafka};
 /// How long one poll of the consumer waits for a message; also the longest a shutdown or an
 /// abandoned worker waits to be noticed.
 const POLL: Duration = Duration::from_millis(100);
+
+/// How many messages of a partition a [`Worker`] decides together by default.
+pub const DEFAULT_BATCH: usize = 64;
+
+/// How long a [`Worker`]'s batch waits for more messages by default.
+pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 
 /// How often the poll thread paces partitions (pause and resume) and considers a commit.
 const HOUSEKEEPING: Duration = Duration::from_millis(20);
@@ -104,6 +110,8 @@ struct Options {
     commit_count: u64,
     settle_timeout: Duration,
     prefetch: usize,
+    batch: usize,
+    linger: Duration,
     dead_letter_backoff: Backoff,
 }
 
@@ -143,6 +151,8 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                 commit_count: 500,
                 settle_timeout: Duration::from_secs(30),
                 prefetch: 1000,
+                batch: DEFAULT_BATCH,
+                linger: DEFAULT_LINGER,
                 dead_letter_backoff: Backoff {
                     initial: Duration::from_millis(100),
                     max: Duration::from_secs(5),
@@ -194,6 +204,25 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     #[must_use]
     pub fn prefetch(mut self, messages: usize) -> Self {
         self.options.prefetch = messages.max(2);
+        self
+    }
+
+    /// How many messages of a partition are decided together (default [`DEFAULT_BATCH`]): the
+    /// processor claims their keys in one store round trip and records their outcomes in one
+    /// more (see [`Processor::process_many`]), and their offsets become committable only
+    /// then. Messages still run one after another, in partition order. `1` decides each
+    /// message on its own.
+    #[must_use]
+    pub fn batch(mut self, messages: usize) -> Self {
+        self.options.batch = messages.max(1);
+        self
+    }
+
+    /// How long a batch waits for more messages when fewer than [`batch`](Self::batch) are
+    /// queued (default [`DEFAULT_LINGER`]): a lone message is not delayed longer than this.
+    #[must_use]
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.options.linger = linger;
         self
     }
 
@@ -865,7 +894,7 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         self.show_lag(&self.lock());
     }
 
-    /// A partition's task: its messages one after another, until revoked.
+    /// A partition's task: its messages one after another, in batches, until revoked.
     async fn run_partition(
         self: Arc<Self>,
         partition: i32,
@@ -873,76 +902,194 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         progress: Arc<Progress>,
         mut stop: watch::Receiver<bool>,
     ) {
+        let mut batch: VecDeque<KafkaMessage> = VecDeque::new();
         loop {
-            let message = tokio::select! {
-                biased;
-                () = stopped(&mut stop) => return,
-                message = messages.recv() => match message {
-                    Some(message) => message,
-                    None => return,
-                },
-            };
-            progress.queued.fetch_sub(1, Ordering::SeqCst);
-            let span = tracing::debug_span!("kafka_message", consumer = %self.name, topic = %self.topic, partition, offset = message.offset());
-            let message = KafkaMessage::tracked(message, Arc::clone(&progress));
-            if self.settle(message, &mut stop).instrument(span).await.is_none() {
+            if batch.is_empty() {
+                let message = tokio::select! {
+                    biased;
+                    () = stopped(&mut stop) => return,
+                    message = messages.recv() => match message {
+                        Some(message) => message,
+                        None => return,
+                    },
+                };
+                batch.push_back(KafkaMessage::tracked(message, Arc::clone(&progress)));
+            }
+            self.fill(&mut batch, &mut messages, &progress).await;
+            let offset = batch.front().map(|message| message.message.offset());
+            let span = tracing::debug_span!("kafka_batch", consumer = %self.name, topic = %self.topic, partition, offset, messages = batch.len());
+            if self
+                .settle_batch(&mut batch, &progress, &mut stop)
+                .instrument(span)
+                .await
+                .is_none()
+            {
                 // Revoked before it settled: left uncommitted, for the next owner.
                 return;
             }
         }
     }
 
-    /// Processes `message` until it is settled (`Ack`, or dead-lettered and acknowledged), or
-    /// until the partition is stopped (`None`).
-    async fn settle(
+    /// Adds the partition's queued messages to `batch` up to the batch size (at most the
+    /// prefetch), waiting up to the linger for more when it is not full. A message counts as
+    /// queued (for pausing the partition's fetching) until it is settled.
+    async fn fill(
         &self,
-        mut message: KafkaMessage,
+        batch: &mut VecDeque<KafkaMessage>,
+        messages: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+        progress: &Arc<Progress>,
+    ) {
+        let size = self.options.batch.min(self.options.prefetch);
+        let deadline = tokio::time::Instant::now() + self.options.linger;
+        while batch.len() < size {
+            let message = match messages.try_recv() {
+                Ok(message) => message,
+                Err(_) if size == 1 || self.options.linger.is_zero() => return,
+                Err(_) => match tokio::time::timeout_at(deadline, messages.recv()).await {
+                    Ok(Some(message)) => message,
+                    Ok(None) | Err(_) => return,
+                },
+            };
+            batch.push_back(KafkaMessage::tracked(message, Arc::clone(progress)));
+        }
+    }
+
+    /// Decides and settles the messages of `batch` in order, until each is settled (`Ack`, or
+    /// dead-lettered and acknowledged), or until the partition is stopped (`None`). Each is
+    /// settled as soon as its disposition is handed over, while later ones may still run. A
+    /// message answered with `Nack` holds the partition: it is decided again after the delay,
+    /// with the messages after it.
+    async fn settle_batch(
+        &self,
+        batch: &mut VecDeque<KafkaMessage>,
+        progress: &Progress,
         stop: &mut watch::Receiver<bool>,
-    ) -> Option<Disposition> {
+    ) -> Option<()> {
         let mut held = Held {
             gauge: &self.metrics.paused,
             holding: false,
         };
-        loop {
-            let disposition = {
-                let _permit = tokio::select! {
-                    biased;
-                    () = stopped(stop) => return None,
-                    permit = self.permits.acquire() => permit.ok()?,
-                };
-                self.pipeline.decide(&*self.processor, &message).await
+        while !batch.is_empty() {
+            let _permit = tokio::select! {
+                biased;
+                () = stopped(stop) => return None,
+                permit = self.permits.acquire() => permit.ok()?,
             };
+            let messages: Vec<&KafkaMessage> = batch.iter().collect();
+            let (decisions, dispositions) = Decisions::channel();
+            let mut stopping = stop.clone();
+            let decide = async {
+                {
+                    let run = async {
+                        if self.options.batch == 1 {
+                            decisions.send(self.pipeline.decide(&*self.processor, messages[0]).await);
+                        } else {
+                            self.pipeline
+                                .decide_many(&*self.processor, &messages, &decisions)
+                                .await;
+                        }
+                    };
+                    tokio::pin!(run);
+                    tokio::select! {
+                        () = &mut run => {}
+                        () = stopped(&mut stopping) => {
+                            // Revoked or stopping: the batch ends after the running handler.
+                            decisions.close();
+                            run.await;
+                        }
+                    }
+                }
+                drop(decisions);
+            };
+            let settle = self.settle_decided(&messages, dispositions, &mut *stop, &mut held);
+            let ((), settled) = tokio::join!(decide, settle);
+            drop(messages);
+            batch.drain(..settled.count.min(batch.len()));
+            progress.queued.fetch_sub(settled.count, Ordering::SeqCst);
+            if settled.stopped {
+                return None;
+            }
+            if settled.count > 0 && settled.nack.is_none() {
+                held.release();
+            }
+            if let Some(after) = settled.nack {
+                // No nack in Kafka: the partition holds on this message, in order.
+                held.hold();
+                if let Some(message) = batch.front_mut() {
+                    message.deliveries = message.deliveries.saturating_add(1);
+                }
+                wait(after, stop).await?;
+            }
+        }
+        Some(())
+    }
+
+    /// Settles each disposition handed over, in order, on the batch's next message: acks are
+    /// the offset's progress, a dead letter is produced until acknowledged; a nack ends it.
+    async fn settle_decided(
+        &self,
+        messages: &[&KafkaMessage],
+        mut dispositions: mpsc::UnboundedReceiver<Disposition>,
+        stop: &mut watch::Receiver<bool>,
+        held: &mut Held<'_>,
+    ) -> Settled {
+        let mut settled = Settled::default();
+        while let Some(disposition) = dispositions.recv().await {
+            let Some(message) = messages.get(settled.count) else {
+                continue;
+            };
+            if settled.stopped || settled.nack.is_some() {
+                // Drained, not settled: the batch's end is what the processor still finishes.
+                continue;
+            }
             match disposition {
                 Disposition::Ack => {
                     // Nothing to ask the broker: the offset is committed with the next batch.
-                    let _ = self.pipeline.settle(&message, &Disposition::Ack).await;
+                    let _ = self.pipeline.settle(message, &Disposition::Ack).await;
                     self.metrics.acked.increment(1);
-                    return Some(Disposition::Ack);
+                    settled.count += 1;
                 }
                 Disposition::Nack { after } => {
-                    // No nack in Kafka: the partition holds on this message, in order.
-                    let _ = self.pipeline.settle(&message, &Disposition::Nack { after }).await;
+                    let _ = self.pipeline.settle(message, &Disposition::Nack { after }).await;
                     self.metrics.retried.increment(1);
-                    held.hold();
-                    wait(after, stop).await?;
-                    message.deliveries = message.deliveries.saturating_add(1);
+                    settled.nack = Some(after);
                 }
                 Disposition::DeadLetter { reason } => {
                     // The partition moves on only once the copy is acknowledged: an
                     // unacknowledged one is produced again (the pipeline counts and logs it).
                     let dead = Disposition::DeadLetter { reason };
                     let mut failures = 0_u32;
-                    while self.pipeline.settle(&message, &dead).await.is_err() {
+                    while self.pipeline.settle(message, &dead).await.is_err() {
                         failures = failures.saturating_add(1);
                         held.hold();
-                        wait(self.options.dead_letter_backoff.delay(failures), stop).await?;
+                        if wait(self.options.dead_letter_backoff.delay(failures), stop)
+                            .await
+                            .is_none()
+                        {
+                            settled.stopped = true;
+                            break;
+                        }
                     }
-                    self.metrics.dead_lettered.increment(1);
-                    return Some(dead);
+                    if !settled.stopped {
+                        self.metrics.dead_lettered.increment(1);
+                        settled.count += 1;
+                    }
                 }
             }
         }
+        settled
     }
+}
+
+/// What [`Shared::settle_decided`] settled of a batch.
+#[derive(Debug, Default)]
+struct Settled {
+    /// The messages settled, from the batch's start.
+    count: usize,
+    /// The delay of the message after them, answered with `Nack`.
+    nack: Option<Duration>,
+    /// The partition was stopped while a dead letter waited for its acknowledgement.
+    stopped: bool,
 }
 
 /// Messages settled and not yet committed, over `partitions`.
@@ -968,11 +1115,19 @@ impl Held<'_> {
     }
 }
 
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
+impl Held<'_> {
+    /// The partition moved on: it holds no more.
+    fn release(&mut self) {
         if self.holding {
             self.gauge.decrement(1.0);
+            self.holding = false;
         }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 

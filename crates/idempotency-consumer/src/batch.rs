@@ -1,0 +1,234 @@
+//! [`Consumer`]'s batch path ([`Processor::process_many`](crate::Processor::process_many)):
+//! the keys of a batch claimed in one store round trip, the handlers run one after another in
+//! the batch's order while the guard keeps every claimed lease alive, and the outcomes
+//! recorded together before their dispositions are handed over (so before any ack): at the end
+//! of the batch, or as soon as a handler runs longer than the consumer's
+//! [linger](crate::Consumer::linger), so that a slow handler does not hold its predecessors'
+//! acks (and a Kafka partition's commits) back.
+//!
+//! Each message keeps the answers of [`Processor::process`](crate::Processor::process):
+//!
+//! - a message without a usable key is dead-lettered at its turn;
+//! - a duplicate is acked, a reused key with another payload dead-lettered;
+//! - a message whose key is in flight first has the outcomes run so far recorded (its key may
+//!   be held by an earlier message of the same batch), then waits for its key as a single
+//!   message does; if the key is still in flight it is nacked, and ends the batch;
+//! - a handler that fails has the outcomes run so far recorded with its release; if its
+//!   message is to be delivered again (nacked) it ends the batch. A fatal failure, a panic at
+//!   the delivery limit or a mismatch dead-letters that message alone;
+//! - a store that fails the claim of a message nacks it and ends the batch.
+//!
+//! A batch also ends before its next handler once the worker [closed](crate::Decisions::close)
+//! the sink (it is stopping).
+//!
+//! The claimed messages after the end of a batch did not run: their keys are handed back
+//! (released) and their messages offered again by the broker's worker.
+
+use std::time::Instant;
+
+use idempotency_core::{
+    Claimed, ClaimedRun, ErrorKind, Execution, Fingerprint, Key, Outcome, RunLease, Store, StoreError,
+};
+
+use crate::{
+    Consumer, Decisions, Delivery, Disposition, Handler, HandlerError, catching_panics, complete_on_success,
+};
+
+/// A message whose handler ran and whose outcome is not recorded yet.
+struct Ran {
+    index: usize,
+    key: Key,
+    run: ClaimedRun,
+    value: Result<Outcome, HandlerError>,
+}
+
+/// See the [module docs](self).
+pub(crate) async fn process_many<S, H, M>(consumer: &Consumer<S, H>, messages: &[&M], sink: &Decisions)
+where
+    S: Store,
+    H: Handler<M>,
+    M: Delivery + Sync,
+{
+    let started = Instant::now();
+    let rules = &consumer.rules;
+    // Keys are found again (and a missing one counted) at the message's turn.
+    let keys: Vec<Option<Key>> = messages
+        .iter()
+        .map(|message| rules.keys.find(*message).ok())
+        .collect();
+    let items = messages
+        .iter()
+        .zip(&keys)
+        .filter_map(|(message, key)| {
+            key.clone()
+                .map(|key| (rules.scope.clone(), key, Fingerprint::of_bytes(message.payload())))
+        })
+        .collect();
+    let mut claims = consumer
+        .guard
+        .claim_many::<Result<Outcome, HandlerError>>(items)
+        .await
+        .into_iter();
+    let mut claimed: Vec<Option<Result<Claimed<_>, _>>> = keys
+        .iter()
+        .map(|key| key.as_ref().and_then(|_| claims.next()))
+        .collect();
+    let leases: Vec<RunLease> = claimed
+        .iter()
+        .filter_map(|claim| match claim {
+            Some(Ok(Claimed::Run(run))) => Some(run.lease()),
+            _ => None,
+        })
+        .collect();
+    let work = async {
+        let mut decided = Decided {
+            dispositions: Vec::with_capacity(messages.len()),
+            handed: 0,
+            sink,
+        };
+        let mut ran: Vec<Ran> = Vec::new();
+        for (index, message) in messages.iter().enumerate() {
+            if sink.is_closed() {
+                break;
+            }
+            let message: &M = message;
+            decided.dispositions.push(None);
+            let Some(key) = &keys[index] else {
+                // No usable key: the dead letter, counted and logged now.
+                if let Err(dead) = rules.key(message) {
+                    decided.set(index, dead);
+                    continue;
+                }
+                // The key function answers differently now: the message is tried again.
+                let retry = rules.store_unavailable(&"the message's key changed", message.delivery_count());
+                decided.set(index, retry);
+                break;
+            };
+            let claim = claimed[index].take().unwrap_or_else(|| {
+                Err(StoreError::new(
+                    ErrorKind::Protocol,
+                    "the store answered fewer claims than it was asked for",
+                ))
+            });
+            let ends = match claim {
+                Err(error) => {
+                    decided.set(index, rules.settle::<Outcome>(Err(error), key, message, started));
+                    true
+                }
+                Ok(Claimed::Answer(Execution::InFlight { .. })) => {
+                    record(consumer, messages, &mut ran, &mut decided, started).await;
+                    let disposition = consumer.process_keyed(message, key.clone(), started).await;
+                    let nack = matches!(disposition, Disposition::Nack { .. });
+                    decided.set(index, disposition);
+                    nack
+                }
+                Ok(Claimed::Answer(answer)) => {
+                    decided.set(index, rules.settle(Ok(answer), key, message, started));
+                    false
+                }
+                Ok(Claimed::Run(run)) => {
+                    let attempt = run.attempt().clone();
+                    let handling = catching_panics(consumer.handler.handle(message, &attempt));
+                    tokio::pin!(handling);
+                    let value = if ran.is_empty() {
+                        handling.await
+                    } else {
+                        tokio::select! {
+                            biased;
+                            value = &mut handling => value,
+                            () = tokio::time::sleep(consumer.linger) => {
+                                // A slow handler: what ran before it is recorded and handed
+                                // over meanwhile.
+                                record(consumer, messages, &mut ran, &mut decided, started).await;
+                                handling.await
+                            }
+                        }
+                    };
+                    let failed = value.is_err();
+                    ran.push(Ran {
+                        index,
+                        key: key.clone(),
+                        run,
+                        value,
+                    });
+                    if failed {
+                        // Its release goes out now, with the outcomes before it: a nack ends
+                        // the batch, and the answer is known only once recorded.
+                        record(consumer, messages, &mut ran, &mut decided, started).await;
+                        matches!(decided.dispositions[index], Some(Disposition::Nack { .. }))
+                    } else {
+                        false
+                    }
+                }
+            };
+            if ends {
+                break;
+            }
+        }
+        record(consumer, messages, &mut ran, &mut decided, started).await;
+    };
+    tokio::select! {
+        () = work => {}
+        never = consumer.guard.keep_alive(&leases) => match never {},
+    }
+    // Claimed after the end of the batch, never run: handed back for the next delivery.
+    for claim in claimed.into_iter().flatten() {
+        if let Ok(Claimed::Run(run)) = claim {
+            let _ = consumer.guard.hand_back(run).await;
+        }
+    }
+}
+
+/// The dispositions of a batch so far, handed to the sink in order as the first ones become
+/// known.
+struct Decided<'a> {
+    dispositions: Vec<Option<Disposition>>,
+    handed: usize,
+    sink: &'a Decisions,
+}
+
+impl Decided<'_> {
+    fn set(&mut self, index: usize, disposition: Disposition) {
+        self.dispositions[index] = Some(disposition);
+        while let Some(Some(next)) = self.dispositions.get(self.handed) {
+            self.sink.send(next.clone());
+            self.handed += 1;
+        }
+    }
+}
+
+/// Records the outcomes of `ran` in one round trip and notes each message's disposition.
+async fn record<S, H, M>(
+    consumer: &Consumer<S, H>,
+    messages: &[&M],
+    ran: &mut Vec<Ran>,
+    decided: &mut Decided<'_>,
+    started: Instant,
+) where
+    S: Store,
+    M: Delivery + Sync,
+{
+    if ran.is_empty() {
+        return;
+    }
+    let ran = std::mem::take(ran);
+    let mut places = Vec::with_capacity(ran.len());
+    let mut finishing = Vec::with_capacity(ran.len());
+    for Ran {
+        index,
+        key,
+        run,
+        value,
+    } in ran
+    {
+        places.push((index, key));
+        finishing.push((run, value));
+    }
+    let executions = consumer.guard.finish_many(finishing, &complete_on_success).await;
+    for ((index, key), execution) in places.into_iter().zip(executions) {
+        let disposition = consumer
+            .rules
+            .settle(Ok(execution), &key, messages[index], started);
+        decided.set(index, disposition);
+    }
+}
