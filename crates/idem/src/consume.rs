@@ -98,6 +98,15 @@ pub struct Config {
     /// How long a handled key is remembered (duplicates within it are acked unhandled).
     #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = parse_retention)]
     pub retention: Duration,
+    /// Kafka: how many queued messages of a partition are decided together (their keys
+    /// claimed in one store round trip, their outcomes recorded in one more; handled one after
+    /// another, in order), at most the prefetch; 1 decides each alone.
+    #[arg(long, env = "IDEM_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub batch: u16,
+    /// Kafka: how long a batch waits for more messages, and how long a handler runs before the
+    /// outcomes before it are recorded without waiting for it (0s to 1s).
+    #[arg(long, env = "IDEM_LINGER", default_value = "5ms", value_parser = parse_linger)]
+    pub linger: Duration,
     /// Deliveries of one message before it is dead-lettered.
     #[arg(long, env = "IDEM_MAX_DELIVERIES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_deliveries: u32,
@@ -120,6 +129,16 @@ fn consumer_name(text: &str) -> Result<String, InvalidName> {
 #[derive(Debug, thiserror::Error)]
 #[error("not a valid consumer name: {0}")]
 pub struct InvalidName(#[source] idempotency::KeyError);
+
+/// `--linger`: 0 to 1 s (a batch never waits longer for company).
+fn parse_linger(text: &str) -> Result<Duration, FlagError> {
+    bounded_duration(
+        text,
+        "--linger",
+        (Duration::ZERO, Duration::from_secs(1)),
+        "must be from 0s to 1s",
+    )
+}
 
 /// `--handler-timeout`: 100 ms to 24 h (zero would retry every message without calling).
 fn parse_handler_timeout(text: &str) -> Result<Duration, FlagError> {
@@ -526,10 +545,12 @@ pub async fn consume(
         .lease(config.lease)
         .retention(config.retention)
         .max_deliveries(config.max_deliveries)
+        .linger(config.linger)
         .log_keys(config.log_keys);
     let settings = SourceSettings::new(config.name.clone())
         .concurrency(calls)
         .prefetch(usize::from(config.prefetch))
+        .batch(usize::from(config.batch), config.linger)
         .handler_timeout(config.handler_timeout)
         .start_check(START_CHECK);
     tracing::info!(source = kind.name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "starting");

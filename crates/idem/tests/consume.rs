@@ -416,6 +416,23 @@ fn bad_input_is_refused_with_a_clear_error() {
         ),
         (vec!["--to".into(), "http://127.0.0.1:1/m".into()], 2, "--from"),
     ];
+    let flag = |name: &str, value: &str| {
+        vec![
+            "--from".into(),
+            format!("{amqp}?queue=q"),
+            "--to".into(),
+            "http://127.0.0.1:1/m".into(),
+            name.into(),
+            value.into(),
+        ]
+    };
+    let cases = cases.into_iter().chain([
+        (flag("--batch", "0"), 2, "--batch"),
+        (flag("--batch", "1001"), 2, "--batch"),
+        (flag("--batch", "lots"), 2, "--batch"),
+        (flag("--linger", "2s"), 2, "--linger: must be from 0s to 1s"),
+        (flag("--linger", "later"), 2, "--linger"),
+    ]);
     for (args, code, message) in cases {
         let mut all = vec!["consume"];
         all.extend(args.iter().map(String::as_str));

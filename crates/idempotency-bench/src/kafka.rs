@@ -1,7 +1,9 @@
 //! Kafka: messages per second consumed and committed by the same `idempotency_kafka::Worker`
-//! with the guard and without it, on librdkafka's in-process cluster (`MockCluster`), in the same
-//! run, with the Redis and PostgreSQL stores, and the same-transaction mode against a bare
-//! transaction. The pairs are those of the RabbitMQ and NATS figures (`consumers.rs`).
+//! with the guard deciding each partition's messages in batches (the worker's default), with the
+//! guard deciding each message alone (`batch(1)`), and without the guard, on librdkafka's
+//! in-process cluster (`MockCluster`), in the same run, with the Redis and PostgreSQL stores, and
+//! the same-transaction mode against a bare transaction. The pairs are those of the RabbitMQ and
+//! NATS figures (`consumers.rs`).
 //!
 //! Each measurement publishes `MESSAGES` events with distinct keys to a topic of its own with 8
 //! or 32 partitions (not timed), then times one worker from its first message to its last: every
@@ -12,15 +14,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use idempotency_consumer::{Delivery, Disposition, Processor};
+use idempotency_consumer::{Decisions, Delivery, Disposition, Processor, process_each};
 use idempotency_core::Key;
 use idempotency_kafka::{KafkaMessage, Worker, idempotent_producer, publish};
 use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
-use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs, print_row};
+use crate::consumers::{MESSAGES, Work, consumer_free_handle, drop_rows, insert_row, pairs};
 use crate::measure::runtime;
+use crate::measure::{Samples, per_second};
 
 /// The topics' partition counts measured: the worker processes a partition's messages in
 /// order, so partitions are its concurrency.
@@ -54,12 +57,30 @@ impl Processor<KafkaMessage> for Measured {
             Work::Guard(consumer) => consumer.process(message).await,
             Work::InTransaction(consumer) => consumer.process(message).await,
         };
+        self.finished(1);
+        disposition
+    }
+
+    async fn process_many(&self, messages: &[&KafkaMessage], decided: &Decisions) {
+        let Work::Guard(consumer) = &*self.work else {
+            // The others decide each message alone, as `process`.
+            return process_each(self, messages, decided).await;
+        };
+        self.first.get_or_init(Instant::now);
+        let before = decided.count();
+        consumer.process_many(messages, decided).await;
+        self.finished(decided.count() - before);
+    }
+}
+
+impl Measured {
+    /// `count` more messages decided, the last just now.
+    fn finished(&self, count: usize) {
         *self
             .last
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
-        self.done.fetch_add(1, Ordering::SeqCst);
-        disposition
+        self.done.fetch_add(count as u64, Ordering::SeqCst);
     }
 }
 
@@ -67,24 +88,42 @@ pub(crate) fn run(rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
         println!(
-            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, with the guard vs without ({MESSAGES} messages per measurement)\n"
+            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, the guard deciding batches vs each message alone vs no guard ({MESSAGES} messages per measurement)\n"
         );
-        println!("| store | partitions | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
-        println!("|---|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "| store | partitions | batched msg/s | per message msg/s | batched / per message | without msg/s | batched / without | per message / without | batched min–max | per message min–max |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let cluster = MockCluster::new(1).map_err(|e| e.to_string())?;
         let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in pairs {
             let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
             for partitions in PARTITIONS {
-                let (mut with, mut without) = (Vec::new(), Vec::new());
+                let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());
                 for round in 0..rounds {
-                    for (work, rates) in [(&with_work, &mut with), (&without_work, &mut without)] {
+                    for (work, batch, rates) in [
+                        (&with_work, idempotency_kafka::DEFAULT_BATCH, &mut batched),
+                        (&with_work, 1, &mut single),
+                        (&without_work, idempotency_kafka::DEFAULT_BATCH, &mut without),
+                    ] {
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
-                        rates.push(measure(&cluster, &producer, work, &tag, partitions).await?);
+                        rates.push(measure(&cluster, &producer, work, &tag, partitions, batch).await?);
                     }
                 }
-                print_row(&format!("{store_name} | {partitions}"), with, without);
+                let (batched, single, without) =
+                    (Samples::of(batched), Samples::of(single), Samples::of(without));
+                println!(
+                    "| {store_name} | {partitions} | {} | {} | {:.2} | {} | {:.2} | {:.2} | {} | {} |",
+                    per_second(batched.median),
+                    per_second(single.median),
+                    batched.median / single.median,
+                    per_second(without.median),
+                    batched.median / without.median,
+                    single.median / without.median,
+                    batched.spread(),
+                    single.spread(),
+                );
             }
         }
         drop_rows(&postgres, &table).await;
@@ -99,6 +138,7 @@ async fn measure(
     work: &Arc<Work>,
     tag: &str,
     partitions: i32,
+    batch: usize,
 ) -> Result<f64, String> {
     let topic = format!("bench-{tag}");
     cluster
@@ -130,8 +170,9 @@ async fn measure(
     config
         .set("bootstrap.servers", cluster.bootstrap_servers())
         .set("group.id", tag);
-    let worker =
-        Worker::new(config, topic, Arc::clone(&measured)).concurrency(partitions.unsigned_abs() as usize);
+    let worker = Worker::new(config, topic, Arc::clone(&measured))
+        .concurrency(partitions.unsigned_abs() as usize)
+        .batch(batch);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     let started = Instant::now();

@@ -400,18 +400,27 @@ pub trait Processor<M: ?Sized>: Send + Sync {
     where
         M: Sync,
     {
-        async move {
-            for message in messages {
-                if decided.is_closed() {
-                    break;
-                }
-                let disposition = self.process(message).await;
-                let nack = matches!(disposition, Disposition::Nack { .. });
-                decided.send(disposition);
-                if nack {
-                    break;
-                }
-            }
+        process_each(self, messages, decided)
+    }
+}
+
+/// [`Processor::process_many`] as single calls: each message of `messages` decided with
+/// [`Processor::process`], in order, until one is nacked or `decided` is closed. The default of
+/// `process_many`, for a processor that overrides it for some messages only.
+pub async fn process_each<P, M>(processor: &P, messages: &[&M], decided: &Decisions)
+where
+    P: Processor<M> + ?Sized,
+    M: ?Sized + Sync,
+{
+    for message in messages {
+        if decided.is_closed() {
+            break;
+        }
+        let disposition = processor.process(message).await;
+        let nack = matches!(disposition, Disposition::Nack { .. });
+        decided.send(disposition);
+        if nack {
+            break;
         }
     }
 }
@@ -835,6 +844,9 @@ impl<S: Store, H> Consumer<S, H> {
         }
     }
 }
+
+/// How many messages a broker's worker decides together by default (where it batches: Kafka).
+pub const DEFAULT_BATCH: usize = 64;
 
 /// How long the outcomes of a batch wait for the next handler by default
 /// ([`Consumer::linger`]).

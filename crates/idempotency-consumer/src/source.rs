@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::adapter::{AdapterError, AdapterErrorKind};
-use crate::{Delivery, Disposition, Processor};
+use crate::{Decisions, Delivery, Disposition, Processor};
 
 /// What a source's consumer needs besides its URL.
 #[derive(Debug, Clone)]
@@ -41,6 +41,11 @@ pub struct SourceSettings {
     /// a pull's batch; Kafka: the messages queued per partition before it is paused; SQS: a
     /// receive's batch, at most 10).
     pub prefetch: usize,
+    /// How many messages are decided together, where the source batches (Kafka: the queued
+    /// messages of a partition, at most the prefetch); 1 decides each alone.
+    pub batch: usize,
+    /// How long a batch waits for more messages when fewer are queued.
+    pub linger: Duration,
     /// The longest a handler may run: the broker's hold on a message (a poll interval, an ack
     /// wait) is set to outlast it where it is the source's to set.
     pub handler_timeout: Duration,
@@ -49,14 +54,17 @@ pub struct SourceSettings {
 }
 
 impl SourceSettings {
-    /// Settings for the consumer `name`: 16 at once, 16 prefetched, a 30 s handler timeout and
-    /// 10 s for the checks at start.
+    /// Settings for the consumer `name`: 16 at once, 16 prefetched, batches of
+    /// [`DEFAULT_BATCH`](crate::DEFAULT_BATCH) lingering [`DEFAULT_LINGER`](crate::DEFAULT_LINGER),
+    /// a 30 s handler timeout and 10 s for the checks at start.
     #[must_use]
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
             concurrency: 16,
             prefetch: 16,
+            batch: crate::DEFAULT_BATCH,
+            linger: crate::DEFAULT_LINGER,
             handler_timeout: Duration::from_secs(30),
             start_check: Duration::from_secs(10),
         }
@@ -73,6 +81,14 @@ impl SourceSettings {
     #[must_use]
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// How many messages are decided together (at least 1), and how long a batch waits for more.
+    #[must_use]
+    pub fn batch(mut self, messages: usize, linger: Duration) -> Self {
+        self.batch = messages.max(1);
+        self.linger = linger;
         self
     }
 
@@ -395,12 +411,19 @@ impl Delivery for AnyMessage<'_> {
     }
 }
 
-/// What a processor of [`AnyMessage`]s is to a source: the future of one message.
+/// What a processor of [`AnyMessage`]s is to a source: the future of one message, or of a
+/// batch.
 trait ProcessAny: Send + Sync {
     fn process_any<'a>(
         &'a self,
         message: &'a (dyn Delivery + Sync),
     ) -> Pin<Box<dyn Future<Output = Disposition> + Send + 'a>>;
+
+    fn process_many_any<'a>(
+        &'a self,
+        messages: &'a [&'a (dyn Delivery + Sync)],
+        decided: &'a Decisions,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 }
 
 impl<P> ProcessAny for P
@@ -412,6 +435,18 @@ where
         message: &'a (dyn Delivery + Sync),
     ) -> Pin<Box<dyn Future<Output = Disposition> + Send + 'a>> {
         Box::pin(async move { self.process(&AnyMessage(message)).await })
+    }
+
+    fn process_many_any<'a>(
+        &'a self,
+        messages: &'a [&'a (dyn Delivery + Sync)],
+        decided: &'a Decisions,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
+        Box::pin(async move {
+            let wrapped: Vec<AnyMessage<'a>> = messages.iter().map(|message| AnyMessage(*message)).collect();
+            let batch: Vec<&AnyMessage<'a>> = wrapped.iter().collect();
+            self.process_many(&batch, decided).await;
+        })
     }
 }
 
@@ -456,5 +491,13 @@ impl AnyProcessor {
 impl<M: Delivery + Sync> Processor<M> for AnyProcessor {
     async fn process(&self, message: &M) -> Disposition {
         self.0.process_any(message).await
+    }
+
+    async fn process_many(&self, messages: &[&M], decided: &Decisions) {
+        let batch: Vec<&(dyn Delivery + Sync)> = messages
+            .iter()
+            .map(|message| *message as &(dyn Delivery + Sync))
+            .collect();
+        self.0.process_many_any(&batch, decided).await;
     }
 }

@@ -330,7 +330,9 @@ fn run(url: String, settings: SourceSettings, processor: AnyProcessor, shutdown:
             .worker(settings.handler_timeout, Arc::new(processor))
             .name(settings.name)
             .concurrency(settings.concurrency)
-            .prefetch(settings.prefetch);
+            .prefetch(settings.prefetch)
+            .batch(settings.batch)
+            .linger(settings.linger);
         worker.check(settings.start_check).await?;
         tracing::info!(topic = %source.topic, group = %source.group, "consuming");
         worker.run_until(shutdown).await

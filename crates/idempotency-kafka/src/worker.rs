@@ -27,10 +27,10 @@ use crate::{KafkaAdapterError, KafkaBroker, KafkaMessage, kafka};
 const POLL: Duration = Duration::from_millis(100);
 
 /// How many messages of a partition a [`Worker`] decides together by default.
-pub const DEFAULT_BATCH: usize = 64;
+pub use idempotency_consumer::DEFAULT_BATCH;
 
 /// How long a [`Worker`]'s batch waits for more messages by default.
-pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+pub use idempotency_consumer::DEFAULT_LINGER;
 
 /// How often the poll thread paces partitions (pause and resume) and considers a commit.
 const HOUSEKEEPING: Duration = Duration::from_millis(20);
