@@ -84,6 +84,7 @@ where
         let mut decided = Decided {
             dispositions: Vec::with_capacity(messages.len()),
             handed: 0,
+            nacked: false,
             sink,
         };
         let mut ran: Vec<Ran> = Vec::new();
@@ -184,13 +185,21 @@ where
 struct Decided<'a> {
     dispositions: Vec<Option<Disposition>>,
     handed: usize,
+    /// A nack was handed over: nothing after it is.
+    nacked: bool,
     sink: &'a Decisions,
 }
 
 impl Decided<'_> {
+    /// Notes the disposition of message `index`, and hands over those now known in order, up
+    /// to and including the first nack: the batch ends there for the caller.
     fn set(&mut self, index: usize, disposition: Disposition) {
         self.dispositions[index] = Some(disposition);
         while let Some(Some(next)) = self.dispositions.get(self.handed) {
+            if self.nacked {
+                return;
+            }
+            self.nacked = matches!(next, Disposition::Nack { .. });
             self.sink.send(next.clone());
             self.handed += 1;
         }

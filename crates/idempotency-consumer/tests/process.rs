@@ -766,3 +766,45 @@ async fn a_stuck_handler_does_not_hold_back_the_acks_before_it() {
     );
     running.abort();
 }
+
+/// A store that is down fails the batch's claims: the first message is put back and ends the
+/// batch; no handler runs.
+#[tokio::test(start_paused = true)]
+async fn a_batch_on_a_store_that_is_down_runs_nothing_and_is_put_back() {
+    let (consumer, charger, store) = consumer(Charger::default());
+    store.set_down(true);
+    let messages: Vec<Message> = (1..=3)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    let decided = many(&consumer, &messages).await;
+    assert!(matches!(decided[..], [Disposition::Nack { .. }]), "{decided:?}");
+    assert_eq!(charger.calls.load(Ordering::SeqCst), 0);
+    store.set_down(false);
+    assert_eq!(many(&consumer, &messages).await, vec![Disposition::Ack; 3]);
+    assert_eq!(charger.charges.lock().unwrap().len(), 3);
+}
+
+/// A completion of the batch that fails transiently is tried again on its own and the message
+/// acked; outcomes that cannot be recorded at all are never acked, and nothing after the
+/// first of them is handed over.
+#[tokio::test(start_paused = true)]
+async fn batch_outcomes_are_acked_only_once_recorded() {
+    let (consumer, charger, store) = consumer(Charger::default());
+    let consumer = consumer.lease(Duration::from_secs(10));
+    let messages: Vec<Message> = (1..=3)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    store.fail_next(Op::Complete, 1);
+    assert_eq!(many(&consumer, &messages).await, vec![Disposition::Ack; 3]);
+    let unrecorded: Vec<Message> = (4..=6)
+        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
+        .collect();
+    store.fail_next(Op::Complete, u32::MAX);
+    let decided = many(&consumer, &unrecorded).await;
+    assert!(matches!(decided[..], [Disposition::Nack { .. }]), "{decided:?}");
+    assert_eq!(
+        charger.charges.lock().unwrap().len(),
+        6,
+        "the side effects happened"
+    );
+}

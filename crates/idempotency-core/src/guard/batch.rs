@@ -112,6 +112,9 @@ impl<S: Store> Guard<S> {
         &self,
         items: Vec<(Scope, Key, Fingerprint)>,
     ) -> Vec<Result<Claimed<T>, StoreError>> {
+        if items.is_empty() {
+            return Vec::new();
+        }
         let requests: Vec<BeginRequest> = items
             .into_iter()
             .map(|(scope, key, fingerprint)| self.request(scope, key, fingerprint))
