@@ -277,8 +277,11 @@ async fn a_retry_storm_and_redeliveries_leave_one_charge_row_per_payment() {
             .unwrap();
     }
     assert!(until(settled, Duration::from_secs(30)).await);
+    // A settlement in flight on the cut connection is given up only after the worker's settle
+    // timeout (10 s), and the session ends once its handlers have: the reconnection may come
+    // after that and a backoff step, later on a loaded machine.
     assert!(
-        until(|| async { proxy.accepted() >= 2 }, Duration::from_secs(10)).await,
+        until(|| async { proxy.accepted() >= 2 }, Duration::from_secs(60)).await,
         "the cut worker did not reconnect"
     );
     let _ = stop.send(true);
