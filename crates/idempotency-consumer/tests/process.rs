@@ -560,6 +560,13 @@ fn batch_consumer(ledger: Ledger, lease: Duration) -> (Consumer<MemoryStore, Arc
     (consumer, ledger)
 }
 
+/// Messages `pay-N` of EUR 10, for each N of `numbers`.
+fn payments(numbers: std::ops::RangeInclusive<u32>) -> Vec<Message> {
+    numbers
+        .map(|n| Message::keyed(&format!("pay-{n}"), "EUR 10"))
+        .collect()
+}
+
 /// The dispositions `process_many` hands over for `messages`, in order.
 async fn many<P: Processor<Message>>(processor: &P, messages: &[Message]) -> Vec<Disposition> {
     let batch: Vec<&Message> = messages.iter().collect();
@@ -652,9 +659,7 @@ async fn the_last_lease_of_a_batch_outlives_slow_handlers_before_it() {
         Duration::from_secs(3),
     );
     let elsewhere = consumer.clone().in_flight_wait(Duration::ZERO);
-    let messages: Vec<Message> = (1..=4)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let messages = payments(1..=4);
     let (decided, competitor) = tokio::join!(many(&consumer, &messages), async {
         // Past the first lease (3 s) and before the last handler starts (6 s).
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -690,9 +695,7 @@ async fn a_crash_in_the_middle_of_a_batch_loses_nothing_and_runs_nothing_twice()
         },
         Duration::from_secs(10),
     );
-    let messages: Vec<Message> = (1..=6)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let messages = payments(1..=6);
     let crashed = {
         let (consumer, messages) = (consumer.clone(), messages.clone());
         tokio::spawn(async move { many(&consumer, &messages).await })
@@ -743,9 +746,7 @@ async fn a_stuck_handler_does_not_hold_back_the_acks_before_it() {
         },
         Duration::from_secs(60),
     );
-    let messages: Vec<Message> = (1..=4)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let messages = payments(1..=4);
     let (decided, mut dispositions) = idempotency_consumer::Decisions::channel();
     let running = {
         let (consumer, messages) = (consumer.clone(), messages.clone());
@@ -773,9 +774,7 @@ async fn a_stuck_handler_does_not_hold_back_the_acks_before_it() {
 async fn a_batch_on_a_store_that_is_down_runs_nothing_and_is_put_back() {
     let (consumer, charger, store) = consumer(Charger::default());
     store.set_down(true);
-    let messages: Vec<Message> = (1..=3)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let messages = payments(1..=3);
     let decided = many(&consumer, &messages).await;
     assert!(matches!(decided[..], [Disposition::Nack { .. }]), "{decided:?}");
     assert_eq!(charger.calls.load(Ordering::SeqCst), 0);
@@ -791,14 +790,10 @@ async fn a_batch_on_a_store_that_is_down_runs_nothing_and_is_put_back() {
 async fn batch_outcomes_are_acked_only_once_recorded() {
     let (consumer, charger, store) = consumer(Charger::default());
     let consumer = consumer.lease(Duration::from_secs(10));
-    let messages: Vec<Message> = (1..=3)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let messages = payments(1..=3);
     store.fail_next(Op::Complete, 1);
     assert_eq!(many(&consumer, &messages).await, vec![Disposition::Ack; 3]);
-    let unrecorded: Vec<Message> = (4..=6)
-        .map(|i| Message::keyed(&format!("pay-{i}"), "EUR 10"))
-        .collect();
+    let unrecorded = payments(4..=6);
     store.fail_next(Op::Complete, u32::MAX);
     let decided = many(&consumer, &unrecorded).await;
     assert!(matches!(decided[..], [Disposition::Nack { .. }]), "{decided:?}");
