@@ -49,6 +49,7 @@
 //! # }
 //! ```
 
+mod batch;
 mod error;
 mod options;
 mod sql;

@@ -45,6 +45,8 @@ pub(crate) struct Statements {
     pub(crate) begin: Arc<str>,
     pub(crate) claim: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) begin_many: Arc<str>,
+    pub(crate) complete_many: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) extend: Arc<str>,
     pub(crate) get: Arc<str>,
@@ -175,6 +177,68 @@ impl Statements {
                    AND NOT EXISTS (SELECT 1 FROM done)",
                 done = ms("done.expires_at"),
                 kept = ms("expires_at"),
+            )
+            .into(),
+            // Arrays, one element per key (no key twice, in lock order): $1 scopes, $2 keys,
+            // $3 fingerprints, $4 tokens, $5 lease ms, $6 retention ms.
+            //
+            // `begin` for a batch, as `peek` and `begin` decide it for one key: the keys with
+            // no record are inserted (in the arrays' order, so that two batches take their
+            // index locks in the same order); the records of the others are returned unlocked
+            // and unwritten, with the server's time, for the client to decide. Every row
+            // starts with the key's position in the arrays (from 1). A key with no row was
+            // committed by a concurrent transaction after this statement's snapshot: the
+            // client asks again for it alone.
+            begin_many: format!(
+                "WITH q AS (
+                     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::int8[], $6::int8[])
+                         WITH ORDINALITY AS q(scope, key, fingerprint, token, lease, retention, ord)
+                 ), existing AS (
+                     SELECT q.ord, r.* FROM q JOIN {t} r ON r.scope = q.scope AND r.key = q.key
+                 ), claimed AS (
+                     INSERT INTO {t} AS r (scope, key, fingerprint, attempt, created_at, expires_at, token,
+                                           completed, acquired_at, lease_until, completed_at, outcome)
+                     SELECT q.scope, q.key, q.fingerprint, 1, now(),
+                            now() + GREATEST(q.lease, q.retention) * interval '1 millisecond',
+                            q.token, false, now(), now() + q.lease * interval '1 millisecond', NULL, NULL
+                     FROM q WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.ord = q.ord)
+                     ORDER BY q.ord
+                     ON CONFLICT (scope, key) DO NOTHING
+                     RETURNING r.*
+                 )
+                 SELECT q.ord, true AS claimed, {columns}, {now}
+                 FROM claimed r JOIN q ON q.scope = r.scope AND q.key = r.key
+                 UNION ALL
+                 SELECT r.ord, false AS claimed, {columns}, {now} FROM existing r",
+                now = ms("now()"),
+            )
+            .into(),
+            // Arrays, one element per key (no key twice): $1 scopes, $2 keys, $3 tokens,
+            // $4 outcomes, $5 retention ms.
+            //
+            // `complete` for a batch: a row (the key's position from 1, the new expiry) for
+            // each key completed now or already completed by the same token; no row for a key
+            // the token no longer holds.
+            complete_many: format!(
+                "WITH q AS (
+                     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::int8[])
+                         WITH ORDINALITY AS q(scope, key, token, outcome, retention, ord)
+                 ), done AS (
+                     UPDATE {t} r SET completed = true, completed_at = now(),
+                         expires_at = now() + q.retention * interval '1 millisecond',
+                         outcome = q.outcome, acquired_at = NULL, lease_until = NULL
+                     FROM q
+                     WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token
+                       AND NOT r.completed AND r.expires_at > now()
+                     RETURNING q.ord, r.expires_at
+                 )
+                 SELECT ord, {done} FROM done
+                 UNION ALL
+                 SELECT q.ord, {kept} FROM q JOIN {t} r ON r.scope = q.scope AND r.key = q.key
+                 WHERE r.token = q.token AND r.completed AND r.expires_at > now()
+                   AND NOT EXISTS (SELECT 1 FROM done d WHERE d.ord = q.ord)",
+                done = ms("done.expires_at"),
+                kept = ms("r.expires_at"),
             )
             .into(),
             // $1 scope, $2 key, $3 token, $4 the token of no attempt. The record stays, its

@@ -10,11 +10,12 @@ use idempotency_core::sql as sql_rows;
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp,
-    Token, begin_each, complete_each, duration_millis, stored_millis,
+    Token, begin_each, complete_each, duration_millis, failed_batch, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
+use crate::batch;
 use crate::error::map_error;
 use crate::options::PostgresOptions;
 use crate::sql::{self, Statements};
@@ -37,6 +38,13 @@ pub enum Operation {
     Claim,
     /// `complete`: `$1` scope, `$2` key, `$3` token, `$4` outcome, `$5` retention ms.
     Complete,
+    /// `begin_many`'s one statement: arrays of scopes, keys, fingerprints, tokens, lease ms and
+    /// retention ms (`$1`–`$6`, no key twice). Inserts the new keys and returns the others'
+    /// records unwritten; a record that needs a claim is then claimed alone.
+    BeginMany,
+    /// `complete_many`'s one statement: arrays of scopes, keys, tokens, outcomes and
+    /// retention ms (`$1`–`$5`, no key twice).
+    CompleteMany,
     /// `release`: `$1` scope, `$2` key, `$3` token, `$4` [`Token::NONE`].
     Release,
     /// `extend`: `$1` scope, `$2` key, `$3` token, `$4` lease ms.
@@ -243,6 +251,8 @@ impl PostgresStore {
             Operation::Begin => &self.sql.begin,
             Operation::Claim => &self.sql.claim,
             Operation::Complete => &self.sql.complete,
+            Operation::BeginMany => &self.sql.begin_many,
+            Operation::CompleteMany => &self.sql.complete_many,
             Operation::Release => &self.sql.release,
             Operation::Extend => &self.sql.extend,
             Operation::Get => &self.sql.get,
@@ -439,30 +449,61 @@ impl Store for PostgresStore {
         row.map(|row| decode_record(&row, 0)).transpose()
     }
 
-    /// One transaction on one connection for the whole batch: each request's statements as
-    /// [`Store::begin`] runs them (a replay, an in-flight conflict or a mismatch still only
-    /// reads), in [`lock_order`](idempotency_core::lock_order), then one commit.
+    /// One statement for the whole batch ([`Operation::BeginMany`]): the new keys are inserted
+    /// and the others' records read, in one round trip and one commit; a replay, an in-flight
+    /// conflict or a mismatch still only reads. A key that needs the claiming upsert (expired,
+    /// or a takeover), or that the batch names twice, is then decided alone, as
+    /// [`Store::begin`] decides it.
     async fn begin_many(&self, requests: &[BeginRequest]) -> Vec<Result<Claim, StoreError>> {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        self.connections
-            .batch(Some(&self.lanes), &self.sql, requests, |tx, sql, request| {
-                Box::pin(begin_on(tx, sql, request))
-            })
-            .await
+        let _lane = match self.lanes.new_work().await {
+            Ok(lane) => lane,
+            Err(error) => return failed_batch(&error, requests.len()),
+        };
+        self.answers_on_one_connection(requests.len(), async |connection| {
+            batch::begin_batch(connection, &self.sql, requests).await
+        })
+        .await
     }
 
-    /// One transaction on one connection for the whole batch, as [`Store::begin_many`].
+    /// One statement for the whole batch ([`Operation::CompleteMany`]); a key the batch
+    /// completes twice is then completed alone, as [`Store::complete`] does.
     async fn complete_many(&self, completions: &[Completion]) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
         if completions.len() < 2 {
             return complete_each(self, completions).await;
         }
-        self.connections
-            .batch(None, &self.sql, completions, |tx, sql, c| {
-                Box::pin(complete_on(tx, sql, &c.held, &c.outcome, c.retention))
+        self.answers_on_one_connection(completions.len(), async |connection| {
+            batch::complete_batch(connection, &self.sql, completions).await
+        })
+        .await
+    }
+}
+
+impl PostgresStore {
+    /// Runs a batch on one connection: its answers, or, when no connection could be had,
+    /// that failure as every call's answer. A connection on which any call failed is closed.
+    async fn answers_on_one_connection<R>(
+        &self,
+        len: usize,
+        batch: impl AsyncFnOnce(&mut PgConnection) -> Vec<Result<R, StoreError>>,
+    ) -> Vec<Result<R, StoreError>> {
+        let mut answered = None;
+        let run = self
+            .connections
+            .run(async |connection| {
+                let answers = batch(connection).await;
+                let failure = answers.iter().find_map(|answer| answer.as_ref().err().cloned());
+                answered = Some(answers);
+                failure.map_or(Ok(()), Err)
             })
-            .await
+            .await;
+        match (answered, run) {
+            (Some(answers), _) => answers,
+            (None, Err(error)) => failed_batch(&error, len),
+            (None, Ok(())) => unreachable!("the batch ran"),
+        }
     }
 }
 
@@ -538,6 +579,6 @@ impl StoreAdmin for PostgresStore {
 }
 
 /// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
-fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
+pub(crate) fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
     sql_rows::record(row, at)
 }

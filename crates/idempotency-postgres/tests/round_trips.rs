@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
+use idempotency_core::{BeginRequest, Claim, Completion, Fenced, Fingerprint, Key, Outcome, Scope, Store};
 use idempotency_postgres::Operation;
 use idempotency_postgres::PostgresStore;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
@@ -52,6 +52,68 @@ async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
         replays, reads,
         "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
     );
+}
+
+/// A batch of new keys is claimed in one round trip and completed in one more, however many
+/// keys it holds (the single calls take two round trips per key to claim, one to complete);
+/// replaying the batch is one round trip too. Counted at the proxy, which no timing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_claimed_in_one_round_trip_and_completed_in_one() {
+    const KEYS: usize = 64;
+    let store = common::fresh_store().await;
+    let proxy = common::start_proxy().await;
+    let through = common::proxied(&store, &proxy, 1).await;
+    let scope = Scope::new("batch").unwrap();
+    let batch = |round: &str| -> Vec<BeginRequest> {
+        (0..KEYS)
+            .map(|i| {
+                let key = Key::new(format!("{round}-{i}")).unwrap();
+                BeginRequest::new(scope.clone(), key, Fingerprint::of_bytes(b"same"))
+            })
+            .collect()
+    };
+    // The first batch prepares the statements; the second is what every batch costs.
+    claim_and_complete(&through, &batch("warm")).await;
+    let requests = batch("measured");
+
+    let before = proxy.round_trips();
+    let claims = through.begin_many(&requests).await;
+    let claimed = proxy.round_trips() - before;
+    let completions = completions(claims);
+    let before = proxy.round_trips();
+    for done in through.complete_many(&completions).await {
+        assert!(matches!(done.unwrap(), Fenced::Accepted(_)));
+    }
+    let completed = proxy.round_trips() - before;
+    let before = proxy.round_trips();
+    for claim in through.begin_many(&requests).await {
+        assert!(matches!(claim.unwrap(), Claim::Replay(_)));
+    }
+    let replayed = proxy.round_trips() - before;
+
+    assert_eq!(
+        (claimed, completed, replayed),
+        (1, 1, 1),
+        "{KEYS} keys: claimed in {claimed} round trips, completed in {completed}, replayed in {replayed}"
+    );
+}
+
+/// The completions of a batch of claims of new keys.
+fn completions(claims: Vec<Result<Claim, idempotency_core::StoreError>>) -> Vec<Completion> {
+    claims
+        .into_iter()
+        .map(|claim| match claim.unwrap() {
+            Claim::Acquired(held) => Completion::new(held, Outcome::new("done"), Duration::from_secs(60)),
+            other => panic!("a new key was not acquired: {other:?}"),
+        })
+        .collect()
+}
+
+async fn claim_and_complete(store: &PostgresStore, requests: &[BeginRequest]) {
+    let completions = completions(store.begin_many(requests).await);
+    for done in store.complete_many(&completions).await {
+        assert!(matches!(done.unwrap(), Fenced::Accepted(_)));
+    }
 }
 
 /// The store's first look at a record, on `bare`; whether it found one.

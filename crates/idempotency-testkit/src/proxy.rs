@@ -8,7 +8,8 @@
 //! [`TcpProxy::set_latency`] delays every byte by a one-way latency in each direction, as a
 //! server in another zone would (the bytes are pipelined, not serialised: throughput stays).
 //! [`TcpProxy::sent`] counts the bytes clients sent the server: what a client costs the server
-//! on the wire, exactly, whatever the timing.
+//! on the wire, exactly, whatever the timing; [`TcpProxy::round_trips`] counts the times a
+//! client spoke after the server had answered (a request-response protocol's round trips).
 
 use std::io;
 use std::net::SocketAddr;
@@ -30,6 +31,8 @@ struct State {
     latency_us: AtomicU64,
     /// Bytes read from clients (and forwarded to the server).
     sent: AtomicU64,
+    /// Times a client spoke first on its connection or after the server had answered.
+    round_trips: AtomicU64,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -57,6 +60,7 @@ impl TcpProxy {
             accepted: AtomicU64::new(0),
             latency_us: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            round_trips: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -95,6 +99,15 @@ impl TcpProxy {
         self.state.sent.load(Ordering::SeqCst)
     }
 
+    /// How many round trips clients have made through the proxy, on every connection so far:
+    /// the times a client sent bytes first on its connection or after the server had sent
+    /// some. A client that writes a request and waits for its answer makes one per request,
+    /// however many packets either side's bytes take.
+    #[must_use]
+    pub fn round_trips(&self) -> u64 {
+        self.state.round_trips.load(Ordering::SeqCst)
+    }
+
     /// How many client connections the proxy has accepted (while up).
     #[must_use]
     pub fn accepted(&self) -> u64 {
@@ -130,9 +143,16 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
             let mut client = client;
             let (client_read, client_write) = client.split();
             let (server_read, server_write) = server.split();
+            // Whether the server has spoken since the client last did.
+            let answered = AtomicBool::new(true);
+            let from_client = Direction::FromClient {
+                sent: &counts.sent,
+                round_trips: &counts.round_trips,
+                answered: &answered,
+            };
             tokio::select! {
-                () = delayed_copy(client_read, server_write, latency, Some(&counts.sent)) => {}
-                () = delayed_copy(server_read, client_write, latency, None) => {}
+                () = delayed_copy(client_read, server_write, latency, from_client) => {}
+                () = delayed_copy(server_read, client_write, latency, Direction::FromServer(&answered)) => {}
                 _ = cuts.changed() => {}
             }
             // Dropping both sockets closes them: the client sees the server go away.
@@ -140,14 +160,45 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
     }
 }
 
+/// Which way a copy goes, and what it counts.
+#[derive(Clone, Copy)]
+enum Direction<'a> {
+    /// Client to server: counts the bytes, and a round trip when the server had answered.
+    FromClient {
+        sent: &'a AtomicU64,
+        round_trips: &'a AtomicU64,
+        answered: &'a AtomicBool,
+    },
+    /// Server to client: marks that the server answered.
+    FromServer(&'a AtomicBool),
+}
+
+impl Direction<'_> {
+    fn read(self, n: usize) {
+        match self {
+            Self::FromClient {
+                sent,
+                round_trips,
+                answered,
+            } => {
+                sent.fetch_add(n as u64, Ordering::SeqCst);
+                if answered.swap(false, Ordering::SeqCst) {
+                    round_trips.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            Self::FromServer(answered) => answered.store(true, Ordering::SeqCst),
+        }
+    }
+}
+
 /// Copies `from` to `to`, each chunk written `latency` after it was read (at once when zero);
 /// chunks read meanwhile queue behind it, so the delay adds to every byte once and throughput
-/// is kept. Adds what it reads to `count`. Ends when either side closes or fails.
+/// is kept. Counts what it reads as `direction` says. Ends when either side closes or fails.
 async fn delayed_copy(
     mut from: impl AsyncRead + Unpin,
     mut to: impl AsyncWrite + Unpin,
     latency: Duration,
-    count: Option<&AtomicU64>,
+    direction: Direction<'_>,
 ) {
     let (queue, mut due) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
     let read = async move {
@@ -156,9 +207,7 @@ async fn delayed_copy(
             match from.read(&mut buffer).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
-                    if let Some(count) = count {
-                        count.fetch_add(n as u64, Ordering::SeqCst);
-                    }
+                    direction.read(n);
                     let at = tokio::time::Instant::now() + latency;
                     if queue.send((at, buffer[..n].to_vec())).is_err() {
                         return;
