@@ -56,12 +56,14 @@ use tracing::Instrument;
 use crate::wait::{InFlightWait, Waiters};
 
 mod batch;
+mod transaction_batch;
 use crate::{
     Backoff, BeginRequest, Claim, Completed, DEFAULT_LEASE, DEFAULT_RETENTION, ErrorKind, Fenced,
     Fingerprint, Held, InTransaction, Key, Outcome, Scope, Store, StoreError, Timestamp, Token,
     TransactionalStore, TxFuture, TxOperation,
 };
 pub use batch::{Claimed, ClaimedRun, RunLease};
+pub use transaction_batch::TransactionBatch;
 
 /// What to record for a finished operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -282,10 +284,11 @@ enum Op {
     Extend,
     Commit,
     BeginTransaction,
+    Savepoint,
 }
 
 impl Op {
-    const ALL: [Op; 8] = [
+    const ALL: [Op; 9] = [
         Op::Begin,
         Op::Complete,
         Op::BeginMany,
@@ -294,6 +297,7 @@ impl Op {
         Op::Extend,
         Op::Commit,
         Op::BeginTransaction,
+        Op::Savepoint,
     ];
 
     fn as_str(self) -> &'static str {
@@ -306,6 +310,7 @@ impl Op {
             Op::Extend => "extend",
             Op::Commit => "commit",
             Op::BeginTransaction => "begin_transaction",
+            Op::Savepoint => "savepoint",
         }
     }
 }

@@ -53,6 +53,7 @@ pub use codec::{DecodeError, RecordColumns, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
 pub use guard::{
     Attempt, Claimed, ClaimedRun, Decision, Execution, Guard, OutcomePolicy, Recorded, RunLease,
+    TransactionBatch,
 };
 pub use health::{Watched, WriteFailure, WriteHealth};
 pub use identifier::Identifier;

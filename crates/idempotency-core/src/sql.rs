@@ -26,7 +26,8 @@ use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::{
-    ErrorKind, Fingerprint, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError, Timestamp, Token,
+    ErrorKind, Fenced, Fingerprint, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError,
+    Timestamp, Token,
 };
 
 /// Classifies `error`; `doing` says what the store was doing, `server` classifies the server's
@@ -98,6 +99,55 @@ where
         .into_iter()
         .map(|answer| answer.unwrap_or_else(|| unreachable!("lock_order names every call once")))
         .collect())
+}
+
+/// What [`savepoint`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Savepoint {
+    /// Sets the savepoint (`SAVEPOINT`).
+    Set,
+    /// Undoes what the transaction wrote since the latest one (`ROLLBACK TO SAVEPOINT`).
+    RollBack,
+}
+
+/// Sets, or rolls back to, the savepoint a same-transaction batch sets before each operation
+/// ([`TransactionalStore::savepoint`](crate::TransactionalStore::savepoint)), on the
+/// transaction's `connection`. The statement is the same on PostgreSQL and MySQL.
+///
+/// # Errors
+///
+/// The server's, as `map_error` names it.
+pub async fn savepoint<DB>(
+    connection: &mut DB::Connection,
+    action: Savepoint,
+    map_error: crate::connections::MapError,
+) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let (statement, doing) = match action {
+        Savepoint::Set => ("SAVEPOINT idempotency_operation", "set a savepoint"),
+        Savepoint::RollBack => (
+            "ROLLBACK TO SAVEPOINT idempotency_operation",
+            "roll back to the savepoint",
+        ),
+    };
+    sqlx::raw_sql(statement)
+        .execute(connection)
+        .await
+        .map(drop)
+        .map_err(|e| map_error(doing, e))
+}
+
+/// The answer of a fenced write that touches at most one row (a release, a withdrawal): the
+/// token held the record when it wrote one.
+pub fn fenced_by_rows(rows_affected: u64) -> Fenced<()> {
+    if rows_affected == 1 {
+        Fenced::Accepted(())
+    } else {
+        Fenced::LeaseLost
+    }
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as

@@ -25,7 +25,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use crate::{Attempt, BeginRequest, Claim, Fenced, Held, Outcome, Store, StoreError, Timestamp};
+use crate::{Attempt, BeginRequest, Claim, Completion, Fenced, Held, Outcome, Store, StoreError, Timestamp};
 
 /// A store that can claim and complete a record inside a database transaction that the caller
 /// writes its business rows through; see the [module docs](self).
@@ -51,6 +51,72 @@ pub trait TransactionalStore: Store {
         outcome: &Outcome,
         retention: Duration,
     ) -> impl Future<Output = Result<Fenced<Timestamp>, StoreError>> + Send;
+
+    /// Undoes a claim made in `tx` whose operation is not to count (a batch's claim whose
+    /// operation failed or did not run), the rest of the transaction going on: a first
+    /// attempt's record (`held.attempt == 1`: a new key, or an expired record claimed afresh)
+    /// is removed, as if never claimed; a record taken over is released as
+    /// [`Store::release`] releases it (held by no attempt, the next claim takes it over as the
+    /// next attempt).
+    fn withdraw_in(
+        &self,
+        tx: &mut Self::Transaction,
+        held: &Held,
+    ) -> impl Future<Output = Result<Fenced<()>, StoreError>> + Send;
+
+    /// Sets a savepoint in `tx` that [`TransactionalStore::rollback_to_savepoint`] returns
+    /// to: a batch sets one before each operation, so that a failing operation's writes roll
+    /// back alone. Setting one again sets a newer one (on PostgreSQL, nested in the previous:
+    /// keep a transaction's savepoints to 64, the subtransactions a PostgreSQL backend tracks
+    /// without overflowing to disk).
+    fn savepoint(&self, tx: &mut Self::Transaction) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Undoes what `tx` wrote since the latest [`TransactionalStore::savepoint`]; the
+    /// transaction goes on (a failed statement since then no longer aborts it).
+    fn rollback_to_savepoint(
+        &self,
+        tx: &mut Self::Transaction,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// [`TransactionalStore::begin_in`] for every request of `requests`, one answer per
+    /// request in order, each what its single call would answer had the calls run one after
+    /// another (as [`Store::begin_many`]). The default loops over `begin_in`; a store that can
+    /// claim a batch in one statement overrides it.
+    fn begin_many_in(
+        &self,
+        tx: &mut Self::Transaction,
+        requests: &[BeginRequest],
+    ) -> impl Future<Output = Vec<Result<Claim, StoreError>>> + Send
+    where
+        Self: Sync,
+    {
+        async move {
+            let mut answers = Vec::with_capacity(requests.len());
+            for request in requests {
+                answers.push(self.begin_in(tx, request).await);
+            }
+            answers
+        }
+    }
+
+    /// [`TransactionalStore::complete_in`] for every completion of `completions`, in order,
+    /// as [`Store::complete_many`]. The default loops over `complete_in`.
+    fn complete_many_in(
+        &self,
+        tx: &mut Self::Transaction,
+        completions: &[Completion],
+    ) -> impl Future<Output = Vec<Result<Fenced<Timestamp>, StoreError>>> + Send
+    where
+        Self: Sync,
+    {
+        async move {
+            let mut answers = Vec::with_capacity(completions.len());
+            for c in completions {
+                answers.push(self.complete_in(tx, &c.held, &c.outcome, c.retention).await);
+            }
+            answers
+        }
+    }
 
     /// Commits `tx`. An error leaves the commit's fate unknown to the caller.
     fn commit(&self, tx: Self::Transaction) -> impl Future<Output = Result<(), StoreError>> + Send;

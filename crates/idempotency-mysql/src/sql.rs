@@ -68,6 +68,7 @@ pub(crate) struct Statements {
     pub(crate) complete: Arc<str>,
     pub(crate) completed_by: Arc<str>,
     pub(crate) release: Arc<str>,
+    pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
@@ -171,6 +172,9 @@ impl Statements {
                  WHERE {record} AND token = ? AND NOT completed AND {live}"
             )
             .into(),
+            // Parameters: scope, key, token. Removes a first attempt's in-flight record (one a
+            // transaction's claim created), as if it had never been claimed.
+            withdraw: format!("DELETE FROM {t} WHERE {record} AND token = ? AND NOT completed").into(),
             // Parameters: lease ms, lease ms, scope, key, token. The new end of the lease goes
             // back in the reply's insert id. (`expires_at` is assigned first: MySQL assigns
             // left to right, MariaDB at once unless told otherwise; both read the old value

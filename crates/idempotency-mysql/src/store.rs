@@ -579,6 +579,26 @@ fn returned_time(millis: u64) -> Result<Timestamp, StoreError> {
         })
 }
 
+/// `release` on one connection.
+pub(crate) async fn release_on(
+    connection: &mut MySqlConnection,
+    sql: &Statements,
+    held: &Held,
+) -> Result<Fenced<()>, StoreError> {
+    if held.token == Token::NONE {
+        return Ok(Fenced::LeaseLost);
+    }
+    let done = sqlx::query(AssertSqlSafe(Arc::clone(&sql.release)))
+        .bind(&Token::NONE.to_bytes()[..])
+        .bind(held.scope.as_str())
+        .bind(held.key.as_str())
+        .bind(&held.token.to_bytes()[..])
+        .execute(connection)
+        .await
+        .map_err(|e| map_error("release", e))?;
+    Ok(sql_rows::fenced_by_rows(done.rows_affected()))
+}
+
 #[async_trait]
 impl Store for MysqlStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
@@ -605,24 +625,9 @@ impl Store for MysqlStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let done = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().release)))
-                    .bind(&Token::NONE.to_bytes()[..])
-                    .bind(held.scope.as_str())
-                    .bind(held.key.as_str())
-                    .bind(&held.token.to_bytes()[..])
-                    .execute(connection)
-                    .await
-                    .map_err(|e| map_error("release", e))
-            })
-            .await?;
-        Ok(if done.rows_affected() == 1 {
-            Fenced::Accepted(())
-        } else {
-            Fenced::LeaseLost
-        })
+        self.connections
+            .run(async |connection| release_on(connection, self.statements(), held).await)
+            .await
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {

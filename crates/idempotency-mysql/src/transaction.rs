@@ -61,8 +61,13 @@ use idempotency_core::{
 };
 use sqlx::mysql::MySql;
 
+use std::sync::Arc;
+
+use idempotency_core::sql::{self, Savepoint};
+use sqlx::AssertSqlSafe;
+
 use crate::error::map_error;
-use crate::store::{MysqlStore, Within, begin_on, complete_on};
+use crate::store::{MysqlStore, Within, begin_on, complete_on, release_on};
 
 /// The transaction a same-transaction operation writes through.
 pub type MysqlTransaction = sqlx::Transaction<'static, MySql>;
@@ -89,6 +94,30 @@ impl TransactionalStore for MysqlStore {
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
         complete_on(tx, self.statements(), held, outcome, retention).await
+    }
+
+    async fn withdraw_in(&self, tx: &mut MysqlTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
+        if held.attempt != 1 {
+            return release_on(tx, self.statements(), held).await;
+        }
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().withdraw)))
+            .bind(held.scope.as_str())
+            .bind(held.key.as_str())
+            .bind(&held.token.to_bytes()[..])
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_error("withdraw a claim", e))?;
+        Ok(sql::fenced_by_rows(done.rows_affected()))
+    }
+
+    /// `SAVEPOINT`: MySQL replaces a savepoint of the same name, so a batch's savepoints do
+    /// not pile up.
+    async fn savepoint(&self, tx: &mut MysqlTransaction) -> Result<(), StoreError> {
+        sql::savepoint::<MySql>(tx, Savepoint::Set, map_error).await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut MysqlTransaction) -> Result<(), StoreError> {
+        sql::savepoint::<MySql>(tx, Savepoint::RollBack, map_error).await
     }
 
     async fn commit(&self, tx: MysqlTransaction) -> Result<(), StoreError> {

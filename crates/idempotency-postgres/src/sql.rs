@@ -48,6 +48,7 @@ pub(crate) struct Statements {
     pub(crate) begin_many: Arc<str>,
     pub(crate) complete_many: Arc<str>,
     pub(crate) release: Arc<str>,
+    pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
@@ -248,6 +249,10 @@ impl Statements {
                  WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()"
             )
             .into(),
+            // $1 scope, $2 key, $3 token. Removes a first attempt's in-flight record (one a
+            // transaction's claim created), as if it had never been claimed.
+            withdraw: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed")
+                .into(),
             // $1 scope, $2 key, $3 token, $4 lease ms.
             extend: format!(
                 "UPDATE {t} SET lease_until = now() + $4::int8 * interval '1 millisecond',

@@ -367,6 +367,26 @@ pub(crate) async fn complete_on(
     }))
 }
 
+/// `release` on one connection.
+pub(crate) async fn release_on(
+    connection: &mut PgConnection,
+    sql: &Statements,
+    held: &Held,
+) -> Result<Fenced<()>, StoreError> {
+    if held.token == Token::NONE {
+        return Ok(Fenced::LeaseLost);
+    }
+    let done = sqlx::query(AssertSqlSafe(Arc::clone(&sql.release)))
+        .bind(held.scope.as_str())
+        .bind(held.key.as_str())
+        .bind(&held.token.to_bytes()[..])
+        .bind(&Token::NONE.to_bytes()[..])
+        .execute(connection)
+        .await
+        .map_err(|e| map_error("release", e))?;
+    Ok(sql_rows::fenced_by_rows(done.rows_affected()))
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
@@ -391,24 +411,9 @@ impl Store for PostgresStore {
         if held.token == Token::NONE {
             return Ok(Fenced::LeaseLost);
         }
-        let done = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
-                    .bind(held.scope.as_str())
-                    .bind(held.key.as_str())
-                    .bind(&held.token.to_bytes()[..])
-                    .bind(&Token::NONE.to_bytes()[..])
-                    .execute(connection)
-                    .await
-                    .map_err(|e| map_error("release", e))
-            })
-            .await?;
-        Ok(if done.rows_affected() == 1 {
-            Fenced::Accepted(())
-        } else {
-            Fenced::LeaseLost
-        })
+        self.connections
+            .run(async |connection| release_on(connection, &self.sql, held).await)
+            .await
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {

@@ -48,12 +48,18 @@
 use std::time::Duration;
 
 use idempotency_core::{
-    BeginRequest, Claim, Fenced, Held, Outcome, StoreError, Timestamp, TransactionalStore,
+    BeginRequest, Claim, Completion, Fenced, Held, Outcome, StoreError, Timestamp, TransactionalStore,
 };
 use sqlx::postgres::Postgres;
 
+use std::sync::Arc;
+
+use idempotency_core::sql::{self, Savepoint};
+use sqlx::AssertSqlSafe;
+
+use crate::batch;
 use crate::error::map_error;
-use crate::store::{PostgresStore, begin_on, complete_on};
+use crate::store::{PostgresStore, begin_on, complete_on, release_on};
 
 /// The transaction a same-transaction operation writes through.
 pub type PgTransaction = sqlx::Transaction<'static, Postgres>;
@@ -80,6 +86,47 @@ impl TransactionalStore for PostgresStore {
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
         complete_on(tx, self.statements(), held, outcome, retention).await
+    }
+
+    async fn withdraw_in(&self, tx: &mut PgTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
+        if held.attempt != 1 {
+            return release_on(tx, self.statements(), held).await;
+        }
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().withdraw)))
+            .bind(held.scope.as_str())
+            .bind(held.key.as_str())
+            .bind(&held.token.to_bytes()[..])
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_error("withdraw a claim", e))?;
+        Ok(sql::fenced_by_rows(done.rows_affected()))
+    }
+
+    async fn savepoint(&self, tx: &mut PgTransaction) -> Result<(), StoreError> {
+        sql::savepoint::<Postgres>(tx, Savepoint::Set, map_error).await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut PgTransaction) -> Result<(), StoreError> {
+        sql::savepoint::<Postgres>(tx, Savepoint::RollBack, map_error).await
+    }
+
+    /// One statement for the batch, as [`Store::begin_many`](idempotency_core::Store::begin_many)
+    /// on the pool; the new keys' row locks are held until the transaction ends.
+    async fn begin_many_in(
+        &self,
+        tx: &mut PgTransaction,
+        requests: &[BeginRequest],
+    ) -> Vec<Result<Claim, StoreError>> {
+        batch::begin_batch(tx, self.statements(), requests).await
+    }
+
+    /// One statement for the batch, as [`Store::complete_many`](idempotency_core::Store::complete_many).
+    async fn complete_many_in(
+        &self,
+        tx: &mut PgTransaction,
+        completions: &[Completion],
+    ) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
+        batch::complete_batch(tx, self.statements(), completions).await
     }
 
     async fn commit(&self, tx: PgTransaction) -> Result<(), StoreError> {

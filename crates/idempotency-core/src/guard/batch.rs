@@ -80,6 +80,30 @@ struct Live {
 }
 
 impl ClaimedRun {
+    /// A run of `held`, which surely holds its lease until `held_until`.
+    pub(super) fn new(held: Held, held_until: tokio::time::Instant) -> Self {
+        let attempt = Attempt::of(&held);
+        Self {
+            live: Arc::new(Live {
+                lease_lost: Arc::clone(&attempt.lease_lost),
+                held,
+                held_until: Mutex::new(held_until),
+                finished: AtomicBool::new(false),
+            }),
+            attempt,
+        }
+    }
+
+    /// The record it holds.
+    pub(super) fn held(&self) -> &Held {
+        &self.live.held
+    }
+
+    /// Marks it finished: a heartbeat that keeps its lease stops.
+    pub(super) fn finish(&self) {
+        self.live.finished.store(true, Ordering::Release);
+    }
+
     /// The attempt the operation runs as (its number, whether it took an expired lease over,
     /// whether the heartbeat found the lease lost meanwhile).
     #[must_use]
@@ -150,18 +174,7 @@ impl<S: Store> Guard<S> {
             .zip(sent)
             .map(|(answer, sent)| {
                 answer.map(|claim| match self.acquired(claim) {
-                    Ok(held) => {
-                        let attempt = Attempt::of(&held);
-                        Claimed::Run(ClaimedRun {
-                            live: Arc::new(Live {
-                                lease_lost: Arc::clone(&attempt.lease_lost),
-                                held,
-                                held_until: Mutex::new(later(sent, self.lease)),
-                                finished: AtomicBool::new(false),
-                            }),
-                            attempt,
-                        })
-                    }
+                    Ok(held) => Claimed::Run(ClaimedRun::new(held, later(sent, self.lease))),
                     Err(answer) => Claimed::Answer(answer),
                 })
             })
