@@ -67,13 +67,14 @@ impl Processor<KafkaMessage> for Measured {
     }
 
     async fn process_many(&self, messages: &[&KafkaMessage], decided: &Decisions) {
-        let Work::Guard(consumer) = &*self.work else {
-            // The others decide each message alone, as `process`.
-            return process_each(self, messages, decided).await;
-        };
         self.first.get_or_init(Instant::now);
         let before = decided.count();
-        consumer.process_many(messages, decided).await;
+        match &*self.work {
+            Work::Guard(consumer) => consumer.process_many(messages, decided).await,
+            Work::InTransaction(consumer) => consumer.process_many(messages, decided).await,
+            // The others decide each message alone, as `process`.
+            Work::Ack | Work::Insert(..) => return process_each(self, messages, decided).await,
+        }
         self.finished(decided.count() - before);
     }
 }

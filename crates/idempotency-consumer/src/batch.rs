@@ -27,7 +27,7 @@
 use std::time::Instant;
 
 use idempotency_core::{
-    Claimed, ClaimedRun, ErrorKind, Execution, Fingerprint, Key, Outcome, RunLease, Store, StoreError,
+    Claimed, ClaimedRun, ErrorKind, Execution, Fingerprint, Key, Outcome, RunLease, Scope, Store, StoreError,
 };
 
 use crate::{
@@ -51,28 +51,12 @@ where
 {
     let started = Instant::now();
     let rules = &consumer.rules;
-    // Keys are found again (and a missing one counted) at the message's turn.
-    let keys: Vec<Option<Key>> = messages
-        .iter()
-        .map(|message| rules.keys.find(*message).ok())
-        .collect();
-    let items = messages
-        .iter()
-        .zip(&keys)
-        .filter_map(|(message, key)| {
-            key.clone()
-                .map(|key| (rules.scope.clone(), key, Fingerprint::of_bytes(message.payload())))
-        })
-        .collect();
-    let mut claims = consumer
+    let (keys, items) = keys_of(rules, messages);
+    let claims = consumer
         .guard
         .claim_many::<Result<Outcome, HandlerError>>(items)
-        .await
-        .into_iter();
-    let mut claimed: Vec<Option<Result<Claimed<_>, _>>> = keys
-        .iter()
-        .map(|key| key.as_ref().and_then(|_| claims.next()))
-        .collect();
+        .await;
+    let mut claimed = by_message(&keys, claims);
     let leases: Vec<RunLease> = claimed
         .iter()
         .filter_map(|claim| match claim {
@@ -178,6 +162,39 @@ where
             let _ = consumer.guard.hand_back(run).await;
         }
     }
+}
+
+/// What a batch claims for a message: its scope, key and fingerprint.
+pub(crate) type ToClaim = (Scope, Key, Fingerprint);
+
+/// The key of each message of a batch (`None` where it has no usable key: it is found again,
+/// and the failure counted, at the message's turn), and what to claim: scope, key and
+/// fingerprint of each message that has a key.
+pub(crate) fn keys_of<M: Delivery>(
+    rules: &crate::Rules,
+    messages: &[&M],
+) -> (Vec<Option<Key>>, Vec<ToClaim>) {
+    let keys: Vec<Option<Key>> = messages
+        .iter()
+        .map(|message| rules.keys.find(*message).ok())
+        .collect();
+    let items = messages
+        .iter()
+        .zip(&keys)
+        .filter_map(|(message, key)| {
+            key.clone()
+                .map(|key| (rules.scope.clone(), key, Fingerprint::of_bytes(message.payload())))
+        })
+        .collect();
+    (keys, items)
+}
+
+/// The claims of the messages that have a key, placed by message (`None` for the others).
+pub(crate) fn by_message<C>(keys: &[Option<Key>], claims: Vec<C>) -> Vec<Option<C>> {
+    let mut claims = claims.into_iter();
+    keys.iter()
+        .map(|key| key.as_ref().and_then(|_| claims.next()))
+        .collect()
 }
 
 /// The dispositions of a batch so far, handed to the sink in order as the first ones become

@@ -89,7 +89,9 @@ pub mod adapter;
 mod batch;
 pub mod source;
 pub mod transactional;
+pub mod transactional_batch;
 pub use transactional::{TxConsumer, TxHandler};
+pub use transactional_batch::MOST_PER_TRANSACTION;
 
 /// The header that carries the key by default.
 pub use idempotency_core::IDEMPOTENCY_KEY_HEADER;

@@ -69,7 +69,7 @@ pub trait TxHandler<M: ?Sized, S: TransactionalStore + ?Sized>: Send + Sync {
 /// A consumer whose handler writes in the record's transaction; see the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct TxConsumer<S, H> {
-    inner: Consumer<S, H>,
+    pub(crate) inner: Consumer<S, H>,
 }
 
 impl<S: TransactionalStore, H> TxConsumer<S, H> {
@@ -136,9 +136,9 @@ impl<S: TransactionalStore, H> TxConsumer<S, H> {
 }
 
 /// One delivery's handler call, as an operation of the record's transaction.
-struct Handle<'a, H, M> {
-    handler: &'a H,
-    message: &'a M,
+pub(crate) struct Handle<'a, H, M> {
+    pub(crate) handler: &'a H,
+    pub(crate) message: &'a M,
 }
 
 impl<H, M, S> TxOperation<S> for Handle<'_, H, M>
@@ -186,5 +186,15 @@ where
             })
             .await;
         rules.settle(run, &key, message, started)
+    }
+
+    /// One transaction for up to [`MOST_PER_TRANSACTION`](crate::MOST_PER_TRANSACTION)
+    /// messages, a savepoint for each, one commit before any of their dispositions is handed
+    /// over; see [`crate::transactional_batch`].
+    fn process_many(&self, messages: &[&M], decided: &crate::Decisions) -> impl Future<Output = ()> + Send
+    where
+        M: Sync,
+    {
+        crate::transactional_batch::process_many(self, messages, decided)
     }
 }

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler};
+use idempotency_consumer::{
+    Backoff, Decisions, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler,
+};
 use idempotency_core::{Attempt, Key, Outcome, RecordState, Scope, Store};
 use idempotency_postgres::{PgTransaction, PostgresStore};
 use sqlx::AssertSqlSafe;
@@ -63,6 +65,8 @@ struct Charger {
     /// Panic after the row is written, once.
     panic_once: AtomicBool,
     hold: Duration,
+    /// A key whose handler, after writing its row, says so here and never returns.
+    stall: Option<(String, Arc<tokio::sync::Notify>)>,
 }
 
 impl TxHandler<Message, PostgresStore> for Charger {
@@ -86,6 +90,12 @@ impl TxHandler<Message, PostgresStore> for Charger {
         .await
         .map_err(|e| HandlerError::retry(e.to_string()))?;
         tokio::time::sleep(self.hold).await;
+        if let Some((key, reached)) = &self.stall
+            && key == attempt.key().as_str()
+        {
+            reached.notify_one();
+            std::future::pending::<()>().await;
+        }
         if self.panic_once.swap(false, Ordering::SeqCst) {
             panic!("the handler crashed after writing its row");
         }
@@ -140,6 +150,18 @@ impl Setup {
             self.table
         )))
         .bind(key)
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap()
+    }
+
+    /// How many transactions wrote the completed records of `keys` (each record's `xmin`).
+    async fn committed_by(&self, keys: &[String]) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(DISTINCT xmin::text) FROM {} WHERE key = ANY($1) AND completed",
+            self.store.table()
+        )))
+        .bind(keys)
         .fetch_one(self.store.pool())
         .await
         .unwrap()
@@ -328,4 +350,136 @@ async fn a_lost_connection_requeues_and_nothing_is_charged_twice() {
         Disposition::Ack
     );
     assert_eq!(setup.rows("order-6").await, 1);
+}
+
+/// `process_many` of `messages` on `consumer`: the dispositions it handed over, in order.
+async fn decide_batch(
+    consumer: &TxConsumer<PostgresStore, Charger>,
+    messages: &[Message],
+) -> Vec<Disposition> {
+    let (decided, mut dispositions) = Decisions::channel();
+    let batch: Vec<&Message> = messages.iter().collect();
+    consumer.process_many(&batch, &decided).await;
+    drop(decided);
+    let mut handed = Vec::new();
+    while let Some(disposition) = dispositions.recv().await {
+        handed.push(disposition);
+    }
+    handed
+}
+
+/// `count` messages keyed `{prefix}-0`, `{prefix}-1`, … of 1000 cents.
+fn charges(prefix: &str, count: usize) -> Vec<Message> {
+    (0..count)
+        .map(|i| Message::keyed(&format!("{prefix}-{i}"), "1000"))
+        .collect()
+}
+
+/// A batch is one transaction: its records commit together (one writer). A handler that
+/// fails fatally is rolled back to its savepoint and dead-lettered alone, the batch going on;
+/// one that fails to be retried is rolled back alone, nacked, and ends the batch, whose
+/// earlier messages commit; the messages after it never ran, and their redelivery runs them
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_commits_once_and_a_failing_message_rolls_back_alone() {
+    let setup = Setup::new().await;
+    let charger = setup.charger();
+    charger.failures.lock().unwrap().insert("b-7".into(), 1);
+    let consumer = setup.consumer(setup.store.clone(), charger);
+    let mut messages = charges("b", 10);
+    messages[5].payload = "ten euros".into();
+
+    let handed = decide_batch(&consumer, &messages).await;
+    let mut expected = vec![Disposition::Ack; 5];
+    expected.push(Disposition::DeadLetter {
+        reason: "not an amount: \"ten euros\"".into(),
+    });
+    expected.push(Disposition::Ack);
+    expected.push(Disposition::Nack {
+        after: Duration::from_millis(100),
+    });
+    assert_eq!(handed, expected);
+    for (i, rows) in [1, 1, 1, 1, 1, 0, 1, 0, 0, 0].into_iter().enumerate() {
+        assert_eq!(setup.rows(&format!("b-{i}")).await, rows, "b-{i}");
+    }
+    let committed: Vec<String> = [0, 1, 2, 3, 4, 6].iter().map(|i| format!("b-{i}")).collect();
+    assert_eq!(
+        setup.committed_by(&committed).await,
+        1,
+        "one transaction for the batch"
+    );
+    assert_eq!(
+        setup.completed("b-5").await,
+        None,
+        "a fatal failure leaves no record"
+    );
+
+    // The nacked message and those after it come again: each runs once.
+    let again: Vec<Message> = messages[7..].iter().map(Message::redelivered).collect();
+    assert_eq!(decide_batch(&consumer, &again).await, vec![Disposition::Ack; 3]);
+    // And the whole batch once more is all duplicates (the dead letter's key was never
+    // recorded: its fatal payload is dead-lettered again).
+    let mut replayed = decide_batch(&consumer, &messages).await;
+    assert!(matches!(replayed.remove(5), Disposition::DeadLetter { .. }));
+    assert_eq!(replayed, vec![Disposition::Ack; 9]);
+    for i in (0..10).filter(|i| *i != 5) {
+        assert_eq!(setup.rows(&format!("b-{i}")).await, 1, "b-{i}");
+    }
+}
+
+/// The same key twice in one batch: the first runs, the second is a duplicate once the
+/// batch committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_twice_in_a_batch_runs_once() {
+    let setup = Setup::new().await;
+    let consumer = setup.consumer(setup.store.clone(), setup.charger());
+    let mut messages = charges("twice", 3);
+    messages.push(messages[1].clone());
+    assert_eq!(
+        decide_batch(&consumer, &messages).await,
+        vec![Disposition::Ack; 4]
+    );
+    assert_eq!(setup.rows("twice-1").await, 1);
+}
+
+/// A batch whose task is aborted in the middle (a crash) has handed nothing over and
+/// committed nothing: its redelivery runs every message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_in_the_middle_of_a_batch_commits_nothing_and_the_redelivery_runs_each_once() {
+    let setup = Setup::new().await;
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let charger = Charger {
+        stall: Some(("crash-5".into(), Arc::clone(&reached))),
+        ..setup.charger()
+    };
+    let consumer = Arc::new(setup.consumer(setup.store.clone(), charger));
+    let messages = charges("crash", 8);
+    let (decided, mut dispositions) = Decisions::channel();
+    let running = {
+        let (consumer, messages, decided) = (Arc::clone(&consumer), messages.clone(), decided.clone());
+        tokio::spawn(async move {
+            let batch: Vec<&Message> = messages.iter().collect();
+            consumer.process_many(&batch, &decided).await;
+        })
+    };
+    reached.notified().await;
+    running.abort();
+    assert!(running.await.unwrap_err().is_cancelled());
+    drop(decided);
+    assert_eq!(
+        dispositions.recv().await,
+        None,
+        "nothing is acked before the batch commits"
+    );
+    for i in 0..8 {
+        assert_eq!(setup.rows(&format!("crash-{i}")).await, 0, "crash-{i}");
+        assert_eq!(setup.completed(&format!("crash-{i}")).await, None, "crash-{i}");
+    }
+
+    let fresh = setup.consumer(setup.store.clone(), setup.charger());
+    let again: Vec<Message> = messages.iter().map(Message::redelivered).collect();
+    assert_eq!(decide_batch(&fresh, &again).await, vec![Disposition::Ack; 8]);
+    for i in 0..8 {
+        assert_eq!(setup.rows(&format!("crash-{i}")).await, 1, "crash-{i}");
+    }
 }
