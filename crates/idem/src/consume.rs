@@ -98,12 +98,13 @@ pub struct Config {
     /// How long a handled key is remembered (duplicates within it are acked unhandled).
     #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = parse_retention)]
     pub retention: Duration,
-    /// Kafka: how many queued messages of a partition are decided together (their keys
-    /// claimed in one store round trip, their outcomes recorded in one more; handled one after
-    /// another, in order), at most the prefetch; 1 decides each alone.
+    /// How many fetched messages are decided together (their keys claimed in one store round
+    /// trip, their outcomes recorded in one more; handled one after another), at most the
+    /// prefetch; 1 decides each alone. Kafka: of one partition, in order; RabbitMQ and NATS:
+    /// each acked once its own outcome is recorded.
     #[arg(long, env = "IDEM_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub batch: u16,
-    /// Kafka: how long a batch waits for more messages, and how long a handler runs before the
+    /// How long a batch waits for more messages, and how long a handler runs before the
     /// outcomes before it are recorded without waiting for it (0s to 1s).
     #[arg(long, env = "IDEM_LINGER", default_value = "5ms", value_parser = parse_linger)]
     pub linger: Duration,

@@ -424,6 +424,28 @@ where
     pipeline.process(consumer, &AmqpMessage::new(delivery)).await
 }
 
+/// Processes deliveries that arrived together with `consumer` as one batch
+/// ([`Pipeline::process_batch`]: their keys claimed in one store round trip, their outcomes
+/// recorded in one more), then settles each on `channel` as soon as its own outcome is
+/// recorded. Answers, in order, what [`process`] answers for each.
+pub async fn process_batch<P>(
+    consumer: &P,
+    channel: &Channel,
+    topology: &Topology,
+    deliveries: Vec<lapin::message::Delivery>,
+) -> Vec<Result<Disposition, AmqpError>>
+where
+    P: Processor<AmqpMessage>,
+{
+    let pipeline = Pipeline::new(
+        RabbitMq::new(channel.clone(), topology.clone()),
+        topology.queue.clone(),
+    );
+    let messages: Vec<AmqpMessage> = deliveries.into_iter().map(AmqpMessage::new).collect();
+    let batch: Vec<&AmqpMessage> = messages.iter().collect();
+    pipeline.process_batch(consumer, &batch).await
+}
+
 /// Carries out `disposition`; see the [crate docs](crate).
 ///
 /// # Errors

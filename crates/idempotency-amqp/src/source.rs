@@ -170,6 +170,8 @@ fn run(url: String, settings: SourceSettings, processor: AnyProcessor, shutdown:
             .name(settings.name)
             .prefetch(settings.prefetch)
             .concurrency(settings.concurrency)
+            .batch(settings.batch)
+            .linger(settings.linger)
             .run_until(shutdown)
             .await
     })

@@ -9,12 +9,12 @@ use std::pin::Pin;
 
 use futures_util::StreamExt;
 use futures_util::future::{FutureExt, Shared};
-use idempotency_consumer::{Backoff, Processor};
+use idempotency_consumer::{Backoff, DEFAULT_BATCH, DEFAULT_LINGER, Processor};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
+use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline, batches};
 
 use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
@@ -44,6 +44,8 @@ pub struct Worker<P> {
     processor: Arc<P>,
     prefetch: u16,
     concurrency: Option<usize>,
+    batch: usize,
+    linger: Duration,
     reconnect: Backoff,
     name: Option<String>,
     tls: AmqpTls,
@@ -56,6 +58,8 @@ impl<P> fmt::Debug for Worker<P> {
             .field("topology", &self.topology)
             .field("prefetch", &self.prefetch)
             .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("linger", &self.linger)
             .field("reconnect", &self.reconnect)
             .finish_non_exhaustive()
     }
@@ -63,6 +67,7 @@ impl<P> fmt::Debug for Worker<P> {
 
 impl<P: Processor<AmqpMessage>> Worker<P> {
     /// A worker on the broker at `url` (an `amqp://` URL) for `topology`. Defaults: prefetch 16,
+    /// batches of up to [`DEFAULT_BATCH`] (at most the prefetch) lingering [`DEFAULT_LINGER`],
     /// reconnection backoff from 100 ms doubling to 5 s.
     pub fn new(url: impl Into<String>, topology: Topology, processor: Arc<P>) -> Self {
         Self {
@@ -71,6 +76,8 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             processor,
             prefetch: 16,
             concurrency: None,
+            batch: DEFAULT_BATCH,
+            linger: DEFAULT_LINGER,
             name: None,
             tls: AmqpTls::default(),
             reconnect: Backoff {
@@ -93,6 +100,26 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     #[must_use]
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = Some(concurrency.max(1));
+        self
+    }
+
+    /// How many deliveries are decided together (default [`DEFAULT_BATCH`], at most the
+    /// prefetch): the processor claims their keys in one store round trip and records their
+    /// outcomes in one more ([`Processor::process_many`]), each delivery acked once its own
+    /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
+    /// `1` decides each delivery on its own. [`concurrency`](Self::concurrency) deliveries are
+    /// processed at once, in batches of this size.
+    #[must_use]
+    pub fn batch(mut self, deliveries: usize) -> Self {
+        self.batch = deliveries.max(1);
+        self
+    }
+
+    /// How long a batch waits for more deliveries when fewer than [`batch`](Self::batch)
+    /// arrived (default [`DEFAULT_LINGER`]): a lone delivery is not delayed longer than this.
+    #[must_use]
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
         self
     }
 
@@ -168,7 +195,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     }
 
     /// One connection's life: connect, declare, consume until the connection ends or `shutdown`.
-    async fn session<F: Future<Output = ()>>(&self, shutdown: &Shared<Pin<Box<F>>>) -> Result<(), Session> {
+    async fn session<F: Future<Output = ()> + Send>(
+        &self,
+        shutdown: &Shared<Pin<Box<F>>>,
+    ) -> Result<(), Session> {
         // Until deliveries flow, nothing is in flight: a shutdown may simply drop the set-up.
         let set_up = tokio::select! {
             set_up = self.set_up() => set_up?,
@@ -181,7 +211,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             self.consumer_name(),
         );
         let lost = std::sync::Mutex::new(None);
-        deliveries
+        let deliveries = deliveries
             .take_until(shutdown.clone())
             // A consumer stream does not always end when the socket drops: watch the connection.
             .take_until(disconnected(&connection))
@@ -192,21 +222,34 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 }
                 std::future::ready(delivery.is_ok())
             })
-            .for_each_concurrent(
-                self.concurrency.unwrap_or(usize::from(self.prefetch)),
-                |delivery| {
+            .filter_map(|delivery| std::future::ready(delivery.ok().map(AmqpMessage::new)))
+            // Boxed: the combinators' closures otherwise keep the future from being proved
+            // `Send` for every lifetime.
+            .boxed();
+        let concurrency = self.concurrency.unwrap_or(usize::from(self.prefetch));
+        let batch = self.batch.min(usize::from(self.prefetch));
+        // A failed settlement is logged, counted and handed back by the pipeline; the broker
+        // delivers it again, and the record decides again.
+        if batch <= 1 {
+            deliveries
+                .for_each_concurrent(concurrency, |message| {
                     let pipeline = &pipeline;
                     async move {
-                        let Ok(delivery) = delivery else { return };
-                        // A failed settlement is logged, counted and handed back by the
-                        // pipeline; the broker delivers it again, and the record decides again.
-                        let _ = pipeline
-                            .process(&*self.processor, &AmqpMessage::new(delivery))
-                            .await;
+                        let _ = pipeline.process(&*self.processor, &message).await;
                     }
-                },
-            )
-            .await;
+                })
+                .await;
+        } else {
+            batches(deliveries, batch, self.linger)
+                .for_each_concurrent(concurrency.div_ceil(batch), |messages| {
+                    let pipeline = &pipeline;
+                    async move {
+                        let messages: Vec<&AmqpMessage> = messages.iter().collect();
+                        pipeline.process_batch(&*self.processor, &messages).await;
+                    }
+                })
+                .await;
+        }
         let connected = connection.status().connected();
         let _ = channel.close(200, "consumer stopping".into()).await;
         let _ = connection.close(200, "consumer stopping".into()).await;

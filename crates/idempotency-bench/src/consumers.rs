@@ -27,8 +27,12 @@ use crate::measure::{Samples, per_second, runtime};
 pub(crate) const MESSAGES: usize = 20_000;
 /// How long the bench's records live.
 pub(crate) const RETENTION: Duration = Duration::from_secs(60);
-/// Messages in process at once, in both variants (a consumer with a prefetch of 100 works so).
+/// Messages in process at once, in every variant (a consumer with a prefetch of 100 works so).
 const CONCURRENCY: usize = 64;
+/// The batched variant's batch: all the messages in process at once, decided together.
+const BATCH: usize = CONCURRENCY;
+/// How long a batch waits for more messages (the workers' default).
+const LINGER: Duration = idempotency_consumer::DEFAULT_LINGER;
 pub(crate) type DynStore = Arc<dyn StoreAdmin>;
 
 /// Counts what it handles.
@@ -91,43 +95,44 @@ pub(crate) enum Work {
 pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
-        println!("\n## Consumers: messages/s consumed and acked, with the guard vs without ({MESSAGES} messages per measurement)\n");
-        println!("| broker | store | with guard msg/s | without msg/s | with / without | with min–max | without min–max |");
-        println!("|---|---|---:|---:|---:|---:|---:|");
+        println!("\n## Consumers: messages/s consumed and acked, the guard deciding batches of {BATCH} vs each message alone vs no guard ({MESSAGES} messages per measurement)\n");
+        println!("| broker | store | batched msg/s | per message msg/s | without msg/s | batched / without | per message / without | batched / per message | batched min–max | per message min–max | without min–max |");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in &pairs {
             for broker in ["rabbitmq", "nats"] {
-                let mut with = Vec::new();
-                let mut without = Vec::new();
+                let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());
                 for round in 0..rounds {
-                    for (work, rates) in [(with_work, &mut with), (without_work, &mut without)] {
+                    for (work, batch, rates) in [
+                        (with_work, true, &mut batched),
+                        (with_work, false, &mut single),
+                        (without_work, false, &mut without),
+                    ] {
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
                         rates.push(match broker {
-                            "rabbitmq" => rabbitmq(work, &tag).await?,
-                            _ => nats(work, &tag).await?,
+                            "rabbitmq" => rabbitmq(work, &tag, batch).await?,
+                            _ => nats(work, &tag, batch).await?,
                         });
                     }
                 }
-                print_row(&format!("{broker} | {store_name}"), with, without);
+                let (batched, single, without) = (Samples::of(batched), Samples::of(single), Samples::of(without));
+                println!(
+                    "| {broker} | {store_name} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+                    per_second(batched.median),
+                    per_second(single.median),
+                    per_second(without.median),
+                    batched.median / without.median,
+                    single.median / without.median,
+                    batched.median / single.median,
+                    batched.spread(),
+                    single.spread(),
+                    without.spread(),
+                );
             }
         }
         drop_rows(&postgres, &table).await;
         Ok(())
     })
-}
-
-/// Prints one table row: `cells` (the row's leading cells, joined by ` | `), then the medians,
-/// their ratio and the spreads of the rates `with` and `without` the record.
-pub(crate) fn print_row(cells: &str, with: Vec<f64>, without: Vec<f64>) {
-    let (with, without) = (Samples::of(with), Samples::of(without));
-    println!(
-        "| {cells} | {} | {} | {:.2} | {} | {} |",
-        per_second(with.median),
-        per_second(without.median),
-        with.median / without.median,
-        with.spread(),
-        without.spread()
-    );
 }
 
 /// The stores, the table rows are inserted into, and the three pairs measured: (what, with the
@@ -187,7 +192,7 @@ pub(crate) async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresS
     Ok((redis, postgres))
 }
 
-async fn rabbitmq(work: &Work, tag: &str) -> Result<f64, String> {
+async fn rabbitmq(work: &Work, tag: &str, batched: bool) -> Result<f64, String> {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
         .await
@@ -216,44 +221,67 @@ async fn rabbitmq(work: &Work, tag: &str) -> Result<f64, String> {
         .await
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    drain(deliveries, |delivery| {
-        let (channel, topology) = (&channel, &topology);
-        async move {
-            let delivery = delivery.map_err(|e| e.to_string())?;
-            let ack = async |delivery: lapin::message::Delivery| {
-                delivery
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            };
-            let settled = |done: Result<Disposition, idempotency_amqp::AmqpError>| {
-                expect_ack(done.map_err(|e| e.to_string())?)
-            };
-            match work {
-                Work::Ack => {
-                    let _ = consumer_free_handle(&delivery.data);
-                    ack(delivery).await
-                }
-                Work::Insert(pool, table) => {
-                    let key = delivery
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map_or("", |id| id.as_str());
-                    insert_row(pool, table, key, &delivery.data).await?;
-                    ack(delivery).await
-                }
-                Work::Guard(consumer) => {
-                    settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
-                }
-                Work::InTransaction(consumer) => {
-                    settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
+    if batched {
+        drain_batches(deliveries, |deliveries| {
+            let (channel, topology) = (&channel, &topology);
+            async move {
+                let deliveries = deliveries
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?;
+                let settled = match work {
+                    Work::Guard(consumer) => {
+                        idempotency_amqp::process_batch(consumer, channel, topology, deliveries).await
+                    }
+                    Work::InTransaction(consumer) => {
+                        idempotency_amqp::process_batch(consumer, channel, topology, deliveries).await
+                    }
+                    Work::Ack | Work::Insert(..) => return Err(NOT_BATCHED.into()),
+                };
+                all_acked(settled)
+            }
+        })
+        .await?;
+    } else {
+        drain(deliveries, |delivery| {
+            let (channel, topology) = (&channel, &topology);
+            async move {
+                let delivery = delivery.map_err(|e| e.to_string())?;
+                let ack = async |delivery: lapin::message::Delivery| {
+                    delivery
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                };
+                let settled = |done: Result<Disposition, idempotency_amqp::AmqpError>| {
+                    expect_ack(done.map_err(|e| e.to_string())?)
+                };
+                match work {
+                    Work::Ack => {
+                        let _ = consumer_free_handle(&delivery.data);
+                        ack(delivery).await
+                    }
+                    Work::Insert(pool, table) => {
+                        let key = delivery
+                            .properties
+                            .message_id()
+                            .as_ref()
+                            .map_or("", |id| id.as_str());
+                        insert_row(pool, table, key, &delivery.data).await?;
+                        ack(delivery).await
+                    }
+                    Work::Guard(consumer) => {
+                        settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
+                    }
+                    Work::InTransaction(consumer) => {
+                        settled(idempotency_amqp::process(consumer, channel, topology, delivery).await)
+                    }
                 }
             }
-        }
-    })
-    .await?;
+        })
+        .await?;
+    }
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
     for queue in [&topology.queue, &topology.retry_queue, &topology.dead_queue] {
         let _ = channel
@@ -291,6 +319,38 @@ where
     }
 }
 
+/// Handles the first `MESSAGES` items of `stream` in batches of up to [`BATCH`] (lingering
+/// [`LINGER`]), one batch at a time: [`CONCURRENCY`] messages in process at once, as
+/// [`drain`]. The first error fails the measurement.
+async fn drain_batches<T, F, Fut>(
+    stream: impl futures_util::Stream<Item = T>,
+    handle: F,
+) -> Result<(), String>
+where
+    F: Fn(Vec<T>) -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let mut batches = std::pin::pin!(idempotency_consumer::adapter::batches(
+        stream.take(MESSAGES),
+        BATCH,
+        LINGER
+    ));
+    while let Some(batch) = batches.next().await {
+        handle(batch).await?;
+    }
+    Ok(())
+}
+
+/// What a batched measurement of a variant without the guard answers.
+const NOT_BATCHED: &str = "only the guard decides batches";
+
+/// Every message of a batch of fresh ones must be acked.
+fn all_acked<E: std::fmt::Display>(settled: Vec<Result<Disposition, E>>) -> Result<(), String> {
+    settled
+        .into_iter()
+        .try_for_each(|done| expect_ack(done.map_err(|e| e.to_string())?))
+}
+
 /// A fresh message must be acked (executed once); anything else means the bench is wrong.
 fn expect_ack(disposition: Disposition) -> Result<(), String> {
     match disposition {
@@ -304,7 +364,7 @@ pub(crate) fn consumer_free_handle(payload: &[u8]) -> usize {
     std::hint::black_box(payload.len())
 }
 
-async fn nats(work: &Work, tag: &str) -> Result<f64, String> {
+async fn nats(work: &Work, tag: &str, batched: bool) -> Result<f64, String> {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let client = async_nats::connect(&url)
         .await
@@ -346,39 +406,63 @@ async fn nats(work: &Work, tag: &str) -> Result<f64, String> {
         .map_err(|e| e.to_string())?;
     let messages = puller.messages().await.map_err(|e| e.to_string())?;
     let started = Instant::now();
-    drain(messages, |message| {
-        let (js, dead) = (&js, &dead);
-        async move {
-            let message = message.map_err(|e| e.to_string())?;
-            let progress = Duration::from_secs(10);
-            let settled = |done: Result<Disposition, idempotency_nats::SettleError>| {
-                expect_ack(done.map_err(|e| e.to_string())?)
-            };
-            match work {
-                Work::Ack => {
-                    let _ = consumer_free_handle(&message.payload);
-                    message.double_ack().await.map_err(|e| e.to_string())
-                }
-                Work::Insert(pool, table) => {
-                    let key = message
-                        .headers
-                        .as_ref()
-                        .and_then(|h| h.get("Idempotency-Key"))
-                        .map_or("", |v| v.as_str())
-                        .to_owned();
-                    insert_row(pool, table, &key, &message.payload).await?;
-                    message.double_ack().await.map_err(|e| e.to_string())
-                }
-                Work::Guard(consumer) => {
-                    settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
-                }
-                Work::InTransaction(consumer) => {
-                    settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
+    if batched {
+        drain_batches(messages, |messages| {
+            let (js, dead) = (&js, &dead);
+            async move {
+                let messages = messages
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?;
+                let progress = Duration::from_secs(10);
+                let settled = match work {
+                    Work::Guard(consumer) => {
+                        idempotency_nats::process_batch(consumer, js, dead, messages, progress).await
+                    }
+                    Work::InTransaction(consumer) => {
+                        idempotency_nats::process_batch(consumer, js, dead, messages, progress).await
+                    }
+                    Work::Ack | Work::Insert(..) => return Err(NOT_BATCHED.into()),
+                };
+                all_acked(settled)
+            }
+        })
+        .await?;
+    } else {
+        drain(messages, |message| {
+            let (js, dead) = (&js, &dead);
+            async move {
+                let message = message.map_err(|e| e.to_string())?;
+                let progress = Duration::from_secs(10);
+                let settled = |done: Result<Disposition, idempotency_nats::SettleError>| {
+                    expect_ack(done.map_err(|e| e.to_string())?)
+                };
+                match work {
+                    Work::Ack => {
+                        let _ = consumer_free_handle(&message.payload);
+                        message.double_ack().await.map_err(|e| e.to_string())
+                    }
+                    Work::Insert(pool, table) => {
+                        let key = message
+                            .headers
+                            .as_ref()
+                            .and_then(|h| h.get("Idempotency-Key"))
+                            .map_or("", |v| v.as_str())
+                            .to_owned();
+                        insert_row(pool, table, &key, &message.payload).await?;
+                        message.double_ack().await.map_err(|e| e.to_string())
+                    }
+                    Work::Guard(consumer) => {
+                        settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
+                    }
+                    Work::InTransaction(consumer) => {
+                        settled(idempotency_nats::process(consumer, js, dead, message, progress).await)
+                    }
                 }
             }
-        }
-    })
-    .await?;
+        })
+        .await?;
+    }
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
     let _ = js.delete_stream(&name).await;
     Ok(rate)

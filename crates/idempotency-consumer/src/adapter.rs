@@ -35,7 +35,9 @@ use std::fmt;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::FuturesOrdered;
+use futures_util::{FutureExt, StreamExt};
 
 use crate::{BoxError, Decisions, Delivery, Disposition, Processor};
 
@@ -91,6 +93,18 @@ pub trait Broker: Send + Sync {
         let _ = message;
         async {}
     }
+}
+
+/// The batches a worker of independent messages (RabbitMQ, JetStream) hands
+/// [`Pipeline::process_batch`]: the items of `stream` grouped as they arrive, a batch handed
+/// once it holds `most` items or `linger` after its first arrived, whichever comes first (a lone
+/// message waits no longer than `linger`), and what is left when the stream ends.
+pub fn batches<S: futures_util::Stream>(
+    stream: S,
+    most: usize,
+    linger: Duration,
+) -> impl futures_util::Stream<Item = Vec<S::Item>> {
+    tokio_stream::StreamExt::chunks_timeout(stream, most.max(1), linger)
 }
 
 /// The per-message pipeline of one worker; see the [module docs](self).
@@ -301,6 +315,54 @@ impl<B: Broker> Pipeline<B> {
             }
         }
         settled.map_err(|error| error.into_kind(AdapterErrorKind::Settle))
+    }
+
+    /// Decides and settles every message of `messages`, a batch of independent messages that
+    /// arrived together (RabbitMQ's prefetch window, a JetStream fetch, an SQS receive):
+    /// [`decide_many`](Self::decide_many) with an [unordered](Decisions::unordered) sink, each
+    /// disposition settled as soon as it is handed over (so each ack after its outcome is
+    /// recorded), the settlements running at once. Messages the processor left undecided (it
+    /// panicked) are decided again, until every one is settled. Answers, in the batch's order,
+    /// what [`process`](Self::process) answers for each: the disposition carried out, or the
+    /// settlement's failure (logged, counted, and the message handed back).
+    pub async fn process_batch<P: Processor<B::Message>>(
+        &self,
+        processor: &P,
+        messages: &[&B::Message],
+    ) -> Vec<Result<Disposition, AdapterError>> {
+        let mut answers = Vec::with_capacity(messages.len());
+        let mut rest = messages;
+        while !rest.is_empty() {
+            let (decided, mut dispositions) = Decisions::unordered();
+            // The sink is dropped once the processor is done: the receiver then ends with what
+            // was handed.
+            let deciding = async move {
+                self.decide_many(processor, rest, &decided).await;
+                decided.count()
+            };
+            tokio::pin!(deciding);
+            let mut settling: FuturesOrdered<BoxFuture<'_, Result<Disposition, AdapterError>>> =
+                FuturesOrdered::new();
+            let (mut handed, mut received) = (None, 0);
+            loop {
+                tokio::select! {
+                    count = &mut deciding, if handed.is_none() => handed = Some(count),
+                    Some(disposition) = dispositions.recv() => {
+                        if let Some(message) = rest.get(received) {
+                            settling.push_back(Box::pin(async move {
+                                self.settle(message, &disposition).await.map(|()| disposition)
+                            }));
+                        }
+                        received += 1;
+                    }
+                    Some(answer) = settling.next(), if !settling.is_empty() => answers.push(answer),
+                    else => break,
+                }
+            }
+            // `decide_many` hands at least one disposition for a non-empty batch.
+            rest = &rest[handed.unwrap_or(received).clamp(1, rest.len())..];
+        }
+        answers
     }
 
     /// [`decide`](Self::decide), then [`settle`](Self::settle); returns the disposition carried

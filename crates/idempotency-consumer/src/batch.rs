@@ -12,13 +12,15 @@
 //! - a duplicate is acked, a reused key with another payload dead-lettered;
 //! - a message whose key is in flight first has the outcomes run so far recorded (its key may
 //!   be held by an earlier message of the same batch), then waits for its key as a single
-//!   message does; if the key is still in flight it is nacked, and ends the batch;
-//! - a handler that fails has the outcomes run so far recorded with its release; if its
-//!   message is to be delivered again (nacked) it ends the batch. A fatal failure, a panic at
-//!   the delivery limit or a mismatch dead-letters that message alone;
-//! - a store that fails the claim of a message nacks it and ends the batch.
+//!   message does; if the key is still in flight it is nacked;
+//! - a handler that fails has its release recorded; if its message is to be delivered again
+//!   (nacked), the outcomes run so far are recorded with it. A fatal failure, a panic at the
+//!   delivery limit or a mismatch dead-letters that message alone;
+//! - a store that fails the claim of a message nacks it.
 //!
-//! A batch also ends before its next handler once the worker [closed](crate::Decisions::close)
+//! In an [ordered](crate::Decisions::is_ordered) batch (a Kafka partition's) a nack ends the
+//! batch: the broker delivers that message again before the ones after it. In an unordered
+//! one (RabbitMQ, JetStream, SQS) every message is decided. A batch also ends before its next handler once the worker [closed](crate::Decisions::close)
 //! the sink (it is stopping).
 //!
 //! The claimed messages after the end of a batch did not run: their keys are handed back
@@ -97,15 +99,17 @@ where
             });
             let ends = match claim {
                 Err(error) => {
-                    decided.set(index, rules.settle::<Outcome>(Err(error), key, message, started));
-                    true
+                    let disposition = rules.settle::<Outcome>(Err(error), key, message, started);
+                    let ends = sink.ends(&disposition);
+                    decided.set(index, disposition);
+                    ends
                 }
                 Ok(Claimed::Answer(Execution::InFlight { .. })) => {
                     record(consumer, messages, &mut ran, &mut decided, started).await;
                     let disposition = consumer.process_keyed(message, key.clone(), started).await;
-                    let nack = matches!(disposition, Disposition::Nack { .. });
+                    let ends = sink.ends(&disposition);
                     decided.set(index, disposition);
-                    nack
+                    ends
                 }
                 Ok(Claimed::Answer(answer)) => {
                     decided.set(index, rules.settle(Ok(answer), key, message, started));
@@ -136,11 +140,11 @@ where
                         run,
                         value,
                     });
-                    if failed {
+                    if failed && sink.is_ordered() {
                         // Its release goes out now, with the outcomes before it: a nack ends
                         // the batch, and the answer is known only once recorded.
                         record(consumer, messages, &mut ran, &mut decided, started).await;
-                        matches!(decided.dispositions[index], Some(Disposition::Nack { .. }))
+                        decided.dispositions[index].as_ref().is_some_and(|d| sink.ends(d))
                     } else {
                         false
                     }
@@ -202,21 +206,21 @@ pub(crate) fn by_message<C>(keys: &[Option<Key>], claims: Vec<C>) -> Vec<Option<
 struct Decided<'a> {
     dispositions: Vec<Option<Disposition>>,
     handed: usize,
-    /// A nack was handed over: nothing after it is.
+    /// A nack that ends the (ordered) batch was handed over: nothing after it is.
     nacked: bool,
     sink: &'a Decisions,
 }
 
 impl Decided<'_> {
     /// Notes the disposition of message `index`, and hands over those now known in order, up
-    /// to and including the first nack: the batch ends there for the caller.
+    /// to and including the first nack of an ordered batch: it ends there for the caller.
     fn set(&mut self, index: usize, disposition: Disposition) {
         self.dispositions[index] = Some(disposition);
         while let Some(Some(next)) = self.dispositions.get(self.handed) {
             if self.nacked {
                 return;
             }
-            self.nacked = matches!(next, Disposition::Nack { .. });
+            self.nacked = self.sink.ends(next);
             self.sink.send(next.clone());
             self.handed += 1;
         }

@@ -388,10 +388,11 @@ pub trait Processor<M: ?Sized>: Send + Sync {
     fn process(&self, message: &M) -> impl Future<Output = Disposition> + Send;
 
     /// Decides `messages`, which arrived together, in their order, handing each disposition
-    /// to `decided` as soon as it is final, in the batch's order: every message up to the
-    /// first one answered with [`Disposition::Nack`], which ends the batch (the messages after
-    /// it did not run and hold nothing; the caller offers them again), or the first one after
-    /// the caller [closed](Decisions::close) `decided`. For a non-empty batch not closed
+    /// to `decided` as soon as it is final, in the batch's order: every message, or, for an
+    /// [ordered](Decisions::is_ordered) batch, every message up to the first one answered with
+    /// [`Disposition::Nack`], which ends the batch (the messages after it did not run and hold
+    /// nothing; the caller offers them again); in both, up to the first one after the caller
+    /// [closed](Decisions::close) `decided`. For a non-empty batch not closed
     /// before it started, at least one disposition is handed. A message's failure, panic or
     /// dead letter never changes the answers of its neighbours.
     ///
@@ -407,7 +408,8 @@ pub trait Processor<M: ?Sized>: Send + Sync {
 }
 
 /// [`Processor::process_many`] as single calls: each message of `messages` decided with
-/// [`Processor::process`], in order, until one is nacked or `decided` is closed. The default of
+/// [`Processor::process`], in order, until one ends an ordered batch (a nack) or `decided` is
+/// closed. The default of
 /// `process_many`, for a processor that overrides it for some messages only.
 pub async fn process_each<P, M>(processor: &P, messages: &[&M], decided: &Decisions)
 where
@@ -419,9 +421,9 @@ where
             break;
         }
         let disposition = processor.process(message).await;
-        let nack = matches!(disposition, Disposition::Nack { .. });
+        let ends = decided.ends(&disposition);
         decided.send(disposition);
-        if nack {
+        if ends {
             break;
         }
     }
@@ -435,21 +437,48 @@ pub struct Decisions {
     sender: tokio::sync::mpsc::UnboundedSender<Disposition>,
     sent: Arc<std::sync::atomic::AtomicUsize>,
     closed: Arc<std::sync::atomic::AtomicBool>,
+    ordered: bool,
 }
 
 impl Decisions {
-    /// A new sink, and the receiver that gets its dispositions in the order they were handed.
+    /// A new sink for an ordered batch (a Kafka partition's messages), and the receiver that
+    /// gets its dispositions in the order they were handed. A nack ends an ordered batch:
+    /// nothing after it is decided, since the broker delivers it again before them.
     #[must_use]
     pub fn channel() -> (Self, tokio::sync::mpsc::UnboundedReceiver<Disposition>) {
+        Self::new(true)
+    }
+
+    /// A new sink for a batch whose messages are independent (RabbitMQ, NATS JetStream, SQS:
+    /// each is acknowledged on its own): a nack does not end it, every message is decided.
+    #[must_use]
+    pub fn unordered() -> (Self, tokio::sync::mpsc::UnboundedReceiver<Disposition>) {
+        Self::new(false)
+    }
+
+    fn new(ordered: bool) -> (Self, tokio::sync::mpsc::UnboundedReceiver<Disposition>) {
         let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
         (
             Self {
                 sender,
                 sent: Arc::default(),
                 closed: Arc::default(),
+                ordered,
             },
             receiver,
         )
+    }
+
+    /// Whether a nack ends the batch ([`Decisions::channel`]) or not ([`Decisions::unordered`]).
+    #[must_use]
+    pub fn is_ordered(&self) -> bool {
+        self.ordered
+    }
+
+    /// Whether `disposition` ends the batch: a nack of an ordered one.
+    #[must_use]
+    pub fn ends(&self, disposition: &Disposition) -> bool {
+        self.ordered && matches!(disposition, Disposition::Nack { .. })
     }
 
     /// Hands the next message's disposition over (dropped if the receiver is gone).

@@ -137,9 +137,9 @@ where
                         // nack ends the batch (what ran before it commits); a dead letter
                         // does not.
                         let disposition = rules.settle(Ok(released), key, message, started);
-                        let nack = matches!(disposition, Disposition::Nack { .. });
+                        let ends = sink.ends(&disposition);
                         slots.push(Slot::Decided(disposition));
-                        if nack {
+                        if ends {
                             break;
                         }
                     }
@@ -196,15 +196,15 @@ where
     hand_over(sink, dispositions)
 }
 
-/// Hands `dispositions` over in order up to and including the first nack: how many were
-/// handed, or `None` when a nack ended the batch.
+/// Hands `dispositions` over in order up to and including the first nack of an ordered
+/// batch: how many were handed, or `None` when a nack ended the batch.
 fn hand_over(sink: &Decisions, dispositions: impl IntoIterator<Item = Disposition>) -> Option<usize> {
     let mut handed = 0;
     for disposition in dispositions {
-        let nack = matches!(disposition, Disposition::Nack { .. });
+        let ends = sink.ends(&disposition);
         sink.send(disposition);
         handed += 1;
-        if nack {
+        if ends {
             return None;
         }
     }

@@ -511,6 +511,8 @@ struct Ledger {
     runs: Mutex<Vec<(String, u32, bool)>>,
     effects: Mutex<std::collections::BTreeSet<String>>,
     poison: Vec<String>,
+    /// Keys whose handler fails, to be retried.
+    failing: Vec<String>,
     slow: Option<Duration>,
     blocks: Mutex<Option<String>>,
     started: tokio::sync::Notify,
@@ -525,6 +527,9 @@ impl Handler<Message> for Ledger {
             .push((key.clone(), attempt.number(), attempt.recovered()));
         if let Some(slow) = self.slow {
             tokio::time::sleep(slow).await;
+        }
+        if self.failing.contains(&key) {
+            return Err(HandlerError::retry("the card service timed out"));
         }
         let blocks = {
             let mut blocks = self.blocks.lock().unwrap();
@@ -567,10 +572,22 @@ fn payments(numbers: std::ops::RangeInclusive<u32>) -> Vec<Message> {
         .collect()
 }
 
-/// The dispositions `process_many` hands over for `messages`, in order.
+/// The dispositions `process_many` hands over for `messages` as an ordered batch, in order.
 async fn many<P: Processor<Message>>(processor: &P, messages: &[Message]) -> Vec<Disposition> {
+    decide(processor, messages, idempotency_consumer::Decisions::channel()).await
+}
+
+/// The dispositions `process_many` hands over to `sink` for `messages`, in order.
+async fn decide<P: Processor<Message>>(
+    processor: &P,
+    messages: &[Message],
+    sink: (
+        idempotency_consumer::Decisions,
+        tokio::sync::mpsc::UnboundedReceiver<Disposition>,
+    ),
+) -> Vec<Disposition> {
     let batch: Vec<&Message> = messages.iter().collect();
-    let (decided, mut dispositions) = idempotency_consumer::Decisions::channel();
+    let (decided, mut dispositions) = sink;
     processor.process_many(&batch, &decided).await;
     drop(decided);
     let mut handed = Vec::new();
@@ -802,4 +819,34 @@ async fn batch_outcomes_are_acked_only_once_recorded() {
         6,
         "the side effects happened"
     );
+}
+
+/// In a batch of independent messages (RabbitMQ, JetStream, SQS) a message to be retried is
+/// nacked alone: every other message of the batch runs once and is acked. In an ordered batch
+/// (a Kafka partition) the same nack ends it.
+#[tokio::test(start_paused = true)]
+async fn a_nack_ends_an_ordered_batch_but_not_an_unordered_one() {
+    let ledger = Ledger {
+        failing: vec!["pay-2".into()],
+        ..Ledger::default()
+    };
+    let (consumer, ledger) = batch_consumer(ledger, Duration::from_secs(60));
+    let messages = payments(1..=4);
+    let nack = Disposition::Nack {
+        after: Duration::from_secs(1),
+    };
+    let unordered = decide(&consumer, &messages, idempotency_consumer::Decisions::unordered()).await;
+    assert_eq!(
+        unordered,
+        vec![Disposition::Ack, nack.clone(), Disposition::Ack, Disposition::Ack]
+    );
+    for key in ["pay-1", "pay-2", "pay-3", "pay-4"] {
+        assert_eq!(ledger.runs_of(key), 1, "{key}");
+    }
+
+    let mut batch = payments(5..=7);
+    batch.insert(2, Message::keyed("pay-2", "EUR 10"));
+    let ordered = many(&consumer, &batch).await;
+    assert_eq!(ordered, vec![Disposition::Ack, Disposition::Ack, nack]);
+    assert_eq!(ledger.runs_of("pay-7"), 0, "nothing after the nack runs");
 }

@@ -198,6 +198,31 @@ where
     pipeline.process(consumer, &message).await
 }
 
+/// Processes messages pulled together with `consumer` as one batch
+/// ([`Pipeline::process_batch`]: their keys claimed in one store round trip, their outcomes
+/// recorded in one more), then settles each as soon as its own outcome is recorded. Answers,
+/// in order, what [`process`] answers for each.
+pub async fn process_batch<P>(
+    consumer: &P,
+    jetstream: &jetstream::Context,
+    dead_letter_subject: &str,
+    messages: Vec<jetstream::Message>,
+    progress_every: Duration,
+) -> Vec<Result<Disposition, SettleError>>
+where
+    P: Processor<NatsMessage>,
+{
+    let Some(first) = messages.first() else {
+        return Vec::new();
+    };
+    let name = first.subject.to_string();
+    let broker = JetStream::new(jetstream.clone(), dead_letter_subject, progress_every);
+    let pipeline = Pipeline::new(broker, name);
+    let messages: Vec<NatsMessage> = messages.into_iter().map(NatsMessage::new).collect();
+    let batch: Vec<&NatsMessage> = messages.iter().collect();
+    pipeline.process_batch(consumer, &batch).await
+}
+
 /// Carries out `disposition` on `message`.
 ///
 /// # Errors

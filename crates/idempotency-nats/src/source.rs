@@ -339,7 +339,9 @@ fn run(url: String, settings: SourceSettings, processor: AnyProcessor, shutdown:
             .await?
             .name(settings.name)
             .concurrency(settings.concurrency)
-            .prefetch(settings.prefetch);
+            .prefetch(settings.prefetch)
+            .batch(settings.batch)
+            .linger(settings.linger);
         tracing::info!(stream = %source.stream, consumer = %source.consumer, "consuming");
         worker.run_until(shutdown).await
     })

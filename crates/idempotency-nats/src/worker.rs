@@ -8,9 +8,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use futures_util::future::FutureExt;
-use idempotency_consumer::Processor;
+use idempotency_consumer::{DEFAULT_BATCH, DEFAULT_LINGER, Processor};
 
-use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Pipeline};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Pipeline, batches};
 
 use crate::{BROKER, JetStream, NatsMessage};
 
@@ -46,6 +46,8 @@ pub struct Worker<P> {
     processor: Arc<P>,
     concurrency: usize,
     prefetch: Option<usize>,
+    batch: usize,
+    linger: Duration,
     ack_wait: Duration,
     filter_subject: Option<String>,
     name: Option<String>,
@@ -58,6 +60,8 @@ impl<P> fmt::Debug for Worker<P> {
             .field("consumer", &self.consumer)
             .field("dead_letter_subject", &self.dead_letter_subject)
             .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("linger", &self.linger)
             .field("ack_wait", &self.ack_wait)
             .field("filter_subject", &self.filter_subject)
             .finish_non_exhaustive()
@@ -67,7 +71,8 @@ impl<P> fmt::Debug for Worker<P> {
 impl<P: Processor<NatsMessage>> Worker<P> {
     /// A worker on the durable pull consumer `consumer` of `stream` (created with explicit
     /// acks if it does not exist), dead-lettering to `dead_letter_subject`. Defaults:
-    /// concurrency 16, an ack wait of 30 s for a consumer it creates.
+    /// concurrency 16, batches of up to [`DEFAULT_BATCH`] (at most the prefetch) lingering
+    /// [`DEFAULT_LINGER`], an ack wait of 30 s for a consumer it creates.
     pub fn new(
         jetstream: jetstream::Context,
         stream: impl Into<String>,
@@ -83,6 +88,8 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             processor,
             concurrency: 16,
             prefetch: None,
+            batch: DEFAULT_BATCH,
+            linger: DEFAULT_LINGER,
             ack_wait: Duration::from_secs(30),
             filter_subject: None,
             name: None,
@@ -109,6 +116,26 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     #[must_use]
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = Some(prefetch.max(1));
+        self
+    }
+
+    /// How many pulled messages are decided together (default [`DEFAULT_BATCH`], at most the
+    /// prefetch): the processor claims their keys in one store round trip and records their
+    /// outcomes in one more ([`Processor::process_many`]), each message acked once its own
+    /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
+    /// `1` decides each message on its own. [`concurrency`](Self::concurrency) messages are
+    /// processed at once, in batches of this size.
+    #[must_use]
+    pub fn batch(mut self, messages: usize) -> Self {
+        self.batch = messages.max(1);
+        self
+    }
+
+    /// How long a batch waits for more messages when fewer than [`batch`](Self::batch) arrived
+    /// (default [`DEFAULT_LINGER`]): a lone message is not delayed longer than this.
+    #[must_use]
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
         self
     }
 
@@ -225,25 +252,43 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                     }
                 }
             };
-            messages
+            let messages = messages
                 .take_until(shutdown.clone())
-                .for_each_concurrent(self.concurrency, |message| {
-                    let pipeline = &pipeline;
-                    async move {
-                        match message {
-                            // A failed settlement is logged and counted by the pipeline:
-                            // unsettled, the message comes back after its ack wait and the
-                            // record answers it.
-                            Ok(message) => {
-                                let _ = pipeline
-                                    .process(&*self.processor, &NatsMessage::new(message))
-                                    .await;
-                            }
-                            Err(error) => tracing::warn!(%error, "a pulled message failed"),
+                .filter_map(|message| {
+                    std::future::ready(match message {
+                        Ok(message) => Some(NatsMessage::new(message)),
+                        Err(error) => {
+                            tracing::warn!(%error, "a pulled message failed");
+                            None
                         }
-                    }
+                    })
                 })
-                .await;
+                // Boxed: the combinators' closures otherwise keep the future from being
+                // proved `Send` for every lifetime.
+                .boxed();
+            // A failed settlement is logged and counted by the pipeline: unsettled, the message
+            // comes back after its ack wait and the record answers it.
+            let batch = self.batch.min(self.prefetch.unwrap_or(self.concurrency));
+            if batch <= 1 {
+                messages
+                    .for_each_concurrent(self.concurrency, |message| {
+                        let pipeline = &pipeline;
+                        async move {
+                            let _ = pipeline.process(&*self.processor, &message).await;
+                        }
+                    })
+                    .await;
+            } else {
+                batches(messages, batch, self.linger)
+                    .for_each_concurrent(self.concurrency.div_ceil(batch), |messages| {
+                        let pipeline = &pipeline;
+                        async move {
+                            let messages: Vec<&NatsMessage> = messages.iter().collect();
+                            pipeline.process_batch(&*self.processor, &messages).await;
+                        }
+                    })
+                    .await;
+            }
         }
         Ok(())
     }
