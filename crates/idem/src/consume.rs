@@ -100,8 +100,8 @@ pub struct Config {
     pub retention: Duration,
     /// How many fetched messages are decided together (their keys claimed in one store round
     /// trip, their outcomes recorded in one more; handled one after another), at most the
-    /// prefetch; 1 decides each alone. Kafka: of one partition, in order; RabbitMQ and NATS:
-    /// each acked once its own outcome is recorded.
+    /// prefetch; 1 decides each alone. Kafka: of one partition, in order; RabbitMQ, NATS and
+    /// SQS (one receive of a standard queue): each acked once its own outcome is recorded.
     #[arg(long, env = "IDEM_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub batch: u16,
     /// How long a batch waits for more messages, and how long a handler runs before the

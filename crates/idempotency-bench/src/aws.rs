@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use idempotency_consumer::{Consumer, Disposition, Handler, HandlerError, Processor};
+use idempotency_consumer::{Consumer, Decisions, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome, Scope, Token};
 use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
 use idempotency_sqs::{DeadLetters, SqsMessage, Worker};
@@ -184,6 +184,13 @@ impl<P: Processor<SqsMessage>> Processor<SqsMessage> for Counted<P> {
         self.done.fetch_add(1, Ordering::SeqCst);
         disposition
     }
+
+    async fn process_many(&self, messages: &[&SqsMessage], decided: &Decisions) {
+        let before = decided.count();
+        self.inner.process_many(messages, decided).await;
+        self.done
+            .fetch_add((decided.count() - before) as u64, Ordering::SeqCst);
+    }
 }
 
 /// Messages per round of the SQS figure.
@@ -208,24 +215,36 @@ pub(crate) fn run_sqs(rounds: usize) -> Result<(), String> {
         println!("| variant | messages/s | / plain | min–max |");
         println!("|---|---:|---:|---:|");
         let mut round = 0_u64;
-        let rates = alternate_async(rounds, 3, |variant| {
+        let rates = alternate_async(rounds, 5, |variant| {
             round += 1;
             let (client, queue, dead) = (client.clone(), queue.clone(), dead.clone());
             let (memory, dynamodb) = (memory.clone(), dynamodb.clone());
             async move {
                 fill(&client, &queue, round).await?;
+                // Each receive decided as one batch (the worker's default), or each message alone.
+                let batch = if variant % 2 == 1 { 10 } else { 1 };
                 match variant {
-                    0 => drain(&client, &queue, &dead, AckAll).await,
-                    1 => drain(&client, &queue, &dead, Consumer::new("bench-sqs-memory", memory, Nothing)).await,
-                    _ => drain(&client, &queue, &dead, Consumer::new("bench-sqs-dynamodb", dynamodb, Nothing)).await,
+                    0 => drain(&client, &queue, &dead, AckAll, 1).await,
+                    1 | 2 => {
+                        let consumer = Consumer::new("bench-sqs-memory", memory, Nothing);
+                        drain(&client, &queue, &dead, consumer, batch).await
+                    }
+                    _ => {
+                        let consumer = Consumer::new("bench-sqs-dynamodb", dynamodb, Nothing);
+                        drain(&client, &queue, &dead, consumer, batch).await
+                    }
                 }
             }
         })
         .await?;
-        for (variant, samples) in ["plain receive + delete", "guard, memory store", "guard, DynamoDB store"]
-            .iter()
-            .zip(&rates)
-        {
+        let variants = [
+            "plain receive + delete",
+            "guard, memory store, batched",
+            "guard, memory store, per message",
+            "guard, DynamoDB store, batched",
+            "guard, DynamoDB store, per message",
+        ];
+        for (variant, samples) in variants.iter().zip(&rates) {
             println!(
                 "| {variant} | {} | {:.2} | {} |",
                 per_second(samples.median),
@@ -285,6 +304,7 @@ async fn drain<P: Processor<SqsMessage> + 'static>(
     queue: &str,
     dead: &str,
     processor: P,
+    batch: usize,
 ) -> Result<f64, String> {
     let done = Arc::new(AtomicU64::new(0));
     let processor = Arc::new(Counted {
@@ -298,6 +318,7 @@ async fn drain<P: Processor<SqsMessage> + 'static>(
         processor,
     )
     .concurrency(10)
+    .batch(batch)
     .short_polling(Duration::from_millis(20));
     let started = Instant::now();
     let watched = Arc::clone(&done);

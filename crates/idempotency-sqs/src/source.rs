@@ -282,7 +282,8 @@ fn run(url: String, settings: SourceSettings, processor: AnyProcessor, shutdown:
             .await?
             .name(settings.name)
             .concurrency(settings.concurrency)
-            .prefetch(settings.prefetch);
+            .prefetch(settings.prefetch)
+            .batch(settings.batch);
         let unreachable = |why: String| AdapterError::new(AdapterErrorKind::Unreachable, BROKER, why);
         match tokio::time::timeout(settings.start_check, worker.check()).await {
             Ok(Ok(())) => {}

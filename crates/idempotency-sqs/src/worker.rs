@@ -72,6 +72,8 @@ pub struct Worker<P> {
     processor: Arc<P>,
     concurrency: usize,
     batch: usize,
+    /// How many received messages of a standard queue are decided together.
+    decided_together: usize,
     wait: Duration,
     /// With short polling: the pause after a receive that found nothing.
     idle: Duration,
@@ -100,6 +102,7 @@ impl<P> fmt::Debug for Worker<P> {
             .field("heartbeat", &self.shared.heartbeat())
             .field("concurrency", &self.concurrency)
             .field("batch", &self.batch)
+            .field("decided_together", &self.decided_together)
             .field("wait", &self.wait)
             .field("idle", &self.idle)
             .finish_non_exhaustive()
@@ -108,9 +111,9 @@ impl<P> fmt::Debug for Worker<P> {
 
 impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     /// A worker on the queue at `queue_url` (a FIFO queue when it ends in `.fifo`). Defaults:
-    /// 10 messages at once, receives of up to 10 with a 20 s long poll, a 30 s visibility
-    /// timeout extended every 10 s while a handler runs, receive errors retried from 100 ms
-    /// doubling to 5 s.
+    /// 10 messages at once, receives of up to 10 with a 20 s long poll, each receive of a
+    /// standard queue decided as one batch, a 30 s visibility timeout extended every 10 s while
+    /// a handler runs, receive errors retried from 100 ms doubling to 5 s.
     pub fn new(
         client: Client,
         queue_url: impl Into<String>,
@@ -130,6 +133,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             processor,
             concurrency: 10,
             batch: MAX_BATCH,
+            decided_together: MAX_BATCH,
             wait: MAX_WAIT,
             idle: Duration::ZERO,
             reconnect: Backoff {
@@ -151,6 +155,18 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     #[must_use]
     pub fn prefetch(mut self, batch: usize) -> Self {
         self.batch = batch.clamp(1, MAX_BATCH);
+        self
+    }
+
+    /// How many messages of one receive of a standard queue are decided together (default
+    /// 10, at most the receive's [`prefetch`](Self::prefetch)): the processor claims their keys
+    /// in one store round trip and records their outcomes in one more
+    /// ([`Processor::process_many`]), each message deleted once its own outcome is recorded; a
+    /// nack, a dead letter or a panic of one never changes another's. `1` decides each on its
+    /// own. A FIFO queue's messages are decided one after another within their group.
+    #[must_use]
+    pub fn batch(mut self, messages: usize) -> Self {
+        self.decided_together = messages.max(1);
         self
     }
 
@@ -262,19 +278,31 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
                     failures = 0;
                     let mut first = Some(first);
                     for unit in self.units(messages) {
-                        let permit = match first.take() {
+                        // A batch of a standard queue holds a place per message; a FIFO
+                        // group, whose messages run one after another, one.
+                        let places = if self.shared.fifo { 1 } else { unit.len() };
+                        let mut permit = match first.take() {
                             Some(permit) => permit,
                             None => Arc::clone(&permits)
                                 .acquire_owned()
                                 .await
                                 .expect("the semaphore is never closed"),
                         };
-                        tasks.spawn(run_unit(
-                            Arc::clone(&pipeline),
-                            Arc::clone(&self.processor),
-                            unit,
-                            permit,
-                        ));
+                        if places > 1 {
+                            let more = u32::try_from(places - 1).unwrap_or(u32::MAX);
+                            permit.merge(
+                                Arc::clone(&permits)
+                                    .acquire_many_owned(more)
+                                    .await
+                                    .expect("the semaphore is never closed"),
+                            );
+                        }
+                        let (pipeline, processor) = (Arc::clone(&pipeline), Arc::clone(&self.processor));
+                        if self.shared.fifo || unit.len() == 1 {
+                            tasks.spawn(run_unit(pipeline, processor, unit, permit));
+                        } else {
+                            tasks.spawn(run_batch(pipeline, processor, unit, permit));
+                        }
                     }
                 }
                 Err(error) => {
@@ -385,11 +413,17 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             .collect())
     }
 
-    /// What runs as one task: each message of a standard queue; each message group's messages,
-    /// in the order received, on a FIFO queue.
+    /// What runs as one task: a batch of up to [`batch`](Self::batch) messages of a standard
+    /// queue, decided together; each message group's messages, in the order received, on a
+    /// FIFO queue.
     fn units(&self, messages: Vec<SqsMessage>) -> Vec<Vec<SqsMessage>> {
         if !self.shared.fifo {
-            return messages.into_iter().map(|message| vec![message]).collect();
+            let mut units = Vec::new();
+            let mut messages = messages.into_iter().peekable();
+            while messages.peek().is_some() {
+                units.push(messages.by_ref().take(self.decided_together).collect());
+            }
+            return units;
         }
         let mut groups: Vec<Vec<SqsMessage>> = Vec::new();
         for message in messages {
@@ -442,6 +476,24 @@ async fn run_unit<P: Processor<SqsMessage>>(
         }
     }
     metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue).decrement(1.0);
+}
+
+/// Decides a batch of a standard queue's messages together ([`Pipeline::process_batch`]),
+/// each deleted (or returned, or dead-lettered) as soon as its own outcome is recorded.
+async fn run_batch<P: Processor<SqsMessage>>(
+    pipeline: Arc<Pipeline<SqsBroker>>,
+    processor: Arc<P>,
+    batch: Vec<SqsMessage>,
+    _permits: OwnedSemaphorePermit,
+) {
+    let queue = pipeline.broker().shared.queue.to_string();
+    let in_flight = metrics::gauge!("idempotency_sqs_in_flight", "queue" => queue);
+    in_flight.increment(1.0);
+    let messages: Vec<&SqsMessage> = batch.iter().collect();
+    // Failed settlements are logged and counted by the pipeline: the message comes back after
+    // its visibility timeout, and the record answers it.
+    let _ = pipeline.process_batch(&*processor, &messages).await;
+    in_flight.decrement(1.0);
 }
 
 /// SQS as the per-message pipeline sees it: the queue, where dead letters go, and the batched
