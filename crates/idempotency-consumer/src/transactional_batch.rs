@@ -1,9 +1,9 @@
-//! [`TxConsumer`]'s batch path ([`Processor::process_many`](crate::Processor::process_many)):
+//! [`TxConsumer`]'s batch path ([`Processor::process_many`]):
 //! a batch's messages in one database transaction, each handler after a savepoint, one commit,
 //! then the dispositions (so every ack follows the commit; see
 //! [`idempotency_core::TransactionBatch`]).
 //!
-//! Each message keeps the answers of [`Processor::process`](crate::Processor::process):
+//! Each message keeps the answers of [`Processor::process`]:
 //!
 //! - a message without a usable key is dead-lettered at its turn;
 //! - a duplicate is acked, a reused key with another payload dead-lettered;

@@ -31,7 +31,12 @@ use crate::{
     StoreError, TransactionalStore, TxOperation,
 };
 
-/// A batch of operations in one transaction of the store; see the [module docs](self).
+/// A batch of operations in one transaction of the store, opened by
+/// [`Guard::claim_many_in_transaction`]: a savepoint before each operation
+/// ([`TransactionBatch::run`]), so that one its policy releases rolls back alone (its claim
+/// withdrawn: a new key leaves no record), and one commit ([`TransactionBatch::commit`]) for
+/// the others, whose outcomes are recorded in one statement. Nothing of the batch is committed
+/// if any of that fails. Savepoints nest on PostgreSQL: keep a batch to 64 operations.
 /// Dropped without [`TransactionBatch::commit`], it rolls back (the transaction's drop does).
 #[must_use = "a batch commits nothing until it is committed"]
 pub struct TransactionBatch<'g, S: TransactionalStore, T> {
