@@ -124,6 +124,11 @@ async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_in_the_middle_of_a_batch_reruns_only_what_was_not_recorded() {
+    let _ = consume::kill_9_in_the_middle_of_a_batch(&Rabbit::new("kill-batch").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_call_lets_the_call_finish_be_recorded_and_acked() {
     consume::sigterm_mid_call(&Rabbit::new("sigterm").await).await;
 }

@@ -180,6 +180,10 @@ impl Broker for Kafka {
     }
 
     /// Each copy to a partition of its own: copies in one partition are handled in order.
+    async fn publish_in_order(&self, key: &str, payload: &[u8]) {
+        self.publish_to(0, key, payload).await;
+    }
+
     async fn publish_copy(&self, key: &str, payload: &[u8], copy: i32) {
         self.publish_to(copy % PARTITIONS, key, payload).await;
     }
@@ -482,50 +486,12 @@ fn refused_at_start(from: &str, why: &str) {
     );
 }
 
-/// `kill -9` in the middle of a batch: six messages of one partition are decided together; the
-/// fourth's call is long. The three before it are recorded and acked while it runs (the
-/// linger), so the next process answers them from the record; the fourth runs again as attempt
-/// 2 after the dead process's lease, and so do the two after it, which the batch had claimed:
-/// every message runs, none of the recorded ones twice.
+/// `kill -9` in the middle of a batch ([`consume::kill_9_in_the_middle_of_a_batch`]), on one
+/// partition: its six messages are queued together, so the two after the long call were
+/// claimed by the dead process's batch, and the next process runs them as attempt 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_in_the_middle_of_a_batch_reruns_only_what_was_not_recorded() {
-    let kafka = Kafka::new();
-    let keys: Vec<String> = (0..6).map(|n| format!("batch-{n}")).collect();
-    for (n, key) in keys.iter().enumerate() {
-        let payload: &[u8] = if n == 3 { b"sleep:3000" } else { b"charge" };
-        kafka.publish_to(0, key, payload).await;
-    }
-    let ledger = consume::Ledger::default();
-    let handler = consume::start_handler(ledger.clone()).await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let lease = kafka.kill_lease();
-    let lease_text = format!("{}s", lease.as_secs());
-    let settings = ["--store", store.as_str(), "--lease", lease_text.as_str()];
-    let first_admin = common::free_addr();
-    let mut first = consume::start(&kafka, handler, first_admin, &settings).await;
-    consume::until("the fourth call started", || ledger.calls(&keys[3]).len() == 1).await;
-    // The three before it are recorded (counted once settled) while it runs.
-    consume::count_at_least(first_admin, "executed", 3.0).await;
-    first.kill9();
-    let _second = consume::start(&kafka, handler, common::free_addr(), &settings).await;
-    consume::until("every message after the first three ran again", || {
-        ledger.calls(&keys[3]).len() == 2 && keys[4..].iter().all(|key| ledger.calls(key).last() == Some(&2))
-    })
-    .await;
-    consume::until_settled(&kafka).await;
-    for key in &keys[..3] {
-        assert_eq!(
-            ledger.calls(key),
-            vec![1],
-            "{key}: recorded before the kill, never run again"
-        );
-    }
-    assert_eq!(
-        ledger.calls(&keys[3]),
-        vec![1, 2],
-        "the killed call runs again as attempt 2"
-    );
+    let (ledger, keys) = consume::kill_9_in_the_middle_of_a_batch(&Kafka::new()).await;
     for key in &keys[4..] {
         assert_eq!(
             ledger.calls(key),

@@ -171,6 +171,12 @@ pub trait Broker {
         self.publish(key, payload).await;
     }
 
+    /// Publishes where messages are delivered in the order published (one Kafka partition):
+    /// a batch's scenario relies on the order.
+    async fn publish_in_order(&self, key: &str, payload: &[u8]) {
+        self.publish(key, payload).await;
+    }
+
     /// The dead letters so far, as (key, reason), reading for a moment.
     async fn dead_letters(&self) -> Vec<(String, String)>;
 
@@ -312,17 +318,47 @@ pub async fn refused_is_dead_lettered<B: Broker>(broker: &B) {
     until_settled(broker).await;
 }
 
+/// The settings of the `kill -9` scenarios: a SQLite store in a directory of their own that
+/// the processes share, and the broker's kill lease.
+pub struct Killable {
+    _dir: tempfile::TempDir,
+    store: String,
+    lease: Duration,
+    lease_text: String,
+}
+
+impl Killable {
+    fn new<B: Broker>(broker: &B) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let lease = broker.kill_lease();
+        Self {
+            _dir: dir,
+            store,
+            lease,
+            lease_text: format!("{}s", lease.as_secs()),
+        }
+    }
+
+    /// `--store` and `--lease`.
+    fn settings(&self) -> [&str; 4] {
+        [
+            "--store",
+            self.store.as_str(),
+            "--lease",
+            self.lease_text.as_str(),
+        ]
+    }
+}
+
 /// `kill -9` of `idem consume` while the handler runs: after a restart the message comes
 /// back, and the handler is not called again while the first call's lease lives; then once
 /// more, as attempt 2.
 pub async fn kill_9_mid_call<B: Broker>(broker: &B) {
     let ledger = Ledger::default();
     let handler = start_handler(ledger.clone()).await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let lease = broker.kill_lease();
-    let lease_text = format!("{}s", lease.as_secs());
-    let settings = ["--store", store.as_str(), "--lease", lease_text.as_str()];
+    let killable = Killable::new(broker);
+    let settings = killable.settings();
     let mut consume = start(broker, handler, super::free_addr(), &settings).await;
     broker.publish("killed", b"sleep:300").await;
     until("the call started", || ledger.calls("killed").len() == 1).await;
@@ -336,14 +372,61 @@ pub async fn kill_9_mid_call<B: Broker>(broker: &B) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
-        started.elapsed() >= lease - Duration::from_secs(1),
-        "called again {:?} after the first call, inside the {lease:?} lease",
-        started.elapsed()
+        started.elapsed() >= killable.lease - Duration::from_secs(1),
+        "called again {:?} after the first call, inside the {:?} lease",
+        started.elapsed(),
+        killable.lease
     );
     assert_eq!(ledger.calls("killed"), vec![1, 2], "the retry is attempt 2");
     count_at_least(admin, "executed", 1.0).await;
     until_settled(broker).await;
     assert_eq!(ledger.calls("killed").len(), 2, "no call after the success");
+}
+
+/// `kill -9` in the middle of a batch: six messages published before the consumer starts are
+/// decided together (or in batches one after another); the fourth's call is long. The three
+/// before it are recorded and acked while it runs (the linger), so the next process answers
+/// them from the record; the fourth runs again as attempt 2 after the dead process's lease;
+/// the two after it, claimed by the dead process's batch or not, run exactly once. Nothing
+/// recorded runs twice, nothing is lost. Answers the ledger and the keys, in order.
+pub async fn kill_9_in_the_middle_of_a_batch<B: Broker>(broker: &B) -> (Ledger, Vec<String>) {
+    let keys: Vec<String> = (0..6).map(|n| format!("batch-{n}")).collect();
+    for (n, key) in keys.iter().enumerate() {
+        let payload: &[u8] = if n == 3 { b"sleep:3000" } else { b"charge" };
+        broker.publish_in_order(key, payload).await;
+    }
+    let ledger = Ledger::default();
+    let handler = start_handler(ledger.clone()).await;
+    let killable = Killable::new(broker);
+    let settings = killable.settings();
+    let first_admin = super::free_addr();
+    let mut first = start(broker, handler, first_admin, &settings).await;
+    until("the fourth call started", || ledger.calls(&keys[3]).len() == 1).await;
+    // The three before it are recorded (counted once settled) while it runs.
+    count_at_least(first_admin, "executed", 3.0).await;
+    first.kill9();
+    let _second = start(broker, handler, super::free_addr(), &settings).await;
+    until("every message after the first three ran", || {
+        ledger.calls(&keys[3]).len() == 2 && keys[4..].iter().all(|key| !ledger.calls(key).is_empty())
+    })
+    .await;
+    until_settled(broker).await;
+    for key in &keys[..3] {
+        assert_eq!(
+            ledger.calls(key),
+            vec![1],
+            "{key}: recorded before the kill, never run again"
+        );
+    }
+    assert_eq!(
+        ledger.calls(&keys[3]),
+        vec![1, 2],
+        "the killed call runs again as attempt 2"
+    );
+    for key in &keys[4..] {
+        assert_eq!(ledger.calls(key).len(), 1, "{key}: runs exactly once");
+    }
+    (ledger, keys)
 }
 
 /// SIGTERM while the handler runs: the call finishes, is recorded and acked, and the process
