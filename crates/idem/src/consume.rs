@@ -99,9 +99,10 @@ pub struct Config {
     #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = parse_retention)]
     pub retention: Duration,
     /// How many fetched messages are decided together (their keys claimed in one store round
-    /// trip, their outcomes recorded in one more; handled one after another), at most the
-    /// prefetch; 1 decides each alone. Kafka: of one partition, in order; RabbitMQ, NATS and
-    /// SQS (one receive of a standard queue): each acked once its own outcome is recorded.
+    /// trip, their outcomes recorded in one more), at most the prefetch; 1 decides each alone.
+    /// Kafka: of one partition, handled one after another, in order; RabbitMQ, NATS and SQS
+    /// (one receive of a standard queue): handled at once, each acked once its own outcome is
+    /// recorded.
     #[arg(long, env = "IDEM_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub batch: u16,
     /// How long a batch waits for more messages, and how long a handler runs before the
@@ -527,6 +528,10 @@ pub async fn consume(
         tracing::info!("shutting down: /readyz answers 503 from now on");
     });
     let shutdown: Shutdown = futures_util::FutureExt::shared(shutdown);
+    // Watched on a task of its own: a worker polls the signal only between its calls (a
+    // worker whose batches fill its concurrency looks again once one ends), and readiness
+    // must say 503 from the signal on.
+    tokio::spawn(shutdown.clone());
     // The admin listener answers probes until the worker has settled its last call.
     let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
     if let Some(addr) = config.admin_listen {

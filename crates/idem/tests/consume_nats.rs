@@ -180,6 +180,13 @@ async fn an_https_handler_of_another_ca_stops_the_consumer_at_start() {
     );
     assert!(stderr.contains(&expected), "{stderr}");
     assert!(ledger.keys().is_empty());
+    // The handler counts the refused handshake once the client has hung up: wait for it.
+    idempotency_testkit::eventually(
+        Duration::from_secs(10),
+        "the handler saw the refused handshake",
+        async || refused.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+    )
+    .await;
     assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 

@@ -1,6 +1,7 @@
 //! [`Consumer`]'s batch path ([`Processor::process_many`](crate::Processor::process_many)):
 //! the keys of a batch claimed in one store round trip, the handlers run one after another in
-//! the batch's order while the guard keeps every claimed lease alive, and the outcomes
+//! the batch's order (an ordered batch; an unordered one runs them all at once) while the
+//! guard keeps every claimed lease alive, and the outcomes
 //! recorded together before their dispositions are handed over (so before any ack): at the end
 //! of the batch, or as soon as a handler runs longer than the consumer's
 //! [linger](crate::Consumer::linger), so that a slow handler does not hold its predecessors'
@@ -51,13 +52,12 @@ where
     H: Handler<M>,
     M: Delivery + Sync,
 {
+    if !sink.is_ordered() {
+        return process_unordered(consumer, messages, sink).await;
+    }
     let started = Instant::now();
     let rules = &consumer.rules;
-    let (keys, items) = keys_of(rules, messages);
-    let claims = consumer
-        .guard
-        .claim_many::<Result<Outcome, HandlerError>>(items)
-        .await;
+    let (keys, claims) = claim_batch(consumer, messages).await;
     let mut claimed = by_message(&keys, claims);
     let leases: Vec<RunLease> = claimed
         .iter()
@@ -166,6 +166,129 @@ where
             let _ = consumer.guard.hand_back(run).await;
         }
     }
+}
+
+/// A batch of independent messages ([`Decisions::unordered`]): the keys claimed in one round
+/// trip, every claimed message's handler running at once (as the worker's concurrency ran
+/// them before batches), the outcomes recorded together as the handlers finish (those
+/// finished within the consumer's linger of each other in one round trip), and the
+/// dispositions handed over in the batch's order. Messages whose key is in flight wait for it
+/// afterwards, one by one, as single messages do.
+async fn process_unordered<S, H, M>(consumer: &Consumer<S, H>, messages: &[&M], sink: &Decisions)
+where
+    S: Store,
+    H: Handler<M>,
+    M: Delivery + Sync,
+{
+    let started = Instant::now();
+    let rules = &consumer.rules;
+    let (keys, claims) = claim_batch(consumer, messages).await;
+    let claimed = by_message(&keys, claims);
+    let mut decided = Decided {
+        dispositions: vec![None; messages.len()],
+        handed: 0,
+        nacked: false,
+        sink,
+    };
+    let mut leases = Vec::new();
+    let mut running = futures_util::stream::FuturesUnordered::new();
+    let mut in_flight = Vec::new();
+    for (index, (claim, key)) in claimed.into_iter().zip(&keys).enumerate() {
+        let message: &M = messages[index];
+        let Some(key) = key else {
+            // No usable key: the dead letter, counted and logged; or, if the key function
+            // answers differently now, the message is tried again.
+            let disposition = rules.key(message).err().unwrap_or_else(|| {
+                rules.store_unavailable(&"the message's key changed", message.delivery_count())
+            });
+            decided.set(index, disposition);
+            continue;
+        };
+        let claim = claim.unwrap_or_else(|| {
+            Err(StoreError::new(
+                ErrorKind::Protocol,
+                "the store answered fewer claims than it was asked for",
+            ))
+        });
+        match claim {
+            Err(error) => decided.set(index, rules.settle::<Outcome>(Err(error), key, message, started)),
+            Ok(Claimed::Answer(Execution::InFlight { .. })) => in_flight.push(index),
+            Ok(Claimed::Answer(answer)) => {
+                decided.set(index, rules.settle(Ok(answer), key, message, started));
+            }
+            Ok(Claimed::Run(run)) => {
+                leases.push(run.lease());
+                let handler = &consumer.handler;
+                running.push(async move {
+                    let value = catching_panics(handler.handle(message, run.attempt())).await;
+                    Ran {
+                        index,
+                        key: key.clone(),
+                        run,
+                        value,
+                    }
+                });
+            }
+        }
+    }
+    let work = async {
+        let mut ran: Vec<Ran> = Vec::new();
+        let mut flush_at: Option<tokio::time::Instant> = None;
+        loop {
+            let flush = async {
+                match flush_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                done = futures_util::StreamExt::next(&mut running) => match done {
+                    Some(done) => {
+                        ran.push(done);
+                        flush_at.get_or_insert_with(|| tokio::time::Instant::now() + consumer.linger);
+                    }
+                    None => break,
+                },
+                () = flush => {
+                    record(consumer, messages, &mut ran, &mut decided, started).await;
+                    flush_at = None;
+                }
+            }
+        }
+        record(consumer, messages, &mut ran, &mut decided, started).await;
+    };
+    tokio::select! {
+        () = work => {}
+        never = consumer.guard.keep_alive(&leases) => match never {},
+    }
+    // A key in flight (held elsewhere, or by an earlier message of this batch, now recorded)
+    // waits for its outcome as a single message does.
+    for index in in_flight {
+        if let Some(key) = &keys[index] {
+            let disposition = consumer
+                .process_keyed(messages[index], key.clone(), started)
+                .await;
+            decided.set(index, disposition);
+        }
+    }
+}
+
+/// Each message's key (see [`keys_of`]), and the claims of those that have one, in one
+/// round trip.
+async fn claim_batch<S, H, M>(
+    consumer: &Consumer<S, H>,
+    messages: &[&M],
+) -> (
+    Vec<Option<Key>>,
+    Vec<Result<Claimed<Result<Outcome, HandlerError>>, StoreError>>,
+)
+where
+    S: Store,
+    M: Delivery + Sync,
+{
+    let (keys, items) = keys_of(&consumer.rules, messages);
+    let claims = consumer.guard.claim_many(items).await;
+    (keys, claims)
 }
 
 /// What a batch claims for a message: its scope, key and fingerprint.

@@ -513,6 +513,8 @@ struct Ledger {
     poison: Vec<String>,
     /// Keys whose handler fails, to be retried.
     failing: Vec<String>,
+    /// Every handler waits here for the others before it returns.
+    barrier: Option<Arc<tokio::sync::Barrier>>,
     slow: Option<Duration>,
     blocks: Mutex<Option<String>>,
     started: tokio::sync::Notify,
@@ -527,6 +529,9 @@ impl Handler<Message> for Ledger {
             .push((key.clone(), attempt.number(), attempt.recovered()));
         if let Some(slow) = self.slow {
             tokio::time::sleep(slow).await;
+        }
+        if let Some(barrier) = &self.barrier {
+            barrier.wait().await;
         }
         if self.failing.contains(&key) {
             return Err(HandlerError::retry("the card service timed out"));
@@ -849,4 +854,24 @@ async fn a_nack_ends_an_ordered_batch_but_not_an_unordered_one() {
     let ordered = many(&consumer, &batch).await;
     assert_eq!(ordered, vec![Disposition::Ack, Disposition::Ack, nack]);
     assert_eq!(ledger.runs_of("pay-7"), 0, "nothing after the nack runs");
+}
+
+/// The handlers of a batch of independent messages run at once, as the worker's concurrency
+/// ran them before batches: four handlers that each wait for the other three all return.
+#[tokio::test(start_paused = true)]
+async fn an_unordered_batch_runs_its_handlers_at_once() {
+    let ledger = Ledger {
+        barrier: Some(Arc::new(tokio::sync::Barrier::new(4))),
+        ..Ledger::default()
+    };
+    let (consumer, ledger) = batch_consumer(ledger, Duration::from_secs(60));
+    let messages = payments(1..=4);
+    let decided = tokio::time::timeout(
+        Duration::from_secs(600),
+        decide(&consumer, &messages, idempotency_consumer::Decisions::unordered()),
+    )
+    .await
+    .expect("the handlers waited for each other: they ran one after another");
+    assert_eq!(decided, vec![Disposition::Ack; 4]);
+    assert_eq!(ledger.runs.lock().unwrap().len(), 4);
 }
