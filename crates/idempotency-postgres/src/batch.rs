@@ -29,21 +29,28 @@ use crate::error::map_error;
 use crate::sql::Statements;
 use crate::store::{begin_on, complete_on, decode_record};
 
-/// The positions of `batch` in lock order, split into the first call on each key and the
-/// calls that repeat a key already seen (they run alone, after the first).
-fn split_repeats<T: idempotency_core::BatchCall>(batch: &[T]) -> (Vec<usize>, Vec<usize>) {
-    let (mut firsts, mut repeats) = (Vec::with_capacity(batch.len()), Vec::new());
-    let mut previous: Option<usize> = None;
-    for at in lock_order(batch) {
-        match previous {
-            Some(p) if batch[p].record_key() == batch[at].record_key() => repeats.push(at),
-            _ => {
-                firsts.push(at);
-                previous = Some(at);
-            }
+/// The positions of `batch` in lock order, and of those the first call on each key (the
+/// calls that repeat a key run alone, after the statement).
+fn firsts_in_lock_order<T: idempotency_core::BatchCall>(batch: &[T]) -> (Vec<usize>, Vec<usize>) {
+    let order = lock_order(batch);
+    let mut firsts: Vec<usize> = Vec::with_capacity(batch.len());
+    for &at in &order {
+        if firsts
+            .last()
+            .is_none_or(|&previous| batch[previous].record_key() != batch[at].record_key())
+        {
+            firsts.push(at);
         }
     }
-    (firsts, repeats)
+    (order, firsts)
+}
+
+/// The answers of a batch once every call has one.
+fn answered<R>(answers: Vec<Option<Result<R, StoreError>>>) -> Vec<Result<R, StoreError>> {
+    answers
+        .into_iter()
+        .map(|answer| answer.unwrap_or_else(|| unreachable!("every call of the batch was answered")))
+        .collect()
 }
 
 /// The position in the statement's arrays (`WITH ORDINALITY`, from 1) a row answers.
@@ -60,7 +67,7 @@ pub(crate) async fn begin_batch(
     sql: &Statements,
     requests: &[BeginRequest],
 ) -> Vec<Result<Claim, StoreError>> {
-    let (firsts, repeats) = split_repeats(requests);
+    let (order, firsts) = firsts_in_lock_order(requests);
     let mut answers: Vec<Option<Result<Claim, StoreError>>> =
         std::iter::repeat_with(|| None).take(requests.len()).collect();
     let sent: Vec<&BeginRequest> = firsts.iter().map(|&at| &requests[at]).collect();
@@ -98,26 +105,12 @@ pub(crate) async fn begin_batch(
         }
     }
     // What the statement left open (and every repeated key) runs alone, in lock order.
-    let mut alone: Vec<usize> = firsts
-        .iter()
-        .copied()
-        .filter(|&at| answers[at].is_none())
-        .collect();
-    alone.extend(repeats);
-    alone.sort_by_key(|&at| lock_order_rank(requests, at));
-    for at in alone {
-        answers[at] = Some(begin_on(connection, sql, &requests[at]).await);
+    for at in order {
+        if answers[at].is_none() {
+            answers[at] = Some(begin_on(connection, sql, &requests[at]).await);
+        }
     }
-    answers
-        .into_iter()
-        .map(|answer| answer.unwrap_or_else(|| unreachable!("every request was answered")))
-        .collect()
-}
-
-/// The rank of `at` in the lock order of `batch` (ties keep the batch's order).
-fn lock_order_rank<T: idempotency_core::BatchCall>(batch: &[T], at: usize) -> (String, String, usize) {
-    let (scope, key) = batch[at].record_key();
-    (scope.as_str().to_owned(), key.as_str().to_owned(), at)
+    answered(answers)
 }
 
 /// One row of the batch `begin`: the position it answers and, when the statement decided it,
@@ -163,7 +156,7 @@ pub(crate) async fn complete_batch(
     sql: &Statements,
     completions: &[Completion],
 ) -> Vec<Result<Fenced<Timestamp>, StoreError>> {
-    let (firsts, repeats) = split_repeats(completions);
+    let (order, firsts) = firsts_in_lock_order(completions);
     let mut answers: Vec<Option<Result<Fenced<Timestamp>, StoreError>>> =
         std::iter::repeat_with(|| None).take(completions.len()).collect();
     // A completion by no attempt's token is fenced without asking the server, as `complete`.
@@ -232,12 +225,12 @@ pub(crate) async fn complete_batch(
             answers[at].get_or_insert(Ok(Fenced::LeaseLost));
         }
     }
-    for at in repeats {
-        let c = &completions[at];
-        answers[at] = Some(complete_on(connection, sql, &c.held, &c.outcome, c.retention).await);
+    // A key completed twice in the batch: the repeats, alone.
+    for at in order {
+        if answers[at].is_none() {
+            let c = &completions[at];
+            answers[at] = Some(complete_on(connection, sql, &c.held, &c.outcome, c.retention).await);
+        }
     }
-    answers
-        .into_iter()
-        .map(|answer| answer.unwrap_or_else(|| unreachable!("every completion was answered")))
-        .collect()
+    answered(answers)
 }
