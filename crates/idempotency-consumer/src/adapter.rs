@@ -336,17 +336,14 @@ impl<B: Broker> Pipeline<B> {
             let (decided, mut dispositions) = Decisions::unordered();
             // The sink is dropped once the processor is done: the receiver then ends with what
             // was handed.
-            let deciding = async move {
-                self.decide_many(processor, rest, &decided).await;
-                decided.count()
-            };
+            let deciding = async move { self.decide_many(processor, rest, &decided).await };
             tokio::pin!(deciding);
             let mut settling: FuturesOrdered<BoxFuture<'_, Result<Disposition, AdapterError>>> =
                 FuturesOrdered::new();
-            let (mut handed, mut received) = (None, 0);
+            let (mut done, mut received) = (false, 0);
             loop {
                 tokio::select! {
-                    count = &mut deciding, if handed.is_none() => handed = Some(count),
+                    () = &mut deciding, if !done => done = true,
                     Some(disposition) = dispositions.recv() => {
                         if let Some(message) = rest.get(received) {
                             settling.push_back(Box::pin(async move {
@@ -360,7 +357,7 @@ impl<B: Broker> Pipeline<B> {
                 }
             }
             // `decide_many` hands at least one disposition for a non-empty batch.
-            rest = &rest[handed.unwrap_or(received).clamp(1, rest.len())..];
+            rest = &rest[received.clamp(1, rest.len())..];
         }
         answers
     }
