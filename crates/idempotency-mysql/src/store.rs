@@ -5,15 +5,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::{AfterConnect, Connections};
+use idempotency_core::connections::{AfterConnect, Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
+use idempotency_core::sql::admin::{self, Read, SqlReads};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
-    Record, RecordColumns, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError,
-    Timestamp, Token, begin_each, complete_each, duration_millis, stored_millis,
+    Record, RecordColumns, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
+    begin_each, complete_each, stored_millis,
 };
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{
+    MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlQueryResult, MySqlRow,
+};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
 use crate::error::{DEADLOCK, DUPLICATE_KEY, map_error, number};
@@ -657,19 +660,7 @@ impl Store for MysqlStore {
     }
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let row = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().get)))
-                    .bind(scope.as_str())
-                    .bind(key.as_str())
-                    .fetch_optional(connection)
-                    .await
-                    .map_err(|e| map_error("get", e))
-            })
-            .await?;
-        row.map(|row| decode_record(&row, 0)).transpose()
+        admin::get(self, scope, key).await
     }
 
     /// One transaction on one connection for the whole batch: each request's statements as
@@ -703,80 +694,62 @@ impl Store for MysqlStore {
 #[async_trait]
 impl StoreAdmin for MysqlStore {
     async fn now(&self) -> Result<Timestamp, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let millis: i64 = self
-            .connections
-            .run(async |connection| {
-                sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.statements().now)))
-                    .fetch_one(connection)
-                    .await
-                    .map_err(|e| map_error("read the server's clock", e))
-            })
-            .await?;
-        Ok(Timestamp::from_unix_millis(millis))
+        admin::now(self).await
     }
 
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let scope = scope.map(Scope::as_str);
-        let row = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().stats)))
-                    .bind(scope)
-                    .bind(scope)
-                    .fetch_one(connection)
-                    .await
-                    .map_err(|e| map_error("stats", e))
-            })
-            .await?;
-        sql_rows::stats(&row)
+        admin::stats(self, scope).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
-        let (after_scope, after_key) = match &filter.after {
-            Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
-            None => (None, None),
-        };
-        let scope = filter.scope.as_ref().map(Scope::as_str);
-        let completed = filter.state.map(|state| state == StateFilter::Completed);
-        let older_than = filter.older_than.map(duration_millis);
-        let _lane = self.lanes.new_work().await?;
-        let rows = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().list)))
-                    .bind(scope)
-                    .bind(scope)
-                    .bind(completed)
-                    .bind(completed)
-                    .bind(older_than)
-                    .bind(older_than)
-                    .bind(after_scope)
-                    .bind(after_scope)
-                    .bind(after_key)
-                    .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
-                    .fetch_all(connection)
-                    .await
-                    .map_err(|e| map_error("list", e))
-            })
-            .await?;
-        rows.iter().map(sql_rows::summary).collect()
+        admin::list(self, filter).await
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let done = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().purge)))
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                    .execute(connection)
-                    .await
-                    .map_err(|e| map_error("purge expired records", e))
-            })
-            .await?;
-        Ok(done.rows_affected())
+        admin::purge_expired(self, limit).await
+    }
+}
+
+/// MySQL binds its `?` one by one: a parameter tested for NULL and then compared with is bound
+/// twice (see the statements in `sql`).
+impl SqlReads for MysqlStore {
+    type Engine = sqlx::MySql;
+
+    fn connections(&self) -> &Connections<MySqlConnection> {
+        &self.connections
+    }
+
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
+    }
+
+    fn statement(&self, read: Read) -> Arc<str> {
+        let sql = self.statements();
+        Arc::clone(match read {
+            Read::Get => &sql.get,
+            Read::Now => &sql.now,
+            Read::Stats => &sql.stats,
+            Read::List => &sql.list,
+            Read::Purge => &sql.purge,
+        })
+    }
+
+    fn placeholders(read: Read) -> &'static [usize] {
+        match read {
+            Read::Get => &[0, 1],
+            Read::Now => &[],
+            Read::Stats => &[0, 0],
+            Read::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
+            Read::Purge => &[0],
+        }
+    }
+
+    fn map_error() -> MapError {
+        map_error
+    }
+
+    fn rows_affected(done: &MySqlQueryResult) -> u64 {
+        done.rows_affected()
     }
 }
 

@@ -54,6 +54,8 @@ pub(crate) struct Statements {
     pub(crate) stats: Arc<str>,
     pub(crate) list: Arc<str>,
     pub(crate) purge: Arc<str>,
+    /// The server's clock in Unix milliseconds.
+    pub(crate) now: Arc<str>,
 }
 
 impl Statements {
@@ -309,6 +311,7 @@ impl Statements {
                      SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))"
             )
             .into(),
+            now: "SELECT (extract(epoch FROM now()) * 1000)::int8".into(),
             table: table.to_string(),
             schema: schema.to_string(),
         }

@@ -4,15 +4,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::Connections;
+use idempotency_core::connections::{Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
+use idempotency_core::sql::admin::{self, Read, SqlReads};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
-    Record, RecordState, RecordSummary, Scope, StateFilter, Stats, Store, StoreAdmin, StoreError, Timestamp,
-    Token, begin_each, complete_each, duration_millis, failed_batch, stored_millis,
+    Record, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
+    begin_each, complete_each, failed_batch, stored_millis,
 };
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::batch;
@@ -439,19 +440,7 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let row = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.get)))
-                    .bind(scope.as_str())
-                    .bind(key.as_str())
-                    .fetch_optional(connection)
-                    .await
-                    .map_err(|e| map_error("get", e))
-            })
-            .await?;
-        row.map(|row| decode_record(&row, 0)).transpose()
+        admin::get(self, scope, key).await
     }
 
     /// One statement for the whole batch ([`Operation::BeginMany`]): the new keys are inserted
@@ -515,71 +504,59 @@ impl PostgresStore {
 #[async_trait]
 impl StoreAdmin for PostgresStore {
     async fn now(&self) -> Result<Timestamp, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let millis: i64 = self
-            .connections
-            .run(async |connection| {
-                sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
-                    .fetch_one(connection)
-                    .await
-                    .map_err(|e| map_error("read the server's clock", e))
-            })
-            .await?;
-        Ok(Timestamp::from_unix_millis(millis))
+        admin::now(self).await
     }
 
     async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let row = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.stats)))
-                    .bind(scope.map(Scope::as_str))
-                    .fetch_one(connection)
-                    .await
-                    .map_err(|e| map_error("stats", e))
-            })
-            .await?;
-        sql_rows::stats(&row)
+        admin::stats(self, scope).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
-        let (after_scope, after_key) = match &filter.after {
-            Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
-            None => (None, None),
-        };
-        let _lane = self.lanes.new_work().await?;
-        let rows = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
-                    .bind(filter.scope.as_ref().map(Scope::as_str))
-                    .bind(filter.state.map(|state| state == StateFilter::Completed))
-                    .bind(filter.older_than.map(duration_millis))
-                    .bind(after_scope)
-                    .bind(after_key)
-                    .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
-                    .fetch_all(connection)
-                    .await
-                    .map_err(|e| map_error("list", e))
-            })
-            .await?;
-        rows.iter().map(sql_rows::summary).collect()
+        admin::list(self, filter).await
     }
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        let done = self
-            .connections
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                    .execute(connection)
-                    .await
-                    .map_err(|e| map_error("purge expired records", e))
-            })
-            .await?;
-        Ok(done.rows_affected())
+        admin::purge_expired(self, limit).await
+    }
+}
+
+/// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Read`]'s order.
+impl SqlReads for PostgresStore {
+    type Engine = sqlx::Postgres;
+
+    fn connections(&self) -> &Connections<PgConnection> {
+        &self.connections
+    }
+
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
+    }
+
+    fn statement(&self, read: Read) -> Arc<str> {
+        Arc::clone(match read {
+            Read::Get => &self.sql.get,
+            Read::Now => &self.sql.now,
+            Read::Stats => &self.sql.stats,
+            Read::List => &self.sql.list,
+            Read::Purge => &self.sql.purge,
+        })
+    }
+
+    fn placeholders(read: Read) -> &'static [usize] {
+        match read {
+            Read::Get => &[0, 1],
+            Read::Now => &[],
+            Read::Stats | Read::Purge => &[0],
+            Read::List => &[0, 1, 2, 3, 4, 5],
+        }
+    }
+
+    fn map_error() -> MapError {
+        map_error
+    }
+
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
     }
 }
 

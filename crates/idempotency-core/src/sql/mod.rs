@@ -1,6 +1,6 @@
 //! What the sqlx-based stores (PostgreSQL, MySQL) share once their server has answered
-//! (feature `sqlx`): classifying sqlx's errors, and decoding the rows every such store selects
-//! in the same column order.
+//! (feature `sqlx`): classifying sqlx's errors, decoding the rows every such store selects in
+//! the same column order, and the reads and the purge those rows come from ([`admin`]).
 //!
 //! The stores differ in their statements (one statement per operation on PostgreSQL, a read
 //! then a write under a row lock on MySQL), their placeholders and their servers' error codes;
@@ -20,6 +20,8 @@
 //! and [`stats`] reads expired, in flight, stale leases, completed (counts), the oldest
 //! acquisition in flight (ms or NULL) and the server's time (ms). Integers are read as `i64`
 //! on every server: a store whose column is narrower casts it in the statement.
+
+pub mod admin;
 
 use futures_util::future::BoxFuture;
 use sqlx::error::DatabaseError;
@@ -203,7 +205,7 @@ fn percent_decoded(text: &str) -> String {
 }
 
 /// Column `index` of `row` as `T`; a decode error is [`ErrorKind::Protocol`], saying `doing`.
-fn get<'r, R, T>(row: &'r R, index: usize, doing: &str) -> Result<T, StoreError>
+pub(crate) fn column<'r, R, T>(row: &'r R, index: usize, doing: &str) -> Result<T, StoreError>
 where
     R: Row,
     usize: ColumnIndex<R>,
@@ -226,18 +228,18 @@ where
     i64: Decode<'r, R::Database> + Type<R::Database>,
     bool: Decode<'r, R::Database> + Type<R::Database>,
 {
-    let fingerprint: Vec<u8> = get(row, at + 2, DECODE)?;
+    let fingerprint: Vec<u8> = column(row, at + 2, DECODE)?;
     Ok(RecordParts {
-        scope: get(row, at, DECODE)?,
-        key: get(row, at + 1, DECODE)?,
+        scope: column(row, at, DECODE)?,
+        key: column(row, at + 1, DECODE)?,
         fingerprint: Fingerprint::from_slice(&fingerprint)?,
-        attempt: get(row, at + 3, DECODE)?,
-        created_at: get(row, at + 4, DECODE)?,
-        expires_at: get(row, at + 5, DECODE)?,
-        completed: get(row, at + times - 1, DECODE)?,
-        acquired_at: get(row, at + times, DECODE)?,
-        lease_until: get(row, at + times + 1, DECODE)?,
-        completed_at: get(row, at + times + 2, DECODE)?,
+        attempt: column(row, at + 3, DECODE)?,
+        created_at: column(row, at + 4, DECODE)?,
+        expires_at: column(row, at + 5, DECODE)?,
+        completed: column(row, at + times - 1, DECODE)?,
+        acquired_at: column(row, at + times, DECODE)?,
+        lease_until: column(row, at + times + 1, DECODE)?,
+        completed_at: column(row, at + times + 2, DECODE)?,
     })
 }
 
@@ -257,8 +259,8 @@ where
     bool: Decode<'r, R::Database> + Type<R::Database>,
 {
     let parts = parts(row, at, 8)?;
-    let token: Vec<u8> = get(row, at + 6, DECODE)?;
-    let outcome: Option<Vec<u8>> = get(row, at + 11, DECODE)?;
+    let token: Vec<u8> = column(row, at + 6, DECODE)?;
+    let outcome: Option<Vec<u8>> = column(row, at + 11, DECODE)?;
     Ok(parts.into_record(Token::from_slice(&token)?, outcome.map(Outcome::new))?)
 }
 
@@ -277,7 +279,7 @@ where
     bool: Decode<'r, R::Database> + Type<R::Database>,
 {
     let parts = parts(row, 0, 7)?;
-    let len: Option<i64> = get(row, 10, DECODE)?;
+    let len: Option<i64> = column(row, 10, DECODE)?;
     Ok(parts.into_summary(len)?)
 }
 
@@ -294,11 +296,11 @@ where
 {
     const DOING: &str = "decode stats";
     let count = |i: usize| -> Result<u64, StoreError> {
-        let n: i64 = get(row, i, DOING)?;
+        let n: i64 = column(row, i, DOING)?;
         Ok(u64::try_from(n).unwrap_or(0))
     };
-    let oldest: Option<i64> = get(row, 4, DOING)?;
-    let now = Timestamp::from_unix_millis(get(row, 5, DOING)?);
+    let oldest: Option<i64> = column(row, 4, DOING)?;
+    let now = Timestamp::from_unix_millis(column(row, 5, DOING)?);
     Ok(Stats {
         expired: count(0)?,
         in_flight: count(1)?,

@@ -1,0 +1,296 @@
+//! The reads and the purge of a sqlx-based store, written once: [`get`], [`now`], [`stats`],
+//! [`list`] and [`purge_expired`] run a store's statement on one of its connections, bind the
+//! parameters in the order its placeholders take them and decode the rows (see the column
+//! table in [`crate::sql`]).
+//!
+//! A store implements [`SqlReads`]: its connections, its lanes, its statements, and which
+//! parameter each placeholder takes ([`SqlReads::placeholders`]): PostgreSQL numbers its
+//! placeholders (`$1` stands wherever the scope does), MySQL's `?` are bound one by one, so
+//! a statement that tests a parameter for NULL and compares with it names it twice.
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Type};
+
+use crate::connections::{Connections, MapError};
+use crate::{
+    Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
+};
+
+/// A value bound to a placeholder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param<'a> {
+    /// Text, or NULL.
+    Text(Option<&'a str>),
+    /// A 64-bit integer, or NULL.
+    Int(Option<i64>),
+    /// A boolean, or NULL.
+    Bool(Option<bool>),
+}
+
+/// What [`SqlReads::statement`] is asked for, with the parameters each statement takes, in this
+/// order (a placeholder takes one of them by its index, [`SqlReads::placeholders`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Read {
+    /// A live record by scope and key: scope, key. Selects the record's twelve columns.
+    Get,
+    /// The server's clock: no parameters. Selects Unix milliseconds (`i64`).
+    Now,
+    /// The statistics of a scope or of every scope: scope or NULL.
+    Stats,
+    /// One page of live records: scope or NULL, completed or NULL, older-than ms or NULL, the
+    /// scope and the key to resume after (or NULL), the page's size.
+    List,
+    /// Deletes expired records, oldest first: how many at most.
+    Purge,
+}
+
+/// A sqlx database whose types carry what the stores bind and decode: implemented for every
+/// such database (PostgreSQL, MySQL), so that the functions of this module are written once.
+pub trait Engine: Database {
+    /// Runs `statement` with `params` bound in order on `connection`; its rows.
+    fn fetch_all<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: Vec<Param<'c>>,
+    ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>>;
+
+    /// Runs `statement` with `params` bound in order on `connection`; the server's summary.
+    fn execute<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: Vec<Param<'c>>,
+    ) -> BoxFuture<'c, Result<Self::QueryResult, sqlx::Error>>;
+
+    /// The record whose twelve columns start at column `at` ([`crate::sql::record`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::sql::record`].
+    fn record(row: &Self::Row, at: usize) -> Result<Record, StoreError>;
+
+    /// A `list` row ([`crate::sql::summary`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::sql::summary`].
+    fn summary(row: &Self::Row) -> Result<RecordSummary, StoreError>;
+
+    /// A `stats` row ([`crate::sql::stats`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::sql::stats`].
+    fn stats(row: &Self::Row) -> Result<Stats, StoreError>;
+
+    /// Column `at` of `row` as an `i64`.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::ErrorKind::Protocol`] when it does not decode.
+    fn int(row: &Self::Row, at: usize) -> Result<i64, StoreError>;
+}
+
+impl<DB> Engine for DB
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<i64>: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<bool>: Encode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB> + Type<DB>,
+    for<'r> bool: Decode<'r, DB> + Type<DB>,
+{
+    fn fetch_all<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: Vec<Param<'c>>,
+    ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>> {
+        Box::pin(async move { bound::<DB>(statement, &params).fetch_all(connection).await })
+    }
+
+    fn execute<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: Vec<Param<'c>>,
+    ) -> BoxFuture<'c, Result<Self::QueryResult, sqlx::Error>> {
+        Box::pin(async move { bound::<DB>(statement, &params).execute(connection).await })
+    }
+
+    fn record(row: &Self::Row, at: usize) -> Result<Record, StoreError> {
+        crate::sql::record(row, at)
+    }
+
+    fn summary(row: &Self::Row) -> Result<RecordSummary, StoreError> {
+        crate::sql::summary(row)
+    }
+
+    fn stats(row: &Self::Row) -> Result<Stats, StoreError> {
+        crate::sql::stats(row)
+    }
+
+    fn int(row: &Self::Row, at: usize) -> Result<i64, StoreError> {
+        crate::sql::column(row, at, "decode an integer")
+    }
+}
+
+/// `statement` with `params` bound in order.
+fn bound<'q, DB>(statement: Arc<str>, params: &[Param<'q>]) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    for<'v> Option<&'v str>: Encode<'v, DB> + Type<DB>,
+    for<'v> Option<i64>: Encode<'v, DB> + Type<DB>,
+    for<'v> Option<bool>: Encode<'v, DB> + Type<DB>,
+{
+    params.iter().fold(
+        sqlx::query(sqlx::AssertSqlSafe(statement)),
+        |query, param| match *param {
+            Param::Text(text) => query.bind(text),
+            Param::Int(int) => query.bind(int),
+            Param::Bool(flag) => query.bind(flag),
+        },
+    )
+}
+
+/// What a sqlx-based store gives the functions of this module.
+pub trait SqlReads: Send + Sync {
+    /// The store's database.
+    type Engine: Engine;
+
+    /// The connections the store's operations run on.
+    fn connections(&self) -> &Connections<<Self::Engine as Database>::Connection>;
+
+    /// The lanes new work waits for ([`Lanes::new_work`]).
+    fn lanes(&self) -> &Lanes;
+
+    /// The statement for `read`.
+    fn statement(&self, read: Read) -> Arc<str>;
+
+    /// Which of `read`'s parameters (see [`Read`]) each of its statement's placeholders takes,
+    /// in the order the driver binds them.
+    fn placeholders(read: Read) -> &'static [usize];
+
+    /// Classifies the server's errors.
+    fn map_error() -> MapError;
+
+    /// How many rows a statement wrote (sqlx has no trait for it).
+    fn rows_affected(done: &<Self::Engine as Database>::QueryResult) -> u64;
+}
+
+/// Runs `read` with `params` (in [`Read`]'s order, bound in the store's placeholder order) on a
+/// connection of `store`'s, after a lane for new work: its rows.
+async fn rows<S: SqlReads>(
+    store: &S,
+    read: Read,
+    doing: &str,
+    params: &[Param<'_>],
+) -> Result<Vec<<S::Engine as Database>::Row>, StoreError> {
+    let _lane = store.lanes().new_work().await?;
+    let statement = store.statement(read);
+    let map_error = S::map_error();
+    store
+        .connections()
+        .run(async |connection| {
+            let bound = S::placeholders(read).iter().map(|&at| params[at]).collect();
+            S::Engine::fetch_all(connection, statement, bound)
+                .await
+                .map_err(|e| map_error(doing, e))
+        })
+        .await
+}
+
+/// The live record of `scope` and `key`, if any ([`Store::get`](crate::Store::get)).
+///
+/// # Errors
+///
+/// The store's: no connection, the server's error, a row that does not decode.
+pub async fn get<S: SqlReads>(store: &S, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+    let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
+    let rows = rows(store, Read::Get, "get", &params).await?;
+    rows.first().map(|row| S::Engine::record(row, 0)).transpose()
+}
+
+/// The server's clock ([`StoreAdmin::now`](crate::StoreAdmin::now)).
+///
+/// # Errors
+///
+/// As [`get`].
+pub async fn now<S: SqlReads>(store: &S) -> Result<Timestamp, StoreError> {
+    let rows = rows(store, Read::Now, "read the server's clock", &[]).await?;
+    let row = rows.first().ok_or_else(|| no_row("read the server's clock"))?;
+    Ok(Timestamp::from_unix_millis(S::Engine::int(row, 0)?))
+}
+
+/// The statistics of `scope`, or of every scope ([`StoreAdmin::stats`](crate::StoreAdmin::stats)).
+///
+/// # Errors
+///
+/// As [`get`].
+pub async fn stats<S: SqlReads>(store: &S, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+    let rows = rows(
+        store,
+        Read::Stats,
+        "stats",
+        &[Param::Text(scope.map(Scope::as_str))],
+    )
+    .await?;
+    S::Engine::stats(rows.first().ok_or_else(|| no_row("stats"))?)
+}
+
+/// One page of the live records `filter` selects ([`StoreAdmin::list`](crate::StoreAdmin::list)).
+///
+/// # Errors
+///
+/// As [`get`].
+pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+    let (after_scope, after_key) = match &filter.after {
+        Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
+        None => (None, None),
+    };
+    let params = [
+        Param::Text(filter.scope.as_ref().map(Scope::as_str)),
+        Param::Bool(filter.state.map(|state| state == StateFilter::Completed)),
+        Param::Int(filter.older_than.map(crate::duration_millis)),
+        Param::Text(after_scope),
+        Param::Text(after_key),
+        Param::Int(Some(i64::try_from(filter.limit).unwrap_or(i64::MAX))),
+    ];
+    let rows = rows(store, Read::List, "list", &params).await?;
+    rows.iter().map(S::Engine::summary).collect()
+}
+
+/// Deletes at most `limit` expired records, oldest first; how many it deleted
+/// ([`StoreAdmin::purge_expired`](crate::StoreAdmin::purge_expired)).
+///
+/// # Errors
+///
+/// The store's: no connection, the server's error.
+pub async fn purge_expired<S: SqlReads>(store: &S, limit: u64) -> Result<u64, StoreError> {
+    const DOING: &str = "purge expired records";
+    let _lane = store.lanes().new_work().await?;
+    let statement = store.statement(Read::Purge);
+    let map_error = S::map_error();
+    let limit = [Param::Int(Some(i64::try_from(limit).unwrap_or(i64::MAX)))];
+    let done = store
+        .connections()
+        .run(async |connection| {
+            let bound = S::placeholders(Read::Purge).iter().map(|&at| limit[at]).collect();
+            S::Engine::execute(connection, statement, bound)
+                .await
+                .map_err(|e| map_error(DOING, e))
+        })
+        .await?;
+    Ok(S::rows_affected(&done))
+}
+
+fn no_row(doing: &str) -> StoreError {
+    StoreError::new(
+        crate::ErrorKind::Protocol,
+        format!("{doing}: the server answered no row"),
+    )
+}
