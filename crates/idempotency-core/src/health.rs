@@ -14,7 +14,7 @@ use async_trait::async_trait;
 
 use crate::{
     BeginRequest, Claim, Completion, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope,
-    Stats, Store, StoreAdmin, StoreError, Timestamp,
+    Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
 };
 
 /// The results of a store's recent writes: shared by a [`Watched`] store and whoever reports
@@ -206,6 +206,10 @@ impl<S: StoreAdmin> StoreAdmin for Watched<S> {
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         self.record(self.inner.purge_expired(limit).await)
+    }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        self.record(self.inner.forget(scope, key, token).await)
     }
 
     fn expires_by_itself(&self) -> bool {

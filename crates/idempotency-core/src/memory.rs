@@ -20,7 +20,7 @@ use crate::machine::{self, Effect};
 use crate::{
     Access, BeginRequest, Claim, Clock, DynStore, ErrorKind, Fenced, Held, Key, ListFilter, OpenFuture,
     Outcome, Record, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, StoreKind, SystemClock,
-    Timestamp,
+    Timestamp, Token,
 };
 
 const SHARDS: usize = 64;
@@ -294,6 +294,18 @@ impl StoreAdmin for MemoryStore {
             });
         }
         Ok(purged)
+    }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let mut shard = self.shard(scope, key);
+        let now = self.now();
+        let address = (scope.clone(), key.clone());
+        let held =
+            machine::live(now, shard.records.get(&address)).is_some_and(|record| record.token() == token);
+        if held {
+            shard.records.remove(&address);
+        }
+        Ok(Fenced::accepted_if(held))
     }
 }
 

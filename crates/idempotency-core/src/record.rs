@@ -356,6 +356,18 @@ pub enum Fenced<T> {
     LeaseLost,
 }
 
+impl Fenced<()> {
+    /// [`Fenced::Accepted`] when the fenced write happened (the token held the record),
+    /// [`Fenced::LeaseLost`] otherwise.
+    pub fn accepted_if(written: bool) -> Self {
+        if written {
+            Self::Accepted(())
+        } else {
+            Self::LeaseLost
+        }
+    }
+}
+
 impl<T> Fenced<T> {
     /// Whether the token was rejected.
     pub fn is_lease_lost(&self) -> bool {
@@ -449,6 +461,16 @@ impl Record {
                     outcome_len: outcome.len(),
                 },
             },
+        }
+    }
+
+    /// The token the record holds: its current attempt's while in flight ([`Token::NONE`] once
+    /// released), the completing attempt's once completed. [`StoreAdmin::forget`](crate::StoreAdmin::forget)
+    /// is fenced by it.
+    #[must_use]
+    pub fn token(&self) -> Token {
+        match &self.state {
+            RecordState::InFlight { token, .. } | RecordState::Completed { token, .. } => *token,
         }
     }
 

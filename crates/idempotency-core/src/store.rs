@@ -14,7 +14,7 @@ use async_trait::async_trait;
 
 use crate::{
     BeginRequest, Claim, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope, Stats,
-    Timestamp,
+    Timestamp, Token,
 };
 
 /// The class of a [`StoreError`], for deciding what to do about it.
@@ -451,6 +451,15 @@ pub trait StoreAdmin: Store {
     /// until it returns less than `limit` to purge everything.
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError>;
 
+    /// Deletes the live record of `scope` and `key` if it still holds `token` ([`Record::token`]
+    /// of the record an operator read with [`Store::get`]), so that the key runs again as a new
+    /// first attempt: [`Fenced::Accepted`]. When the record is gone, expired, or holds another
+    /// token (taken over, completed by another attempt, or created anew since it was read),
+    /// nothing is deleted: [`Fenced::LeaseLost`]. Deleting an in-flight record lets a second
+    /// attempt run beside the first: operators' tools ask for that explicitly
+    /// (`idem keys forget --force`).
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError>;
+
     /// The store's clock now: the time its records' leases and expiries are measured against,
     /// which operators' tools compare them with (never the tool host's clock, which may be
     /// skewed). The default is the local system clock, right for stores on it; stores on a
@@ -505,6 +514,9 @@ macro_rules! forward_store {
             }
             async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
                 (**self).purge_expired(limit).await
+            }
+            async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+                (**self).forget(scope, key, token).await
             }
             fn expires_by_itself(&self) -> bool {
                 (**self).expires_by_itself()

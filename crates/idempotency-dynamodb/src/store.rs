@@ -775,38 +775,74 @@ impl StoreAdmin for DynamoDbStore {
                 continue;
             }
             // Only if it is still the expired item that was scanned.
-            let deleted = self
-                .client
-                .delete_item()
-                .table_name(&self.options.table)
-                .key(PK, Self::pk(&stored.record.scope, &stored.record.key))
-                .condition_expression("#v = :v")
-                .expression_attribute_names("#v", VERSION)
-                .expression_attribute_values(":v", number(stored.version))
-                .send()
-                .await;
-            match deleted {
-                Ok(_) => {
-                    purged += 1;
-                    let pk = Key::qualified(&stored.record.scope, &stored.record.key);
-                    for index in 0..chunks {
-                        self.client
-                            .delete_item()
-                            .table_name(&self.options.table)
-                            .key(PK, Self::chunk_pk(pk.as_str(), index))
-                            .send()
-                            .await
-                            .map_err(|e| sdk("delete an outcome chunk", &e))?;
-                    }
-                }
-                Err(error)
-                    if error
-                        .as_service_error()
-                        .is_some_and(|e| e.is_conditional_check_failed_exception()) => {}
-                Err(error) => return Err(sdk("delete an expired record", &error)),
+            if self
+                .delete_stored(&stored, chunks, "delete an expired record")
+                .await?
+            {
+                purged += 1;
             }
         }
         Ok(purged)
+    }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let pk = Key::qualified(scope, key);
+        let Some(item) = self
+            .get_item(AttributeValue::S(pk.as_str().to_owned()), "read a record")
+            .await?
+        else {
+            return Ok(Fenced::LeaseLost);
+        };
+        let stored = self.load(&item).await?;
+        let now = self.now();
+        if stored.record.is_expired(now) || stored.record.token() != token {
+            return Ok(Fenced::LeaseLost);
+        }
+        // Only if it is still the item that was read.
+        let deleted = self
+            .delete_stored(&stored, attribute_count(&item, CHUNKS), "forget a record")
+            .await?;
+        Ok(Fenced::accepted_if(deleted))
+    }
+}
+
+impl DynamoDbStore {
+    /// Deletes `stored`'s item if it still has the version that was read, then its outcome's
+    /// `chunks`: whether it was deleted (`false`: written since).
+    async fn delete_stored(&self, stored: &Stored, chunks: usize, what: &str) -> Result<bool, StoreError> {
+        let deleted = self
+            .client
+            .delete_item()
+            .table_name(&self.options.table)
+            .key(PK, Self::pk(&stored.record.scope, &stored.record.key))
+            .condition_expression("#v = :v")
+            .expression_attribute_names("#v", VERSION)
+            .expression_attribute_values(":v", number(stored.version))
+            .send()
+            .await;
+        match deleted {
+            Ok(_) => {
+                let pk = Key::qualified(&stored.record.scope, &stored.record.key);
+                for index in 0..chunks {
+                    self.client
+                        .delete_item()
+                        .table_name(&self.options.table)
+                        .key(PK, Self::chunk_pk(pk.as_str(), index))
+                        .send()
+                        .await
+                        .map_err(|e| sdk("delete an outcome chunk", &e))?;
+                }
+                Ok(true)
+            }
+            Err(error)
+                if error
+                    .as_service_error()
+                    .is_some_and(|e| e.is_conditional_check_failed_exception()) =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(sdk(what, &error)),
+        }
     }
 }
 

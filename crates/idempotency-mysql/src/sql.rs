@@ -73,6 +73,8 @@ pub(crate) struct Statements {
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) list: Arc<str>,
+    /// Scope, key, token: deletes a live record that holds the token.
+    pub(crate) forget: Arc<str>,
     pub(crate) purge: Arc<str>,
 }
 
@@ -224,6 +226,8 @@ impl Statements {
                 completed = ms("r.completed_at"),
             )
             .into(),
+            // Parameters: scope, key, token.
+            forget: format!("DELETE FROM {t} WHERE {record} AND token = ? AND {live}").into(),
             // Parameters: limit. Oldest first along the expiry index, in a bounded batch.
             purge: format!(
                 "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(3) ORDER BY expires_at LIMIT ?"

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use idempotency_core::connections::{AfterConnect, Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
-use idempotency_core::sql::admin::{self, Read, SqlReads};
+use idempotency_core::sql::admin::{self, Action, SqlReads};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordColumns, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
@@ -708,6 +708,10 @@ impl StoreAdmin for MysqlStore {
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         admin::purge_expired(self, limit).await
     }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        admin::forget(self, scope, key, token).await
+    }
 }
 
 /// MySQL binds its `?` one by one: a parameter tested for NULL and then compared with is bound
@@ -723,24 +727,26 @@ impl SqlReads for MysqlStore {
         &self.lanes
     }
 
-    fn statement(&self, read: Read) -> Arc<str> {
+    fn statement(&self, read: Action) -> Arc<str> {
         let sql = self.statements();
         Arc::clone(match read {
-            Read::Get => &sql.get,
-            Read::Now => &sql.now,
-            Read::Stats => &sql.stats,
-            Read::List => &sql.list,
-            Read::Purge => &sql.purge,
+            Action::Get => &sql.get,
+            Action::Now => &sql.now,
+            Action::Stats => &sql.stats,
+            Action::List => &sql.list,
+            Action::Purge => &sql.purge,
+            Action::Forget => &sql.forget,
         })
     }
 
-    fn placeholders(read: Read) -> &'static [usize] {
+    fn placeholders(read: Action) -> &'static [usize] {
         match read {
-            Read::Get => &[0, 1],
-            Read::Now => &[],
-            Read::Stats => &[0, 0],
-            Read::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
-            Read::Purge => &[0],
+            Action::Get => &[0, 1],
+            Action::Now => &[],
+            Action::Stats => &[0, 0],
+            Action::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
+            Action::Purge => &[0],
+            Action::Forget => &[0, 1, 2],
         }
     }
 

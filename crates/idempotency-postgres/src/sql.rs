@@ -56,6 +56,8 @@ pub(crate) struct Statements {
     pub(crate) purge: Arc<str>,
     /// The server's clock in Unix milliseconds.
     pub(crate) now: Arc<str>,
+    /// `$1` scope, `$2` key, `$3` token: deletes a live record that holds the token.
+    pub(crate) forget: Arc<str>,
 }
 
 impl Statements {
@@ -312,6 +314,10 @@ impl Statements {
             )
             .into(),
             now: "SELECT (extract(epoch FROM now()) * 1000)::int8".into(),
+            forget: format!(
+                "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND expires_at > now()"
+            )
+            .into(),
             table: table.to_string(),
             schema: schema.to_string(),
         }

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use idempotency_core::connections::{Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
-use idempotency_core::sql::admin::{self, Read, SqlReads};
+use idempotency_core::sql::admin::{self, Action, SqlReads};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
@@ -518,9 +518,13 @@ impl StoreAdmin for PostgresStore {
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         admin::purge_expired(self, limit).await
     }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        admin::forget(self, scope, key, token).await
+    }
 }
 
-/// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Read`]'s order.
+/// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Action`]'s order.
 impl SqlReads for PostgresStore {
     type Engine = sqlx::Postgres;
 
@@ -532,22 +536,24 @@ impl SqlReads for PostgresStore {
         &self.lanes
     }
 
-    fn statement(&self, read: Read) -> Arc<str> {
+    fn statement(&self, read: Action) -> Arc<str> {
         Arc::clone(match read {
-            Read::Get => &self.sql.get,
-            Read::Now => &self.sql.now,
-            Read::Stats => &self.sql.stats,
-            Read::List => &self.sql.list,
-            Read::Purge => &self.sql.purge,
+            Action::Get => &self.sql.get,
+            Action::Now => &self.sql.now,
+            Action::Stats => &self.sql.stats,
+            Action::List => &self.sql.list,
+            Action::Purge => &self.sql.purge,
+            Action::Forget => &self.sql.forget,
         })
     }
 
-    fn placeholders(read: Read) -> &'static [usize] {
+    fn placeholders(read: Action) -> &'static [usize] {
         match read {
-            Read::Get => &[0, 1],
-            Read::Now => &[],
-            Read::Stats | Read::Purge => &[0],
-            Read::List => &[0, 1, 2, 3, 4, 5],
+            Action::Get => &[0, 1],
+            Action::Now => &[],
+            Action::Stats | Action::Purge => &[0],
+            Action::List => &[0, 1, 2, 3, 4, 5],
+            Action::Forget => &[0, 1, 2],
         }
     }
 

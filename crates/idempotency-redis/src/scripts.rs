@@ -139,6 +139,20 @@ return 1
     )
 }
 
+/// `forget`: ARGV token. Deletes a live record that holds the token (in flight, released or
+/// completed); returns 1 (deleted) or 0.
+pub(crate) fn forget() -> String {
+    format!(
+        "{PRELUDE}{}",
+        r"
+local r = redis.call('HMGET', KEYS[1], 't', 'e')
+if r[1] == false or tonumber(r[2]) <= now or r[1] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"
+    )
+}
+
 /// `extend`: ARGV token, lease ms. Returns `{1, lease_until}` or `{0}`.
 pub(crate) fn extend() -> String {
     format!(

@@ -86,12 +86,15 @@ pub enum Operation {
     Extend,
     /// `get`: no ARGV.
     Get,
+    /// `forget` (an operator's delete): ARGV token (hex).
+    Forget,
 }
 
 struct Scripts {
     begin: redis::Script,
     complete: redis::Script,
     release: redis::Script,
+    forget: redis::Script,
     extend: redis::Script,
     get: redis::Script,
     /// The batch scripts, for `begin_many` and `complete_many`.
@@ -211,6 +214,7 @@ impl RedisStore {
                 begin_many: redis::Script::new(&scripts::begin_many()),
                 complete_many: redis::Script::new(&scripts::complete_many()),
                 release: redis::Script::new(&scripts::release()),
+                forget: redis::Script::new(&scripts::forget()),
                 extend: redis::Script::new(&scripts::extend()),
                 get: redis::Script::new(&scripts::get()),
             }),
@@ -283,6 +287,7 @@ impl RedisStore {
             Operation::Release => &self.scripts.release,
             Operation::Extend => &self.scripts.extend,
             Operation::Get => &self.scripts.get,
+            Operation::Forget => &self.scripts.forget,
         }
     }
 
@@ -991,6 +996,17 @@ impl StoreAdmin for RedisStore {
     /// Redis deletes expired records by itself (`PEXPIREAT`): there is never anything to purge.
     async fn purge_expired(&self, _limit: u64) -> Result<u64, StoreError> {
         Ok(0)
+    }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let reply = self
+            .run(
+                &self.scripts.forget,
+                &self.record_key(scope, key),
+                &[token.to_hex().as_bytes()],
+            )
+            .await?;
+        Ok(Fenced::accepted_if(int(&reply)? == 1))
     }
 
     /// Every record key carries its expiry (`PEXPIREAT`): Redis deletes it by itself.

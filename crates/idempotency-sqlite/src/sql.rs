@@ -56,6 +56,10 @@ pub const PURGE_EXPIRED: &str = "
 DELETE FROM idempotency_records WHERE rowid IN (
     SELECT rowid FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
 
+/// Deletes the record of `?1` scope and `?2` key if it is live at `?4` and holds the token `?3`.
+pub const FORGET: &str = "
+DELETE FROM idempotency_records WHERE scope = ?1 AND key = ?2 AND token = ?3 AND expires_at > ?4";
+
 /// Counts by state at `?1`, for all scopes (`?2` NULL) or one.
 pub const STATS: &str = "
 SELECT

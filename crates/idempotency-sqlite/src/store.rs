@@ -693,6 +693,29 @@ impl StoreAdmin for SqliteStore {
         })
         .await
     }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        let (scope, key) = (scope.clone(), key.clone());
+        self.run(move |connection, clock| {
+            let tx = connection
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| map_error("begin a write transaction", e))?;
+            let deleted = tx
+                .prepare_cached(sql::FORGET)
+                .and_then(|mut statement| {
+                    statement.execute(params![
+                        scope.as_str(),
+                        key.as_str(),
+                        &token.to_bytes()[..],
+                        clock.now().unix_millis()
+                    ])
+                })
+                .map_err(|e| map_error("forget a record", e))?;
+            tx.commit().map_err(|e| map_error("commit", e))?;
+            Ok(Fenced::accepted_if(deleted == 1))
+        })
+        .await
+    }
 }
 
 fn stopped() -> StoreError {

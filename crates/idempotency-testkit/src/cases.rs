@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotency_core::{
-    BeginRequest, Claim, Completion, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, RecordState, Scope,
-    StateFilter, Store, StoreAdmin, SummaryState, Token,
+    BeginRequest, Claim, Completion, Fenced, Fingerprint, Held, Key, ListFilter, Outcome, Record,
+    RecordState, Scope, StateFilter, Store, StoreAdmin, SummaryState, Token,
 };
 use tokio::sync::Barrier;
 
@@ -831,6 +831,67 @@ async fn scopes_isolate_keys<H: Harness>(harness: &H) {
         panic!("replay")
     };
     assert_eq!(their.outcome.as_bytes(), b"theirs");
+}
+
+/// `forget` deletes a live record only with the token it holds (a completed record's, an in-flight
+/// one's, a released one's [`Token::NONE`]); the key then runs as a new first attempt, with any
+/// payload, and the forgotten attempt's token holds nothing. A stale token, an absent key and an
+/// expired record delete nothing.
+async fn forget_deletes_only_the_record_that_holds_the_token<H: Harness>(harness: &H) {
+    let ctx = Ctx::new(harness).await;
+    let forget =
+        async |key: &Key, token: Token| ctx.store.forget(&ctx.scope, key, token).await.expect("forget");
+
+    let done = key();
+    let token = ctx.acquire(&ctx.request(&done, 1)).await;
+    assert!(!ctx.complete(&done, token, b"charged").await.is_lease_lost());
+    let before = ctx.store.get(&ctx.scope, &done).await.unwrap();
+    assert_eq!(before.as_ref().map(Record::token), Some(token));
+    assert_eq!(forget(&done, Token::random()).await, Fenced::LeaseLost);
+    assert_eq!(forget(&done, Token::NONE).await, Fenced::LeaseLost);
+    assert_eq!(
+        ctx.store.get(&ctx.scope, &done).await.unwrap(),
+        before,
+        "untouched"
+    );
+    assert_eq!(forget(&done, token).await, Fenced::Accepted(()));
+    assert_eq!(ctx.store.get(&ctx.scope, &done).await.unwrap(), None);
+    assert_eq!(forget(&done, token).await, Fenced::LeaseLost, "nothing left");
+    match ctx.begin(&ctx.request(&done, 2)).await {
+        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (1, false)),
+        other => panic!("expected a new first attempt, got {other:?}"),
+    }
+    assert_eq!(ctx.complete(&done, token, b"late").await, Fenced::LeaseLost);
+
+    let running = key();
+    let first = ctx.acquire(&ctx.request(&running, 1)).await;
+    assert_eq!(forget(&running, first).await, Fenced::Accepted(()));
+    assert_eq!(ctx.complete(&running, first, b"late").await, Fenced::LeaseLost);
+    assert_eq!(ctx.extend(&running, first, LONG).await, Fenced::LeaseLost);
+
+    let released = key();
+    let token = ctx.acquire(&ctx.request(&released, 1)).await;
+    assert_eq!(ctx.release(&released, token).await, Fenced::Accepted(()));
+    assert_eq!(
+        forget(&released, token).await,
+        Fenced::LeaseLost,
+        "released: held by no attempt"
+    );
+    assert_eq!(forget(&released, Token::NONE).await, Fenced::Accepted(()));
+    assert_eq!(ctx.store.get(&ctx.scope, &released).await.unwrap(), None);
+
+    assert_eq!(forget(&key(), Token::NONE).await, Fenced::LeaseLost, "absent");
+
+    let unit = ctx.unit();
+    let expiring = key();
+    let token = ctx.acquire(&ctx.request(&expiring, 1)).await;
+    let _ = ctx
+        .store
+        .complete(&ctx.held(&expiring, token), Outcome::empty(), unit)
+        .await
+        .unwrap();
+    ctx.time.pass(unit * 2).await;
+    assert_eq!(forget(&expiring, token).await, Fenced::LeaseLost, "expired");
 }
 
 /// `purge_expired` deletes expired records, at most `limit` per call, and nothing live.

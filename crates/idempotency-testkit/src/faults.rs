@@ -17,7 +17,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::{
     BeginRequest, Claim, ErrorKind, Fenced, Held, Key, ListFilter, Outcome, Record, RecordSummary, Scope,
-    Stats, Store, StoreAdmin, StoreError, Timestamp,
+    Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
 };
 
 /// A store operation, for aiming faults.
@@ -193,5 +193,9 @@ impl<S: StoreAdmin> StoreAdmin for FaultyStore<S> {
 
     async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
         self.call(Op::Admin, self.inner.purge_expired(limit)).await
+    }
+
+    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
+        self.call(Op::Admin, self.inner.forget(scope, key, token)).await
     }
 }

@@ -129,6 +129,7 @@ macro_rules! __with_cases {
             keys_and_scopes_are_compared_exactly,
             scopes_isolate_keys,
             purge_expired_deletes_only_expired,
+            forget_deletes_only_the_record_that_holds_the_token,
             stats_report_oldest_in_flight_age,
             list_filters_orders_and_pages,
             race_64_begins_exactly_one_acquires,

@@ -1,5 +1,5 @@
-//! The reads and the purge of a sqlx-based store, written once: [`get`], [`now`], [`stats`],
-//! [`list`] and [`purge_expired`] run a store's statement on one of its connections, bind the
+//! The reads and the operators' writes of a sqlx-based store, written once: [`get`], [`now`],
+//! [`stats`], [`list`], [`purge_expired`] and [`forget`] run a store's statement on one of its connections, bind the
 //! parameters in the order its placeholders take them and decode the rows (see the column
 //! table in [`crate::sql`]).
 //!
@@ -15,7 +15,8 @@ use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Type}
 
 use crate::connections::{Connections, MapError};
 use crate::{
-    Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
+    Fenced, Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
+    Token,
 };
 
 /// A value bound to a placeholder.
@@ -23,6 +24,8 @@ use crate::{
 pub enum Param<'a> {
     /// Text, or NULL.
     Text(Option<&'a str>),
+    /// Bytes, or NULL.
+    Bytes(Option<&'a [u8]>),
     /// A 64-bit integer, or NULL.
     Int(Option<i64>),
     /// A boolean, or NULL.
@@ -32,7 +35,7 @@ pub enum Param<'a> {
 /// What [`SqlReads::statement`] is asked for, with the parameters each statement takes, in this
 /// order (a placeholder takes one of them by its index, [`SqlReads::placeholders`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Read {
+pub enum Action {
     /// A live record by scope and key: scope, key. Selects the record's twelve columns.
     Get,
     /// The server's clock: no parameters. Selects Unix milliseconds (`i64`).
@@ -44,6 +47,8 @@ pub enum Read {
     List,
     /// Deletes expired records, oldest first: how many at most.
     Purge,
+    /// Deletes a live record if it holds a token: scope, key, token.
+    Forget,
 }
 
 /// A sqlx database whose types carry what the stores bind and decode: implemented for every
@@ -98,6 +103,7 @@ where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     DB::Arguments: IntoArguments<DB>,
     for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q [u8]>: Encode<'q, DB> + Type<DB>,
     for<'q> Option<i64>: Encode<'q, DB> + Type<DB>,
     for<'q> Option<bool>: Encode<'q, DB> + Type<DB>,
     usize: ColumnIndex<DB::Row>,
@@ -144,6 +150,7 @@ fn bound<'q, DB>(statement: Arc<str>, params: &[Param<'q>]) -> sqlx::query::Quer
 where
     DB: Database,
     for<'v> Option<&'v str>: Encode<'v, DB> + Type<DB>,
+    for<'v> Option<&'v [u8]>: Encode<'v, DB> + Type<DB>,
     for<'v> Option<i64>: Encode<'v, DB> + Type<DB>,
     for<'v> Option<bool>: Encode<'v, DB> + Type<DB>,
 {
@@ -151,6 +158,7 @@ where
         sqlx::query(sqlx::AssertSqlSafe(statement)),
         |query, param| match *param {
             Param::Text(text) => query.bind(text),
+            Param::Bytes(bytes) => query.bind(bytes),
             Param::Int(int) => query.bind(int),
             Param::Bool(flag) => query.bind(flag),
         },
@@ -169,11 +177,11 @@ pub trait SqlReads: Send + Sync {
     fn lanes(&self) -> &Lanes;
 
     /// The statement for `read`.
-    fn statement(&self, read: Read) -> Arc<str>;
+    fn statement(&self, read: Action) -> Arc<str>;
 
-    /// Which of `read`'s parameters (see [`Read`]) each of its statement's placeholders takes,
+    /// Which of `read`'s parameters (see [`Action`]) each of its statement's placeholders takes,
     /// in the order the driver binds them.
-    fn placeholders(read: Read) -> &'static [usize];
+    fn placeholders(read: Action) -> &'static [usize];
 
     /// Classifies the server's errors.
     fn map_error() -> MapError;
@@ -182,11 +190,11 @@ pub trait SqlReads: Send + Sync {
     fn rows_affected(done: &<Self::Engine as Database>::QueryResult) -> u64;
 }
 
-/// Runs `read` with `params` (in [`Read`]'s order, bound in the store's placeholder order) on a
+/// Runs `read` with `params` (in [`Action`]'s order, bound in the store's placeholder order) on a
 /// connection of `store`'s, after a lane for new work: its rows.
 async fn rows<S: SqlReads>(
     store: &S,
-    read: Read,
+    read: Action,
     doing: &str,
     params: &[Param<'_>],
 ) -> Result<Vec<<S::Engine as Database>::Row>, StoreError> {
@@ -211,7 +219,7 @@ async fn rows<S: SqlReads>(
 /// The store's: no connection, the server's error, a row that does not decode.
 pub async fn get<S: SqlReads>(store: &S, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
     let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
-    let rows = rows(store, Read::Get, "get", &params).await?;
+    let rows = rows(store, Action::Get, "get", &params).await?;
     rows.first().map(|row| S::Engine::record(row, 0)).transpose()
 }
 
@@ -221,7 +229,7 @@ pub async fn get<S: SqlReads>(store: &S, scope: &Scope, key: &Key) -> Result<Opt
 ///
 /// As [`get`].
 pub async fn now<S: SqlReads>(store: &S) -> Result<Timestamp, StoreError> {
-    let rows = rows(store, Read::Now, "read the server's clock", &[]).await?;
+    let rows = rows(store, Action::Now, "read the server's clock", &[]).await?;
     let row = rows.first().ok_or_else(|| no_row("read the server's clock"))?;
     Ok(Timestamp::from_unix_millis(S::Engine::int(row, 0)?))
 }
@@ -234,7 +242,7 @@ pub async fn now<S: SqlReads>(store: &S) -> Result<Timestamp, StoreError> {
 pub async fn stats<S: SqlReads>(store: &S, scope: Option<&Scope>) -> Result<Stats, StoreError> {
     let rows = rows(
         store,
-        Read::Stats,
+        Action::Stats,
         "stats",
         &[Param::Text(scope.map(Scope::as_str))],
     )
@@ -260,7 +268,7 @@ pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<Rec
         Param::Text(after_key),
         Param::Int(Some(i64::try_from(filter.limit).unwrap_or(i64::MAX))),
     ];
-    let rows = rows(store, Read::List, "list", &params).await?;
+    let rows = rows(store, Action::List, "list", &params).await?;
     rows.iter().map(S::Engine::summary).collect()
 }
 
@@ -271,18 +279,49 @@ pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<Rec
 ///
 /// The store's: no connection, the server's error.
 pub async fn purge_expired<S: SqlReads>(store: &S, limit: u64) -> Result<u64, StoreError> {
-    const DOING: &str = "purge expired records";
-    let _lane = store.lanes().new_work().await?;
-    let statement = store.statement(Read::Purge);
-    let map_error = S::map_error();
     let limit = [Param::Int(Some(i64::try_from(limit).unwrap_or(i64::MAX)))];
+    written(store, Action::Purge, "purge expired records", &limit).await
+}
+
+/// Deletes the live record of `scope` and `key` if it holds `token`
+/// ([`StoreAdmin::forget`](crate::StoreAdmin::forget)).
+///
+/// # Errors
+///
+/// As [`purge_expired`].
+pub async fn forget<S: SqlReads>(
+    store: &S,
+    scope: &Scope,
+    key: &Key,
+    token: Token,
+) -> Result<Fenced<()>, StoreError> {
+    let token = token.to_bytes();
+    let params = [
+        Param::Text(Some(scope.as_str())),
+        Param::Text(Some(key.as_str())),
+        Param::Bytes(Some(&token[..])),
+    ];
+    let deleted = written(store, Action::Forget, "forget a record", &params).await?;
+    Ok(crate::sql::fenced_by_rows(deleted))
+}
+
+/// Runs the write `action` with `params` as [`rows`] runs a read: how many rows it wrote.
+async fn written<S: SqlReads>(
+    store: &S,
+    action: Action,
+    doing: &str,
+    params: &[Param<'_>],
+) -> Result<u64, StoreError> {
+    let _lane = store.lanes().new_work().await?;
+    let statement = store.statement(action);
+    let map_error = S::map_error();
     let done = store
         .connections()
         .run(async |connection| {
-            let bound = S::placeholders(Read::Purge).iter().map(|&at| limit[at]).collect();
+            let bound = S::placeholders(action).iter().map(|&at| params[at]).collect();
             S::Engine::execute(connection, statement, bound)
                 .await
-                .map_err(|e| map_error(DOING, e))
+                .map_err(|e| map_error(doing, e))
         })
         .await?;
     Ok(S::rows_affected(&done))

@@ -145,11 +145,7 @@ where
 /// The answer of a fenced write that touches at most one row (a release, a withdrawal): the
 /// token held the record when it wrote one.
 pub fn fenced_by_rows(rows_affected: u64) -> Fenced<()> {
-    if rows_affected == 1 {
-        Fenced::Accepted(())
-    } else {
-        Fenced::LeaseLost
-    }
+    Fenced::accepted_if(rows_affected == 1)
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
