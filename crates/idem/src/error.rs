@@ -27,6 +27,23 @@ pub enum Error {
         /// Its scope.
         scope: String,
     },
+    /// `idem keys release|forget|complete` changed nothing: the record is not in a state the
+    /// action applies to, or it changed while the action ran.
+    #[error("idem keys {action} {key}: {why}")]
+    Refused {
+        /// The action.
+        action: &'static str,
+        /// The key.
+        key: String,
+        /// Why, and what to do instead.
+        why: String,
+    },
+    /// A change to a record was not confirmed (`--yes`, or `y` on a terminal).
+    #[error("{0}")]
+    Unconfirmed(String),
+    /// A command-line value is not valid (the message names the flag).
+    #[error("{0}")]
+    Usage(String),
     /// A key or scope given on the command line is not valid.
     #[error("invalid {what} `{text}`: {source}")]
     Invalid {

@@ -11,6 +11,7 @@
 //! * [`telemetry`]: OpenTelemetry traces (OTLP export, `traceparent` in and out);
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
+//! * [`key_actions`]: `idem keys release|forget|complete`, an operator's changes to one key;
 //! * [`units`]: human durations and sizes as the flags take them;
 //! * [`error`]: what can go wrong, as one typed [`Error`].
 
@@ -26,6 +27,7 @@ pub mod demo;
 pub mod error;
 pub mod flags;
 pub mod gateway;
+pub mod key_actions;
 pub mod ops;
 pub mod server;
 pub mod telemetry;

@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 /// eighth of its instructions. A well-kept crate, a small C build with no system dependency.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+use idem::key_actions::{Confirm, KeyAction};
 use idem::{Error, consume, demo, gateway, ops, units};
 use idempotency::{Access, DynStore, Key, ListFilter, Scope, StateFilter};
 
@@ -300,6 +301,58 @@ enum KeysCommand {
     Stats(StatsArgs),
     /// Delete expired records.
     Purge(PurgeArgs),
+    /// End an in-flight attempt's lease now: its completion is refused, the next retry runs as
+    /// the next attempt.
+    Release(KeyActionArgs),
+    /// Delete a key's record so that the key runs again as a new first attempt.
+    Forget(ForgetArgs),
+    /// Record an outcome by hand (an HTTP response, as the gateway stores it): retries replay it.
+    Complete(CompleteArgs),
+}
+
+#[derive(Debug, Args)]
+struct KeyActionArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// The key.
+    key: String,
+    /// The key's scope ("" for the global scope; `idem keys list` shows the gateway's).
+    #[arg(long, default_value = "")]
+    scope: String,
+    /// Change the record without asking (otherwise asked on the terminal).
+    #[arg(long, short = 'y')]
+    yes: bool,
+}
+
+#[derive(Debug, Args)]
+struct ForgetArgs {
+    #[command(flatten)]
+    action: KeyActionArgs,
+    /// Forget the key even while an attempt runs (its completion is then refused, and a retry
+    /// runs beside it).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Args)]
+struct CompleteArgs {
+    #[command(flatten)]
+    action: KeyActionArgs,
+    /// The response's status (100 to 599).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(100..=599))]
+    status: u16,
+    /// A file holding the response's body ("-" for standard input).
+    #[arg(long)]
+    body: String,
+    /// A response header, `Name: value` (repeatable), e.g. `--header 'Content-Type: application/json'`.
+    #[arg(long = "header", value_name = "NAME: VALUE")]
+    headers: Vec<String>,
+    /// How long the outcome is replayed.
+    #[arg(long, default_value = "24h", value_parser = idem::flags::parse_retention)]
+    retention: Duration,
+    /// Take the key over even while an attempt runs (its completion is then refused).
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -616,6 +669,17 @@ async fn keys(action: KeysCommand) -> Result<String, Error> {
             )
             .await
         }
+        KeysCommand::Release(args) => key_action(&args, KeyAction::Release).await,
+        KeysCommand::Forget(args) => key_action(&args.action, KeyAction::Forget { force: args.force }).await,
+        KeysCommand::Complete(args) => {
+            let outcome = stored_response(&args)?;
+            let action = KeyAction::Complete {
+                outcome,
+                retention: args.retention,
+                force: args.force,
+            };
+            key_action(&args.action, action).await
+        }
         KeysCommand::Purge(args) => {
             ops::purge(
                 &open(&args.store, Access::Existing).await?,
@@ -625,6 +689,56 @@ async fn keys(action: KeysCommand) -> Result<String, Error> {
             .await
         }
     }
+}
+
+/// Runs `action` on the key `args` name; changes go through a store opened without DDL.
+async fn key_action(args: &KeyActionArgs, action: KeyAction) -> Result<String, Error> {
+    let key = key(&args.key)?;
+    let scope = scope(&args.scope)?;
+    let confirm = if args.yes { Confirm::Yes } else { Confirm::Ask };
+    idem::key_actions::act(
+        &open(&args.store, Access::Existing).await?,
+        &scope,
+        &key,
+        &action,
+        confirm,
+        args.store.json,
+    )
+    .await
+}
+
+/// The response `idem keys complete` records, as the gateway stores one.
+fn stored_response(args: &CompleteArgs) -> Result<idempotency::Outcome, Error> {
+    let body = if args.body == "-" {
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)
+            .map_err(|e| Error::Usage(format!("--body -: {e}")))?;
+        body
+    } else {
+        std::fs::read(&args.body).map_err(|e| Error::Usage(format!("--body {}: {e}", args.body)))?
+    };
+    let mut headers = http::HeaderMap::new();
+    for header in &args.headers {
+        let parsed = header.split_once(':').and_then(|(name, value)| {
+            let name = http::HeaderName::from_bytes(name.trim().as_bytes()).ok()?;
+            let value = http::HeaderValue::from_str(value.trim()).ok()?;
+            Some((name, value))
+        });
+        let (name, value) = parsed.ok_or_else(|| {
+            Error::Usage(format!(
+                "--header `{header}`: expected `Name: value` with a valid header name and value"
+            ))
+        })?;
+        headers.append(name, value);
+    }
+    let status = http::StatusCode::from_u16(args.status)
+        .map_err(|e| Error::Usage(format!("--status {}: {e}", args.status)))?;
+    Ok(idempotency_http::StoredOutcome::Response {
+        status,
+        headers,
+        body: body.into(),
+    }
+    .encode())
 }
 
 /// The filter `idem keys list` asks the store with.
@@ -666,7 +780,10 @@ fn init_logging(command: &Command, format: LogFormat) -> idem::telemetry::Teleme
         .with_default_directive(tracing_subscriber::filter::LevelFilter::from_level(default).into())
         .with_env_var("IDEM_LOG")
         .from_env_lossy();
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only on a terminal: a log file or a collector would keep the escape codes.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let fmt = match format {
         LogFormat::Text => fmt.with_target(false).boxed(),
         // JSON lines carry their target: `idempotency_http::request` marks the request events.
