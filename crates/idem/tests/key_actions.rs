@@ -50,6 +50,31 @@ async fn completed(store: &DynStore, key: &str) -> Held {
     held
 }
 
+/// The attempt `held` can no longer complete: its answer is `LeaseLost`.
+async fn completion_refused(store: &DynStore, held: &Held) {
+    let late = store
+        .complete(held, Outcome::new("late"), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        late,
+        Fenced::LeaseLost,
+        "the running attempt's completion is refused"
+    );
+}
+
+/// The next `begin` of `key` runs, as (attempt, recovered).
+async fn next_attempt(store: &DynStore, key: &str) -> (u32, bool) {
+    match store
+        .begin(&request(key, Duration::from_secs(600)))
+        .await
+        .unwrap()
+    {
+        Claim::Acquired(held) => (held.attempt, held.recovered),
+        other => panic!("expected {key} to run again, got {other:?}"),
+    }
+}
+
 async fn record(store: &DynStore, key: &str) -> Option<idempotency::Record> {
     store
         .get(&Scope::new(SCOPE).unwrap(), &Key::new(key).unwrap())
@@ -93,22 +118,8 @@ async fn release_ends_the_running_attempt(url: &str) {
         err.contains("released key") && err.contains("action=\"release\""),
         "one audit line: {err}"
     );
-    assert_eq!(
-        store
-            .complete(&running, Outcome::new("late"), Duration::from_secs(60))
-            .await
-            .unwrap(),
-        Fenced::LeaseLost,
-        "the running attempt's completion is refused"
-    );
-    match store
-        .begin(&request(&key, Duration::from_secs(600)))
-        .await
-        .unwrap()
-    {
-        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (2, true)),
-        other => panic!("expected the retry to run as attempt 2, got {other:?}"),
-    }
+    completion_refused(&store, &running).await;
+    assert_eq!(next_attempt(&store, &key).await, (2, true));
 
     let done = fresh_key("release-done");
     completed(&store, &done).await;
@@ -136,14 +147,7 @@ async fn forget_lets_the_key_run_again(url: &str) {
     assert_eq!(said["action"], "forget");
     assert_eq!(said["was"], "completed");
     assert_eq!(record(&store, &key).await, None);
-    match store
-        .begin(&request(&key, Duration::from_secs(600)))
-        .await
-        .unwrap()
-    {
-        Claim::Acquired(held) => assert_eq!((held.attempt, held.recovered), (1, false)),
-        other => panic!("expected a new first attempt, got {other:?}"),
-    }
+    assert_eq!(next_attempt(&store, &key).await, (1, false));
 
     let running_key = fresh_key("forget-running");
     let running = acquire(&store, &running_key).await;
@@ -158,13 +162,7 @@ async fn forget_lets_the_key_run_again(url: &str) {
     let (code, out, err) = keys(url, "forget", &running_key, &["--yes", "--force"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with(&format!("forgot key {running_key}")), "{out}");
-    assert_eq!(
-        store
-            .complete(&running, Outcome::new("late"), Duration::from_secs(60))
-            .await
-            .unwrap(),
-        Fenced::LeaseLost
-    );
+    completion_refused(&store, &running).await;
 }
 
 /// Complete: an outcome recorded by hand for a key whose attempt ended is replayed to the next
@@ -240,13 +238,7 @@ async fn complete_records_the_outcome_given(url: &str) {
     force.push("--force");
     let (code, _, err) = keys(url, "complete", &forced, &force);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(
-        store
-            .complete(&running, Outcome::new("late"), Duration::from_secs(60))
-            .await
-            .unwrap(),
-        Fenced::LeaseLost
-    );
+    completion_refused(&store, &running).await;
     assert!(matches!(
         record(&store, &forced).await.map(|r| r.state),
         Some(RecordState::Completed { token, .. }) if token != running.token && token != Token::NONE
