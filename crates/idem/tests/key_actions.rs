@@ -394,3 +394,44 @@ async fn a_release_racing_a_running_request_hands_the_key_to_the_retry() {
     );
     assert_eq!(*attempts.lock().unwrap(), ["1", "2"]);
 }
+
+/// A PostgreSQL role that may only read the records: `idem keys forget` is refused by the
+/// server, says why, exits 1, and the record stays as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_role_is_refused_and_nothing_changes() {
+    use idempotency::postgres::sqlx::{self, AssertSqlSafe};
+
+    let (url, _) = env_or("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let store = idempotency::open(&url).await.unwrap();
+    let key = fresh_key("read-only");
+    completed(&store, &key).await;
+    let before = record(&store, &key).await;
+
+    let role = format!("idem_reader_{}", std::process::id());
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    for statement in [
+        format!("DROP ROLE IF EXISTS {role}"),
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA public TO {role}"),
+        format!("GRANT SELECT ON public.idempotency_records TO {role}"),
+    ] {
+        sqlx::raw_sql(AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let mut reader = url::Url::parse(&url).unwrap();
+    reader.set_username(&role).unwrap();
+    let (code, out, err) = keys(reader.as_str(), "forget", &key, &["--yes"]);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "REVOKE ALL ON public.idempotency_records FROM {role}; REVOKE USAGE ON SCHEMA public FROM {role}; DROP ROLE {role}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.is_empty(), "nothing printed as changed: {out}");
+    assert!(err.contains("permission denied"), "the server's reason: {err}");
+    assert_eq!(record(&store, &key).await, before, "the record is unchanged");
+}
