@@ -8,11 +8,8 @@ use std::time::Duration;
 use async_nats::jetstream;
 use common::consume::{self, Broker};
 use futures_util::StreamExt;
-use idempotency::Key;
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+use idempotency_testkit::nats::{TestStream, nats_url};
 
 /// A stream of the test's own with a work subject and a dead-letter subject.
 struct Nats {
@@ -24,21 +21,13 @@ struct Nats {
 
 impl Nats {
     async fn new() -> Self {
-        let client = async_nats::connect(nats_url())
-            .await
-            .unwrap_or_else(|e| panic!("NATS JetStream at {} is needed for this test: {e}", nats_url()));
-        let js = jetstream::new(client);
-        let id = Key::generate().as_str().replace('-', "");
-        let stream = format!("IDEMCONSUME_{id}");
-        let (work, dead) = (format!("consume.{id}.work"), format!("consume.{id}.dead"));
-        js.create_stream(jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![work.clone(), dead.clone()],
-            max_age: Duration::from_secs(600),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        let TestStream {
+            js,
+            stream,
+            work,
+            dead,
+            ..
+        } = TestStream::new("idemconsume", |_| {}).await;
         Self {
             js,
             stream,

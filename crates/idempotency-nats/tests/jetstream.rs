@@ -17,9 +17,7 @@ use idempotency_nats::{DEAD_REASON_HEADER, process, publish, replay_dead_letters
 use idempotency_testkit::FaultyStore;
 use idempotency_testkit::brokers::Charger;
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+use idempotency_testkit::nats::TestStream;
 
 struct Setup {
     js: jetstream::Context,
@@ -31,23 +29,13 @@ struct Setup {
 
 impl Setup {
     async fn new() -> Self {
-        let client = async_nats::connect(nats_url())
-            .await
-            .unwrap_or_else(|e| panic!("NATS JetStream at {} is needed for this test: {e}", nats_url()));
-        let js = jetstream::new(client);
-        let id = Key::generate().as_str().replace('-', "");
-        let stream = format!("IDEM_{id}");
-        let (work, dead) = (format!("idem.{id}.work"), format!("idem.{id}.dead"));
-        let created = js
-            .create_stream(jetstream::stream::Config {
-                name: stream.clone(),
-                subjects: vec![work.clone(), dead.clone()],
-                duplicate_window: Duration::from_secs(60),
-                max_age: Duration::from_secs(600),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let TestStream {
+            js,
+            created,
+            stream,
+            work,
+            dead,
+        } = TestStream::new("idem", |config| config.duplicate_window = Duration::from_secs(60)).await;
         let workers = created
             .create_consumer(jetstream::consumer::pull::Config {
                 durable_name: Some("workers".into()),

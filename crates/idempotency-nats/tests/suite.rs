@@ -8,12 +8,9 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use idempotency_consumer::source::SourceKind;
-use idempotency_core::Key;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+use idempotency_testkit::nats::{TestStream, nats_url};
 
 /// The consumer's ack wait: a handler three times as long needs progress acks.
 const ACK_WAIT: Duration = Duration::from_secs(1);
@@ -32,22 +29,13 @@ impl BrokerHarness for JetStream {
     type Source = Stream;
 
     async fn source(&self, case: &str) -> Stream {
-        let client = async_nats::connect(nats_url())
-            .await
-            .unwrap_or_else(|e| panic!("NATS JetStream at {} is needed for this test: {e}", nats_url()));
-        let js = jetstream::new(client);
-        let id = Key::generate().as_str().replace('-', "");
-        let stream = format!("SUITE_{}_{id}", case.to_uppercase());
-        let (work, dead) = (format!("suite.{id}.work"), format!("suite.{id}.dead"));
-        let created = js
-            .create_stream(jetstream::stream::Config {
-                name: stream.clone(),
-                subjects: vec![work.clone(), dead.clone()],
-                max_age: Duration::from_secs(600),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let TestStream {
+            js,
+            created,
+            stream,
+            work,
+            dead,
+        } = TestStream::new(&format!("suite_{case}"), |_| {}).await;
         // The durable consumer as the worker would create it, made here so that it counts what
         // is published before the worker starts.
         let workers = created

@@ -12,6 +12,7 @@ use idempotency_core::{Key, MemoryStore};
 use idempotency_nats::{AdapterErrorKind, NatsSource};
 use idempotency_testkit::brokers::Charger;
 use idempotency_testkit::eventually;
+use idempotency_testkit::nats::TestStream;
 use idempotency_testkit::tls::file;
 
 /// The server requiring TLS, named as its certificate names it.
@@ -33,21 +34,13 @@ async fn a_worker_over_tls_with_the_ca_and_a_client_certificate_runs_each_key_on
                 tls_url()
             )
         });
-    let js = jetstream::new(client);
-    let id = Key::generate().as_str().replace('-', "");
-    let (stream, work, dead) = (
-        format!("TLS_{id}"),
-        format!("tls.{id}.work"),
-        format!("tls.{id}.dead"),
-    );
-    js.create_stream(jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![work.clone(), dead.clone()],
-        max_age: Duration::from_secs(600),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let TestStream {
+        js,
+        stream,
+        work,
+        dead,
+        ..
+    } = TestStream::on(jetstream::new(client), "tls", |_| {}).await;
     let keys = ["tls-1", "tls-2", "tls-3"];
     for _ in 0..2 {
         for key in keys {

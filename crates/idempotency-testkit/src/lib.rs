@@ -45,6 +45,8 @@ pub mod connections;
 pub mod faults;
 pub mod history;
 pub mod linearizability;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod outage;
 pub mod proxy;
 pub mod recorded;
