@@ -2,7 +2,8 @@
 //! `complete`. Each reads the key's record, says what it is about to change, asks for a
 //! confirmation (`--yes`, or `y` on a terminal), changes it through the store's fenced
 //! operations only, prints what changed and writes one audit line (target `idem::audit`, at
-//! warn level so that it shows by default).
+//! warn level so that it shows by default; the key truncated past 16 bytes, as log lines show
+//! keys).
 //!
 //! Every change is fenced by the token the record held when it was read: when the record
 //! changed in between (the running attempt completed, another attempt took over, the record
@@ -180,6 +181,7 @@ pub async fn act(
             }
         }
     };
+    // The key only in its logged form (truncated): what was printed names it whole.
     tracing::warn!(
         target: "idem::audit",
         action = action.name(),
@@ -187,7 +189,7 @@ pub async fn act(
         key = %key.logged(KeyLog::Plain),
         attempt = record.attempt,
         was = state.text(),
-        "{changed}"
+        "an operator changed a key's record"
     );
     Ok(if json {
         let mut out = json!({
