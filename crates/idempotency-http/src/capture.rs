@@ -43,6 +43,11 @@ impl<B, E> Captured<B, E> {
             Self::Failed(_) | Self::BodyFailed(_) => None,
         }
     }
+
+    /// Whether this is a reconcile function's answer, adopted as the key's outcome.
+    pub(crate) fn adopted(&self) -> bool {
+        matches!(self, Self::Buffered { parts, .. } if parts.extensions.get::<crate::reconcile::Adopted>().is_some())
+    }
 }
 
 pub(crate) async fn capture<B, E>(result: Result<Response<B>, E>, config: &Config) -> Captured<B, E>

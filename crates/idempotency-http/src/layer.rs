@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +41,8 @@ pub(crate) struct Config {
     pub(crate) body_budget: Option<Arc<tokio::sync::Semaphore>>,
     /// How keys appear in the per-request log event.
     pub(crate) log_keys: crate::log::KeyLog,
+    /// Asked before a recovered attempt runs ([`crate::reconcile`]).
+    pub(crate) reconcile: Option<crate::reconcile::ReconcileFn>,
 }
 
 /// The default outcome policy ([`crate::guide`]): 2xx and 4xx are final and stored, except 408, 409, 425
@@ -123,6 +126,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
                 allowed_headers: Vec::new(),
                 body_budget: None,
                 log_keys: crate::log::KeyLog::Hash,
+                reconcile: None,
             }),
             detached: DetachedRuns::default(),
         }
@@ -336,6 +340,49 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
     #[must_use]
     pub fn fail_open(self, open: bool) -> Self {
         self.with(|c| c.fail_open = open)
+    }
+
+    /// Asks `reconcile` whether an earlier attempt took effect before a recovered attempt (one
+    /// that took the key over after an attempt whose outcome is unknown) runs the handler: the
+    /// answer is adopted as the key's outcome, lets the handler run, or leaves the key in flight
+    /// (see [`crate::reconcile`] for the contract). Without it, a recovered attempt runs the
+    /// handler, which must then deduplicate by [`IdempotencyKey::message_key`](crate::IdempotencyKey::message_key).
+    ///
+    /// The function runs while the attempt holds the key's lease; it should give up (answer
+    /// [`Reconciled::Unresolved`](crate::Reconciled::Unresolved)) well within the lease.
+    ///
+    /// ```
+    /// use http::{Response, StatusCode};
+    /// use idempotency_core::MemoryStore;
+    /// use idempotency_http::{IdempotencyLayer, Reconcile, Reconciled};
+    ///
+    /// // The service's own ledger of the charges it made, by the key they were made under.
+    /// async fn charge_made_under(key: &str) -> Result<Option<String>, std::io::Error> {
+    ///     # let _ = key;
+    ///     Ok(None)
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).reconcile(|asked: Reconcile| async move {
+    ///     match charge_made_under(asked.key.message_key().as_str()).await {
+    ///         Ok(Some(charge)) => {
+    ///             let mut answer = Response::new(charge.into());
+    ///             *answer.status_mut() = StatusCode::CREATED;
+    ///             Reconciled::Happened(answer)
+    ///         }
+    ///         Ok(None) => Reconciled::DidNotHappen,
+    ///         Err(error) => Reconciled::Unresolved(error.to_string()),
+    ///     }
+    /// });
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn reconcile<F, Fut>(self, reconcile: F) -> Self
+    where
+        F: Fn(crate::Reconcile) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = crate::Reconciled> + Send + 'static,
+    {
+        let reconcile: crate::reconcile::ReconcileFn = Arc::new(move |asked| Box::pin(reconcile(asked)));
+        self.with(|c| c.reconcile = Some(reconcile))
     }
 
     /// Stores (and replays) a response header that is not stored by default: `Set-Cookie` and

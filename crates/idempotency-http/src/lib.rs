@@ -28,6 +28,7 @@
 //! | store unreachable | `503` with `Retry-After`, nothing runs (or, with fail-open, the handler runs) |
 //! | handler panics, 5xx, 408, 409, 425, 429 | the key is released; the retry runs again |
 //! | response too large to store, or streamed | passed through; the key is completed as not replayable, and a retry gets `409` (never a second run) |
+//! | same key, after an attempt whose outcome is unknown and whose lease ended | runs again as a recovered attempt; with a [reconcile function](IdempotencyLayer::reconcile), only once it said the earlier attempt did not take effect (else its answer is adopted, or `503` and nothing runs) |
 //!
 //! A client that disconnects cannot cancel the handler halfway: if the request's future is
 //! dropped before the guarded run is done, the run moves onto a task of its own and finishes
@@ -64,6 +65,7 @@ mod layer;
 pub mod log;
 mod policy;
 mod problem;
+pub mod reconcile;
 mod replay;
 mod service;
 mod stored;
@@ -76,6 +78,7 @@ pub use layer::{IdempotencyLayer, default_is_final};
 pub use log::KeyLog;
 pub use policy::{HOP_BY_HOP, OutcomeUnknown, strip_hop_by_hop};
 pub use problem::Problem;
+pub use reconcile::{IDEMPOTENCY_RECONCILED, Reconcile, Reconciled};
 pub use replay::{IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use service::IdempotencyService;
 pub use stored::Stored as StoredOutcome;

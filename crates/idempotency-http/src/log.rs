@@ -8,7 +8,7 @@
 //! | `scope` | the first 16 hex digits of the SHA-256 of the scope: never the scope, which may be derived from a credential |
 //! | `key` | as [`KeyLog`] says: a digest like the scope's (the layer's default), the key (truncated past 16 bytes), or nothing; the guard's own warnings show keys the same way |
 //! | `attempt` | the attempt that ran (`0` when none did: a replay, a `409`, a `422`) |
-//! | `decision` | `acquired`, `released`, `unknown`, `replayed`, `in-flight`, `mismatch`, `overloaded` or `store-error` |
+//! | `decision` | `acquired`, `reconciled` (an earlier attempt's outcome adopted from the reconcile function), `released`, `unknown`, `replayed`, `in-flight`, `mismatch`, `overloaded` or `store-error` |
 //! | `status`, `upstream_status` | the answer's status; the upstream's, when it ran |
 //! | `store_ms`, `upstream_ms`, `total_ms` | time in the guard outside the upstream call (its store calls), in the upstream call, and in all |
 //! | `trace_id` | the W3C trace id of the request's `traceparent`, when it has a valid one |
@@ -26,6 +26,7 @@ use idempotency_core::{Key, Scope};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Decided {
     Acquired,
+    Reconciled,
     Released,
     Unknown,
     Replayed,
@@ -39,6 +40,7 @@ impl Decided {
     fn as_str(self) -> &'static str {
         match self {
             Self::Acquired => "acquired",
+            Self::Reconciled => "reconciled",
             Self::Released => "released",
             Self::Unknown => "unknown",
             Self::Replayed => "replayed",

@@ -38,9 +38,18 @@ pub(crate) fn decide<B, E>(captured: &Captured<B, E>, config: &Config) -> Decisi
         {
             Decision::Unknown
         }
-        Captured::Buffered { parts, body } if (config.is_final)(parts.status) => Decision::Complete(
-            stored::encode_response(parts.status, &storable_headers(&parts.headers, config), body),
-        ),
+        // A final answer is stored; a reconcile function's is the key's outcome whatever its
+        // status.
+        Captured::Buffered { parts, body }
+            if (config.is_final)(parts.status)
+                || parts.extensions.get::<crate::reconcile::Adopted>().is_some() =>
+        {
+            Decision::Complete(stored::encode_response(
+                parts.status,
+                &storable_headers(&parts.headers, config),
+                body,
+            ))
+        }
         Captured::Streaming { parts, .. } if (config.is_final)(parts.status) => {
             Decision::Complete(stored::encode_not_replayable())
         }

@@ -69,6 +69,11 @@ pub enum Problem {
     UpstreamTimeout,
     /// A proxy could not make the upstream's request target from the request's (400).
     BadTarget(String),
+    /// An earlier attempt's outcome is unknown, and the reconcile function could not tell
+    /// whether it took effect (it failed, timed out or gave an answer it cannot stand by), so
+    /// nothing ran: the key stays in flight until this attempt's lease ends (503, with
+    /// `Retry-After`). See [`crate::reconcile`].
+    Unreconciled,
     /// The server is at a limit it keeps to stay up (what is named here); nothing ran (503, with
     /// `Retry-After`).
     Overloaded {
@@ -101,6 +106,7 @@ impl Problem {
             Self::UpstreamTimeout => "urn:idempotency:problem:upstream-timeout",
             Self::BadTarget(_) => "urn:idempotency:problem:bad-target",
             Self::Overloaded { .. } => "urn:idempotency:problem:overloaded",
+            Self::Unreconciled => "urn:idempotency:problem:outcome-unreconciled",
         }
     }
 
@@ -115,7 +121,9 @@ impl Problem {
             | Self::BadTarget(_) => StatusCode::BAD_REQUEST,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
-            Self::StoreUnavailable | Self::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::Overloaded { .. } | Self::Unreconciled => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::HandlerFailed | Self::OutcomeUnknown | Self::StoredResponseUnreadable => {
@@ -151,6 +159,7 @@ impl Problem {
             Self::UpstreamTimeout => "Upstream timed out",
             Self::BadTarget(_) => "Bad request target",
             Self::Overloaded { .. } => "Too busy",
+            Self::Unreconciled => "Outcome not reconciled",
         }
     }
 
@@ -222,6 +231,11 @@ impl Problem {
             Self::Overloaded { what } => format!(
                 "The server is at its limit of {what}, so the request was not processed. Retry later."
             ),
+            Self::Unreconciled => format!(
+                "An earlier attempt with this Idempotency-Key may have taken effect, and whether it \
+                did could not be found out now, so the request was not run again. {KEPT_IN_FLIGHT} \
+                That attempt asks again before it runs."
+            ),
         }
     }
 
@@ -231,7 +245,7 @@ impl Problem {
     pub fn is_outcome_unknown(&self) -> bool {
         matches!(
             self,
-            Self::OutcomeUnknown | Self::UpstreamAnswerLost | Self::UpstreamTimeout
+            Self::OutcomeUnknown | Self::UpstreamAnswerLost | Self::UpstreamTimeout | Self::Unreconciled
         )
     }
 

@@ -16,6 +16,7 @@ use crate::layer::Config;
 use crate::log::{Decided, RequestLog};
 use crate::policy::decide;
 use crate::problem::Problem;
+use crate::reconcile::{self, Reconcile};
 use crate::replay::replay;
 use crate::service::{passthrough, problem};
 
@@ -57,15 +58,29 @@ where
                 |captured: &Captured<ResBody, I::Error>| decide(captured, &config),
                 |attempt| {
                     let (mut inner, mut request) = pending.take().expect("the handler runs at most once");
-                    request.extensions_mut().insert(IdempotencyKey {
+                    let running = IdempotencyKey {
                         scope: attempt.scope().clone(),
                         key: attempt.key().clone(),
                         attempt: attempt.number(),
                         recovered: attempt.recovered(),
-                    });
+                    };
+                    // An earlier attempt's outcome is unknown: ask before running again.
+                    let asked = match &config.reconcile {
+                        Some(reconcile) if attempt.recovered() => {
+                            Some((Arc::clone(reconcile), Reconcile::of(&request, running.clone())))
+                        }
+                        _ => None,
+                    };
+                    request.extensions_mut().insert(running);
                     let config = Arc::clone(&config);
                     let timer = log.upstream_timer();
+                    let route = &route;
                     async move {
+                        if let Some((reconcile, asked)) = asked
+                            && let Some(answer) = reconcile::ask(&reconcile, asked, route).await
+                        {
+                            return answer;
+                        }
                         let began = std::time::Instant::now();
                         let captured = capture(inner.call(request).await, &config).await;
                         timer.record(began.elapsed(), captured.status());
@@ -82,6 +97,7 @@ where
                 ..
             }) => {
                 let decided = match recorded {
+                    Recorded::Completed { .. } if value.adopted() => Decided::Reconciled,
                     Recorded::Completed { .. } => Decided::Acquired,
                     Recorded::Released => Decided::Released,
                     Recorded::Unknown | Recorded::LeaseLost => Decided::Unknown,
