@@ -145,6 +145,8 @@ pub struct RouteSpec {
     pub upstream: Option<Uri>,
     /// The upstream's timeout.
     pub upstream_timeout: Option<Duration>,
+    /// The reconcile hook's question.
+    pub reconcile: Option<crate::reconcile::ReconcileTemplate>,
     /// The line of the `[[route]]` header.
     pub line: usize,
     /// The keys the route sets, with their values as written, in the order of [`ROUTE_KEYS`].
@@ -152,7 +154,7 @@ pub struct RouteSpec {
 }
 
 /// The settings a route may set, besides `name` and `path`, in the order `--check` prints them.
-pub const ROUTE_KEYS: [&str; 15] = [
+pub const ROUTE_KEYS: [&str; 16] = [
     "methods",
     "guard",
     "require-key",
@@ -168,6 +170,7 @@ pub const ROUTE_KEYS: [&str; 15] = [
     "scope-header",
     "upstream",
     "upstream-timeout",
+    "reconcile",
 ];
 
 impl RouteSpec {
@@ -220,6 +223,7 @@ struct RawRoute {
     scope_header: Option<Spanned<String>>,
     upstream: Option<Spanned<String>>,
     upstream_timeout: Option<Spanned<String>>,
+    reconcile: Option<Spanned<String>>,
 }
 
 /// A size: `"1MiB"` as the flags take it, or a number of bytes.
@@ -475,6 +479,7 @@ fn written(raw: &RawRoute) -> Vec<(&'static str, String)> {
         text(&raw.scope_header),
         text(&raw.upstream),
         text(&raw.upstream_timeout),
+        text(&raw.reconcile),
     ];
     ROUTE_KEYS
         .into_iter()
@@ -581,6 +586,7 @@ fn route_spec(raw: RawRoute, line: usize) -> Result<RouteSpec, (Range<usize>, St
         scope_header: parsed(raw.scope_header, "scope-header", parse_header_name)?,
         upstream: parsed(raw.upstream, "upstream", parse_upstream)?,
         upstream_timeout: parsed(raw.upstream_timeout, "upstream-timeout", parse_upstream_timeout)?,
+        reconcile: parsed(raw.reconcile, "reconcile", crate::reconcile::parse_reconcile)?,
         path,
         line,
         written,

@@ -590,7 +590,9 @@ mod tests {
                 assert!(named, "{}: `{parameter}` is not in docs/CONSUMERS.md", kind.name);
             }
         }
+        #[cfg(feature = "kafka")]
         assert!(source_help("kafka").unwrap().contains("topic=TOPIC"));
+        assert!(source_help("amqp").unwrap().contains("queue="));
         assert!(source_help("nope").is_err());
     }
 

@@ -29,6 +29,7 @@ pub mod flags;
 pub mod gateway;
 pub mod key_actions;
 pub mod ops;
+pub mod reconcile;
 pub mod server;
 pub mod telemetry;
 pub mod tls;

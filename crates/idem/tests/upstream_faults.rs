@@ -13,19 +13,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::raw::{Head, read_request};
 use common::{client, free_addr, metric, send, start_gateway};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 
 /// The attempts the upstream received, by forwarded key.
 type Seen = Arc<Mutex<HashMap<String, Vec<String>>>>;
-
-/// A request as the raw upstream read it.
-struct Head {
-    path: String,
-    key: String,
-    attempt: String,
-}
 
 /// Notes that the upstream received `head`'s attempt of its key.
 fn note(seen: &Seen, head: &Head) {
@@ -34,44 +28,6 @@ fn note(seen: &Seen, head: &Head) {
         .entry(head.key.clone())
         .or_default()
         .push(head.attempt.clone());
-}
-
-/// Reads one request (head and `Content-Length` body) from `stream`.
-async fn read_request(stream: &mut TcpStream) -> Option<Head> {
-    let mut buf = Vec::new();
-    let mut chunk = [0_u8; 4096];
-    let end = loop {
-        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break at + 4;
-        }
-        let n = stream.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-    let header = |name: &str| {
-        head.lines()
-            .find_map(|line| {
-                let (n, v) = line.split_once(':')?;
-                n.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-            })
-            .unwrap_or_default()
-    };
-    let length: usize = header("content-length").parse().unwrap_or(0);
-    while buf.len() < end + length {
-        let n = stream.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    Some(Head {
-        path: head.split(' ').nth(1).unwrap_or("/").to_owned(),
-        key: header("idempotency-key"),
-        attempt: header("idempotency-attempt"),
-    })
 }
 
 /// An upstream that records every request, then misbehaves as its path says on a key's first

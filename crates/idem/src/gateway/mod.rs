@@ -134,6 +134,13 @@ pub struct Config {
     /// Stripe's choice, a 5xx is final: `--release-on 408,409,425,429`.
     #[arg(long, env = "IDEM_RELEASE_ON", default_value = "1xx,3xx,5xx,408,409,425,429", value_parser = parse_status_set)]
     pub release_on: StatusSet,
+    /// Before an attempt after the first runs (an earlier one's answer was lost or timed out,
+    /// or released the key), ask the upstream whether it took effect: `[METHOD ]/path/{key}` or
+    /// an `http(s)://` URL with `{key}`. A 2xx or a 4xx other than 404 is adopted as the key's
+    /// outcome and nothing runs again; 404 lets the attempt run; anything else keeps the key in
+    /// flight (503). See docs/RECONCILE.md.
+    #[arg(long, env = "IDEM_RECONCILE", value_parser = crate::reconcile::parse_reconcile)]
+    pub reconcile: Option<crate::reconcile::ReconcileTemplate>,
     /// How long a client may take to send a request's headers (the connection is closed after).
     #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_client_timeout)]
     pub header_timeout: Duration,

@@ -15,11 +15,13 @@ use axum::response::Response;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Uri};
-use idempotency_http::{IdempotencyKey, Problem, strip_hop_by_hop};
+use http_body_util::BodyExt;
+use idempotency_http::{IdempotencyKey, Problem, Reconcile, Reconciled, strip_hop_by_hop};
 use rustls::ClientConfig;
 use tower::Service;
 
 use crate::error::UpstreamError;
+use crate::reconcile::ReconcileTemplate;
 use crate::upstream::{Failure, Upstream};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
@@ -27,10 +29,17 @@ use crate::upstream::{Failure, Upstream};
 /// trust it: a client cannot forge it.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 
-/// A problem document, as the layer writes its own.
+/// A problem document, as the layer writes its own, marked as the proxy's own answer.
 fn problem(problem: &Problem) -> Response {
-    problem.to_response().map(Body::from)
+    let mut response = problem.to_response().map(Body::from);
+    response.extensions_mut().insert(OwnAnswer(problem.title()));
+    response
 }
+
+/// Marks an answer the proxy made itself because the upstream's did not come (or could not be
+/// asked for): never mistaken for the upstream's.
+#[derive(Debug, Clone, Copy)]
+struct OwnAnswer(&'static str);
 
 /// The path with its `.` and `..` segments resolved (RFC 3986 §5.2.4), percent-encoded ones
 /// (`%2e%2e`) included, so that a request target can never climb above the upstream's base path:
@@ -223,6 +232,57 @@ impl Proxy {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         Response::from_parts(parts, Body::new(body))
+    }
+}
+
+impl Proxy {
+    /// Asks the upstream the reconcile hook's question about `asked` (see
+    /// [`crate::reconcile`]): `template`'s request, with `asked`'s headers but those of its body
+    /// and connection, and the key and attempt the upstream would get; an answer's body is read
+    /// up to `max_response` bytes.
+    pub(crate) async fn reconcile(
+        self,
+        template: &ReconcileTemplate,
+        asked: Reconcile,
+        max_response: usize,
+    ) -> Reconciled {
+        let target = template.target(&asked.key.message_key());
+        let mut request = Request::new(Body::empty());
+        *request.method_mut() = template.method().clone();
+        *request.headers_mut() = asked.headers;
+        for name in [
+            header::CONTENT_LENGTH,
+            header::CONTENT_TYPE,
+            header::CONTENT_ENCODING,
+            header::EXPECT,
+        ] {
+            request.headers_mut().remove(name);
+        }
+        *request.uri_mut() = match target.parse() {
+            Ok(uri) => uri,
+            Err(error) => return Reconciled::Unresolved(format!("the question's target: {error}")),
+        };
+        request.extensions_mut().insert(asked.key);
+        let response = self.forward(request).await;
+        let status = response.status();
+        if let Some(OwnAnswer(why)) = response.extensions().get::<OwnAnswer>() {
+            return Reconciled::Unresolved(format!("the reconcile hook gave no answer: {why}"));
+        }
+        if status == http::StatusCode::NOT_FOUND {
+            return Reconciled::DidNotHappen;
+        }
+        if !(status.is_success() || status.is_client_error()) {
+            return Reconciled::Unresolved(format!(
+                "the reconcile hook answered {status}, which says neither what happened nor that nothing did"
+            ));
+        }
+        let (parts, body) = response.into_parts();
+        match http_body_util::Limited::new(body, max_response).collect().await {
+            Ok(body) => Reconciled::Happened(Response::from_parts(parts, body.to_bytes())),
+            Err(error) => {
+                Reconciled::Unresolved(format!("the reconcile hook's answer could not be read: {error}"))
+            }
+        }
     }
 }
 

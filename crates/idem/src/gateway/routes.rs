@@ -29,6 +29,7 @@ use crate::admin::SharedPolicy;
 use crate::config_file::{RouteFingerprint, RouteSpec};
 use crate::error::Error;
 use crate::flags::StatusSet;
+use crate::reconcile::ReconcileTemplate;
 use crate::server;
 use crate::tls;
 
@@ -56,17 +57,20 @@ impl RouteTable {
         base: &IdempotencyLayer<DynStore>,
     ) -> Result<Self, Error> {
         let mut proxies = Proxies::new(config);
+        let settings = Effective::of(config, None);
+        let proxy = proxies.get(settings.upstream, settings.upstream_timeout)?;
         let fallback = guarded(
             config,
-            base.clone(),
-            proxies.get(&config.upstream, config.upstream_timeout)?,
+            proxies.reconciling(base.clone(), &settings, &proxy)?,
+            proxy,
         );
         let mut routes = Vec::with_capacity(config.routes.len());
         for route in &config.routes {
             let settings = Effective::of(config, Some(route));
             let proxy = proxies.get(settings.upstream, settings.upstream_timeout)?;
             let service = if route.guard {
-                guarded(config, layer(config, store, Some(route)).shares_with(base), proxy)
+                let layer = layer(config, store, Some(route)).shares_with(base);
+                guarded(config, proxies.reconciling(layer, &settings, &proxy)?, proxy)
             } else {
                 BoxCloneSyncService::new(proxy)
             };
@@ -130,6 +134,29 @@ impl<'a> Proxies<'a> {
         let proxy = Proxy::new(upstream.clone(), timeout, tls)?;
         self.made.push(proxy.clone());
         Ok(proxy)
+    }
+
+    /// `layer` asking the reconcile hook of `settings`, when it has one, through `proxy` (its
+    /// upstream's) or, for an absolute URL, a proxy to that URL's origin with the same timeout.
+    fn reconciling(
+        &mut self,
+        layer: IdempotencyLayer<DynStore>,
+        settings: &Effective<'_>,
+        proxy: &Proxy,
+    ) -> Result<IdempotencyLayer<DynStore>, Error> {
+        let Some(template) = settings.reconcile else {
+            return Ok(layer);
+        };
+        let asks = match template.origin() {
+            Some(origin) => self.get(origin, settings.upstream_timeout)?,
+            None => proxy.clone(),
+        };
+        let template = Arc::new(template.clone());
+        let max_response = settings.max_response;
+        Ok(layer.reconcile(move |asked| {
+            let (asks, template) = (asks.clone(), Arc::clone(&template));
+            async move { asks.reconcile(&template, asked, max_response).await }
+        }))
     }
 }
 
@@ -337,6 +364,7 @@ struct Effective<'a> {
     scope_header: Option<&'a http::HeaderName>,
     upstream: &'a http::Uri,
     upstream_timeout: Duration,
+    reconcile: Option<&'a ReconcileTemplate>,
 }
 
 impl<'a> Effective<'a> {
@@ -367,6 +395,9 @@ impl<'a> Effective<'a> {
             upstream_timeout: route
                 .and_then(|r| r.upstream_timeout)
                 .unwrap_or(config.upstream_timeout),
+            reconcile: route
+                .and_then(|r| r.reconcile.as_ref())
+                .or(config.reconcile.as_ref()),
         }
     }
 }

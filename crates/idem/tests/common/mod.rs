@@ -23,6 +23,7 @@ use hyper_util::rt::TokioExecutor;
 
 pub mod consume;
 pub mod pki;
+pub mod raw;
 
 const UPSTREAM_ENV: &str = "IDEM_TEST_UPSTREAM";
 const UPSTREAM_READY: &str = "UPSTREAM LISTENING ON ";
