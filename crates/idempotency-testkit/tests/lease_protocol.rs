@@ -55,12 +55,32 @@ const ONE_EFFECT: &str = "at most one attempt runs the side effect of a key inca
 const NO_OVERLAP: &str = "no two live attempts have run the side effect of one incarnation at once";
 const LIMITS: [&str; 2] = [ONE_EFFECT, NO_OVERLAP];
 
+/// What the reconcile hook adds: an attempt after the first asks whether the side effect
+/// already happened before it runs it. It holds with a truthful hook; without one, or with one
+/// that lies, the checker must find a trace.
+const NO_BLIND_RERUN: &str = "no attempt runs the side effect of an incarnation whose side effect had happened when it acquired the key";
+/// With a hook, the model must reach an adoption.
+const REACHES_ADOPTION: &str =
+    "an attempt adopts the outcome of a side effect that happened, and runs nothing";
+
 /// What the model must be able to do at all (so that the properties are not true vacuously).
 const REACHES_COMPLETION: &str = "a key ends completed";
 const REACHES_TAKEOVER: &str = "an expired lease is taken over";
 const REACHES_FENCING: &str =
     "two attempts ran the side effect after a lease expired, and the stale one's complete was refused";
 const EXAMPLES: [&str; 3] = [REACHES_COMPLETION, REACHES_TAKEOVER, REACHES_FENCING];
+
+/// The reconcile hook that attempts after the first ask before they run the side effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hook {
+    /// None: the attempt runs (what a gateway without `--reconcile` does).
+    None,
+    /// It answers from the upstream's ledger: "it happened" exactly when a side effect of the
+    /// incarnation ran; the attempt then adopts it and runs nothing.
+    Truthful,
+    /// It always answers "it did not happen".
+    Lying,
+}
 
 /// The store's transitions.
 trait Transitions: Clone + Send + Sync + 'static {
@@ -152,6 +172,9 @@ enum Phase {
         incarnation: i64,
         effect_done: bool,
         beat: bool,
+        /// A side effect of the incarnation had happened when it acquired the key, and it was
+        /// not told so: running the side effect would run it again blind.
+        blind: bool,
     },
     /// Finished: its own outcome recorded, a replay, or a mismatch.
     Done(End),
@@ -191,6 +214,8 @@ struct Ghost {
     taken_over: bool,
     /// A `complete` was refused while another attempt held or had completed the record.
     stale_complete_refused: bool,
+    /// An attempt adopted a side effect that had happened, from the hook.
+    adopted: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -234,6 +259,7 @@ struct Bounds {
     losses: u8,
     duplicates: u8,
     crashes: u8,
+    hook: Hook,
 }
 
 struct Protocol<T> {
@@ -422,8 +448,16 @@ impl<T: Transitions> Protocol<T> {
         });
     }
 
-    /// `worker` reads the answer to `op`, if it still waits for it.
+    /// `worker` reads the answer to `op`, if it still waits for it. An attempt after the first
+    /// asks the hook (atomically with reading the answer: the hook reads the upstream's ledger
+    /// of side effects, the ghost's `effects`).
     fn receive(&self, state: &mut State, worker: usize, op: &Op, answer: &Answer) {
+        let happened = matches!(
+            answer,
+            Answer::Acquired { attempt, incarnation }
+                if *attempt > 1 && state.ghost.effects.iter().any(|(i, _)| i == incarnation)
+        );
+        let adopted = happened && self.bounds.hook == Hook::Truthful;
         let w = &mut state.workers[worker];
         if w.pending.as_ref() != Some(op) {
             // An answer to a request it no longer waits for (a duplicate, or from before a
@@ -433,12 +467,15 @@ impl<T: Transitions> Protocol<T> {
         w.pending = None;
         match (op, answer) {
             (Op::Begin { token }, Answer::Acquired { incarnation, .. }) => {
+                // An adopted outcome is the side effect's: the attempt completes with it.
                 w.phase = Phase::Holding {
                     token: *token,
                     incarnation: *incarnation,
-                    effect_done: false,
+                    effect_done: adopted,
                     beat: true,
+                    blind: happened && !adopted,
                 };
+                state.ghost.adopted |= adopted;
             }
             (Op::Begin { .. }, Answer::Replay { .. }) => w.phase = Phase::Done(End::Replayed),
             (Op::Begin { .. }, Answer::Mismatch) => w.phase = Phase::Done(End::Mismatch),
@@ -635,12 +672,16 @@ impl<T: Transitions> Model for Protocol<T> {
                 let Phase::Holding {
                     incarnation,
                     effect_done,
+                    blind,
                     ..
                 } = &mut state.workers[worker].phase
                 else {
                     unreachable!("only a holder runs the side effect")
                 };
                 *effect_done = true;
+                if *blind {
+                    state.ghost.broken.push(NO_BLIND_RERUN);
+                }
                 state.ghost.effects.push((*incarnation, worker));
             }
             Action::Crash(worker) => {
@@ -715,7 +756,11 @@ impl<T: Transitions> Model for Protocol<T> {
                     })
                 )
             }),
+            Property::always(NO_BLIND_RERUN, |_, s: &State| {
+                !s.ghost.broken.contains(&NO_BLIND_RERUN)
+            }),
             Property::sometimes(REACHES_TAKEOVER, |_, s: &State| s.ghost.taken_over),
+            Property::sometimes(REACHES_ADOPTION, |_, s: &State| s.ghost.adopted),
             Property::sometimes(REACHES_FENCING, |_, s: &State| {
                 let effects = &s.ghost.effects;
                 s.ghost.stale_complete_refused
@@ -895,6 +940,7 @@ fn two_workers_crashing() -> Bounds {
         losses: 1,
         duplicates: 0,
         crashes: 1,
+        hook: Hook::None,
     }
 }
 
@@ -908,6 +954,7 @@ fn two_workers_duplicating() -> Bounds {
         losses: 1,
         duplicates: 1,
         crashes: 0,
+        hook: Hook::None,
     }
 }
 
@@ -920,6 +967,7 @@ fn three_workers() -> Bounds {
         losses: 1,
         duplicates: 0,
         crashes: 1,
+        hook: Hook::None,
     }
 }
 
@@ -928,19 +976,25 @@ fn three_workers() -> Bounds {
 fn assert_checked<T: Transitions>(transitions: &T, bounds: &Bounds, what: &str) {
     let report = check(transitions.clone(), bounds.clone(), None);
     eprintln!("{}", report.figures(what));
-    for property in PROPERTIES {
+    // Without a truthful hook, an attempt after the first runs the side effect blind.
+    let (hook_holds, hook_limits, hook_examples): (&[&'static str], &[&'static str], &[&'static str]) =
+        match bounds.hook {
+            Hook::Truthful => (&[NO_BLIND_RERUN], &[], &[REACHES_ADOPTION]),
+            Hook::None | Hook::Lying => (&[], &[NO_BLIND_RERUN], &[]),
+        };
+    for property in PROPERTIES.iter().chain(hook_holds).copied() {
         if report.trace(property).is_some() {
             let trace = shortest(transitions, bounds, property);
             panic!("{what}: \"{property}\" is broken:\n{trace}");
         }
     }
-    for example in EXAMPLES {
+    for example in EXAMPLES.iter().chain(hook_examples) {
         assert!(
             report.trace(example).is_some(),
             "{what}: the model never reaches \"{example}\": the properties may hold vacuously"
         );
     }
-    for limit in LIMITS {
+    for limit in LIMITS.iter().chain(hook_limits) {
         assert!(
             report.trace(limit).is_some(),
             "{what}: no trace breaks \"{limit}\""
@@ -956,6 +1010,36 @@ fn core_machine_keeps_every_property_with_crashes_and_lost_replies() {
         let trace = shortest(&Core, &two_workers_crashing(), limit);
         eprintln!("the limit \"{limit}\":\n{trace}");
     }
+}
+
+/// The reconcile hook: with a truthful one, no attempt after the first runs the side effect of
+/// an incarnation whose side effect had happened (it adopts it instead); what is left of the
+/// limits is two attempts running at once, after a lease expired under a live one.
+#[test]
+fn a_truthful_reconcile_hook_never_runs_a_side_effect_again_blind() {
+    let bounds = Bounds {
+        hook: Hook::Truthful,
+        ..two_workers_crashing()
+    };
+    assert_checked(&Core, &bounds, "two workers, crash, truthful hook");
+    let trace = shortest(&Core, &two_workers_crashing(), NO_BLIND_RERUN);
+    eprintln!("without the hook, \"{NO_BLIND_RERUN}\" is broken:\n{trace}");
+    let trace = shortest(&Core, &bounds, REACHES_ADOPTION);
+    eprintln!("with the hook, \"{REACHES_ADOPTION}\":\n{trace}");
+}
+
+#[test]
+fn a_reconcile_hook_that_lies_is_caught() {
+    let bounds = Bounds {
+        hook: Hook::Lying,
+        ..two_workers_crashing()
+    };
+    assert_caught(
+        &Core,
+        &bounds,
+        "a hook that says nothing happened",
+        NO_BLIND_RERUN,
+    );
 }
 
 #[test]
