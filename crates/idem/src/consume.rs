@@ -37,6 +37,7 @@ use crate::admin::{ADMIN_PREFIX, Admin, admin_router};
 pub use crate::error::ConsumeError;
 use crate::error::Error;
 use crate::flags::{FlagError, bounded_duration, parse_lease, parse_retention};
+use crate::reconcile::{Meaning, ReconcileTemplate};
 use crate::server::bind;
 use crate::tls::{self, ClientFiles};
 use crate::units;
@@ -119,6 +120,13 @@ pub struct Config {
     /// How each consumed message's log event shows its key: `hash` (a digest), `plain` or `off`.
     #[arg(long, env = "IDEM_LOG_KEYS", default_value = "hash")]
     pub log_keys: idempotency::KeyLog,
+    /// Before an attempt after the first calls the handler, ask whether an earlier one took
+    /// effect: `[METHOD ]/path/{key}` (on --to's host) or an http(s):// URL with `{key}`. A 2xx
+    /// or a 4xx other than 404 is taken as the handler's answer; 404 lets the handler run;
+    /// anything else retries the message later without calling the handler. See
+    /// docs/RECONCILE.md.
+    #[arg(long, env = "IDEM_RECONCILE", value_parser = crate::reconcile::parse_reconcile)]
+    pub reconcile: Option<ReconcileTemplate>,
 }
 
 fn consumer_name(text: &str) -> Result<String, InvalidName> {
@@ -226,6 +234,8 @@ pub(crate) struct HttpHandler {
     /// The queue (or stream) the messages come from, sent to the handler.
     source: String,
     calls: Semaphore,
+    /// Asked before an attempt after the first, with the consumer's name for the metric.
+    reconcile: Option<(ReconcileTemplate, String)>,
 }
 
 impl fmt::Debug for HttpHandler {
@@ -273,16 +283,25 @@ impl HttpHandler {
             timeout,
             source,
             calls: Semaphore::new(calls),
+            reconcile: None,
         }
     }
 
-    fn request(
+    /// Asks `template` before an attempt after the first runs (see [`crate::reconcile`]);
+    /// `consumer` labels the metric.
+    pub(crate) fn reconcile(mut self, template: ReconcileTemplate, consumer: String) -> Self {
+        self.reconcile = Some((template, consumer));
+        self
+    }
+
+    /// `builder` with the headers that say which message and attempt a request is about.
+    fn about(
         &self,
+        builder: http::request::Builder,
         message: &dyn Delivery,
         attempt: &Call<'_>,
-    ) -> Result<Request<Full<Bytes>>, HandlerError> {
-        let mut request = Request::post(self.to.clone())
-            .header(header::CONTENT_TYPE, content_type(message))
+    ) -> http::request::Builder {
+        let mut builder = builder
             .header("Idempotency-Key", attempt.key)
             .header("Idempotency-Scope", attempt.scope)
             .header("Idempotency-Attempt", attempt.number)
@@ -292,8 +311,21 @@ impl HttpHandler {
             .message_id()
             .filter(|id| http::HeaderValue::from_str(id).is_ok())
         {
-            request = request.header("Idempotency-Message-Id", id);
+            builder = builder.header("Idempotency-Message-Id", id);
         }
+        builder
+    }
+
+    fn request(
+        &self,
+        message: &dyn Delivery,
+        attempt: &Call<'_>,
+    ) -> Result<Request<Full<Bytes>>, HandlerError> {
+        let mut request = self.about(
+            Request::post(self.to.clone()).header(header::CONTENT_TYPE, content_type(message)),
+            message,
+            attempt,
+        );
         // The message's trace context goes on to the handler (replaced by the call's own span
         // when traces are exported: see `call`).
         for (name, value) in trace_headers(message) {
@@ -470,6 +502,91 @@ fn disposition(status: StatusCode, body: Bytes) -> Result<Outcome, HandlerError>
     )))
 }
 
+impl HttpHandler {
+    /// Asks the reconcile hook about `attempt` of `message`: `Some` answer to settle the message
+    /// with instead of calling the handler, `None` to call it.
+    async fn ask(
+        &self,
+        template: &ReconcileTemplate,
+        consumer: &str,
+        message: &(dyn Delivery + Sync),
+        attempt: &Call<'_>,
+    ) -> Option<Result<Outcome, HandlerError>> {
+        let count = |result: &'static str| {
+            metrics::counter!("idempotency_reconciled_total", "guard" => consumer.to_owned(), "result" => result)
+                .increment(1);
+        };
+        let unresolved = |why: String| {
+            count("unresolved");
+            tracing::warn!(attempt = attempt.number, why = %why, "whether an earlier attempt took effect cannot be told: the handler is not called, and the message is retried later");
+            Some(Err(HandlerError::retry(format!("reconcile: {why}"))))
+        };
+        let key = match idempotency::Key::new(attempt.key) {
+            Ok(key) => key,
+            Err(error) => return unresolved(format!("the key cannot be asked about: {error}")),
+        };
+        let target = template.target(&key);
+        let url = match template.origin() {
+            Some(origin) => format!("{}{target}", origin.to_string().trim_end_matches('/')),
+            None => format!(
+                "{}://{}{target}",
+                self.to.scheme_str().unwrap_or("http"),
+                self.to.authority().map_or("", http::uri::Authority::as_str)
+            ),
+        };
+        let request = self
+            .about(
+                Request::builder().method(template.method()).uri(url),
+                message,
+                attempt,
+            )
+            .body(Full::new(Bytes::new()));
+        let request = match request {
+            Ok(request) => request,
+            Err(error) => return unresolved(format!("the question cannot be made: {error}")),
+        };
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => {
+                return unresolved(format!(
+                    "the reconcile hook could not be reached: {}",
+                    causes(&error)
+                ));
+            }
+            Err(_) => return unresolved("the reconcile hook did not answer in time".into()),
+        };
+        let status = response.status();
+        match Meaning::of(status) {
+            Meaning::DidNotHappen => {
+                count("did_not_happen");
+                tracing::info!(
+                    attempt = attempt.number,
+                    "the earlier attempt did not take effect: the handler is called"
+                );
+                return None;
+            }
+            Meaning::Unknown => {
+                return unresolved(format!(
+                    "the reconcile hook answered {status}, which says neither what happened nor that nothing did"
+                ));
+            }
+            Meaning::Happened => {}
+        }
+        let body =
+            tokio::time::timeout_at(deadline, Limited::new(response.into_body(), MAX_ANSWER).collect()).await;
+        match body {
+            Ok(Ok(body)) => {
+                count("adopted");
+                tracing::info!(attempt = attempt.number, %status, "the earlier attempt took effect: its answer is adopted, and the handler is not called again");
+                Some(disposition(status, body.to_bytes()))
+            }
+            Ok(Err(error)) => unresolved(format!("the reconcile hook's answer could not be read: {error}")),
+            Err(_) => unresolved("the reconcile hook's answer did not arrive in time".into()),
+        }
+    }
+}
+
 impl<M: Delivery + Sync> Handler<M> for HttpHandler {
     async fn handle(&self, message: &M, attempt: &Attempt) -> Result<Outcome, HandlerError> {
         let call = Call {
@@ -477,6 +594,12 @@ impl<M: Delivery + Sync> Handler<M> for HttpHandler {
             scope: attempt.scope().as_str(),
             number: attempt.number(),
         };
+        if call.number > 1
+            && let Some((template, consumer)) = &self.reconcile
+            && let Some(answer) = self.ask(template, consumer, message, &call).await
+        {
+            return answer;
+        }
         self.call(message, &call).await
     }
 }
@@ -546,7 +669,10 @@ pub async fn consume(
     }
     let calls = usize::from(config.concurrency.unwrap_or(config.prefetch));
     let name = config.name.clone();
-    let handler = HttpHandler::new(to, config.handler_timeout, info.source, calls, &handler_tls);
+    let mut handler = HttpHandler::new(to, config.handler_timeout, info.source, calls, &handler_tls);
+    if let Some(template) = config.reconcile.clone() {
+        handler = handler.reconcile(template, config.name.clone());
+    }
     let processor: Processor = Consumer::new(name, watched, handler)
         .lease(config.lease)
         .retention(config.retention)

@@ -201,6 +201,31 @@ impl ReconcileTemplate {
     }
 }
 
+/// What the hook's answer status says (the table in the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Meaning {
+    /// `2xx`, or a `4xx` other than `404`: the earlier attempt took effect, and this is its
+    /// answer.
+    Happened,
+    /// `404`: it did not.
+    DidNotHappen,
+    /// Anything else: cannot tell now.
+    Unknown,
+}
+
+impl Meaning {
+    /// What `status` means.
+    pub(crate) fn of(status: http::StatusCode) -> Self {
+        if status == http::StatusCode::NOT_FOUND {
+            Self::DidNotHappen
+        } else if status.is_success() || status.is_client_error() {
+            Self::Happened
+        } else {
+            Self::Unknown
+        }
+    }
+}
+
 /// `--reconcile`: a [`ReconcileTemplate`].
 ///
 /// # Errors
@@ -243,6 +268,30 @@ mod tests {
             template.to_string(),
             "POST https://ledger.internal:8443/find/{key}"
         );
+    }
+
+    #[test]
+    fn a_status_says_what_happened() {
+        use http::StatusCode;
+        for (status, meaning) in [
+            (200, Meaning::Happened),
+            (201, Meaning::Happened),
+            (204, Meaning::Happened),
+            (402, Meaning::Happened),
+            (409, Meaning::Happened),
+            (422, Meaning::Happened),
+            (404, Meaning::DidNotHappen),
+            (301, Meaning::Unknown),
+            (500, Meaning::Unknown),
+            (503, Meaning::Unknown),
+            (101, Meaning::Unknown),
+        ] {
+            assert_eq!(
+                Meaning::of(StatusCode::from_u16(status).unwrap()),
+                meaning,
+                "{status}"
+            );
+        }
     }
 
     #[test]

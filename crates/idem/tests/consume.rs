@@ -206,6 +206,143 @@ async fn the_content_type_property_reaches_the_handler() {
     );
 }
 
+/// A handler with a ledger of the charges it made, and the reconcile endpoint that reads it.
+/// `POST /messages`: a key's first call charges (`charged-…`, `down-…`) or not (`lost-…`) and
+/// answers 500 either way, as a handler that crashed around its side effect; later calls
+/// charge and answer 200. `GET /ledger/{key}`: 200 with the charge, 404, or 503 for `down-…`.
+#[derive(Clone, Default)]
+struct Charges {
+    calls: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>,
+    charged: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    asked: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+}
+
+impl Charges {
+    fn calls(&self, key: &str) -> u32 {
+        self.calls.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    fn charges(&self, key: &str) -> usize {
+        self.charged.lock().unwrap().iter().filter(|k| *k == key).count()
+    }
+
+    async fn start(&self) -> std::net::SocketAddr {
+        use axum::extract::{Path, State};
+        use axum::http::{HeaderMap, StatusCode};
+
+        async fn charge(State(charges): State<Charges>, headers: HeaderMap) -> (StatusCode, String) {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            let call = {
+                let mut calls = charges.calls.lock().unwrap();
+                let n = calls.entry(key.clone()).or_default();
+                *n += 1;
+                *n
+            };
+            if call > 1 || !key.starts_with("lost-") {
+                charges.charged.lock().unwrap().push(key.clone());
+            }
+            if call == 1 {
+                return (StatusCode::INTERNAL_SERVER_ERROR, "crashed".into());
+            }
+            (StatusCode::OK, format!("charged {key} on call {call}"))
+        }
+
+        async fn ledger(
+            State(charges): State<Charges>,
+            Path(key): Path<String>,
+            headers: HeaderMap,
+        ) -> (StatusCode, String) {
+            let attempt = headers["idempotency-attempt"].to_str().unwrap().to_owned();
+            charges.asked.lock().unwrap().push((key.clone(), attempt));
+            if key.starts_with("down-") {
+                return (StatusCode::SERVICE_UNAVAILABLE, "the ledger is down".into());
+            }
+            if charges.charged.lock().unwrap().contains(&key) {
+                (StatusCode::OK, format!("charged {key} (from the ledger)"))
+            } else {
+                (StatusCode::NOT_FOUND, String::new())
+            }
+        }
+
+        let app = axum::Router::new()
+            .route("/messages", axum::routing::post(charge))
+            .route("/ledger/{key}", axum::routing::get(ledger))
+            .with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    }
+}
+
+/// `--reconcile`: a message whose first call charged is adopted from the ledger on its retry
+/// (one call, one charge); one whose first call did not charge runs again (404); while the
+/// ledger cannot tell, the handler is not called again and the message ends dead-lettered with
+/// the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_asks_the_ledger_before_it_calls_the_handler_again() {
+    let charges = Charges::default();
+    let handler = charges.start().await;
+    let rabbit = Rabbit::new("reconcile").await;
+    let admin = common::free_addr();
+    let _consume = start(
+        &rabbit,
+        handler,
+        admin,
+        &[
+            "--store",
+            "memory://",
+            "--reconcile",
+            "GET /ledger/{key}",
+            "--max-deliveries",
+            "3",
+        ],
+    )
+    .await;
+    for key in ["charged-1", "lost-1", "down-1"] {
+        rabbit.publish(key, key.as_bytes()).await;
+    }
+    consume::count_at_least(admin, "executed", 2.0).await;
+    consume::count_at_least(admin, "dead_lettered", 1.0).await;
+    assert_eq!(
+        (charges.calls("charged-1"), charges.charges("charged-1")),
+        (1, 1),
+        "adopted"
+    );
+    assert_eq!(
+        (charges.calls("lost-1"), charges.charges("lost-1")),
+        (2, 1),
+        "ran again"
+    );
+    assert_eq!(charges.calls("down-1"), 1, "never called blind");
+    let asked = charges.asked.lock().unwrap().clone();
+    assert!(asked.contains(&("charged-1".into(), "2".into())), "{asked:?}");
+    assert!(asked.contains(&("lost-1".into(), "2".into())), "{asked:?}");
+    assert_eq!(
+        asked.iter().filter(|(key, _)| key == "down-1").count(),
+        2,
+        "asked before attempts 2 and 3: {asked:?}"
+    );
+    let dead = rabbit.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, "down-1");
+    assert!(
+        dead[0].1.contains("reconcile") && dead[0].1.contains("503"),
+        "{dead:?}"
+    );
+    for (result, expected) in [("adopted", 1.0), ("did_not_happen", 1.0), ("unresolved", 2.0)] {
+        let counted = common::metric(
+            &common::client(),
+            admin,
+            "idempotency_reconciled_total",
+            &[("result", result)],
+        )
+        .await;
+        assert_eq!(counted, expected, "{result}");
+    }
+    consume::until_settled(&rabbit).await;
+}
+
 /// `--log-format json`: one line per message, with its decision and disposition, the key as a
 /// digest and the trace id of its `traceparent` header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,7 +21,7 @@ use rustls::ClientConfig;
 use tower::Service;
 
 use crate::error::UpstreamError;
-use crate::reconcile::ReconcileTemplate;
+use crate::reconcile::{Meaning, ReconcileTemplate};
 use crate::upstream::{Failure, Upstream};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
@@ -268,13 +268,14 @@ impl Proxy {
         if let Some(OwnAnswer(why)) = response.extensions().get::<OwnAnswer>() {
             return Reconciled::Unresolved(format!("the reconcile hook gave no answer: {why}"));
         }
-        if status == http::StatusCode::NOT_FOUND {
-            return Reconciled::DidNotHappen;
-        }
-        if !(status.is_success() || status.is_client_error()) {
-            return Reconciled::Unresolved(format!(
-                "the reconcile hook answered {status}, which says neither what happened nor that nothing did"
-            ));
+        match Meaning::of(status) {
+            Meaning::Happened => {}
+            Meaning::DidNotHappen => return Reconciled::DidNotHappen,
+            Meaning::Unknown => {
+                return Reconciled::Unresolved(format!(
+                    "the reconcile hook answered {status}, which says neither what happened nor that nothing did"
+                ));
+            }
         }
         let (parts, body) = response.into_parts();
         match http_body_util::Limited::new(body, max_response).collect().await {
