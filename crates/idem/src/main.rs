@@ -257,6 +257,10 @@ struct DemoArgs {
     /// provider: shows the double charges that passing it on prevents.
     #[arg(long)]
     no_key_propagation: bool,
+    /// The gateway asks the upstream's lookup (`GET /charges/by-key/{key}`) before it runs a
+    /// payment again, and adopts a charge it finds (see docs/RECONCILE.md).
+    #[arg(long, conflicts_with = "direct")]
+    reconcile: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -533,6 +537,7 @@ async fn demo(args: DemoArgs) -> Result<String, Error> {
         progress: !args.quiet && !args.json,
         direct: args.direct,
         propagate: !args.no_key_propagation,
+        reconcile: args.reconcile,
     })
     .await?;
     let text = if args.json {
@@ -540,10 +545,11 @@ async fn demo(args: DemoArgs) -> Result<String, Error> {
     } else {
         report.to_table()
     };
+    // Asking before running again leaves no double charge, with the key passed on or not.
     verdict(
         text,
         report.double_charges,
-        args.direct || args.no_key_propagation,
+        args.direct || (args.no_key_propagation && !args.reconcile),
     )
 }
 

@@ -66,6 +66,36 @@ fn without_key_propagation_the_faults_after_charging_double_charge() {
     );
 }
 
+/// With `--reconcile`, the gateway asks the upstream's lookup before it runs a payment again:
+/// every fault after charging is found and adopted, so nothing is charged twice although the
+/// upstream does not pass the key on.
+#[test]
+fn asking_before_running_again_leaves_no_double_charge_without_the_key() {
+    let (code, out, err) = idem(&[
+        "demo",
+        "--requests",
+        "600",
+        "--json",
+        "--no-key-propagation",
+        "--reconcile",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["key_propagated"], false);
+    assert_eq!(report["reconcile"], true);
+    assert_eq!(report["double_charges"], 0, "{report}");
+    let faults = report["faults_after_charging"].as_u64().unwrap();
+    assert!(
+        faults > 0,
+        "the storm must fault after charging for this to show anything: {report}"
+    );
+    assert_eq!(report["reconciled"].as_u64().unwrap(), faults, "{report}");
+    assert_eq!(report["charges"], report["payments"], "{report}");
+    let (code, _, err) = idem(&["demo", "--direct", "--reconcile"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--reconcile") && err.contains("--direct"), "{err}");
+}
+
 #[test]
 fn without_the_gateway_every_retry_runs_the_upstream_again() {
     let (code, out, err) = idem(&["demo", "--requests", "400", "--json", "--direct"]);

@@ -63,6 +63,9 @@ pub struct Options {
     /// Whether the upstream passes the forwarded `Idempotency-Key` on to its payment provider
     /// (the default); turning it off shows the double charges the propagation prevents.
     pub propagate: bool,
+    /// Whether the gateway asks the upstream's lookup (`GET /charges/by-key/{key}`) before it
+    /// runs a payment again.
+    pub reconcile: bool,
 }
 
 /// The payment provider behind the sample upstream. It deduplicates by the idempotency key the
@@ -74,12 +77,15 @@ struct Provider {
     charged: Mutex<HashMap<String, String>>,
     /// Charges made per order.
     orders: Mutex<HashMap<String, u64>>,
+    /// The first charge of each order, and its amount: what the provider's lookup by order
+    /// answers.
+    first: Mutex<HashMap<String, (String, i64)>>,
     charges: AtomicU64,
 }
 
 impl Provider {
     /// Charges once per `provider_key`: a key it has seen gets the charge it made then.
-    fn charge(&self, provider_key: &str, order: &str) -> String {
+    fn charge(&self, provider_key: &str, order: &str, amount: i64) -> String {
         let mut charged = self
             .charged
             .lock()
@@ -89,6 +95,11 @@ impl Provider {
         }
         let charge = format!("ch_{}", self.charges.fetch_add(1, Ordering::Relaxed) + 1);
         charged.insert(provider_key.to_owned(), charge.clone());
+        self.first
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(order.to_owned())
+            .or_insert_with(|| (charge.clone(), amount));
         *self
             .orders
             .lock()
@@ -96,6 +107,15 @@ impl Provider {
             .entry(order.to_owned())
             .or_default() += 1;
         charge
+    }
+
+    /// The first charge made for `order`, and its amount.
+    fn lookup(&self, order: &str) -> Option<(String, i64)> {
+        self.first
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(order)
+            .cloned()
     }
 
     /// (charges made, charges beyond the first for an order).
@@ -124,6 +144,9 @@ struct Upstream {
     re_executions: AtomicU64,
     /// Calls that charged and then failed: a 500, or a connection dropped before the answer.
     faults_after_charging: AtomicU64,
+    /// Lookups by key that found the payment (the gateway adopts each instead of charging
+    /// again).
+    found: AtomicU64,
 }
 
 /// What the sample upstream does after charging, now and then.
@@ -188,7 +211,7 @@ async fn charge(State(upstream): State<Arc<Upstream>>, headers: HeaderMap, body:
     } else {
         idempotency::Key::generate().as_str().to_owned()
     };
-    let charge_id = upstream.provider.charge(&provider_key, &key);
+    let charge_id = upstream.provider.charge(&provider_key, &key, amount);
     match after {
         AfterCharging::Answer => (
             StatusCode::CREATED,
@@ -213,6 +236,26 @@ async fn charge(State(upstream): State<Arc<Upstream>>, headers: HeaderMap, body:
             });
             (StatusCode::CREATED, axum::body::Body::from_stream(broken)).into_response()
         }
+    }
+}
+
+/// `GET /charges/by-key/{key}`: the upstream's lookup, the reconcile hook's question. It asks
+/// the provider for the payment made for that order (the key the gateway forwarded): what the
+/// payment request answered (`201` and the charge), or `404` when none was made.
+async fn by_key(
+    State(upstream): State<Arc<Upstream>>,
+    axum::extract::Path(key): axum::extract::Path<String>,
+) -> Response {
+    match upstream.provider.lookup(&key) {
+        Some((charge_id, amount)) => {
+            upstream.found.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::CREATED,
+                axum::Json(json!({ "charge_id": charge_id, "amount_cents": amount, "reconciled": true })),
+            )
+                .into_response()
+        }
+        None => StatusCode::NOT_FOUND.into_response(),
     }
 }
 
@@ -397,6 +440,10 @@ pub struct Report {
     pub failed_payments: u64,
     /// Whether the upstream passed the forwarded key on to the provider.
     pub propagated: bool,
+    /// Whether the gateway asked the upstream's lookup before running a payment again.
+    pub reconcile: bool,
+    /// Payments the lookup found after a fault: adopted by the gateway instead of run again.
+    pub reconciled: u64,
     /// Calls of the upstream that went as far as charging.
     pub executions: u64,
     /// Of those, runs the gateway started again (`Idempotency-Attempt` 2 or more) after a
@@ -436,6 +483,8 @@ impl Report {
             "server_errors_retried": self.released,
             "failed_payments": self.failed_payments,
             "key_propagated": self.propagated,
+            "reconcile": self.reconcile,
+            "reconciled": self.reconciled,
             "upstream_executions": self.executions,
             "re_executions": self.re_executions,
             "faults_after_charging": self.faults_after_charging,
@@ -473,6 +522,17 @@ impl Report {
                 self.double_charges,
             ],
         ));
+        rows.insert(
+            rows.len() - 2,
+            vec![
+                "reconciled (found by the lookup, not run again)".into(),
+                if self.reconcile {
+                    self.reconciled.to_string()
+                } else {
+                    "- (no --reconcile)".into()
+                },
+            ],
+        );
         rows.push(vec![
             "latency p50 / p90 / p99 (ms)".into(),
             format!("{} / {} / {}", ms(self.p50), ms(self.p90), ms(self.p99)),
@@ -490,10 +550,18 @@ impl Report {
             ))
         );
         out.push_str(&crate::ops::table(&["", ""], &rows));
-        if !self.propagated {
+        if !self.propagated && self.reconcile {
+            out.push_str(&format!(
+                "\nThe upstream did not pass the Idempotency-Key on to the provider, but the gateway \
+                 asked its lookup before running a payment again: {} payments charged before a fault \
+                 were found and their charges adopted instead of made again.\n",
+                self.reconciled
+            ));
+        } else if !self.propagated {
             out.push_str(
                 "\nThe upstream did not pass the Idempotency-Key on to the provider: each run after a \
-                 fault charged again. Pass it on, and the provider deduplicates them.\n",
+                 fault charged again. Pass it on, or let the gateway ask first (--reconcile), and \
+                 none is charged twice.\n",
             );
         }
         if self.failed_payments > 0 {
@@ -569,13 +637,14 @@ pub async fn run(options: Options) -> Result<Report, Error> {
     let upstream = serve(
         Router::new()
             .route("/charges", post(charge))
+            .route("/charges/by-key/{key}", axum::routing::get(by_key))
             .with_state(Arc::clone(&service)),
     )
     .await?;
     let target = if options.direct {
         upstream
     } else {
-        start_gateway(upstream, &store_url).await?
+        start_gateway(upstream, &store_url, options.reconcile).await?
     };
     let storm = Arc::new(Storm {
         client: Client::builder(TokioExecutor::new()).build_http(),
@@ -614,8 +683,13 @@ fn demo_store(store: Option<&str>) -> Result<(String, Option<tempfile::TempDir>)
 
 /// The gateway on `store_url` in front of `upstream`, as the README's `idem serve` would run it
 /// for this upstream: keys required, scoped by `Authorization`, with a 1 s lease so that a
-/// payment whose answer was lost is taken over within the clients' retries.
-async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAddr, Error> {
+/// payment whose answer was lost is taken over within the clients' retries; with `reconcile`,
+/// asking the upstream's lookup before every attempt after the first.
+async fn start_gateway(upstream: SocketAddr, store_url: &str, reconcile: bool) -> Result<SocketAddr, Error> {
+    let reconcile = reconcile.then(|| {
+        crate::reconcile::ReconcileTemplate::parse("GET /charges/by-key/{key}")
+            .expect("the demo's template is valid")
+    });
     let config = Config {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         upstream: crate::flags::parse_upstream(&format!("http://{upstream}"))?,
@@ -625,6 +699,7 @@ async fn start_gateway(upstream: SocketAddr, store_url: &str) -> Result<SocketAd
         scope_header: Some(http::header::AUTHORIZATION),
         upstream_timeout: Duration::from_secs(30),
         lease: Duration::from_secs(1),
+        reconcile,
         ..Config::default()
     };
     let store = idempotency::open(store_url)
@@ -747,6 +822,8 @@ fn report(
         released: counters.released.load(Ordering::Relaxed),
         failed_payments: counters.failed_payments.load(Ordering::Relaxed),
         propagated: options.propagate,
+        reconcile: options.reconcile,
+        reconciled: upstream.found.load(Ordering::Relaxed),
         executions: upstream.executions.load(Ordering::Relaxed),
         re_executions: upstream.re_executions.load(Ordering::Relaxed),
         faults_after_charging: upstream.faults_after_charging.load(Ordering::Relaxed),
