@@ -30,6 +30,7 @@
 
 use std::time::Duration;
 
+mod dead_letters;
 mod source;
 mod tls;
 mod worker;

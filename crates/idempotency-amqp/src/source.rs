@@ -23,6 +23,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  any other        passed on to the client (RabbitMQ's URI parameters, heartbeat=10 …)",
     parse,
     run,
+    dead_letters: crate::dead_letters::open,
 };
 
 /// A parsed `amqp://` source: the broker's URL and the queue.

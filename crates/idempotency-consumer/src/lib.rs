@@ -87,6 +87,7 @@ pub mod guide {}
 
 pub mod adapter;
 mod batch;
+pub mod dead_letters;
 pub mod source;
 pub mod transactional;
 pub mod transactional_batch;

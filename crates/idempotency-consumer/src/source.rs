@@ -150,6 +150,9 @@ pub struct SourceKind {
     /// with the processor until the shutdown future completes; then lets the running messages
     /// settle and returns.
     pub run: fn(String, SourceSettings, AnyProcessor, Shutdown) -> RunFuture,
+    /// Connects to the broker the URL names and opens the dead-letter destination its
+    /// consumer writes to, checking that it (and the source a replay goes to) exists.
+    pub dead_letters: fn(String) -> crate::dead_letters::OpenFuture,
 }
 
 impl fmt::Debug for SourceKind {

@@ -47,6 +47,7 @@
 
 use std::time::Duration;
 
+mod dead_letters;
 mod source;
 mod worker;
 pub use source::{KafkaSource, SOURCE, producer_from_url};

@@ -28,6 +28,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  (bootstrap.servers, group.id, enable.auto.commit and enable.auto.offset.store are the source's own)",
     parse,
     run,
+    dead_letters: crate::dead_letters::open,
 };
 
 /// Client settings the source sets itself.

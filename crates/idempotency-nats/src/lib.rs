@@ -27,11 +27,11 @@ use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
 use idempotency_consumer::adapter::{Broker, Pipeline};
 use idempotency_consumer::{
-    DEAD_LETTER_AT_HEADER, DEAD_LETTER_DELIVERIES_HEADER, DEAD_LETTER_REASON_HEADER,
-    DEAD_LETTER_SOURCE_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
+    DEAD_LETTER_REASON_HEADER, Delivery, Disposition, Processor, dead_letter_headers,
 };
 use idempotency_core::Key;
 
+mod dead_letters;
 mod source;
 mod worker;
 pub use source::{NatsSource, NatsTls, SOURCE, connect_url};
@@ -301,91 +301,13 @@ pub async fn replay_dead_letters(
     dead_letter_subject: &str,
     limit: usize,
 ) -> Result<usize, SettleError> {
-    use futures_util::StreamExt;
-
     let stream = jetstream
         .get_stream(stream)
         .await
         .map_err(nats(AdapterErrorKind::Refused, &format!("stream {stream}")))?;
-    let reader: jetstream::consumer::PullConsumer = stream
-        .create_consumer(jetstream::consumer::pull::Config {
-            filter_subject: dead_letter_subject.to_owned(),
-            inactive_threshold: Duration::from_secs(60),
-            ..Default::default()
-        })
+    dead_letters::NatsDeadLetters::new(jetstream.clone(), stream, dead_letter_subject.to_owned())
+        .replay(limit)
         .await
-        .map_err(nats(AdapterErrorKind::Refused, "reading the dead letters"))?;
-    let mut batch = reader
-        .fetch()
-        .max_messages(limit.max(1))
-        .expires(Duration::from_secs(1))
-        .messages()
-        .await
-        .map_err(nats(AdapterErrorKind::Lost, "fetching the dead letters"))?;
-    let mut moved = 0;
-    while moved < limit {
-        let Some(message) = batch.next().await else { break };
-        let message = message.map_err(|e| {
-            AdapterError::new(
-                AdapterErrorKind::Lost,
-                BROKER,
-                format!("fetching a dead letter: {e}"),
-            )
-        })?;
-        let sequence = message
-            .info()
-            .map_err(|e| {
-                AdapterError::new(
-                    AdapterErrorKind::Lost,
-                    BROKER,
-                    format!("a dead letter's metadata: {e}"),
-                )
-            })?
-            .stream_sequence;
-        let original = message.headers.clone().unwrap_or_default();
-        let source = original
-            .get(DEAD_LETTER_SOURCE_HEADER)
-            .map(|v| v.as_str().to_owned())
-            .ok_or_else(|| {
-                AdapterError::new(
-                    AdapterErrorKind::Config,
-                    BROKER,
-                    format!("dead letter {sequence} has no {DEAD_LETTER_SOURCE_HEADER} header"),
-                )
-            })?;
-        let dead = [
-            DEAD_LETTER_REASON_HEADER,
-            DEAD_LETTER_SOURCE_HEADER,
-            DEAD_LETTER_DELIVERIES_HEADER,
-            DEAD_LETTER_AT_HEADER,
-            "Nats-Msg-Id",
-        ];
-        let mut headers = HeaderMap::new();
-        for (name, values) in original.iter() {
-            if dead.iter().any(|d| d.eq_ignore_ascii_case(name.as_ref())) {
-                continue;
-            }
-            for value in values {
-                headers.append(name.as_ref(), value.as_str());
-            }
-        }
-        headers.insert("Nats-Msg-Id", format!("replay:{sequence}").as_str());
-        jetstream
-            .publish_with_headers(source, headers, message.payload.clone())
-            .await
-            .map_err(nats(AdapterErrorKind::Publish, "replaying a dead letter"))?
-            .await
-            .map_err(nats(
-                AdapterErrorKind::Publish,
-                "a replayed dead letter's publish ack",
-            ))?;
-        stream
-            .delete_message(sequence)
-            .await
-            .map_err(nats(AdapterErrorKind::Settle, "deleting a replayed dead letter"))?;
-        moved += 1;
-    }
-    Ok(moved)
 }
 
 /// Publishes `payload` with `key` as both `Idempotency-Key` and `Nats-Msg-Id`, and waits for

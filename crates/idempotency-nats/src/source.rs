@@ -30,6 +30,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  creds=FILE           authenticate with a credentials file (a user JWT and its seed, as Synadia's service issues)",
     parse,
     run,
+    dead_letters: crate::dead_letters::open,
 };
 
 /// A parsed `nats://` source.

@@ -46,6 +46,7 @@
 //! tests rely on none of these. The redrive-policy mode, KMS-encrypted queues and SQS's
 //! throttling were not exercised.
 
+mod dead_letters;
 mod producer;
 mod source;
 mod worker;

@@ -28,6 +28,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  credentials come from the environment, as for every AWS tool",
     parse,
     run,
+    dead_letters: crate::dead_letters::open,
 };
 
 /// Without a long poll, the pause after a receive that found nothing.
