@@ -85,6 +85,15 @@ pub enum Error {
     /// A client task of the demo failed.
     #[error("a client task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// `idem dlq` could not read or settle a source's dead letters.
+    #[error("dead letters of {from}: {error}")]
+    DeadLetters {
+        /// The source URL, its password redacted.
+        from: String,
+        /// What went wrong.
+        #[source]
+        error: AdapterError,
+    },
     /// An inbox or outbox command failed (the database URL is shown with its password
     /// redacted).
     #[error("{0}")]

@@ -263,8 +263,9 @@ fn changed_meanwhile() -> String {
     "the record changed while the command ran (completed, taken over or expired); nothing was changed: look at it again with `idem keys get`".into()
 }
 
-/// Asks `question` on the terminal unless `confirm` is [`Confirm::Yes`].
-fn confirmed(confirm: Confirm, question: &str) -> Result<(), Error> {
+/// Asks `question` on the terminal unless `confirm` is [`Confirm::Yes`]; without a terminal,
+/// [`Error::Unconfirmed`].
+pub(crate) fn confirmed(confirm: Confirm, question: &str) -> Result<(), Error> {
     if confirm == Confirm::Yes {
         return Ok(());
     }

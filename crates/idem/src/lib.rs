@@ -24,6 +24,7 @@ pub mod boxes;
 pub mod config_file;
 pub mod consume;
 pub mod demo;
+pub mod dlq;
 pub mod error;
 pub mod flags;
 pub mod gateway;

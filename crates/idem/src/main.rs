@@ -15,6 +15,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use idem::key_actions::{Confirm, KeyAction};
 use idem::{Error, consume, demo, gateway, ops, units};
 use idempotency::{Access, DynStore, Key, ListFilter, Scope, StateFilter};
+use idempotency_consumer::dead_letters::{Selection, Settle};
 
 /// Effectively-once HTTP requests and the operations on their records.
 #[derive(Debug, Parser)]
@@ -74,6 +75,144 @@ enum Command {
         #[command(subcommand)]
         action: OutboxCommand,
     },
+    /// The dead letters of a consumer's source, on any broker: list them by reason, show them,
+    /// replay them to the source after a fix, purge them.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqCommand,
+    },
+}
+
+/// Where the dead letters are: the consumer's own source URL.
+#[derive(Debug, Args)]
+struct DlqFrom {
+    /// The source `idem consume --from` consumes (amqp://…?queue=…, nats://…, kafka://…,
+    /// sqs://…): its dead-letter queue, subject or topic is found as the consumer writes it.
+    #[arg(long, env = "IDEM_FROM")]
+    from: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Which dead letters a command takes.
+#[derive(Debug, Args)]
+struct DlqFilter {
+    /// Only those whose reason contains this text (case-insensitive).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only the one(s) with this Idempotency-Key.
+    #[arg(long)]
+    key: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum DlqCommand {
+    /// Count the dead letters by reason, with the oldest one's age; takes nothing.
+    List {
+        #[command(flatten)]
+        from: DlqFrom,
+        /// Only reasons containing this text (case-insensitive).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Read at most this many.
+        #[arg(long, default_value_t = 100_000)]
+        limit: usize,
+    },
+    /// Show dead letters one by one: key, reason, deliveries, when, headers, payload; takes
+    /// nothing.
+    Show {
+        #[command(flatten)]
+        from: DlqFrom,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+    /// Publish dead letters back to their source with their key and headers, then remove them:
+    /// one whose key completed meanwhile is acked as a duplicate, one that failed runs again.
+    Replay {
+        #[command(flatten)]
+        from: DlqFrom,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Only those dead-lettered at least this long ago.
+        #[arg(long, value_parser = units::parse_duration)]
+        older_than: Option<Duration>,
+        /// At most this many.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        #[command(flatten)]
+        from: DlqFrom,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Only those dead-lettered at least this long ago (`0s`: all of them).
+        #[arg(long, value_parser = units::parse_duration)]
+        older_than: Duration,
+        /// At most this many.
+        #[arg(long, default_value_t = 100_000)]
+        limit: usize,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+impl DlqFilter {
+    /// The selection of these filters, up to `limit`.
+    fn selection(&self, limit: usize) -> Selection {
+        let mut selection = Selection::all(limit.max(1));
+        if let Some(reason) = &self.reason {
+            selection = selection.reason(reason.clone());
+        }
+        if let Some(key) = &self.key {
+            selection = selection.key(key.clone());
+        }
+        selection
+    }
+}
+
+/// `idem dlq …`.
+async fn dlq(action: DlqCommand) -> Result<String, Error> {
+    let confirm = |yes: bool| if yes { Confirm::Yes } else { Confirm::Ask };
+    match action {
+        DlqCommand::List { from, reason, limit } => {
+            idem::dlq::list(&from.from, reason.as_deref(), limit.max(1), from.json).await
+        }
+        DlqCommand::Show { from, filter, limit } => {
+            idem::dlq::show(&from.from, &filter.selection(limit), from.json).await
+        }
+        DlqCommand::Replay {
+            from,
+            filter,
+            older_than,
+            limit,
+            yes,
+        } => {
+            let mut selection = filter.selection(limit);
+            if let Some(age) = older_than {
+                selection = selection.older_than(age);
+            }
+            idem::dlq::settle(&from.from, &selection, Settle::Replay, confirm(yes), from.json).await
+        }
+        DlqCommand::Purge {
+            from,
+            filter,
+            older_than,
+            limit,
+            yes,
+        } => {
+            let selection = filter.selection(limit).older_than(older_than);
+            idem::dlq::settle(&from.from, &selection, Settle::Purge, confirm(yes), from.json).await
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -507,6 +646,7 @@ async fn run(command: Command) -> Result<String, Error> {
             .await
         }
         Command::Inbox { action } => inbox(action).await,
+        Command::Dlq { action } => dlq(action).await,
         Command::Outbox { action } => match action {
             OutboxCommand::List { at, all, limit } => {
                 idem::boxes::outbox_list(&at.location()?, all, i64::from(limit.max(1)), at.json).await

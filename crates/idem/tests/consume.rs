@@ -101,6 +101,68 @@ impl Broker for Rabbit {
         let retry = format!("{}.retry", self.queue);
         u64::from(self.waiting(&self.queue).await + self.waiting(&retry).await)
     }
+
+    async fn dead_depth(&self) -> u64 {
+        u64::from(self.waiting(&format!("{}.dead", self.queue)).await)
+    }
+
+    fn missing_source(&self) -> String {
+        format!("{}?queue=idem-missing-{}", amqp_url(), Key::generate())
+    }
+}
+
+/// `idem dlq` refuses what it cannot use, saying why, and changes nothing.
+#[test]
+fn dlq_bad_input_is_refused_with_a_clear_error() {
+    let cases: [(&[&str], i32, &str); 5] = [
+        (
+            &["list", "--from", "ftp://127.0.0.1/queue"],
+            1,
+            "unknown scheme `ftp`",
+        ),
+        (
+            &["list", "--from", "amqp://guest:s3cret@127.0.0.1:5672/%2f"],
+            1,
+            "names no queue",
+        ),
+        (
+            &["purge", "--from", "amqp://127.0.0.1/%2f?queue=q", "--yes"],
+            2,
+            "--older-than",
+        ),
+        (
+            &[
+                "replay",
+                "--from",
+                "amqp://127.0.0.1/%2f?queue=q",
+                "--older-than",
+                "soon",
+            ],
+            2,
+            "soon",
+        ),
+        (
+            &["list", "--from", "amqp://guest:s3cret@127.0.0.1:1/%2f?queue=q"],
+            1,
+            "cannot connect",
+        ),
+    ];
+    for (args, code, says) in cases {
+        let mut all = vec!["dlq"];
+        all.extend_from_slice(args);
+        let (exit, out, err) = common::idem(&all);
+        assert_eq!(exit, code, "{args:?}: {out}{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(
+            !err.contains("s3cret"),
+            "{args:?}: the password is never shown: {err}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
+    consume::dead_letters_listed_replayed_purged(&Rabbit::new("dlq").await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

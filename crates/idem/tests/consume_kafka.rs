@@ -240,6 +240,34 @@ impl Broker for Kafka {
         .await
         .unwrap()
     }
+
+    /// The records in the dead-letter topic (a listing commits nothing, and Kafka deletes no
+    /// record: this is what a listing must leave as it was).
+    async fn dead_depth(&self) -> u64 {
+        let reader: BaseConsumer = self.client().set("group.id", "depth").create().unwrap();
+        let dead = format!("{}.dead", self.topic);
+        tokio::task::spawn_blocking(move || {
+            let (low, high) = reader
+                .fetch_watermarks(&dead, 0, Duration::from_secs(10))
+                .unwrap();
+            u64::try_from(high - low).unwrap()
+        })
+        .await
+        .unwrap()
+    }
+
+    fn missing_source(&self) -> String {
+        format!(
+            "kafka://{}?topic=missing-{}&group=idem",
+            self.brokers,
+            Key::generate()
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
+    consume::dead_letters_listed_replayed_purged(&Kafka::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -100,6 +100,36 @@ impl Broker for Nats {
         let info = stream.consumer_info("idem").await.unwrap();
         info.num_pending + u64::try_from(info.num_ack_pending).unwrap()
     }
+
+    /// The dead-letter subject's messages in the stream, counted by a consumer that reads
+    /// nothing.
+    async fn dead_depth(&self) -> u64 {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let mut counter: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: self.dead.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let info = counter.info().await.unwrap();
+        let (pending, name) = (info.num_pending, info.name.clone());
+        stream.delete_consumer(&name).await.unwrap();
+        pending
+    }
+
+    fn missing_source(&self) -> String {
+        format!(
+            "{}?stream=MISSING_{}&consumer=idem",
+            nats_url(),
+            idempotency::Key::generate().as_str().replace('-', "_")
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
+    consume::dead_letters_listed_replayed_purged(&Nats::new().await).await;
 }
 
 /// An https handler verified with a private CA: three copies of each message, one call each,

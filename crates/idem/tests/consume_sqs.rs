@@ -182,6 +182,35 @@ impl Broker for Sqs {
             .map(|name| attributes[name].parse::<u64>().unwrap())
             .sum()
     }
+
+    /// The dead-letter queue's visible messages.
+    async fn dead_depth(&self) -> u64 {
+        let found = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.dead_url)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .send()
+            .await
+            .unwrap();
+        found.attributes().unwrap()[&QueueAttributeName::ApproximateNumberOfMessages]
+            .parse()
+            .unwrap()
+    }
+
+    fn missing_source(&self) -> String {
+        let missing = format!(
+            "{}/idem-missing-{}",
+            self.queue_url.rsplit_once('/').unwrap().0,
+            Key::generate()
+        );
+        format!("sqs://?queue_url={missing}&wait=0s")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
+    consume::dead_letters_listed_replayed_purged(&Sqs::new().await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -182,6 +182,159 @@ pub trait Broker {
 
     /// Messages of the source the consumer has not acknowledged (or committed past) yet.
     async fn outstanding(&self) -> u64;
+
+    /// What the broker counts in the dead-letter destination, read without taking anything
+    /// (RabbitMQ and SQS: the ready or visible messages; NATS: the subject's messages in the
+    /// stream; Kafka: the records in the topic).
+    async fn dead_depth(&self) -> u64;
+
+    /// `--from` naming a source that does not exist on this broker.
+    fn missing_source(&self) -> String;
+}
+
+/// `idem dlq` with `args` and the broker's environment: (exit code, stdout, stderr).
+pub fn dlq<B: Broker>(broker: &B, args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("dlq")
+        .args(args)
+        .envs(broker.env())
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// `idem dlq list --json` of the broker's source: {reason: count}, and the total.
+fn dlq_counts<B: Broker>(broker: &B) -> (std::collections::BTreeMap<String, u64>, u64) {
+    let from = broker.from();
+    let (code, out, err) = dlq(broker, &["list", "--from", &from, "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let counts = listed["reasons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|group| {
+            let reason = group["reason"].as_str().unwrap();
+            // The handler's own words end the reason.
+            let short = reason.rsplit(": ").next().unwrap().to_owned();
+            (short, group["count"].as_u64().unwrap())
+        })
+        .collect();
+    (counts, listed["total"].as_u64().unwrap())
+}
+
+/// `idem dlq` on the broker: 20 messages refused for 3 reasons are listed grouped (twice, the
+/// depth unchanged), shown, 5 of one reason replayed after the fix and consumed once each,
+/// the rest purged; a source that does not exist is named.
+pub async fn dead_letters_listed_replayed_purged<B: Broker>(broker: &B) {
+    let ledger = Ledger::default();
+    let reasons = ["card expired", "amount too large", "unknown merchant"];
+    let keys: Vec<String> = (0..20).map(|i| format!("dlq-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        ledger.script(key, vec![(422, reasons[i % 3])]);
+    }
+    let handler = start_handler(ledger.clone()).await;
+    let admin = super::free_addr();
+    let _consume = start(broker, handler, admin, &[]).await;
+    for key in &keys {
+        broker.publish(key, key.as_bytes()).await;
+    }
+    count_at_least(admin, "dead_lettered", 20.0).await;
+    until_settled(broker).await;
+    let depth = broker.dead_depth().await;
+    assert!(depth >= 20, "{depth}");
+
+    let expected: std::collections::BTreeMap<String, u64> = [
+        ("card expired", 7),
+        ("amount too large", 7),
+        ("unknown merchant", 6),
+    ]
+    .into_iter()
+    .map(|(reason, count)| (reason.to_owned(), count))
+    .collect();
+    let from = broker.from();
+    assert_eq!(dlq_counts(broker), (expected.clone(), 20));
+    assert_eq!(dlq_counts(broker), (expected, 20), "a listing takes nothing");
+    assert_eq!(
+        broker.dead_depth().await,
+        depth,
+        "a listing leaves the depth as it was"
+    );
+    let (code, out, err) = dlq(broker, &["list", "--from", &from]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("20 dead letters") && out.contains("card expired"),
+        "{out}"
+    );
+    let (code, out, err) = dlq(broker, &["show", "--from", &from, "--key", "dlq-4"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("key dlq-4") && out.contains("amount too large") && out.contains("payload:"),
+        "{out}"
+    );
+
+    // Without --yes (and no terminal), nothing changes.
+    let (code, _, err) = dlq(broker, &["replay", "--from", &from, "--reason", "card expired"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--yes"), "{err}");
+
+    // The handler was fixed (its scripted refusals are spent): five of one reason go back.
+    let (code, out, err) = dlq(
+        broker,
+        &[
+            "replay",
+            "--from",
+            &from,
+            "--reason",
+            "card expired",
+            "--limit",
+            "5",
+            "--yes",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["count"],
+        5,
+        "{out}"
+    );
+    count_at_least(admin, "executed", 5.0).await;
+    until_settled(broker).await;
+    let replayed: Vec<&String> = keys.iter().filter(|key| ledger.calls(key).len() == 2).collect();
+    assert_eq!(
+        replayed.len(),
+        5,
+        "each replayed message consumed once more: {replayed:?}"
+    );
+    for key in &replayed {
+        let i: usize = key.trim_start_matches("dlq-").parse().unwrap();
+        assert_eq!(i % 3, 0, "{key}: only the selected reason was replayed");
+    }
+    assert!(keys.iter().all(|key| ledger.calls(key).len() <= 2));
+    assert_eq!(count(admin, "executed").await, 5.0);
+    let (left, total) = dlq_counts(broker);
+    assert_eq!(total, 15, "{left:?}");
+    assert_eq!(left.get("card expired"), Some(&2));
+
+    // The rest purged.
+    let (code, out, err) = dlq(broker, &["purge", "--from", &from, "--older-than", "0s", "--yes"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("purged 15"), "{out}");
+    assert_eq!(dlq_counts(broker).1, 0);
+
+    // A source that does not exist is named, and nothing runs.
+    let missing = broker.missing_source();
+    let (code, _, err) = dlq(broker, &["replay", "--from", &missing, "--yes"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("does not exist") || err.contains("stored by no stream"),
+        "{err}"
+    );
 }
 
 /// Waits until the broker has every message of the source acknowledged.

@@ -1,0 +1,232 @@
+//! `idem dlq`: the dead letters `idem consume` (and the library's workers) wrote, on every
+//! broker: listed by reason, shown, replayed to their source after a fix, purged.
+//!
+//! `--from` is the consumer's own source URL: the dead-letter destination is found as the
+//! consumer found it (`<queue>.dead`, the `dead_letter` subject or topic, `dead_letter_url`).
+//! Each broker implements the kit's
+//! [`DeadLetterQueue`](idempotency_consumer::dead_letters::DeadLetterQueue); what a listing
+//! changes on each is in its docs and in `docs/CONSUMERS.md` (nothing is taken; RabbitMQ and SQS
+//! see the messages received once more).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use idempotency_consumer::dead_letters::{DeadLetter, DeadLetterQueue, Selection, Settle};
+
+use crate::error::Error;
+use crate::key_actions::Confirm;
+use crate::units::format_duration;
+
+/// How much of a payload `show` prints.
+const PREVIEW: usize = 200;
+
+/// An age in whole seconds, as the other commands write durations.
+fn age(age: Duration) -> String {
+    format_duration(Duration::from_secs(age.as_secs()))
+}
+
+/// Opens the dead-letter destination of the source `from`.
+async fn open(from: &str) -> Result<Box<dyn DeadLetterQueue>, Error> {
+    let shown = idempotency::redact_url(from);
+    let failed = |error| Error::DeadLetters {
+        from: shown.clone(),
+        error,
+    };
+    let kind = idempotency::sources().kind(from).map_err(failed)?;
+    (kind.dead_letters)(from.to_owned()).await.map_err(failed)
+}
+
+/// `idem dlq list`: the dead letters grouped by reason, with their counts and the oldest one's
+/// age; `reason` keeps only the reasons containing it.
+///
+/// # Errors
+///
+/// [`Error::DeadLetters`] when the source URL is not valid, the broker cannot be reached, or
+/// the destination does not exist.
+pub async fn list(from: &str, reason: Option<&str>, limit: usize, json: bool) -> Result<String, Error> {
+    let mut queue = open(from).await?;
+    let letters = queue.browse(limit).await.map_err(|error| Error::DeadLetters {
+        from: idempotency::redact_url(from),
+        error,
+    })?;
+    let now = SystemTime::now();
+    let selection = reason.map_or_else(
+        || Selection::all(usize::MAX),
+        |r| Selection::all(usize::MAX).reason(r),
+    );
+    let mut groups: BTreeMap<&str, (usize, Duration)> = BTreeMap::new();
+    let mut total = 0;
+    for letter in letters.iter().filter(|l| selection.matches(l, now)) {
+        let group = groups.entry(letter.reason.as_str()).or_default();
+        group.0 += 1;
+        group.1 = group.1.max(letter.age(now));
+        total += 1;
+    }
+    let mut groups: Vec<_> = groups.into_iter().collect();
+    groups.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
+    if json {
+        let reasons: Vec<_> = groups
+            .iter()
+            .map(|(reason, (count, oldest))| {
+                serde_json::json!({ "reason": reason, "count": count, "oldest_seconds": oldest.as_secs() })
+            })
+            .collect();
+        return Ok(
+            serde_json::json!({ "dead_letters": queue.name(), "total": total, "reasons": reasons })
+                .to_string(),
+        );
+    }
+    let rows: Vec<Vec<String>> = groups
+        .iter()
+        .map(|(reason, (count, oldest))| vec![count.to_string(), age(*oldest), (*reason).to_owned()])
+        .collect();
+    let mut out = format!("{}: {total} dead letters\n", queue.name());
+    if !rows.is_empty() {
+        out.push('\n');
+        out.push_str(&crate::ops::table(&["COUNT", "OLDEST", "REASON"], &rows));
+    }
+    Ok(out)
+}
+
+/// `idem dlq show`: the dead letters `selection` picks, one by one: where, key, reason,
+/// deliveries, when, headers and the start of the payload.
+///
+/// # Errors
+///
+/// As [`list`].
+pub async fn show(from: &str, selection: &Selection, json: bool) -> Result<String, Error> {
+    let mut queue = open(from).await?;
+    let letters = queue
+        .browse(usize::MAX)
+        .await
+        .map_err(|error| Error::DeadLetters {
+            from: idempotency::redact_url(from),
+            error,
+        })?;
+    let now = SystemTime::now();
+    let shown: Vec<&DeadLetter> = letters
+        .iter()
+        .filter(|l| selection.matches(l, now))
+        .take(selection.limit)
+        .collect();
+    if json {
+        let letters: Vec<_> = shown
+            .iter()
+            .map(|l| {
+                serde_json::json!({
+                    "id": l.id,
+                    "key": l.key,
+                    "reason": l.reason,
+                    "source": l.source,
+                    "deliveries": l.deliveries,
+                    "dead_at": l.dead_at.map(httpdate::fmt_http_date),
+                    "age_seconds": l.age(now).as_secs(),
+                    "headers": l.headers.iter().map(|(n, v)| serde_json::json!([n, v])).collect::<Vec<_>>(),
+                    "payload": String::from_utf8_lossy(&l.payload),
+                })
+            })
+            .collect();
+        return Ok(serde_json::json!({ "dead_letters": queue.name(), "letters": letters }).to_string());
+    }
+    let mut out = format!(
+        "{}: {} of {} dead letters\n",
+        queue.name(),
+        shown.len(),
+        letters.len()
+    );
+    for letter in shown {
+        let payload = String::from_utf8_lossy(&letter.payload[..letter.payload.len().min(PREVIEW)])
+            .escape_debug()
+            .to_string();
+        out.push_str(&format!(
+            "\n#{id}  key {key}\n  reason:     {reason}\n  source:     {source}\n  deliveries: {deliveries}\n  dead:       {at} ({age} ago)\n",
+            id = letter.id,
+            key = letter.key.as_deref().unwrap_or("(none)"),
+            reason = letter.reason,
+            source = letter.source.as_deref().unwrap_or("-"),
+            deliveries = letter.deliveries.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+            at = letter.dead_at.map_or_else(|| "-".to_owned(), httpdate::fmt_http_date),
+            age = age(letter.age(now)),
+        ));
+        for (name, value) in &letter.headers {
+            out.push_str(&format!("  header:     {name}: {value}\n"));
+        }
+        let more = if letter.payload.len() > PREVIEW {
+            " …"
+        } else {
+            ""
+        };
+        out.push_str(&format!(
+            "  payload:    {payload}{more} ({} bytes)\n",
+            letter.payload.len()
+        ));
+    }
+    Ok(out)
+}
+
+/// `idem dlq replay` and `idem dlq purge`: settles the dead letters `selection` picks, once
+/// confirmed; what was done, as a line or JSON, and one audit line in the log.
+///
+/// # Errors
+///
+/// As [`list`]; [`Error::Unconfirmed`] without `--yes` or a `y` on a terminal (nothing is
+/// changed then); [`Error::DeadLetters`] when a replay could not be published (what was done
+/// before stays done; the message that failed stays a dead letter).
+pub async fn settle(
+    from: &str,
+    selection: &Selection,
+    settle: Settle,
+    confirm: Confirm,
+    json: bool,
+) -> Result<String, Error> {
+    let failed = |error| Error::DeadLetters {
+        from: idempotency::redact_url(from),
+        error,
+    };
+    let mut queue = open(from).await?;
+    let now = SystemTime::now();
+    let matching = queue
+        .browse(usize::MAX)
+        .await
+        .map_err(failed)?
+        .iter()
+        .filter(|l| selection.matches(l, now))
+        .count()
+        .min(selection.limit);
+    let (verb, done) = match settle {
+        Settle::Replay => ("replay", "replayed"),
+        Settle::Purge => ("purge", "purged"),
+    };
+    if matching > 0 {
+        let question = format!(
+            "{verb} {matching} dead letters of {}{}?",
+            queue.name(),
+            if settle == Settle::Replay {
+                " to their source"
+            } else {
+                " (deleted for good)"
+            }
+        );
+        crate::key_actions::confirmed(confirm, &question)?;
+    }
+    let settled = if matching == 0 {
+        0
+    } else {
+        queue.settle(selection, settle).await.map_err(failed)?
+    };
+    if settled > 0 {
+        tracing::warn!(
+            target: "idem::audit",
+            dead_letters = %queue.name(),
+            action = verb,
+            count = settled,
+            reason = selection.reason.as_deref().unwrap_or("*"),
+            "an operator settled dead letters"
+        );
+    }
+    Ok(if json {
+        serde_json::json!({ "dead_letters": queue.name(), "action": verb, "count": settled }).to_string()
+    } else {
+        format!("{}: {done} {settled} dead letters\n", queue.name())
+    })
+}
