@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use idempotency_core::connections::{AfterConnect, Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
-use idempotency_core::sql::admin::{self, Action, SqlReads};
+use idempotency_core::sql::admin::{self, Action, SqlActions};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordColumns, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
@@ -716,7 +716,7 @@ impl StoreAdmin for MysqlStore {
 
 /// MySQL binds its `?` one by one: a parameter tested for NULL and then compared with is bound
 /// twice (see the statements in `sql`).
-impl SqlReads for MysqlStore {
+impl SqlActions for MysqlStore {
     type Engine = sqlx::MySql;
 
     fn connections(&self) -> &Connections<MySqlConnection> {
@@ -727,9 +727,9 @@ impl SqlReads for MysqlStore {
         &self.lanes
     }
 
-    fn statement(&self, read: Action) -> Arc<str> {
+    fn statement(&self, action: Action) -> Arc<str> {
         let sql = self.statements();
-        Arc::clone(match read {
+        Arc::clone(match action {
             Action::Get => &sql.get,
             Action::Now => &sql.now,
             Action::Stats => &sql.stats,
@@ -739,8 +739,8 @@ impl SqlReads for MysqlStore {
         })
     }
 
-    fn placeholders(read: Action) -> &'static [usize] {
-        match read {
+    fn placeholders(action: Action) -> &'static [usize] {
+        match action {
             Action::Get => &[0, 1],
             Action::Now => &[],
             Action::Stats => &[0, 0],

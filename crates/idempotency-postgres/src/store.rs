@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use idempotency_core::connections::{Connections, MapError};
 use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
-use idempotency_core::sql::admin::{self, Action, SqlReads};
+use idempotency_core::sql::admin::{self, Action, SqlActions};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
     Record, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
@@ -525,7 +525,7 @@ impl StoreAdmin for PostgresStore {
 }
 
 /// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Action`]'s order.
-impl SqlReads for PostgresStore {
+impl SqlActions for PostgresStore {
     type Engine = sqlx::Postgres;
 
     fn connections(&self) -> &Connections<PgConnection> {
@@ -536,8 +536,8 @@ impl SqlReads for PostgresStore {
         &self.lanes
     }
 
-    fn statement(&self, read: Action) -> Arc<str> {
-        Arc::clone(match read {
+    fn statement(&self, action: Action) -> Arc<str> {
+        Arc::clone(match action {
             Action::Get => &self.sql.get,
             Action::Now => &self.sql.now,
             Action::Stats => &self.sql.stats,
@@ -547,8 +547,8 @@ impl SqlReads for PostgresStore {
         })
     }
 
-    fn placeholders(read: Action) -> &'static [usize] {
-        match read {
+    fn placeholders(action: Action) -> &'static [usize] {
+        match action {
             Action::Get => &[0, 1],
             Action::Now => &[],
             Action::Stats | Action::Purge => &[0],

@@ -3,8 +3,8 @@
 //! parameters in the order its placeholders take them and decode the rows (see the column
 //! table in [`crate::sql`]).
 //!
-//! A store implements [`SqlReads`]: its connections, its lanes, its statements, and which
-//! parameter each placeholder takes ([`SqlReads::placeholders`]): PostgreSQL numbers its
+//! A store implements [`SqlActions`]: its connections, its lanes, its statements, and which
+//! parameter each placeholder takes ([`SqlActions::placeholders`]): PostgreSQL numbers its
 //! placeholders (`$1` stands wherever the scope does), MySQL's `?` are bound one by one, so
 //! a statement that tests a parameter for NULL and compares with it names it twice.
 
@@ -32,8 +32,8 @@ pub enum Param<'a> {
     Bool(Option<bool>),
 }
 
-/// What [`SqlReads::statement`] is asked for, with the parameters each statement takes, in this
-/// order (a placeholder takes one of them by its index, [`SqlReads::placeholders`]).
+/// What [`SqlActions::statement`] is asked for, with the parameters each statement takes, in this
+/// order (a placeholder takes one of them by its index, [`SqlActions::placeholders`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
     /// A live record by scope and key: scope, key. Selects the record's twelve columns.
@@ -54,18 +54,29 @@ pub enum Action {
 /// A sqlx database whose types carry what the stores bind and decode: implemented for every
 /// such database (PostgreSQL, MySQL), so that the functions of this module are written once.
 pub trait Engine: Database {
-    /// Runs `statement` with `params` bound in order on `connection`; its rows.
+    /// Runs `statement` on `connection` with the parameters `order` picks from `params` bound
+    /// in that order; its rows.
     fn fetch_all<'c>(
         connection: &'c mut Self::Connection,
         statement: Arc<str>,
-        params: Vec<Param<'c>>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
     ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>>;
 
-    /// Runs `statement` with `params` bound in order on `connection`; the server's summary.
+    /// As [`fetch_all`](Self::fetch_all), for a statement that selects one row at most.
+    fn fetch_optional<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
+    ) -> BoxFuture<'c, Result<Option<Self::Row>, sqlx::Error>>;
+
+    /// As [`fetch_all`](Self::fetch_all), for a statement that writes: what it did.
     fn execute<'c>(
         connection: &'c mut Self::Connection,
         statement: Arc<str>,
-        params: Vec<Param<'c>>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
     ) -> BoxFuture<'c, Result<Self::QueryResult, sqlx::Error>>;
 
     /// The record whose twelve columns start at column `at` ([`crate::sql::record`]).
@@ -115,17 +126,28 @@ where
     fn fetch_all<'c>(
         connection: &'c mut Self::Connection,
         statement: Arc<str>,
-        params: Vec<Param<'c>>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
     ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>> {
-        Box::pin(async move { bound::<DB>(statement, &params).fetch_all(connection).await })
+        Box::pin(bound::<DB>(statement, params, order).fetch_all(connection))
+    }
+
+    fn fetch_optional<'c>(
+        connection: &'c mut Self::Connection,
+        statement: Arc<str>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
+    ) -> BoxFuture<'c, Result<Option<Self::Row>, sqlx::Error>> {
+        Box::pin(bound::<DB>(statement, params, order).fetch_optional(connection))
     }
 
     fn execute<'c>(
         connection: &'c mut Self::Connection,
         statement: Arc<str>,
-        params: Vec<Param<'c>>,
+        params: &'c [Param<'c>],
+        order: &'static [usize],
     ) -> BoxFuture<'c, Result<Self::QueryResult, sqlx::Error>> {
-        Box::pin(async move { bound::<DB>(statement, &params).execute(connection).await })
+        Box::pin(bound::<DB>(statement, params, order).execute(connection))
     }
 
     fn record(row: &Self::Row, at: usize) -> Result<Record, StoreError> {
@@ -145,8 +167,12 @@ where
     }
 }
 
-/// `statement` with `params` bound in order.
-fn bound<'q, DB>(statement: Arc<str>, params: &[Param<'q>]) -> sqlx::query::Query<'q, DB, DB::Arguments>
+/// `statement` with the parameters `order` picks from `params`, bound in that order.
+fn bound<'q, DB>(
+    statement: Arc<str>,
+    params: &[Param<'q>],
+    order: &[usize],
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
 where
     DB: Database,
     for<'v> Option<&'v str>: Encode<'v, DB> + Type<DB>,
@@ -154,19 +180,22 @@ where
     for<'v> Option<i64>: Encode<'v, DB> + Type<DB>,
     for<'v> Option<bool>: Encode<'v, DB> + Type<DB>,
 {
-    params.iter().fold(
-        sqlx::query(sqlx::AssertSqlSafe(statement)),
-        |query, param| match *param {
-            Param::Text(text) => query.bind(text),
-            Param::Bytes(bytes) => query.bind(bytes),
-            Param::Int(int) => query.bind(int),
-            Param::Bool(flag) => query.bind(flag),
-        },
-    )
+    order
+        .iter()
+        .map(|&at| params[at])
+        .fold(
+            sqlx::query(sqlx::AssertSqlSafe(statement)),
+            |query, param| match param {
+                Param::Text(text) => query.bind(text),
+                Param::Bytes(bytes) => query.bind(bytes),
+                Param::Int(int) => query.bind(int),
+                Param::Bool(flag) => query.bind(flag),
+            },
+        )
 }
 
 /// What a sqlx-based store gives the functions of this module.
-pub trait SqlReads: Send + Sync {
+pub trait SqlActions: Send + Sync {
     /// The store's database.
     type Engine: Engine;
 
@@ -176,12 +205,12 @@ pub trait SqlReads: Send + Sync {
     /// The lanes new work waits for ([`Lanes::new_work`]).
     fn lanes(&self) -> &Lanes;
 
-    /// The statement for `read`.
-    fn statement(&self, read: Action) -> Arc<str>;
+    /// The statement for `action`.
+    fn statement(&self, action: Action) -> Arc<str>;
 
-    /// Which of `read`'s parameters (see [`Action`]) each of its statement's placeholders takes,
-    /// in the order the driver binds them.
-    fn placeholders(read: Action) -> &'static [usize];
+    /// Which of `action`'s parameters (see [`Action`]) each of its statement's placeholders
+    /// takes, in the order the driver binds them.
+    fn placeholders(action: Action) -> &'static [usize];
 
     /// Classifies the server's errors.
     fn map_error() -> MapError;
@@ -190,22 +219,31 @@ pub trait SqlReads: Send + Sync {
     fn rows_affected(done: &<Self::Engine as Database>::QueryResult) -> u64;
 }
 
-/// Runs `read` with `params` (in [`Action`]'s order, bound in the store's placeholder order) on a
-/// connection of `store`'s, after a lane for new work: its rows.
-async fn rows<S: SqlReads>(
+/// The driver call an action makes: [`Engine::fetch_all`], [`Engine::fetch_optional`] or
+/// [`Engine::execute`].
+type Call<S, T> = for<'c> fn(
+    &'c mut <<S as SqlActions>::Engine as Database>::Connection,
+    Arc<str>,
+    &'c [Param<'c>],
+    &'static [usize],
+) -> BoxFuture<'c, Result<T, sqlx::Error>>;
+
+/// Runs `action` with `params` (in [`Action`]'s order, bound in the store's placeholder order)
+/// through `call` on a connection of `store`'s, after a lane for new work.
+async fn run<S: SqlActions, T>(
     store: &S,
-    read: Action,
+    action: Action,
     doing: &str,
     params: &[Param<'_>],
-) -> Result<Vec<<S::Engine as Database>::Row>, StoreError> {
+    call: Call<S, T>,
+) -> Result<T, StoreError> {
     let _lane = store.lanes().new_work().await?;
-    let statement = store.statement(read);
+    let statement = store.statement(action);
     let map_error = S::map_error();
     store
         .connections()
         .run(async |connection| {
-            let bound = S::placeholders(read).iter().map(|&at| params[at]).collect();
-            S::Engine::fetch_all(connection, statement, bound)
+            call(connection, statement, params, S::placeholders(action))
                 .await
                 .map_err(|e| map_error(doing, e))
         })
@@ -217,10 +255,10 @@ async fn rows<S: SqlReads>(
 /// # Errors
 ///
 /// The store's: no connection, the server's error, a row that does not decode.
-pub async fn get<S: SqlReads>(store: &S, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
+pub async fn get<S: SqlActions>(store: &S, scope: &Scope, key: &Key) -> Result<Option<Record>, StoreError> {
     let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
-    let rows = rows(store, Action::Get, "get", &params).await?;
-    rows.first().map(|row| S::Engine::record(row, 0)).transpose()
+    let row = run(store, Action::Get, "get", &params, S::Engine::fetch_optional).await?;
+    row.map(|row| S::Engine::record(&row, 0)).transpose()
 }
 
 /// The server's clock ([`StoreAdmin::now`](crate::StoreAdmin::now)).
@@ -228,10 +266,17 @@ pub async fn get<S: SqlReads>(store: &S, scope: &Scope, key: &Key) -> Result<Opt
 /// # Errors
 ///
 /// As [`get`].
-pub async fn now<S: SqlReads>(store: &S) -> Result<Timestamp, StoreError> {
-    let rows = rows(store, Action::Now, "read the server's clock", &[]).await?;
-    let row = rows.first().ok_or_else(|| no_row("read the server's clock"))?;
-    Ok(Timestamp::from_unix_millis(S::Engine::int(row, 0)?))
+pub async fn now<S: SqlActions>(store: &S) -> Result<Timestamp, StoreError> {
+    let row = run(
+        store,
+        Action::Now,
+        "read the server's clock",
+        &[],
+        S::Engine::fetch_optional,
+    )
+    .await?;
+    let row = row.ok_or_else(|| no_row("read the server's clock"))?;
+    Ok(Timestamp::from_unix_millis(S::Engine::int(&row, 0)?))
 }
 
 /// The statistics of `scope`, or of every scope ([`StoreAdmin::stats`](crate::StoreAdmin::stats)).
@@ -239,15 +284,10 @@ pub async fn now<S: SqlReads>(store: &S) -> Result<Timestamp, StoreError> {
 /// # Errors
 ///
 /// As [`get`].
-pub async fn stats<S: SqlReads>(store: &S, scope: Option<&Scope>) -> Result<Stats, StoreError> {
-    let rows = rows(
-        store,
-        Action::Stats,
-        "stats",
-        &[Param::Text(scope.map(Scope::as_str))],
-    )
-    .await?;
-    S::Engine::stats(rows.first().ok_or_else(|| no_row("stats"))?)
+pub async fn stats<S: SqlActions>(store: &S, scope: Option<&Scope>) -> Result<Stats, StoreError> {
+    let params = [Param::Text(scope.map(Scope::as_str))];
+    let row = run(store, Action::Stats, "stats", &params, S::Engine::fetch_optional).await?;
+    S::Engine::stats(&row.ok_or_else(|| no_row("stats"))?)
 }
 
 /// One page of the live records `filter` selects ([`StoreAdmin::list`](crate::StoreAdmin::list)).
@@ -255,7 +295,7 @@ pub async fn stats<S: SqlReads>(store: &S, scope: Option<&Scope>) -> Result<Stat
 /// # Errors
 ///
 /// As [`get`].
-pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
+pub async fn list<S: SqlActions>(store: &S, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
     let (after_scope, after_key) = match &filter.after {
         Some((scope, key)) => (Some(scope.as_str()), Some(key.as_str())),
         None => (None, None),
@@ -268,7 +308,7 @@ pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<Rec
         Param::Text(after_key),
         Param::Int(Some(i64::try_from(filter.limit).unwrap_or(i64::MAX))),
     ];
-    let rows = rows(store, Action::List, "list", &params).await?;
+    let rows = run(store, Action::List, "list", &params, S::Engine::fetch_all).await?;
     rows.iter().map(S::Engine::summary).collect()
 }
 
@@ -278,9 +318,17 @@ pub async fn list<S: SqlReads>(store: &S, filter: &ListFilter) -> Result<Vec<Rec
 /// # Errors
 ///
 /// The store's: no connection, the server's error.
-pub async fn purge_expired<S: SqlReads>(store: &S, limit: u64) -> Result<u64, StoreError> {
+pub async fn purge_expired<S: SqlActions>(store: &S, limit: u64) -> Result<u64, StoreError> {
     let limit = [Param::Int(Some(i64::try_from(limit).unwrap_or(i64::MAX)))];
-    written(store, Action::Purge, "purge expired records", &limit).await
+    let done = run(
+        store,
+        Action::Purge,
+        "purge expired records",
+        &limit,
+        S::Engine::execute,
+    )
+    .await?;
+    Ok(S::rows_affected(&done))
 }
 
 /// Deletes the live record of `scope` and `key` if it holds `token`
@@ -289,7 +337,7 @@ pub async fn purge_expired<S: SqlReads>(store: &S, limit: u64) -> Result<u64, St
 /// # Errors
 ///
 /// As [`purge_expired`].
-pub async fn forget<S: SqlReads>(
+pub async fn forget<S: SqlActions>(
     store: &S,
     scope: &Scope,
     key: &Key,
@@ -301,30 +349,15 @@ pub async fn forget<S: SqlReads>(
         Param::Text(Some(key.as_str())),
         Param::Bytes(Some(&token[..])),
     ];
-    let deleted = written(store, Action::Forget, "forget a record", &params).await?;
-    Ok(crate::sql::fenced_by_rows(deleted))
-}
-
-/// Runs the write `action` with `params` as [`rows`] runs a read: how many rows it wrote.
-async fn written<S: SqlReads>(
-    store: &S,
-    action: Action,
-    doing: &str,
-    params: &[Param<'_>],
-) -> Result<u64, StoreError> {
-    let _lane = store.lanes().new_work().await?;
-    let statement = store.statement(action);
-    let map_error = S::map_error();
-    let done = store
-        .connections()
-        .run(async |connection| {
-            let bound = S::placeholders(action).iter().map(|&at| params[at]).collect();
-            S::Engine::execute(connection, statement, bound)
-                .await
-                .map_err(|e| map_error(doing, e))
-        })
-        .await?;
-    Ok(S::rows_affected(&done))
+    let done = run(
+        store,
+        Action::Forget,
+        "forget a record",
+        &params,
+        S::Engine::execute,
+    )
+    .await?;
+    Ok(crate::sql::fenced_by_rows(S::rows_affected(&done)))
 }
 
 fn no_row(doing: &str) -> StoreError {
