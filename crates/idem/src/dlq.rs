@@ -4,7 +4,7 @@
 //! `--from` is the consumer's own source URL: the dead-letter destination is found as the
 //! consumer found it (`<queue>.dead`, the `dead_letter` subject or topic, `dead_letter_url`).
 //! Each broker implements the kit's
-//! [`DeadLetterQueue`](idempotency_consumer::dead_letters::DeadLetterQueue); what a listing
+//! `DeadLetterQueue` (`idempotency_consumer::dead_letters`); what a listing
 //! changes on each is in its docs and in `docs/CONSUMERS.md` (nothing is taken; RabbitMQ and SQS
 //! see the messages received once more).
 

@@ -13,7 +13,7 @@
 //! |---|---|
 //! | [`Reconciled::Happened`] with the response the first attempt would have given | stores it through the usual `complete` (this attempt's token), answers it with `Idempotency-Reconciled: true`, replays it to later retries; the handler does not run |
 //! | [`Reconciled::DidNotHappen`] | runs the handler as this attempt |
-//! | [`Reconciled::Unresolved`] (an error, a timeout, an answer it cannot read) | runs nothing, leaves the key in flight until this attempt's lease ends and answers `503` [`Problem::Unreconciled`](crate::Problem::Unreconciled) with `Retry-After`; the next retry after that asks again |
+//! | [`Reconciled::Unresolved`] (an error, a timeout, an answer it cannot read) | runs nothing, leaves the key in flight until this attempt's lease ends and answers `503` [`crate::Problem::Unreconciled`] with `Retry-After`; the next retry after that asks again |
 //!
 //! Each answer is counted by `idempotency_reconciled_total{guard, result}` (`result`: `adopted`,
 //! `did_not_happen`, `unresolved`).
