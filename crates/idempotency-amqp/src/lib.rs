@@ -573,11 +573,13 @@ async fn publish_confirmed(
 
 /// Publishes `payload` to `exchange` with `routing_key`, with `key` as the `Idempotency-Key`
 /// header and the message id, persistent, and waits for the publisher confirm. The channel
-/// must be in confirm mode.
+/// must be in confirm mode. Through the default exchange (`""`), the routing key names a queue,
+/// and a queue that does not exist fails the publish instead of losing the message.
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when the publish was not confirmed; publishing again with the same key is safe.
+/// [`AmqpError`] when the publish was not confirmed, or no queue took it through the default
+/// exchange; publishing again with the same key is safe.
 pub async fn publish(
     channel: &Channel,
     exchange: &str,
@@ -616,9 +618,17 @@ pub async fn publish_with_headers(
         .with_headers(headers)
         .with_message_id(key.as_str().into())
         .with_delivery_mode(2);
+    // Through the default exchange the routing key names a queue: one that does not exist
+    // must fail the publish (mandatory), not be confirmed and dropped. A named exchange decides
+    // for itself; an event nobody is bound to is not an error.
+    let route = if exchange.is_empty() {
+        Route::Queue
+    } else {
+        Route::Exchange(exchange)
+    };
     publish_confirmed(
         channel,
-        Route::Exchange(exchange),
+        route,
         routing_key.to_owned(),
         payload.to_vec(),
         properties,
