@@ -314,8 +314,12 @@ pub struct OutboxRow {
     pub ordering_key: String,
     /// Where it goes.
     pub destination: String,
+    /// Its `Idempotency-Key`, when the row names one (else the relay's `<name>:<id>`).
+    pub key: Option<String>,
     /// Whether it was published.
     pub sent: bool,
+    /// Whether it failed too often and was parked (`idem outbox replay` sends it again).
+    pub dead: bool,
     /// Publish attempts.
     pub attempts: i32,
     /// The last failed publish's error.
@@ -324,7 +328,8 @@ pub struct OutboxRow {
     pub age_seconds: f64,
 }
 
-/// Outbox rows in id order (pending ones only, unless `all`), at most `limit`.
+/// Outbox rows in id order (pending and dead ones, and with `all` the sent ones too), at most
+/// `limit`.
 ///
 /// # Errors
 ///
@@ -336,8 +341,8 @@ pub async fn outbox_list(
     limit: i64,
 ) -> Result<Vec<OutboxRow>, OutboxError> {
     let sql = format!(
-        "SELECT id, ordering_key, destination, sent_at IS NOT NULL AS sent, attempts, last_error,
-                extract(epoch FROM now() - created_at)::float8 AS age_seconds
+        "SELECT id, ordering_key, destination, key, sent_at IS NOT NULL AS sent, dead_at IS NOT NULL AS dead,
+                attempts, last_error, extract(epoch FROM now() - created_at)::float8 AS age_seconds
          FROM {} WHERE $1 OR sent_at IS NULL ORDER BY id LIMIT $2",
         tables.qualified_outbox()
     );
@@ -353,7 +358,9 @@ pub async fn outbox_list(
             id: row.get("id"),
             ordering_key: row.get("ordering_key"),
             destination: row.get("destination"),
+            key: row.get("key"),
             sent: row.get("sent"),
+            dead: row.get("dead"),
             attempts: row.get("attempts"),
             last_error: row.get("last_error"),
             age_seconds: row.get("age_seconds"),
@@ -364,10 +371,12 @@ pub async fn outbox_list(
 /// The outbox's backlog.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxStats {
-    /// Rows not yet published.
+    /// Rows not yet published (dead ones aside).
     pub pending: i64,
     /// Rows published and kept until the retention.
     pub sent: i64,
+    /// Rows parked after failing too often.
+    pub dead: i64,
     /// The oldest pending row's age in seconds.
     pub oldest_pending_seconds: Option<f64>,
 }
@@ -377,6 +386,8 @@ impl OutboxStats {
     pub(crate) fn show(&self, outbox: &str) {
         #[expect(clippy::cast_precision_loss, reason = "a gauge")]
         metrics::gauge!("idempotency_outbox_backlog", "outbox" => outbox.to_owned()).set(self.pending as f64);
+        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
+        metrics::gauge!("idempotency_outbox_dead", "outbox" => outbox.to_owned()).set(self.dead as f64);
         metrics::gauge!("idempotency_outbox_oldest_pending_seconds", "outbox" => outbox.to_owned())
             .set(self.oldest_pending_seconds.unwrap_or(0.0));
     }
@@ -389,20 +400,71 @@ impl OutboxStats {
 /// [`OutboxError::Database`].
 pub async fn outbox_stats(pool: &PgPool, tables: &Tables) -> Result<OutboxStats, OutboxError> {
     let sql = format!(
-        "SELECT count(*) FILTER (WHERE sent_at IS NULL), count(*) FILTER (WHERE sent_at IS NOT NULL),
-                extract(epoch FROM now() - min(created_at) FILTER (WHERE sent_at IS NULL))::float8
+        "SELECT count(*) FILTER (WHERE sent_at IS NULL AND dead_at IS NULL), count(*) FILTER (WHERE sent_at IS NOT NULL),
+                count(*) FILTER (WHERE dead_at IS NOT NULL AND sent_at IS NULL),
+                extract(epoch FROM now() - min(created_at) FILTER (WHERE sent_at IS NULL AND dead_at IS NULL))::float8
          FROM {}",
         tables.qualified_outbox()
     );
-    let (pending, sent, oldest_pending_seconds) = sqlx::query_as(AssertSqlSafe(sql))
+    let (pending, sent, dead, oldest_pending_seconds) = sqlx::query_as(AssertSqlSafe(sql))
         .fetch_one(pool)
         .await
         .map_err(OutboxError::db("count the outbox"))?;
     Ok(OutboxStats {
         pending,
         sent,
+        dead,
         oldest_pending_seconds,
     })
+}
+
+/// Makes dead outbox rows pending again (all of them, or the one with `id`), their attempts
+/// reset, so that the relay publishes them in their group's order among the rows still pending.
+/// Returns how many.
+///
+/// # Errors
+///
+/// [`OutboxError::Database`].
+pub async fn outbox_replay(pool: &PgPool, tables: &Tables, id: Option<i64>) -> Result<u64, OutboxError> {
+    let sql = format!(
+        "UPDATE {} SET dead_at = NULL, attempts = 0, last_error = NULL
+         WHERE dead_at IS NOT NULL AND sent_at IS NULL AND ($1::bigint IS NULL OR id = $1)",
+        tables.qualified_outbox()
+    );
+    let replayed = sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .execute(pool)
+        .await
+        .map_err(OutboxError::db("replay dead outbox rows"))?
+        .rows_affected();
+    if replayed > 0 {
+        // The relays are woken as by an insert.
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(tables.outbox_channel())
+            .execute(pool)
+            .await
+            .map_err(OutboxError::db("wake the relays"))?;
+    }
+    Ok(replayed)
+}
+
+/// Deletes dead outbox rows parked at least `older_than` ago, in batches. Returns how many.
+///
+/// # Errors
+///
+/// [`OutboxError::Database`].
+pub async fn outbox_purge_dead(
+    pool: &PgPool,
+    tables: &Tables,
+    older_than: Duration,
+) -> Result<u64, OutboxError> {
+    let table = tables.qualified_outbox();
+    let sql = format!(
+        "DELETE FROM {table} WHERE id IN (
+             SELECT id FROM {table} WHERE sent_at IS NULL AND dead_at <= now() - make_interval(secs => $1)
+             LIMIT {PURGE_BATCH})"
+    );
+    purge_batches(pool, &sql, older_than, "purge dead outbox rows").await
 }
 
 /// Deletes sent rows older than `retention`, in batches. Returns how many.
@@ -416,13 +478,24 @@ pub async fn purge_sent(pool: &PgPool, tables: &Tables, retention: Duration) -> 
         "DELETE FROM {table} WHERE id IN (
              SELECT id FROM {table} WHERE sent_at < now() - make_interval(secs => $1) LIMIT {PURGE_BATCH})"
     );
+    purge_batches(pool, &sql, retention, "purge sent outbox rows").await
+}
+
+/// Runs the batch `DELETE` `sql` (`$1`: an age in seconds) until a batch deletes less than
+/// [`PURGE_BATCH`]; how many it deleted.
+async fn purge_batches(
+    pool: &PgPool,
+    sql: &str,
+    age: Duration,
+    what: &'static str,
+) -> Result<u64, OutboxError> {
     let mut purged = 0;
     loop {
-        let done = sqlx::query(AssertSqlSafe(sql.as_str()))
-            .bind(retention.as_secs_f64())
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(age.as_secs_f64())
             .execute(pool)
             .await
-            .map_err(OutboxError::db("purge sent outbox rows"))?
+            .map_err(OutboxError::db(what))?
             .rows_affected();
         purged += done;
         if done < PURGE_BATCH.unsigned_abs() {

@@ -1,5 +1,7 @@
 //! Headers as a `jsonb` column: `[{"name": …, "value": …}]`, with `"hex"` instead of `"value"`
-//! for a value that is not UTF-8, so that no byte is lost and operators can read the rest.
+//! for a value that is not UTF-8, so that no byte is lost and operators can read the rest. An
+//! application that writes rows itself may also write an object of text values,
+//! `{"content-type": "application/json"}` (`docs/OUTBOX.md`).
 
 use serde_json::{Value, json};
 
@@ -25,6 +27,12 @@ pub(crate) fn from_text(text: &str) -> Vec<(String, Vec<u8>)> {
 
 /// Decodes the `headers` column; entries it does not understand are skipped.
 pub(crate) fn from_json(value: &Value) -> Vec<(String, Vec<u8>)> {
+    if let Value::Object(entries) = value {
+        return entries
+            .iter()
+            .filter_map(|(name, value)| Some((name.clone(), value.as_str()?.as_bytes().to_vec())))
+            .collect();
+    }
     value
         .as_array()
         .map(|entries| {
@@ -60,7 +68,10 @@ mod tests {
         assert_eq!(from_json(&encoded), headers);
         assert_eq!(from_text(&encoded.to_string()), headers);
         assert_eq!(from_text("not json"), Vec::new());
-        assert_eq!(from_json(&json!({"not": "a list"})), Vec::new());
+        assert_eq!(
+            from_json(&json!({"content-type": "text/plain", "not text": 1})),
+            vec![("content-type".to_owned(), b"text/plain".to_vec())]
+        );
         assert_eq!(from_json(&json!([{"name": 1}, {"value": "x"}])), Vec::new());
     }
 }

@@ -51,12 +51,13 @@ mod wake;
 
 pub use admin::{
     InboxRow, InboxState, InboxStats, OutboxRow, OutboxStats, UnknownInboxState, inbox_list, inbox_purge,
-    inbox_replay, inbox_show, inbox_stats, outbox_list, outbox_stats, purge_sent,
+    inbox_replay, inbox_show, inbox_stats, outbox_list, outbox_purge_dead, outbox_replay, outbox_stats,
+    purge_sent,
 };
 pub use inbox::{Inbox, InboxHandler, InboxMessage, InboxReceiver, Received, RetryPolicy};
 pub use inbox_worker::InboxWorker;
-pub use outbox::{Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay};
-pub use schema::{SCHEMA_VERSION, Tables};
+pub use outbox::{DEFAULT_MAX_ATTEMPTS, Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay};
+pub use schema::{OUTBOX_VERSION, SCHEMA_VERSION, Tables};
 
 mod amqp;
 pub use amqp::AmqpPublisher;

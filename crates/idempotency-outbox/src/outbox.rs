@@ -22,6 +22,8 @@ pub struct OutgoingMessage {
     /// The aggregate it belongs to: messages of one ordering key are published in the order
     /// they were enqueued.
     pub ordering_key: String,
+    /// The `Idempotency-Key` consumers deduplicate it by; `None`: the relay's `<name>:<id>`.
+    pub key: Option<Key>,
     /// The payload.
     pub payload: Vec<u8>,
     /// Headers to publish with it (the relay adds `Idempotency-Key`).
@@ -38,9 +40,18 @@ impl OutgoingMessage {
         Self {
             destination: destination.into(),
             ordering_key: ordering_key.into(),
+            key: None,
             payload: payload.into(),
             headers: Vec::new(),
         }
+    }
+
+    /// Publishes it with `key` as its `Idempotency-Key` (an order id the consumers already
+    /// know, say) instead of the relay's `<name>:<id>`.
+    #[must_use]
+    pub fn key(mut self, key: Key) -> Self {
+        self.key = Some(key);
+        self
     }
 
     /// Adds a header.
@@ -112,11 +123,11 @@ impl Outbox {
     #[must_use]
     pub fn new(tables: Tables) -> Self {
         let table = tables.qualified_outbox();
-        let channel = tables.outbox_channel();
         let sql = Statements {
+            // The table's trigger notifies the relays when the transaction commits.
             enqueue: format!(
-                "INSERT INTO {table} (destination, ordering_key, payload, headers) VALUES ($1, $2, $3, $4::jsonb)
-                 RETURNING id, pg_notify('{channel}', '')::text"
+                "INSERT INTO {table} (destination, ordering_key, key, payload, headers) VALUES ($1, $2, $3, $4, $5::jsonb)
+                 RETURNING id"
             ),
             // The ordering keys of the oldest pending rows that no other relay holds, each now
             // held by this transaction. The lock is a volatile call, so PostgreSQL evaluates
@@ -124,15 +135,20 @@ impl Outbox {
             keys: format!(
                 "SELECT ordering_key FROM
                  (SELECT DISTINCT ordering_key FROM
-                  (SELECT ordering_key FROM {table} WHERE sent_at IS NULL ORDER BY id LIMIT $1) pending) keys
+                  (SELECT ordering_key FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT $1) pending) keys
                  WHERE pg_try_advisory_xact_lock(hashtextextended('{table}:' || ordering_key, 0))"
             ),
             claim: format!(
-                "SELECT id, ordering_key, destination, payload, headers::text AS headers FROM {table}
-                 WHERE sent_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2"
+                "SELECT id, ordering_key, destination, key, payload, headers::text AS headers, attempts FROM {table}
+                 WHERE sent_at IS NULL AND dead_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2"
             ),
             sent: format!("UPDATE {table} SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)"),
-            failed: format!("UPDATE {table} SET attempts = attempts + 1, last_error = $2 WHERE id = $1"),
+            // Past the limit, the row is parked as dead: its group goes on without it.
+            failed: format!(
+                "UPDATE {table} SET attempts = attempts + 1, last_error = $2,
+                        dead_at = CASE WHEN attempts + 1 >= $3 THEN now() END
+                 WHERE id = $1 RETURNING dead_at IS NOT NULL"
+            ),
         };
         Self {
             tables,
@@ -160,6 +176,7 @@ impl Outbox {
         let row = sqlx::query(AssertSqlSafe(self.sql.enqueue.as_str()))
             .bind(&message.destination)
             .bind(&message.ordering_key)
+            .bind(message.key.as_ref().map(Key::as_str))
             .bind(&message.payload)
             .bind(headers::to_json(&message.headers).to_string())
             .fetch_one(tx)
@@ -168,6 +185,10 @@ impl Outbox {
         Ok(row.get("id"))
     }
 }
+
+/// How many failed publishes park an outbox row as dead, unless [`Relay::max_attempts`] says
+/// otherwise.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 
 /// Publishes pending outbox rows with a [`Publisher`] and marks them sent.
 ///
@@ -183,7 +204,9 @@ impl Outbox {
 /// again, with the same `Idempotency-Key`, and the consumer's record answers the copy. A
 /// publish that fails stops that key for the round (the rows after it wait, in order), records
 /// the error on the row, and the round is retried with backoff: a broker outage grows the
-/// backlog, which drains when the broker is back.
+/// backlog, which drains when the broker is back. A row that failed
+/// [`max_attempts`](Self::max_attempts) times is parked as dead (`dead_at`), and the rows after
+/// it in its group go on.
 #[derive(Debug)]
 pub struct Relay<P> {
     pool: PgPool,
@@ -195,6 +218,7 @@ pub struct Relay<P> {
     listen: bool,
     retention: Duration,
     cleanup_every: Duration,
+    max_attempts: u32,
 }
 
 impl<P: Publisher> Relay<P> {
@@ -211,7 +235,17 @@ impl<P: Publisher> Relay<P> {
             listen: true,
             retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
             cleanup_every: Duration::from_secs(60),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
         }
+    }
+
+    /// How many failed publishes park a row as dead (default [`DEFAULT_MAX_ATTEMPTS`]): it
+    /// stays in the table with its last error, its group goes on, and `idem outbox replay`
+    /// makes it pending again.
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
     }
 
     /// The prefix of the messages' keys (`<name>:<id>`), and the `outbox` label of the metrics;
@@ -291,12 +325,23 @@ impl<P: Publisher> Relay<P> {
                 continue;
             }
             let id: i64 = row.get("id");
-            let key = Key::new(format!("{}:{id}", self.name)).map_err(|e| {
-                OutboxError::Invalid(format!(
-                    "the relay's name {:?} makes an invalid key: {e}",
-                    self.name
-                ))
-            })?;
+            let key = match row.get::<Option<String>, _>("key") {
+                Some(text) => match Key::new(text) {
+                    Ok(key) => key,
+                    Err(error) => {
+                        // No attempt can publish it: parked at once.
+                        let why = format!("the row's key is not a valid Idempotency-Key: {error}");
+                        self.failed(&mut tx, id, &why, 0).await?;
+                        continue;
+                    }
+                },
+                None => Key::new(format!("{}:{id}", self.name)).map_err(|e| {
+                    OutboxError::Invalid(format!(
+                        "the relay's name {:?} makes an invalid key: {e}",
+                        self.name
+                    ))
+                })?,
+            };
             let message = OutboxMessage {
                 id,
                 key,
@@ -309,16 +354,12 @@ impl<P: Publisher> Relay<P> {
                 Ok(()) => sent.push(id),
                 Err(error) => {
                     let text = error.to_string();
-                    tracing::warn!(outbox = %self.name, id, error = %text, "publish failed; the aggregate waits");
                     metrics::counter!("idempotency_outbox_relay_errors_total", "outbox" => self.name.clone())
                         .increment(1);
-                    sqlx::query(AssertSqlSafe(self.outbox.sql.failed.as_str()))
-                        .bind(id)
-                        .bind(&text)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(OutboxError::db("record a publish error"))?;
-                    stopped.insert(message.ordering_key);
+                    if !self.failed(&mut tx, id, &text, self.max_attempts).await? {
+                        tracing::warn!(outbox = %self.name, id, error = %text, "publish failed; the aggregate waits");
+                        stopped.insert(message.ordering_key);
+                    }
                     last_error = Some(text);
                 }
             }
@@ -337,6 +378,29 @@ impl<P: Publisher> Relay<P> {
             Some(error) if sent.is_empty() => Err(OutboxError::Publish(error)),
             _ => Ok(sent.len()),
         }
+    }
+
+    /// Records a failed publish of row `id` (`why`); a row at `limit` attempts is parked as
+    /// dead. Whether it was parked.
+    async fn failed(
+        &self,
+        tx: &mut PgConnection,
+        id: i64,
+        why: &str,
+        limit: u32,
+    ) -> Result<bool, OutboxError> {
+        let dead: bool = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.failed.as_str()))
+            .bind(id)
+            .bind(why)
+            .bind(i64::from(limit))
+            .fetch_one(tx)
+            .await
+            .map_err(OutboxError::db("record a publish error"))?;
+        if dead {
+            metrics::counter!("idempotency_outbox_dead_total", "outbox" => self.name.clone()).increment(1);
+            tracing::warn!(outbox = %self.name, id, error = %why, "parked as dead: `idem outbox replay` sends it again after a fix; its group goes on");
+        }
+        Ok(dead)
     }
 
     /// Relays until `shutdown` completes, then finishes the round in progress and returns.

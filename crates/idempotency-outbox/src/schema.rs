@@ -6,8 +6,15 @@ use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 
 use crate::OutboxError;
 
-/// The version this crate writes into the tables' comments, and the only one it reads.
+/// The version of the inbox table this crate writes into its comment, and the only one it
+/// reads.
 pub const SCHEMA_VERSION: u32 = 1;
+
+/// The version of the outbox table (`docs/OUTBOX.md`): 2 adds the `key` and `dead_at` columns,
+/// defaults that let any language insert a row with a plain `INSERT`, and a trigger that
+/// notifies the relays of every insert. A version 1 table is upgraded in place by
+/// [`Tables::migrate`].
+pub const OUTBOX_VERSION: u32 = 2;
 
 /// Where the inbox and the outbox live: a schema and two table names, each a safe SQL identifier
 /// (`a-z`, `0-9`, `_`, not starting with a digit, at most 63 bytes).
@@ -93,11 +100,20 @@ impl Tables {
         format!("{}_{}", self.schema.as_str(), self.outbox.as_str())
     }
 
-    fn create_sql(&self) -> String {
-        let (schema, inbox, outbox) = (self.schema.as_str(), self.inbox.as_str(), self.outbox.as_str());
+    /// The statements that create (or upgrade) the outbox, and the inbox first when `inbox`.
+    fn create_sql(&self, inbox: bool) -> String {
+        let mut sql = format!("CREATE SCHEMA IF NOT EXISTS {};\n", self.schema.as_str());
+        if inbox {
+            sql.push_str(&self.inbox_sql());
+        }
+        sql.push_str(&self.outbox_sql());
+        sql
+    }
+
+    fn inbox_sql(&self) -> String {
+        let (schema, inbox) = (self.schema.as_str(), self.inbox.as_str());
         format!(
-            "CREATE SCHEMA IF NOT EXISTS {schema};
-CREATE TABLE IF NOT EXISTS {schema}.{inbox} (
+            "CREATE TABLE IF NOT EXISTS {schema}.{inbox} (
     id bigserial NOT NULL UNIQUE,
     consumer text NOT NULL,
     key text NOT NULL,
@@ -115,22 +131,43 @@ CREATE TABLE IF NOT EXISTS {schema}.{inbox} (
 CREATE INDEX IF NOT EXISTS {inbox}_due ON {schema}.{inbox} (consumer, next_attempt_at, id) WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS {inbox}_finished ON {schema}.{inbox} (finished_at) WHERE state <> 'pending';
 COMMENT ON TABLE {schema}.{inbox} IS '{inbox_version}';
-CREATE TABLE IF NOT EXISTS {schema}.{outbox} (
+",
+            inbox_version = version_comment("inbox", SCHEMA_VERSION),
+        )
+    }
+
+    fn outbox_sql(&self) -> String {
+        let (schema, outbox) = (self.schema.as_str(), self.outbox.as_str());
+        format!(
+            "CREATE TABLE IF NOT EXISTS {schema}.{outbox} (
     id bigserial PRIMARY KEY,
-    ordering_key text NOT NULL,
-    destination text NOT NULL,
+    ordering_key text NOT NULL DEFAULT '',
+    destination text NOT NULL DEFAULT '',
+    key text,
     payload bytea NOT NULL,
     headers jsonb NOT NULL DEFAULT '[]'::jsonb,
     created_at timestamptz NOT NULL DEFAULT now(),
     sent_at timestamptz,
     attempts integer NOT NULL DEFAULT 0,
-    last_error text
+    last_error text,
+    dead_at timestamptz
 );
+ALTER TABLE {schema}.{outbox} ADD COLUMN IF NOT EXISTS key text;
+ALTER TABLE {schema}.{outbox} ADD COLUMN IF NOT EXISTS dead_at timestamptz;
+ALTER TABLE {schema}.{outbox} ALTER COLUMN ordering_key SET DEFAULT '';
+ALTER TABLE {schema}.{outbox} ALTER COLUMN destination SET DEFAULT '';
 CREATE INDEX IF NOT EXISTS {outbox}_pending ON {schema}.{outbox} (id) WHERE sent_at IS NULL;
 CREATE INDEX IF NOT EXISTS {outbox}_sent ON {schema}.{outbox} (sent_at) WHERE sent_at IS NOT NULL;
+CREATE OR REPLACE FUNCTION {schema}.{outbox}_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{outbox_channel}', '');
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER {outbox}_notify AFTER INSERT ON {schema}.{outbox}
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}.{outbox}_notify();
 COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
-            inbox_version = version_comment("inbox"),
-            outbox_version = version_comment("outbox"),
+            outbox_version = version_comment("outbox", OUTBOX_VERSION),
+            outbox_channel = self.outbox_channel(),
         )
     }
 
@@ -143,6 +180,20 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
     /// [`OutboxError::Schema`] when a table exists with another version's mark (or none: another
     /// application's table); the server's error otherwise.
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), OutboxError> {
+        self.migrate_tables(pool, true).await
+    }
+
+    /// Creates (or upgrades) the outbox table alone, as [`migrate`](Self::migrate) does both:
+    /// what `idem relay migrate` runs for a service that has no inbox.
+    ///
+    /// # Errors
+    ///
+    /// As [`migrate`](Self::migrate).
+    pub async fn migrate_outbox(&self, pool: &PgPool) -> Result<(), OutboxError> {
+        self.migrate_tables(pool, false).await
+    }
+
+    async fn migrate_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
         let mut tx = pool
             .begin()
             .await
@@ -151,13 +202,10 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
             .execute(&mut *tx)
             .await
             .map_err(OutboxError::db("lock the migration"))?;
-        for (table, what) in [
-            (self.qualified_inbox(), "inbox"),
-            (self.qualified_outbox(), "outbox"),
-        ] {
+        for (table, what) in self.tables(inbox) {
             check_mark(&mut tx, &table, what, true).await?;
         }
-        sqlx::raw_sql(AssertSqlSafe(self.create_sql()))
+        sqlx::raw_sql(AssertSqlSafe(self.create_sql(inbox)))
             .execute(&mut *tx)
             .await
             .map_err(OutboxError::db("create the inbox and outbox tables"))?;
@@ -172,20 +220,40 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
     /// [`OutboxError::Schema`] for a missing table (`idem inbox migrate` creates it) or another
     /// version's.
     pub async fn check(&self, pool: &PgPool) -> Result<(), OutboxError> {
+        self.check_tables(pool, true).await
+    }
+
+    /// As [`check`](Self::check), for the outbox table alone.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Self::check).
+    pub async fn check_outbox(&self, pool: &PgPool) -> Result<(), OutboxError> {
+        self.check_tables(pool, false).await
+    }
+
+    async fn check_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
         let mut connection = pool.acquire().await.map_err(OutboxError::db("connect"))?;
-        for (table, what) in [
-            (self.qualified_inbox(), "inbox"),
-            (self.qualified_outbox(), "outbox"),
-        ] {
+        for (table, what) in self.tables(inbox) {
             check_mark(&mut connection, &table, what, false).await?;
         }
         Ok(())
     }
+
+    /// The qualified tables and what each is: the outbox, and the inbox first when `inbox`.
+    fn tables(&self, inbox: bool) -> Vec<(String, &'static str)> {
+        let mut tables = Vec::with_capacity(2);
+        if inbox {
+            tables.push((self.qualified_inbox(), "inbox"));
+        }
+        tables.push((self.qualified_outbox(), "outbox"));
+        tables
+    }
 }
 
-/// What a table of this version is marked with.
-fn version_comment(what: &str) -> String {
-    format!("idempotency-{what} v{SCHEMA_VERSION}")
+/// What a table of `version` is marked with.
+fn version_comment(what: &str, version: u32) -> String {
+    format!("idempotency-{what} v{version}")
 }
 
 /// Checks `table`'s mark: absent is fine when `may_create`, else an error naming the fix.
@@ -201,9 +269,17 @@ async fn check_mark(
             .fetch_one(&mut *connection)
             .await
             .map_err(OutboxError::db("read the schema version"))?;
-    let expected = version_comment(what);
+    let version = if what == "outbox" {
+        OUTBOX_VERSION
+    } else {
+        SCHEMA_VERSION
+    };
+    let expected = version_comment(what, version);
+    // Migrating upgrades an outbox of version 1 in place.
+    let upgradable = may_create && what == "outbox" && comment.as_deref() == Some(&*version_comment(what, 1));
     match (exists, comment) {
         (false, _) if may_create => Ok(()),
+        (true, _) if upgradable => Ok(()),
         (false, _) => Err(OutboxError::Schema(format!(
             "{table} does not exist: create it with `idem inbox migrate` (or `Tables::migrate`) first"
         ))),
