@@ -49,6 +49,14 @@ impl Location {
         self.tables.check(&pool).await?;
         Ok(pool)
     }
+
+    /// A pool whose outbox table exists and is of this version (a service that only relays
+    /// has no inbox).
+    async fn outbox(&self, read_only: bool) -> Result<PgPool, Error> {
+        let pool = self.pool(read_only).await?;
+        self.tables.check_outbox(&pool).await?;
+        Ok(pool)
+    }
 }
 
 /// An age the server reported in seconds, shown as `idem keys` shows ages (a negative or
@@ -227,7 +235,7 @@ pub async fn inbox_stats(at: &Location, consumer: Option<&str>, json_out: bool) 
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -> Result<String, Error> {
-    let pool = at.checked(true).await?;
+    let pool = at.outbox(true).await?;
     let rows = idempotency_outbox::outbox_list(&pool, &at.tables, all, limit).await?;
     if json_out {
         let rows: Vec<Value> = rows
@@ -237,7 +245,9 @@ pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -
                     "id": row.id,
                     "ordering_key": row.ordering_key,
                     "destination": row.destination,
+                    "key": row.key,
                     "sent": row.sent,
+                    "dead": row.dead,
                     "attempts": row.attempts,
                     "last_error": row.last_error,
                     "age_seconds": row.age_seconds,
@@ -253,7 +263,14 @@ pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -
                 row.id.to_string(),
                 row.ordering_key.clone(),
                 row.destination.clone(),
-                if row.sent { "sent" } else { "pending" }.into(),
+                if row.sent {
+                    "sent"
+                } else if row.dead {
+                    "dead"
+                } else {
+                    "pending"
+                }
+                .into(),
                 row.attempts.to_string(),
                 seconds(row.age_seconds),
                 row.last_error.clone().unwrap_or_default(),
@@ -280,11 +297,12 @@ pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error> {
-    let pool = at.checked(true).await?;
+    let pool = at.outbox(true).await?;
     let stats = idempotency_outbox::outbox_stats(&pool, &at.tables).await?;
     if json_out {
         return Ok(json!({
             "pending": stats.pending,
+            "dead": stats.dead,
             "sent": stats.sent,
             "oldest_pending_seconds": stats.oldest_pending_seconds,
         })
@@ -292,9 +310,10 @@ pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error
             + "\n");
     }
     Ok(table(
-        &["PENDING", "SENT", "OLDEST PENDING"],
+        &["PENDING", "DEAD", "SENT", "OLDEST PENDING"],
         &[vec![
             stats.pending.to_string(),
+            stats.dead.to_string(),
             stats.sent.to_string(),
             stats
                 .oldest_pending_seconds
@@ -302,6 +321,36 @@ pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error
                 .unwrap_or_else(|| "-".into()),
         ]],
     ))
+}
+
+/// `idem outbox replay`: dead rows (all, or `id`) back to pending.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn outbox_replay(at: &Location, id: Option<i64>, json_out: bool) -> Result<String, Error> {
+    let pool = at.outbox(false).await?;
+    let replayed = idempotency_outbox::outbox_replay(&pool, &at.tables, id).await?;
+    Ok(if json_out {
+        json!({ "replayed": replayed }).to_string() + "\n"
+    } else {
+        format!("{replayed} dead row(s) back to pending\n")
+    })
+}
+
+/// `idem outbox purge`: dead rows parked at least `older_than` ago.
+///
+/// # Errors
+///
+/// [`Error::Boxes`].
+pub async fn outbox_purge(at: &Location, older_than: Duration, json_out: bool) -> Result<String, Error> {
+    let pool = at.outbox(false).await?;
+    let purged = idempotency_outbox::outbox_purge_dead(&pool, &at.tables, older_than).await?;
+    Ok(if json_out {
+        json!({ "purged": purged }).to_string() + "\n"
+    } else {
+        format!("{purged} dead row(s) purged\n")
+    })
 }
 
 /// `idem migrate --inbox-outbox`: creates the tables.

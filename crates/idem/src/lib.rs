@@ -31,6 +31,7 @@ pub mod gateway;
 pub mod key_actions;
 pub mod ops;
 pub mod reconcile;
+pub mod relay;
 pub mod server;
 pub mod telemetry;
 pub mod tls;

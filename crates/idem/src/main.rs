@@ -70,16 +70,46 @@ enum Command {
         #[command(subcommand)]
         action: InboxCommand,
     },
-    /// Inspect an outbox on PostgreSQL: pending messages and the backlog.
+    /// Inspect and maintain an outbox on PostgreSQL: pending and dead messages, the backlog,
+    /// replay of dead rows, purge.
     Outbox {
         #[command(subcommand)]
         action: OutboxCommand,
     },
+    /// Publish the rows an application writes into an outbox table (PostgreSQL), in order per
+    /// group, each with its key as Idempotency-Key, once the broker confirms it (docs/OUTBOX.md).
+    Relay(RelayArgs),
     /// The dead letters of a consumer's source, on any broker: list them by reason, show them,
     /// replay them to the source after a fix, purge them.
     Dlq {
         #[command(subcommand)]
         action: DlqCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+struct RelayArgs {
+    #[command(subcommand)]
+    action: Option<RelayCommand>,
+    #[command(flatten)]
+    config: idem::relay::Config,
+}
+
+#[derive(Debug, Subcommand)]
+enum RelayCommand {
+    /// Create the outbox table (or upgrade one of version 1), with the trigger that wakes the
+    /// relays.
+    Migrate {
+        /// The PostgreSQL database.
+        #[arg(long, env = "IDEM_DATABASE")]
+        database: String,
+        /// The table's schema.
+        #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
+        schema: String,
+        /// The table.
+        #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
+        table: String,
     },
 }
 
@@ -351,10 +381,26 @@ enum OutboxCommand {
         #[arg(long, default_value_t = 100)]
         limit: u32,
     },
-    /// Pending and sent counts, and the oldest pending row's age.
+    /// Pending, dead and sent counts, and the oldest pending row's age.
     Stats {
         #[command(flatten)]
         at: BoxArgs,
+    },
+    /// Make dead rows (parked after too many failed publishes) pending again, after a fix.
+    Replay {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this row.
+        #[arg(long)]
+        id: Option<i64>,
+    },
+    /// Delete dead rows parked at least this long ago.
+    Purge {
+        #[command(flatten)]
+        at: BoxArgs,
+        /// How long ago (`0s`: every dead row).
+        #[arg(long, value_parser = units::parse_duration)]
+        older_than: Duration,
     },
 }
 
@@ -647,11 +693,28 @@ async fn run(command: Command) -> Result<String, Error> {
         }
         Command::Inbox { action } => inbox(action).await,
         Command::Dlq { action } => dlq(action).await,
+        Command::Relay(args) => match args.action {
+            Some(RelayCommand::Migrate {
+                database,
+                schema,
+                table,
+            }) => idem::relay::migrate(&database, &schema, &table).await,
+            None => {
+                idem::relay::relay(args.config, shutdown_signal()).await?;
+                Ok(String::new())
+            }
+        },
         Command::Outbox { action } => match action {
             OutboxCommand::List { at, all, limit } => {
                 idem::boxes::outbox_list(&at.location()?, all, i64::from(limit.max(1)), at.json).await
             }
             OutboxCommand::Stats { at } => idem::boxes::outbox_stats(&at.location()?, at.json).await,
+            OutboxCommand::Replay { at, id } => {
+                idem::boxes::outbox_replay(&at.location()?, id, at.json).await
+            }
+            OutboxCommand::Purge { at, older_than } => {
+                idem::boxes::outbox_purge(&at.location()?, older_than, at.json).await
+            }
         },
         Command::Migrate(args) => {
             let _store = open(&args, Access::Create).await?;
@@ -918,7 +981,7 @@ fn init_logging(command: &Command, format: LogFormat) -> idem::telemetry::Teleme
     use tracing_subscriber::util::SubscriberInitExt as _;
 
     let default = match command {
-        Command::Serve(_) | Command::Consume(_) => tracing::Level::INFO,
+        Command::Serve(_) | Command::Consume(_) | Command::Relay(_) => tracing::Level::INFO,
         Command::Demo(_) => tracing::Level::ERROR,
         _ => tracing::Level::WARN,
     };

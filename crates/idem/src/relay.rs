@@ -1,0 +1,284 @@
+//! `idem relay`: the transactional outbox for services in any language. An application inserts
+//! a row into the outbox table in its own transaction (`docs/OUTBOX.md` has the table and the
+//! `INSERT`); the relay publishes each committed row, in order within its ordering group, with
+//! the row's key as its `Idempotency-Key`, waits for the broker's confirmation, and marks it
+//! sent. It runs the library's [`Relay`]: several relays on one table share the work without
+//! publishing a group's rows out of order or one row twice at once.
+//!
+//! | `--to` | the broker | where each row goes |
+//! |---|---|---|
+//! | `amqp(s)://USER:PASSWORD@HOST:PORT/VHOST?exchange=EX&routing_key=RK` | RabbitMQ, publisher confirms | exchange `EX` (default: the default exchange, where the routing key is a queue), routing key = the row's `destination`, or `RK` when it is empty |
+//! | `nats://HOST:PORT?subject=SUBJECT` (and `tls://`) | NATS JetStream, each publish acknowledged by the stream; `Nats-Msg-Id` = the key | subject = the row's `destination`, or `SUBJECT` |
+//! | `kafka://HOST:PORT?topic=TOPIC&SETTING=…` (feature `kafka`) | Kafka, an idempotent producer, `acks=all`; the ordering group as the record key | topic = the row's `destination`, or `TOPIC` |
+//!
+//! The other URL parameters are the broker's, as `idem consume --from` takes them (TLS files,
+//! librdkafka settings).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use idempotency::postgres::sqlx::{self, postgres::PgPoolOptions};
+use idempotency_consumer::BoxError;
+use idempotency_outbox::{AmqpPublisher, NatsPublisher, Outbox, OutboxMessage, Publisher, Relay, Tables};
+
+use crate::error::Error;
+use crate::units;
+
+/// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// The PostgreSQL database holding the outbox table.
+    #[arg(long, env = "IDEM_DATABASE", required = true)]
+    pub database: Option<String>,
+    /// Where rows are published: amqp(s)://…?exchange=…&routing_key=…, nats://…?subject=…,
+    /// kafka://…?topic=… (the row's destination, when set, replaces the routing key, subject or
+    /// topic).
+    #[arg(long, env = "IDEM_TO", required = true)]
+    pub to: Option<String>,
+    /// The outbox table's schema.
+    #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
+    pub schema: String,
+    /// The outbox table.
+    #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
+    pub table: String,
+    /// The prefix of the keys of rows without one (`NAME:ID`), and the `outbox` label of the
+    /// metrics (default: the qualified table name).
+    #[arg(long, env = "IDEM_NAME")]
+    pub name: Option<String>,
+    /// Rows published per round at most.
+    #[arg(long, env = "IDEM_BATCH", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch: u32,
+    /// Failed publishes that park a row as dead (`idem outbox replay` sends it again).
+    #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = idempotency_outbox::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+    /// The longest an idle relay waits without a notification from the table's trigger.
+    #[arg(long, env = "IDEM_POLL", default_value = "1s", value_parser = units::parse_duration)]
+    pub poll: Duration,
+    /// How long sent rows are kept before the relay deletes them.
+    #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = units::parse_duration)]
+    pub retention: Duration,
+    /// Serve /livez and /metrics on this address.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+}
+
+/// The publisher `--to` names.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per relay process, never moved in a loop"
+)]
+enum Destination {
+    Amqp(AmqpPublisher),
+    Nats(NatsPublisher),
+    #[cfg(feature = "kafka")]
+    Kafka(idempotency_outbox::KafkaPublisher),
+}
+
+/// The publisher, and the routing key, subject or topic of rows without a destination.
+struct To {
+    publisher: Destination,
+    default: Option<String>,
+}
+
+impl Publisher for To {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let defaulted;
+        let message = if message.destination.is_empty() {
+            let Some(default) = &self.default else {
+                return Err("the row names no destination, and --to gives no default (routing_key=, subject= or topic=)".into());
+            };
+            defaulted = OutboxMessage {
+                destination: default.clone(),
+                ..message.clone()
+            };
+            &defaulted
+        } else {
+            message
+        };
+        match &self.publisher {
+            Destination::Amqp(publisher) => publisher.publish(message).await,
+            Destination::Nats(publisher) => publisher.publish(message).await,
+            #[cfg(feature = "kafka")]
+            Destination::Kafka(publisher) => publisher.publish(message).await,
+        }
+    }
+}
+
+/// `url` without the parameter `name`, and its value.
+fn take_param(url: &str, name: &str) -> Result<(String, Option<String>), Error> {
+    let mut parsed = url::Url::parse(url).map_err(|e| Error::Usage(format!("--to: not a URL ({e})")))?;
+    let mut taken = None;
+    let kept: Vec<(String, String)> = parsed
+        .query_pairs()
+        .filter_map(|(key, value)| {
+            if key == name {
+                taken = Some(value.into_owned());
+                None
+            } else {
+                Some((key.into_owned(), value.into_owned()))
+            }
+        })
+        .collect();
+    if kept.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(kept);
+    }
+    Ok((parsed.into(), taken.filter(|value| !value.is_empty())))
+}
+
+/// The publisher `to` names; it connects (or checks its settings) now, so that a wrong URL is an
+/// error at start.
+async fn destination(to: &str) -> Result<To, Error> {
+    let scheme = to.split_once("://").map(|(scheme, _)| scheme).unwrap_or_default();
+    let refused = |why: String| Error::Usage(format!("--to {}: {why}", idempotency::redact_url(to)));
+    match scheme {
+        "amqp" | "amqps" => {
+            let (url, exchange) = take_param(to, "exchange")?;
+            let (url, routing_key) = take_param(&url, "routing_key")?;
+            idempotency_amqp::connect_url(&url)
+                .await
+                .map_err(|e| refused(e.to_string()))?
+                .close(200, "checked".into())
+                .await
+                .map_err(|e| refused(e.to_string()))?;
+            Ok(To {
+                publisher: Destination::Amqp(AmqpPublisher::new(url, exchange.unwrap_or_default())),
+                default: routing_key,
+            })
+        }
+        "nats" | "tls" => {
+            let (url, subject) = take_param(to, "subject")?;
+            let publisher = NatsPublisher::connect(&url, Duration::from_secs(10))
+                .await
+                .map_err(|e| refused(e.to_string()))?;
+            Ok(To {
+                publisher: Destination::Nats(publisher),
+                default: subject,
+            })
+        }
+        #[cfg(feature = "kafka")]
+        "kafka" => {
+            let (url, topic) = take_param(to, "topic")?;
+            let publisher =
+                idempotency_outbox::KafkaPublisher::from_url(&url).map_err(|e| refused(e.to_string()))?;
+            Ok(To {
+                publisher: Destination::Kafka(publisher),
+                default: topic,
+            })
+        }
+        #[cfg(not(feature = "kafka"))]
+        "kafka" => Err(refused(
+            "this build has no Kafka destinations (build idem with --features kafka)".into(),
+        )),
+        _ => Err(refused(
+            "the destination is amqp://, amqps://, nats://, tls:// or kafka:// (SQS and HTTP destinations are not built yet)".into(),
+        )),
+    }
+}
+
+/// The outbox table `config` names.
+fn tables(config: &Config) -> Result<Tables, Error> {
+    Tables::default()
+        .schema(&config.schema)
+        .and_then(|tables| tables.outbox(&config.table))
+        .map_err(|e| Error::Usage(e.to_string()))
+}
+
+/// A pool on `database`, its URL redacted in errors.
+async fn pool(database: &str, connections: u32) -> Result<sqlx::PgPool, Error> {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(database)
+        .await
+        .map_err(|e| {
+            Error::Boxes(format!(
+                "{}: {}",
+                idempotency::redact_url(database),
+                idempotency::redact_url(&e.to_string())
+            ))
+        })
+}
+
+/// `idem relay migrate`: creates or upgrades the outbox table alone.
+///
+/// # Errors
+///
+/// [`Error::Boxes`] when the database cannot be reached, [`Error::Outbox`] when the table is
+/// another application's or a newer version's.
+pub async fn migrate(database: &str, schema: &str, table: &str) -> Result<String, Error> {
+    let tables = Tables::default()
+        .schema(schema)
+        .and_then(|tables| tables.outbox(table))
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    let pool = pool(database, 1).await?;
+    tables.migrate_outbox(&pool).await?;
+    Ok(format!("{}: ready\n", tables.qualified_outbox()))
+}
+
+/// Runs `idem relay` until `shutdown` completes: then the round in progress finishes and it
+/// returns.
+///
+/// # Errors
+///
+/// A `--to` that cannot be used, a database that cannot be reached, a table that is missing
+/// (`idem relay migrate` creates it) or of another version.
+pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
+    let tables = tables(&config)?;
+    let to = destination(config.to.as_deref().unwrap_or_default()).await?;
+    let pool = pool(config.database.as_deref().unwrap_or_default(), 4).await?;
+    tables.check_outbox(&pool).await?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(Error::Metrics)?;
+    if let Some(addr) = config.admin_listen {
+        let listener = crate::server::bind(addr).await?;
+        let router = axum::Router::new()
+            .route("/livez", axum::routing::get(|| async { "ok\n" }))
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let metrics = metrics.clone();
+                    async move { metrics.render() }
+                }),
+            );
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+    }
+    let mut relay = Relay::new(pool, Outbox::new(tables.clone()), to)
+        .batch(config.batch)
+        .max_attempts(config.max_attempts)
+        .poll(config.poll)
+        .retention(config.retention, Duration::from_secs(60));
+    if let Some(name) = config.name {
+        relay = relay.name(name);
+    }
+    tracing::info!(outbox = %tables.qualified_outbox(), to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "relaying");
+    relay.run_until(shutdown).await?;
+    tracing::info!("stopped: the round in progress was finished");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_relays_own_parameters_are_taken_out_of_the_url() {
+        let (url, exchange) =
+            take_param("amqp://u:p@h:5672/%2f?exchange=orders&heartbeat=10", "exchange").unwrap();
+        assert_eq!(exchange.as_deref(), Some("orders"));
+        assert_eq!(url, "amqp://u:p@h:5672/%2f?heartbeat=10");
+        let (url, subject) = take_param("nats://h:4222?subject=orders.created", "subject").unwrap();
+        assert_eq!(
+            (url.as_str(), subject.as_deref()),
+            ("nats://h:4222", Some("orders.created"))
+        );
+        let (_, none) = take_param("kafka://h:9092?topic=", "topic").unwrap();
+        assert_eq!(none, None, "an empty value is no default");
+        assert!(take_param("not a url", "topic").is_err());
+    }
+}

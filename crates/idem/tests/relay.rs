@@ -1,0 +1,332 @@
+//! `idem relay` from the outside: the binary between a real PostgreSQL outbox, written with the
+//! plain SQL `docs/OUTBOX.md` shows, and a real RabbitMQ queue; a row that cannot be published
+//! parked as dead and replayed with `idem outbox replay`; an upgrade of a version 1 table.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Process;
+use futures_util::StreamExt;
+use idempotency::Key;
+use idempotency::postgres::sqlx::{self, AssertSqlSafe, PgPool};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The SQL example of `docs/OUTBOX.md`, as written there.
+fn documented_insert() -> String {
+    let guide = include_str!("../../../docs/OUTBOX.md");
+    let start = guide.find("```sql\n").expect("docs/OUTBOX.md has an SQL example") + "```sql\n".len();
+    let end = start + guide[start..].find("```").unwrap();
+    guide[start..end].to_owned()
+}
+
+/// A schema of the test's own, with an `orders` table beside the outbox.
+async fn schema(pool: &PgPool) -> String {
+    let schema = format!(
+        "relay_{}",
+        Key::generate().as_str().replace('-', "_").to_lowercase()
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE SCHEMA {schema}; CREATE TABLE {schema}.orders (id text PRIMARY KEY, amount_cents integer NOT NULL)"
+    )))
+    .execute(pool)
+    .await
+    .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
+    schema
+}
+
+/// `idem` with `args`, run to completion; panics unless it succeeds.
+fn idem_ok(args: &[&str]) -> String {
+    let (code, out, err) = common::idem(args);
+    assert_eq!(code, 0, "idem {args:?}: {out}{err}");
+    out
+}
+
+/// `idem relay` for `schema`'s outbox to `to`, in the background, polling only once a minute:
+/// a row is published at once only if the table's trigger woke it.
+fn start_relay(schema: &str, to: &str) -> Process {
+    let database = database_url();
+    common::spawn_idem(
+        &[
+            "relay",
+            "--database",
+            &database,
+            "--schema",
+            schema,
+            "--to",
+            to,
+            "--poll",
+            "60s",
+            "--max-attempts",
+            "2",
+        ],
+        &[],
+        "warn",
+        false,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = schema(&pool).await;
+    let database = database_url();
+    let out = idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
+    assert!(
+        out.contains(&format!("{schema}.idempotency_outbox: ready")),
+        "{out}"
+    );
+
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("RabbitMQ at {} is needed for this test: {e}", amqp_url()));
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("order.created.{}", Key::generate());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let to = format!("{}?routing_key={queue}", amqp_url());
+    let _relay = start_relay(&schema, &to);
+
+    // The documented transaction, as written, then rows of two groups with and without keys
+    // and destinations: an empty destination goes to --to's routing key.
+    let snippet = documented_insert().replace("'order.created'", &format!("'{queue}'"));
+    sqlx::raw_sql(AssertSqlSafe(format!("SET search_path TO {schema}; {snippet}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    for i in 1..=4 {
+        let key = if i % 2 == 0 {
+            format!("'order-7:{i}'")
+        } else {
+            "NULL".into()
+        };
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO {schema}.idempotency_outbox (ordering_key, key, payload) VALUES ('order-7', {key}, 'step {i}')"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "relay-test".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while got.len() < 5 {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("the relay published within 30 s (woken by the insert trigger, not the 60 s poll)")
+            .unwrap()
+            .unwrap();
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let header = |name: &str| match headers.inner().get(name) {
+            Some(AMQPValue::LongString(value)) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            _ => String::new(),
+        };
+        got.push((
+            header("Idempotency-Key"),
+            header("content-type"),
+            String::from_utf8_lossy(&delivery.data).into_owned(),
+        ));
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert_eq!(got[0].0, "order-42:created");
+    assert_eq!(got[0].1, "application/json");
+    assert_eq!(got[0].2, r#"{"order":"order-42","amount_cents":1000}"#);
+    let steps: Vec<&str> = got[1..].iter().map(|(_, _, body)| body.as_str()).collect();
+    assert_eq!(
+        steps,
+        ["step 1", "step 2", "step 3", "step 4"],
+        "one group, in id order"
+    );
+    assert!(
+        got[1].0.starts_with(&format!("{schema}.idempotency_outbox:")),
+        "{got:?}"
+    );
+    assert_eq!(got[2].0, "order-7:2");
+
+    // A row for a queue that does not exist fails twice and is parked; its group goes on.
+    let missing = format!("missing.{}", Key::generate());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.idempotency_outbox (destination, ordering_key, payload) VALUES ('{missing}', 'g', 'parked');
+         INSERT INTO {schema}.idempotency_outbox (ordering_key, payload) VALUES ('g', 'after');"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let after = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect("the group goes on after its parked row")
+        .unwrap()
+        .unwrap();
+    assert_eq!(&after.data[..], b"after");
+    after.ack(BasicAckOptions::default()).await.unwrap();
+    let at = [
+        "--database",
+        database.as_str(),
+        "--schema",
+        schema.as_str(),
+        "--inbox-table",
+        "no_inbox",
+    ];
+    let outbox = |command: &[&str]| {
+        let mut args = vec!["outbox"];
+        args.extend_from_slice(command);
+        args.extend_from_slice(&at);
+        idem_ok(&args)
+    };
+    let stats: serde_json::Value = serde_json::from_str(&outbox(&["stats", "--json"])).unwrap();
+    assert_eq!(
+        (stats["pending"].as_i64(), stats["dead"].as_i64()),
+        (Some(0), Some(1)),
+        "{stats}"
+    );
+    let listed = outbox(&["list"]);
+    assert!(listed.contains("dead") && listed.contains(&missing), "{listed}");
+
+    // Once the queue exists, the replayed row goes out.
+    channel
+        .queue_declare(
+            missing.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(outbox(&["replay"]), "1 dead row(s) back to pending\n");
+    let mut parked = channel
+        .basic_consume(
+            missing.as_str().into(),
+            "relay-test-2".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let replayed = tokio::time::timeout(Duration::from_secs(30), parked.next())
+        .await
+        .expect("the replayed row is published")
+        .unwrap()
+        .unwrap();
+    assert_eq!(&replayed.data[..], b"parked");
+    replayed.ack(BasicAckOptions::default()).await.unwrap();
+    idempotency_testkit::eventually(Duration::from_secs(30), "every row sent", async || {
+        let stats: serde_json::Value = serde_json::from_str(&outbox(&["stats", "--json"])).unwrap();
+        stats["pending"] == 0 && stats["dead"] == 0 && stats["sent"] == 7
+    })
+    .await;
+    assert_eq!(outbox(&["purge", "--older-than", "0s"]), "0 dead row(s) purged\n");
+
+    let _ = channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    let _ = channel
+        .queue_delete(missing.as_str().into(), Default::default())
+        .await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
+#[tokio::test]
+async fn a_version_1_table_is_upgraded_in_place() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = schema(&pool).await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.idempotency_outbox (
+            id bigserial PRIMARY KEY, ordering_key text NOT NULL, destination text NOT NULL,
+            payload bytea NOT NULL, headers jsonb NOT NULL DEFAULT '[]'::jsonb,
+            created_at timestamptz NOT NULL DEFAULT now(), sent_at timestamptz,
+            attempts integer NOT NULL DEFAULT 0, last_error text);
+         COMMENT ON TABLE {schema}.idempotency_outbox IS 'idempotency-outbox v1';
+         INSERT INTO {schema}.idempotency_outbox (ordering_key, destination, payload) VALUES ('a', 'q', 'kept');"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let database = database_url();
+    idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
+    let (rows, comment): (i64, Option<String>) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {schema}.idempotency_outbox WHERE key IS NULL AND dead_at IS NULL),
+                obj_description(to_regclass('{schema}.idempotency_outbox'), 'pg_class')"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((rows, comment.as_deref()), (1, Some("idempotency-outbox v2")));
+    // Another application's table is refused, and left alone.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.theirs (id int); COMMENT ON TABLE {schema}.theirs IS 'not ours'"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, _, err) = common::idem(&[
+        "relay",
+        "migrate",
+        "--database",
+        &database,
+        "--schema",
+        &schema,
+        "--table",
+        "theirs",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not ours"), "{err}");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// What `idem relay` cannot use is refused at start with the reason, the password never shown.
+#[test]
+fn bad_input_is_refused_at_start() {
+    let database = database_url();
+    for (to, says) in [
+        ("sqs://?queue_url=http://127.0.0.1:5000/1/q", "not built yet"),
+        ("ftp://host/x", "amqp://"),
+        ("amqp://guest:s3cret@127.0.0.1:1/%2f?routing_key=q", "--to"),
+    ] {
+        let (code, out, err) = common::idem(&["relay", "--database", &database, "--to", to]);
+        assert_eq!(code, 1, "{to}: {out}{err}");
+        assert!(err.contains(says), "{to}: {err}");
+        assert!(!err.contains("s3cret"), "{to}: {err}");
+    }
+    let (code, _, err) = common::idem(&["relay", "--database", &database]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--to"), "{err}");
+    let (code, _, err) = common::idem(&[
+        "relay",
+        "--database",
+        "postgres://app:s3cret@127.0.0.1:1/x",
+        "--to",
+        &format!("{}?routing_key=q", amqp_url()),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(!err.contains("s3cret"), "{err}");
+}
