@@ -10,6 +10,8 @@
 //! | `amqp(s)://USER:PASSWORD@HOST:PORT/VHOST?exchange=EX&routing_key=RK` | RabbitMQ, publisher confirms | exchange `EX` (default: the default exchange, where the routing key is a queue), routing key = the row's `destination`, or `RK` when it is empty |
 //! | `nats://HOST:PORT?subject=SUBJECT` (and `tls://`) | NATS JetStream, each publish acknowledged by the stream; `Nats-Msg-Id` = the key | subject = the row's `destination`, or `SUBJECT` |
 //! | `kafka://HOST:PORT?topic=TOPIC&SETTING=…` (feature `kafka`) | Kafka, an idempotent producer, `acks=all`; the ordering group as the record key | topic = the row's `destination`, or `TOPIC` |
+//! | `sqs://[REGION]?queue_url=URL[&endpoint=URL][&ca=FILE]` (feature `sqs`) | SQS, `SendMessage` answered; the key as the `Idempotency-Key` attribute and, on a FIFO queue, the deduplication id, the ordering group as the message group | the queue at the row's `destination` (a queue URL), or `URL` |
+//! | `http(s)://HOST/PATH` | a webhook: `POST` answered with a `2xx` | the URL, with `{destination}` replaced by the row's `destination` (percent-encoded) |
 //!
 //! The other URL parameters are the broker's, as `idem consume --from` takes them (TLS files,
 //! librdkafka settings).
@@ -64,15 +66,112 @@ pub struct Config {
 }
 
 /// The publisher `--to` names.
-#[expect(
+#[allow(
     clippy::large_enum_variant,
-    reason = "one per relay process, never moved in a loop"
+    reason = "one per relay process, never moved in a loop; which variant is the largest depends on the features"
 )]
 enum Destination {
     Amqp(AmqpPublisher),
     Nats(NatsPublisher),
     #[cfg(feature = "kafka")]
     Kafka(idempotency_outbox::KafkaPublisher),
+    #[cfg(feature = "sqs")]
+    Sqs(SqsPublisher),
+    Http(HttpPublisher),
+}
+
+/// Sends rows to SQS queues: the `--to` URL's queue, or the one a row's destination names.
+#[cfg(feature = "sqs")]
+struct SqsPublisher {
+    client: idempotency_sqs::aws_sdk_sqs::Client,
+}
+
+#[cfg(feature = "sqs")]
+impl SqsPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let body = String::from_utf8(message.payload.clone())
+            .map_err(|_| "an SQS message body is text, and this payload is not UTF-8")?;
+        let attributes: Vec<(String, String)> = message
+            .headers
+            .iter()
+            .map(|(name, value)| (name.clone(), String::from_utf8_lossy(value).into_owned()))
+            .collect();
+        let group = if message.ordering_key.is_empty() {
+            "outbox"
+        } else {
+            message.ordering_key.as_str()
+        };
+        idempotency_sqs::Producer::new(self.client.clone(), message.destination.clone())
+            .send_with_attributes(&message.key, group, body, &attributes)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Posts rows to a webhook and takes a `2xx` as the confirmation.
+struct HttpPublisher {
+    client: hyper_util::client::legacy::Client<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+        http_body_util::Full<bytes::Bytes>,
+    >,
+    /// The URL, `{destination}` in it replaced for each row.
+    url: String,
+}
+
+/// How long a webhook may take to answer.
+const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl HttpPublisher {
+    fn new(url: String) -> Result<Self, Error> {
+        let mut tls = (*crate::tls::client_config(&crate::tls::ClientFiles::default())?).clone();
+        tls.alpn_protocols.clear();
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
+        Ok(Self {
+            client: hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(connector),
+            url,
+        })
+    }
+
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let destination =
+            percent_encoding::utf8_percent_encode(&message.destination, percent_encoding::NON_ALPHANUMERIC)
+                .to_string();
+        let mut request = http::Request::post(self.url.replace("{destination}", &destination))
+            .header(idempotency::IDEMPOTENCY_KEY_HEADER, message.key.as_str());
+        let typed = message
+            .headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("content-type"));
+        if !typed {
+            request = request.header(http::header::CONTENT_TYPE, "application/octet-stream");
+        }
+        for (name, value) in &message.headers {
+            request = request.header(name.as_str(), value.as_slice());
+        }
+        let request = request.body(http_body_util::Full::new(bytes::Bytes::from(
+            message.payload.clone(),
+        )))?;
+        let answer = tokio::time::timeout(WEBHOOK_TIMEOUT, self.client.request(request))
+            .await
+            .map_err(|_| {
+                format!(
+                    "the webhook did not answer within {}",
+                    units::format_duration(WEBHOOK_TIMEOUT)
+                )
+            })??;
+        if answer.status().is_success() {
+            Ok(())
+        } else {
+            Err(format!("the webhook answered {}", answer.status()).into())
+        }
+    }
 }
 
 /// The publisher, and the routing key, subject or topic of rows without a destination.
@@ -101,6 +200,9 @@ impl Publisher for To {
             Destination::Nats(publisher) => publisher.publish(message).await,
             #[cfg(feature = "kafka")]
             Destination::Kafka(publisher) => publisher.publish(message).await,
+            #[cfg(feature = "sqs")]
+            Destination::Sqs(publisher) => publisher.publish(message).await,
+            Destination::Http(publisher) => publisher.publish(message).await,
         }
     }
 }
@@ -172,8 +274,52 @@ async fn destination(to: &str) -> Result<To, Error> {
         "kafka" => Err(refused(
             "this build has no Kafka destinations (build idem with --features kafka)".into(),
         )),
+        #[cfg(feature = "sqs")]
+        "sqs" => {
+            let source = idempotency_sqs::SqsSource::from_url(to).map_err(|e| refused(e.to_string()))?;
+            let http_client = match &source.ca {
+                Some(ca) => idempotency_sqs::http_client_trusting(ca).map_err(|e| refused(e.to_string()))?,
+                None => idempotency_sqs::http_client(),
+            };
+            let client = idempotency_sqs::client_through(
+                source.endpoint.as_deref(),
+                source.region.as_deref(),
+                http_client,
+            )
+            .await;
+            client
+                .get_queue_attributes()
+                .queue_url(&source.queue_url)
+                .send()
+                .await
+                .map_err(|e| refused(format!("the queue {} cannot be reached: {e}", source.queue_url)))?;
+            Ok(To {
+                publisher: Destination::Sqs(SqsPublisher { client }),
+                default: Some(source.queue_url),
+            })
+        }
+        #[cfg(not(feature = "sqs"))]
+        "sqs" => Err(refused(
+            "this build has no SQS destinations (build idem with --features sqs)".into(),
+        )),
+        "http" | "https" => {
+            let uri: http::Uri = to
+                .replace("{destination}", "d")
+                .parse()
+                .map_err(|e| refused(format!("not a URL ({e})")))?;
+            if uri.host().is_none_or(str::is_empty) {
+                return Err(refused("the webhook URL has no host".into()));
+            }
+            // Without `{destination}`, every row goes to the URL itself.
+            let default = (!to.contains("{destination}")).then(String::new);
+            Ok(To {
+                publisher: Destination::Http(HttpPublisher::new(to.to_owned())?),
+                default,
+            })
+        }
         _ => Err(refused(
-            "the destination is amqp://, amqps://, nats://, tls:// or kafka:// (SQS and HTTP destinations are not built yet)".into(),
+            "the destination is amqp://, amqps://, nats://, tls://, kafka://, sqs://, http:// or https://"
+                .into(),
         )),
     }
 }

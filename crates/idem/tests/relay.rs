@@ -251,6 +251,194 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         .unwrap();
 }
 
+/// A migrated outbox in a schema of the test's own, and `rows` inserted as
+/// `(destination, ordering_key, key or NULL, payload)`.
+async fn outbox_with(pool: &PgPool, rows: &[(&str, &str, Option<&str>, &str)]) -> String {
+    let schema = schema(pool).await;
+    let database = database_url();
+    idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
+    for (destination, group, key, payload) in rows {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {schema}.idempotency_outbox (destination, ordering_key, key, payload, headers)
+             VALUES ($1, $2, $3, convert_to($4, 'UTF8'), '{{\"x-source\": \"shop\"}}')"
+        )))
+        .bind(destination)
+        .bind(group)
+        .bind(key)
+        .bind(payload)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    schema
+}
+
+/// A webhook: every row POSTed to the URL with `{destination}` replaced, its key and headers
+/// with it; a 503 is a failed publish, retried until the webhook takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
+    use axum::extract::{Path, State};
+    use axum::http::{HeaderMap, StatusCode};
+    use std::sync::{Arc, Mutex};
+
+    type Got = Arc<Mutex<Vec<(String, String, String, String)>>>;
+    async fn hook(
+        State(got): State<Got>,
+        Path(path): Path<String>,
+        headers: HeaderMap,
+        body: String,
+    ) -> StatusCode {
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default()
+        };
+        let mut got = got.lock().unwrap();
+        // The first call of all fails, as a webhook that is restarting.
+        let refused = got.is_empty();
+        got.push((path, header("idempotency-key"), header("x-source"), body));
+        if refused {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::NO_CONTENT
+        }
+    }
+    let got = Got::default();
+    let app = axum::Router::new()
+        .route("/hooks/{path}", axum::routing::post(hook))
+        .with_state(Arc::clone(&got));
+    let addr = common::serve_app(app).await;
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(
+        &pool,
+        &[
+            ("orders/created", "order-1", Some("order-1:created"), "one"),
+            ("orders/paid", "order-1", None, "two"),
+        ],
+    )
+    .await;
+    let _relay = start_relay(&schema, &format!("http://{addr}/hooks/{{destination}}"));
+    idempotency_testkit::eventually(Duration::from_secs(30), "three calls", async || {
+        got.lock().unwrap().len() >= 3
+    })
+    .await;
+    let got = got.lock().unwrap().clone();
+    // The refused first row was posted again before the second (one group, in order).
+    let bodies: Vec<&str> = got.iter().map(|call| call.3.as_str()).collect();
+    assert_eq!(bodies, ["one", "one", "two"], "{got:?}");
+    // Encoded, the destination stayed one segment: it matched `/hooks/{path}`, which decoded it.
+    assert_eq!(got[1].0, "orders/created");
+    assert_eq!(got[1].1, "order-1:created");
+    assert_eq!(got[1].2, "shop");
+    assert!(
+        got[2].1.starts_with(&format!("{schema}.idempotency_outbox:")),
+        "{got:?}"
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// SQS: each row sent with its key as the `Idempotency-Key` attribute (and its headers as
+/// attributes), to the `--to` queue or the one its destination names.
+#[cfg(feature = "sqs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
+    use idempotency_sqs::aws_sdk_sqs::config::{Credentials, Region};
+    use idempotency_sqs::aws_sdk_sqs::{Client, Config};
+
+    let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
+    let client = Client::from_conf(
+        Config::builder()
+            .behavior_version_latest()
+            .http_client(idempotency_sqs::http_client())
+            .endpoint_url(&endpoint)
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
+            .build(),
+    );
+    let mut urls = Vec::new();
+    for name in ["events", "other"] {
+        let created = client
+            .create_queue()
+            .queue_name(format!("relay-{name}-{}", Key::generate()))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e:?}"));
+        urls.push(created.queue_url.unwrap());
+    }
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(
+        &pool,
+        &[
+            ("", "g", Some("evt-1"), "to the default queue"),
+            (&urls[1], "g", None, "to the other queue"),
+        ],
+    )
+    .await;
+    let database = database_url();
+    let to = format!("sqs://?queue_url={}", urls[0]);
+    let env = [
+        ("AWS_ACCESS_KEY_ID", "test".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "test".to_owned()),
+        ("AWS_REGION", "us-east-1".to_owned()),
+    ];
+    let _relay = common::spawn_idem(
+        &["relay", "--database", &database, "--schema", &schema, "--to", &to],
+        &env,
+        "warn",
+        false,
+    );
+    let mut got = Vec::new();
+    idempotency_testkit::eventually(Duration::from_secs(30), "both messages", async || {
+        for url in &urls {
+            let received = client
+                .receive_message()
+                .queue_url(url)
+                .message_attribute_names("All")
+                .max_number_of_messages(10)
+                .send()
+                .await
+                .unwrap();
+            for message in received.messages.unwrap_or_default() {
+                let attribute = |name: &str| {
+                    message
+                        .message_attributes()
+                        .and_then(|a| a.get(name))
+                        .and_then(|v| v.string_value())
+                        .unwrap_or_default()
+                        .to_owned()
+                };
+                got.push((
+                    url.clone(),
+                    attribute("Idempotency-Key"),
+                    attribute("x-source"),
+                    message.body().unwrap_or_default().to_owned(),
+                ));
+            }
+        }
+        got.len() >= 2
+    })
+    .await;
+    got.sort_by(|a, b| a.3.cmp(&b.3));
+    assert_eq!(got[0].0, urls[0]);
+    assert_eq!(
+        (got[0].1.as_str(), got[0].2.as_str(), got[0].3.as_str()),
+        ("evt-1", "shop", "to the default queue")
+    );
+    assert_eq!(got[1].0, urls[1]);
+    assert!(
+        got[1].1.starts_with(&format!("{schema}.idempotency_outbox:")),
+        "{got:?}"
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {
@@ -308,7 +496,8 @@ async fn a_version_1_table_is_upgraded_in_place() {
 fn bad_input_is_refused_at_start() {
     let database = database_url();
     for (to, says) in [
-        ("sqs://?queue_url=http://127.0.0.1:5000/1/q", "not built yet"),
+        ("smtp://mail/x", "the destination is amqp://"),
+        ("http:///nohost", "--to"),
         ("ftp://host/x", "amqp://"),
         ("amqp://guest:s3cret@127.0.0.1:1/%2f?routing_key=q", "--to"),
     ] {

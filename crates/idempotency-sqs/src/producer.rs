@@ -15,6 +15,9 @@ use crate::{SqsError, config, sdk};
 /// The longest `MessageDeduplicationId` SQS accepts.
 const DEDUP_ID_MAX: usize = 128;
 
+/// The message attributes SQS carries at most.
+const MAX_ATTRIBUTES: usize = 10;
+
 /// Sends messages to one queue with their idempotency key: as the `Idempotency-Key` message
 /// attribute (which the consumer's record is keyed by) and, on a FIFO queue, as the
 /// `MessageDeduplicationId`, so that SQS drops a retried send within its five-minute window.
@@ -77,7 +80,7 @@ impl Producer {
                 self.queue_url
             )));
         }
-        self.send_message(key, None, body.into()).await
+        self.send_message(key, None, body.into(), &[]).await
     }
 
     /// Sends `body` with `key` in message group `group` (FIFO queues keep a group's order);
@@ -92,10 +95,42 @@ impl Producer {
         group: &str,
         body: impl Into<String>,
     ) -> Result<String, SqsError> {
-        self.send_message(key, Some(group), body.into()).await
+        self.send_message(key, Some(group), body.into(), &[]).await
     }
 
-    async fn send_message(&self, key: &Key, group: Option<&str>, body: String) -> Result<String, SqsError> {
+    /// [`send_in_group`](Self::send_in_group) with message attributes (text) besides the
+    /// `Idempotency-Key`; SQS takes ten in all, so the key and the first nine are sent and the
+    /// rest refused with an error naming them, rather than dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterErrorKind::Config`] for more than nine attributes or an attribute SQS cannot
+    /// carry; the service's error otherwise.
+    pub async fn send_with_attributes(
+        &self,
+        key: &Key,
+        group: &str,
+        body: impl Into<String>,
+        attributes: &[(String, String)],
+    ) -> Result<String, SqsError> {
+        if attributes.len() > MAX_ATTRIBUTES - 1 {
+            let names: Vec<&str> = attributes.iter().map(|(name, _)| name.as_str()).collect();
+            return Err(config(format!(
+                "SQS carries ten message attributes, the Idempotency-Key among them; this message has {} more: {}",
+                attributes.len(),
+                names.join(", ")
+            )));
+        }
+        self.send_message(key, Some(group), body.into(), attributes).await
+    }
+
+    async fn send_message(
+        &self,
+        key: &Key,
+        group: Option<&str>,
+        body: String,
+        attributes: &[(String, String)],
+    ) -> Result<String, SqsError> {
         let attribute = MessageAttributeValue::builder()
             .data_type("String")
             .string_value(key.as_str())
@@ -107,6 +142,14 @@ impl Producer {
             .queue_url(&self.queue_url)
             .message_body(body)
             .message_attributes(IDEMPOTENCY_KEY_HEADER, attribute);
+        for (name, value) in attributes {
+            let value = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(value)
+                .build()
+                .map_err(|e| config(format!("the message attribute {name}: {e}")))?;
+            send = send.message_attributes(name, value);
+        }
         if self.fifo {
             send = send
                 .message_group_id(group.unwrap_or_default())
