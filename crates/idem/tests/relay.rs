@@ -439,6 +439,121 @@ async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
         .unwrap();
 }
 
+/// NATS JetStream: each row acknowledged by the stream, its key as `Idempotency-Key` and
+/// `Nats-Msg-Id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
+    let stream = idempotency_testkit::nats::TestStream::new("relay", |_| {}).await;
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[("", "g", Some("evt-9"), "nine"), ("", "g", None, "ten")]).await;
+    let to = format!(
+        "{}?subject={}",
+        idempotency_testkit::nats::nats_url(),
+        stream.work
+    );
+    let _relay = start_relay(&schema, &to);
+    let reader: async_nats::jetstream::consumer::PullConsumer = stream
+        .created
+        .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut messages = reader.messages().await.unwrap();
+    while got.len() < 2 {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .expect("the relay published within 30 s")
+            .unwrap()
+            .unwrap();
+        let headers = message.headers.clone().unwrap_or_default();
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default()
+        };
+        got.push((
+            header("Idempotency-Key"),
+            header("Nats-Msg-Id"),
+            String::from_utf8_lossy(&message.payload).into_owned(),
+        ));
+        message.ack().await.unwrap();
+    }
+    assert_eq!(
+        got[0],
+        ("evt-9".to_owned(), "evt-9".to_owned(), "nine".to_owned())
+    );
+    assert_eq!(got[1].0, got[1].1);
+    assert_eq!(got[1].2, "ten");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// Two relays on one table: every row published once, each group in order (the advisory lock
+/// per group keeps a group with one relay at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_a_table_without_reordering_a_group() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let rows: Vec<(String, String)> = (0..200)
+        .map(|i| (format!("group-{}", i % 10), format!("{i}")))
+        .collect();
+    let borrowed: Vec<(&str, &str, Option<&str>, &str)> = rows
+        .iter()
+        .map(|(group, body)| ("", group.as_str(), None, body.as_str()))
+        .collect();
+    let schema = outbox_with(&pool, &borrowed).await;
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("relay.shared.{}", Key::generate());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let to = format!("{}?routing_key={queue}", amqp_url());
+    let _relays = [start_relay(&schema, &to), start_relay(&schema, &to)];
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "shared".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut keys = std::collections::HashSet::new();
+    let mut last: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for _ in 0..200 {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("every row within 30 s")
+            .unwrap()
+            .unwrap();
+        let n: u32 = String::from_utf8_lossy(&delivery.data).parse().unwrap();
+        let group = n % 10;
+        if let Some(previous) = last.insert(group, n) {
+            assert!(previous < n, "group {group}: {n} after {previous}");
+        }
+        let key = delivery.properties.message_id().clone().unwrap().to_string();
+        assert!(keys.insert(key.clone()), "{key} published twice");
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {
