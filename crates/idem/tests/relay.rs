@@ -22,12 +22,87 @@ fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// The SQL example of `docs/OUTBOX.md`, as written there.
-fn documented_insert() -> String {
+/// The first `language` example of `docs/OUTBOX.md`, as written there.
+fn documented(language: &str) -> String {
     let guide = include_str!("../../../docs/OUTBOX.md");
-    let start = guide.find("```sql\n").expect("docs/OUTBOX.md has an SQL example") + "```sql\n".len();
+    let fence = format!("```{language}\n");
+    let start = guide
+        .find(&fence)
+        .unwrap_or_else(|| panic!("docs/OUTBOX.md has a {language} example"))
+        + fence.len();
     let end = start + guide[start..].find("```").unwrap();
     guide[start..end].to_owned()
+}
+
+/// The SQL example of `docs/OUTBOX.md`.
+fn documented_insert() -> String {
+    documented("sql")
+}
+
+/// The Python of the test tools' virtual environment (`scripts/services` installs psycopg
+/// there).
+fn tools_python() -> std::path::PathBuf {
+    std::env::var_os("IDEM_TOOLS_VENV")
+        .map_or_else(
+            || {
+                std::path::PathBuf::from(std::env::var_os("HOME").unwrap())
+                    .join(".local/share/idem/tools-venv")
+            },
+            std::path::PathBuf::from,
+        )
+        .join("bin/python")
+}
+
+/// The Python example of `docs/OUTBOX.md`, run as written with psycopg, writes a row the relay
+/// reads as the SQL example's: the same key, destination, group, payload and headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    let script = format!(
+        "import json, sys\nimport psycopg\nconn = psycopg.connect(sys.argv[1], autocommit=True)\nconn.execute('SET search_path TO ' + sys.argv[2])\n{}conn.close()\n",
+        documented("python")
+    );
+    let python = tools_python();
+    let output = std::process::Command::new(&python)
+        .args(["-c", &script, &database_url(), &schema])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} is needed for this test (scripts/services installs it): {e}",
+                python.display()
+            )
+        });
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let (destination, group, key, payload, content_type): (String, String, String, Vec<u8>, String) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT destination, ordering_key, key, payload, headers->>'content-type' FROM {schema}.idempotency_outbox"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (destination.as_str(), group.as_str(), key.as_str()),
+        ("order.created", "order-42", "order-42:created")
+    );
+    assert_eq!(
+        String::from_utf8(payload).unwrap(),
+        r#"{"order": "order-42", "amount_cents": 1000}"#
+    );
+    assert_eq!(content_type, "application/json");
+    let orders: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {schema}.orders")))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(orders, 1, "the order and its event in one transaction");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
 }
 
 /// A schema of the test's own, with an `orders` table beside the outbox.
