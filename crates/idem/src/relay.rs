@@ -60,7 +60,7 @@ pub struct Config {
     /// How long sent rows are kept before the relay deletes them.
     #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = units::parse_duration)]
     pub retention: Duration,
-    /// Serve /livez and /metrics on this address.
+    /// Serve /_idem/livez and /_idem/metrics on this address.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 }
@@ -382,9 +382,9 @@ pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + '
     if let Some(addr) = config.admin_listen {
         let listener = crate::server::bind(addr).await?;
         let router = axum::Router::new()
-            .route("/livez", axum::routing::get(|| async { "ok\n" }))
+            .route("/_idem/livez", axum::routing::get(|| async { "ok\n" }))
             .route(
-                "/metrics",
+                "/_idem/metrics",
                 axum::routing::get(move || {
                     let metrics = metrics.clone();
                     async move { metrics.render() }

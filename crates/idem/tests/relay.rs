@@ -393,11 +393,41 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
         ],
     )
     .await;
-    let _relay = start_relay(&schema, &format!("http://{addr}/hooks/{{destination}}"));
+    let admin = common::free_addr();
+    let database = database_url();
+    let to = format!("http://{addr}/hooks/{{destination}}");
+    let admin_text = admin.to_string();
+    let mut relay = common::spawn_idem(
+        &[
+            "relay",
+            "--database",
+            &database,
+            "--schema",
+            &schema,
+            "--to",
+            &to,
+            "--admin-listen",
+            &admin_text,
+        ],
+        &[],
+        "warn",
+        false,
+    );
     idempotency_testkit::eventually(Duration::from_secs(30), "three calls", async || {
         got.lock().unwrap().len() >= 3
     })
     .await;
+    // What it did is on its metrics; SIGTERM ends it cleanly.
+    let client = common::client();
+    let outbox = format!("{schema}.idempotency_outbox");
+    let labels = [("outbox", outbox.as_str())];
+    common::metric_at_least(admin, "idempotency_outbox_published_total", &labels, 2.0).await;
+    let errors = common::metric(&client, admin, "idempotency_outbox_relay_errors_total", &labels).await;
+    assert_eq!(errors, 1.0);
+    let status = relay
+        .terminate(Duration::from_secs(30))
+        .expect("idem relay stops on SIGTERM");
+    assert!(status.success(), "{status}");
     let got = got.lock().unwrap().clone();
     // The refused first row was posted again before the second (one group, in order).
     let bodies: Vec<&str> = got.iter().map(|call| call.3.as_str()).collect();
