@@ -239,12 +239,13 @@ async fn destination(to: &str) -> Result<To, Error> {
         "amqp" | "amqps" => {
             let (url, exchange) = take_param(to, "exchange")?;
             let (url, routing_key) = take_param(&url, "routing_key")?;
-            idempotency_amqp::connect_url(&url)
-                .await
-                .map_err(|e| refused(e.to_string()))?
-                .close(200, "checked".into())
+            let connection = idempotency_amqp::connect_url(&url)
                 .await
                 .map_err(|e| refused(e.to_string()))?;
+            check_amqp(&connection, exchange.as_deref(), routing_key.as_deref())
+                .await
+                .map_err(refused)?;
+            let _ = connection.close(200, "checked".into()).await;
             Ok(To {
                 publisher: Destination::Amqp(AmqpPublisher::new(url, exchange.unwrap_or_default())),
                 default: routing_key,
@@ -322,6 +323,49 @@ async fn destination(to: &str) -> Result<To, Error> {
                 .into(),
         )),
     }
+}
+
+/// Checks that `exchange` exists, or, through the default exchange, that the queue `routing_key`
+/// names does (a passive declare; a missing one closes only its channel).
+async fn check_amqp(
+    connection: &lapin::Connection,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+) -> Result<(), String> {
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    let passive = |what: String| move |e: lapin::Error| format!("{what} does not exist ({e})");
+    match (exchange, routing_key) {
+        (Some(exchange), _) => {
+            channel
+                .exchange_declare(
+                    exchange.into(),
+                    lapin::ExchangeKind::Direct,
+                    lapin::options::ExchangeDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .map_err(passive(format!("the exchange `{exchange}`")))?;
+        }
+        (None, Some(queue)) => {
+            channel
+                .queue_declare(
+                    queue.into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .map_err(passive(format!("the queue `{queue}`")))?;
+        }
+        (None, None) => {}
+    }
+    let _ = channel.close(200, "checked".into()).await;
+    Ok(())
 }
 
 /// The outbox table `config` names.

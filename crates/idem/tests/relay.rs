@@ -278,6 +278,28 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         (Some(0), Some(1)),
         "{stats}"
     );
+    // Headers that are not headers park their row at once, with the reason; the group goes on.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.idempotency_outbox (ordering_key, payload, headers) VALUES ('h', 'bad', '42');
+         INSERT INTO {schema}.idempotency_outbox (ordering_key, payload) VALUES ('h', 'good');"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let good = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect("the group goes on after a row with bad headers")
+        .unwrap()
+        .unwrap();
+    assert_eq!(&good.data[..], b"good");
+    good.ack(BasicAckOptions::default()).await.unwrap();
+    let listed = outbox(&["list", "--json"]);
+    assert!(
+        listed.contains("the headers are a JSON object of text values, not a number"),
+        "{listed}"
+    );
+    let stats: serde_json::Value = serde_json::from_str(&outbox(&["stats", "--json"])).unwrap();
+    assert_eq!(stats["dead"], 2, "{stats}");
     let listed = outbox(&["list"]);
     assert!(listed.contains("dead") && listed.contains(&missing), "{listed}");
 
@@ -290,7 +312,7 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         )
         .await
         .unwrap();
-    assert_eq!(outbox(&["replay"]), "1 dead row(s) back to pending\n");
+    assert_eq!(outbox(&["replay"]), "2 dead row(s) back to pending\n");
     let mut parked = channel
         .basic_consume(
             missing.as_str().into(),
@@ -307,12 +329,14 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         .unwrap();
     assert_eq!(&replayed.data[..], b"parked");
     replayed.ack(BasicAckOptions::default()).await.unwrap();
-    idempotency_testkit::eventually(Duration::from_secs(30), "every row sent", async || {
+    // The row with bad headers, replayed too, is parked again at once; everything else is sent.
+    idempotency_testkit::eventually(Duration::from_secs(30), "every good row sent", async || {
         let stats: serde_json::Value = serde_json::from_str(&outbox(&["stats", "--json"])).unwrap();
-        stats["pending"] == 0 && stats["dead"] == 0 && stats["sent"] == 7
+        stats["pending"] == 0 && stats["dead"] == 1 && stats["sent"] == 8
     })
     .await;
-    assert_eq!(outbox(&["purge", "--older-than", "0s"]), "0 dead row(s) purged\n");
+    assert_eq!(outbox(&["purge", "--older-than", "1h"]), "0 dead row(s) purged\n");
+    assert_eq!(outbox(&["purge", "--older-than", "0s"]), "1 dead row(s) purged\n");
 
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
@@ -726,6 +750,22 @@ fn bad_input_is_refused_at_start() {
         assert!(err.contains(says), "{to}: {err}");
         assert!(!err.contains("s3cret"), "{to}: {err}");
     }
+    // A missing exchange or queue is named at start.
+    let missing = format!("missing-{}", Key::generate());
+    for (to, says) in [
+        (
+            format!("{}?exchange={missing}", amqp_url()),
+            format!("the exchange `{missing}` does not exist"),
+        ),
+        (
+            format!("{}?routing_key={missing}", amqp_url()),
+            format!("the queue `{missing}` does not exist"),
+        ),
+    ] {
+        let (code, out, err) = common::idem(&["relay", "--database", &database, "--to", &to]);
+        assert_eq!(code, 1, "{to}: {out}{err}");
+        assert!(err.contains(&says), "{to}: {err}");
+    }
     let (code, _, err) = common::idem(&["relay", "--database", &database]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--to"), "{err}");
@@ -734,7 +774,7 @@ fn bad_input_is_refused_at_start() {
         "--database",
         "postgres://app:s3cret@127.0.0.1:1/x",
         "--to",
-        &format!("{}?routing_key=q", amqp_url()),
+        &amqp_url(),
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(!err.contains("s3cret"), "{err}");

@@ -25,6 +25,48 @@ pub(crate) fn from_text(text: &str) -> Vec<(String, Vec<u8>)> {
         .unwrap_or_default()
 }
 
+/// Decodes the `headers` column read as text, refusing what is not headers: an object of text
+/// values, or the list `to_json` writes. The reason names what is wrong.
+pub(crate) fn parse(text: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("the headers are not JSON: {e}"))?;
+    match &value {
+        Value::Object(entries) => {
+            if let Some((name, _)) = entries.iter().find(|(_, value)| !value.is_string()) {
+                return Err(format!(
+                    "the headers are a JSON object whose values must be text, and {name:?}'s is not"
+                ));
+            }
+        }
+        Value::Array(entries) => {
+            let readable = |entry: &Value| {
+                entry.get("name").is_some_and(Value::is_string)
+                    && (entry.get("value").is_some_and(Value::is_string)
+                        || entry
+                            .get("hex")
+                            .and_then(Value::as_str)
+                            .is_some_and(|hex| hex::decode(hex).is_ok()))
+            };
+            if let Some(at) = entries.iter().position(|entry| !readable(entry)) {
+                return Err(format!(
+                    "the headers' entry {at} is not {{\"name\": …, \"value\": …}} (or \"hex\")"
+                ));
+            }
+        }
+        other => {
+            return Err(format!(
+                "the headers are a JSON object of text values, not {}",
+                match other {
+                    Value::Null => "null",
+                    Value::Bool(_) => "a boolean",
+                    Value::Number(_) => "a number",
+                    _ => "a string",
+                }
+            ));
+        }
+    }
+    Ok(from_json(&value))
+}
+
 /// Decodes the `headers` column; entries it does not understand are skipped.
 pub(crate) fn from_json(value: &Value) -> Vec<(String, Vec<u8>)> {
     if let Value::Object(entries) = value {
@@ -55,6 +97,30 @@ pub(crate) fn from_json(value: &Value) -> Vec<(String, Vec<u8>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_is_not_headers_is_refused_with_the_reason() {
+        assert_eq!(parse(r#"{"a": "1"}"#), Ok(vec![("a".to_owned(), b"1".to_vec())]));
+        assert_eq!(parse("[]"), Ok(Vec::new()));
+        assert_eq!(
+            parse(&to_json(&[("b".to_owned(), vec![0xff])]).to_string())
+                .unwrap()
+                .len(),
+            1
+        );
+        for (text, says) in [
+            ("not json", "not JSON"),
+            ("42", "not a number"),
+            ("\"text\"", "not a string"),
+            ("null", "not null"),
+            (r#"{"a": 1}"#, "\"a\"'s is not"),
+            (r#"[{"name": "a"}]"#, "entry 0"),
+            (r#"[{"name": "a", "hex": "zz"}]"#, "entry 0"),
+        ] {
+            let refused = parse(text).unwrap_err();
+            assert!(refused.contains(says), "{text}: {refused}");
+        }
+    }
 
     #[test]
     fn headers_round_trip_byte_for_byte() {

@@ -342,13 +342,21 @@ impl<P: Publisher> Relay<P> {
                     ))
                 })?,
             };
+            let headers = match headers::parse(row.get("headers")) {
+                Ok(headers) => headers,
+                Err(why) => {
+                    // No attempt can publish it: parked at once, with the reason.
+                    self.failed(&mut tx, id, &why, 0).await?;
+                    continue;
+                }
+            };
             let message = OutboxMessage {
                 id,
                 key,
                 destination: row.get("destination"),
                 ordering_key,
                 payload: row.get("payload"),
-                headers: headers::from_text(row.get("headers")),
+                headers,
             };
             match self.publisher.publish(&message).await {
                 Ok(()) => sent.push(id),
