@@ -683,6 +683,195 @@ async fn two_relays_share_a_table_without_reordering_a_group() {
         .unwrap();
 }
 
+/// The producer of the crash test: 2,000 rows in transactions of 10 through psycopg, one
+/// transaction in ten rolled back; row `i` is in group `g{i % 20}` with key `evt-{i}`.
+const PRODUCER: &str = r#"
+import sys
+import psycopg
+
+conn = psycopg.connect(sys.argv[1], autocommit=True)
+conn.execute("SET search_path TO " + sys.argv[2])
+
+class Rollback(Exception):
+    pass
+
+for t in range(200):
+    try:
+        with conn.transaction():
+            for i in range(t * 10, t * 10 + 10):
+                conn.execute(
+                    "INSERT INTO idempotency_outbox (ordering_key, key, payload) VALUES (%s, %s, %s)",
+                    ("g%d" % (i % 20), "evt-%d" % i, str(i).encode()),
+                )
+            if t % 10 == 9:
+                raise Rollback()
+    except Rollback:
+        pass
+conn.close()
+"#;
+
+/// The relay SIGKILLed five times while it publishes 1,800 committed rows (200 more rolled back
+/// by the Python producer): after the restarts every committed row is sent, none of the rolled
+/// back ones, and a guarded consumer (`idem consume`, one message at a time) runs each key once
+/// and each group in order, however many copies the broker got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_each_row_once() {
+    use axum::extract::State;
+    use axum::http::HeaderMap;
+    use std::sync::{Arc, Mutex};
+
+    type Calls = Arc<Mutex<Vec<(String, u32)>>>;
+    async fn handle(State(calls): State<Calls>, headers: HeaderMap, body: String) -> &'static str {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        calls.lock().unwrap().push((key, body.parse().unwrap()));
+        "done"
+    }
+    let calls = Calls::default();
+    let handler = common::serve_app(
+        axum::Router::new()
+            .route("/events", axum::routing::post(handle))
+            .with_state(Arc::clone(&calls)),
+    )
+    .await;
+
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    let python = tools_python();
+    let produced = std::process::Command::new(&python)
+        .args(["-c", PRODUCER, &database_url(), &schema])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} is needed for this test (scripts/services installs it): {e}",
+                python.display()
+            )
+        });
+    assert!(
+        produced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&produced.stderr)
+    );
+    let committed: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.idempotency_outbox"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(committed, 1800);
+
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("relay.crash.{}", Key::generate());
+    idempotency_amqp::Topology::for_queue(&queue)
+        .declare(&channel)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("consumer.db").display());
+    let admin = common::free_addr();
+    let (from, to, admin_text) = (
+        format!("{}?queue={queue}", amqp_url()),
+        format!("http://{handler}/events"),
+        admin.to_string(),
+    );
+    let consumer = common::spawn_idem(
+        &[
+            "consume",
+            "--from",
+            &from,
+            "--to",
+            &to,
+            "--store",
+            &store,
+            "--admin-listen",
+            &admin_text,
+            "--prefetch",
+            "1",
+            "--concurrency",
+            "1",
+            "--batch",
+            "1",
+        ],
+        &[],
+        "warn",
+        false,
+    );
+    let _consumer = common::ready(consumer, admin, "idem consume").await;
+
+    let sent = async || -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {schema}.idempotency_outbox WHERE sent_at IS NOT NULL"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let relay_to = format!("{}?routing_key={queue}", amqp_url());
+    let database = database_url();
+    let relay_args = [
+        "relay",
+        "--database",
+        &database,
+        "--schema",
+        &schema,
+        "--to",
+        &relay_to,
+        "--batch",
+        "10",
+    ];
+    let mut kills = 0;
+    for threshold in [200, 500, 800, 1100, 1400] {
+        let mut relay = common::spawn_idem(&relay_args, &[], "error", false);
+        idempotency_testkit::eventually(Duration::from_secs(60), "the relay makes progress", async || {
+            sent().await >= threshold
+        })
+        .await;
+        relay.kill9();
+        kills += 1;
+    }
+    let _relay = common::spawn_idem(&relay_args, &[], "error", false);
+    idempotency_testkit::eventually(Duration::from_secs(120), "every committed row sent", async || {
+        sent().await == 1800
+    })
+    .await;
+    idempotency_testkit::eventually(Duration::from_secs(120), "every row handled", async || {
+        calls.lock().unwrap().len() >= 1800
+    })
+    .await;
+    let duplicates = common::metric(
+        &common::client(),
+        admin,
+        "idempotency_consumer_messages_total",
+        &[("result", "duplicate")],
+    )
+    .await;
+    eprintln!("{kills} kills; {duplicates} duplicate copies reached the consumer and were acked unhandled");
+
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1800, "each committed row handled once");
+    let keys: std::collections::HashSet<&str> = calls.iter().map(|(key, _)| key.as_str()).collect();
+    assert_eq!(keys.len(), 1800, "no key handled twice");
+    for (key, n) in &calls {
+        assert_eq!(*key, format!("evt-{n}"));
+        assert!((n / 10) % 10 != 9, "{key} was rolled back, and published");
+    }
+    let mut last: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for (_, n) in &calls {
+        if let Some(previous) = last.insert(n % 20, *n) {
+            assert!(previous < *n, "group g{}: {n} handled after {previous}", n % 20);
+        }
+    }
+    let _ = channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {
