@@ -620,6 +620,75 @@ async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
         .unwrap();
 }
 
+/// Kafka (librdkafka's mock cluster): each row acknowledged by every replica, its key as the
+/// `Idempotency-Key` header, its ordering group as the record key, so a group stays in one
+/// partition, in order.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_produced_to_kafka_keyed_by_their_group() {
+    use idempotency_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
+    use idempotency_kafka::rdkafka::message::{Headers, Message};
+    use idempotency_kafka::rdkafka::mocking::MockCluster;
+    use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
+    let topic = format!("events-{}", Key::generate());
+    cluster.create_topic(&topic, 3, 1).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let rows: Vec<(String, String)> = (0..30)
+        .map(|i| (format!("order-{}", i % 3), format!("{i}")))
+        .collect();
+    let borrowed: Vec<(&str, &str, Option<&str>, &str)> = rows
+        .iter()
+        .map(|(group, body)| ("", group.as_str(), None, body.as_str()))
+        .collect();
+    let schema = outbox_with(&pool, &borrowed).await;
+    let _relay = start_relay(&schema, &format!("kafka://{brokers}?topic={topic}"));
+    let reader: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", "relay-test")
+        .create()
+        .unwrap();
+    let mut partitions = TopicPartitionList::new();
+    for partition in 0..3 {
+        partitions
+            .add_partition_offset(&topic, partition, Offset::Beginning)
+            .unwrap();
+    }
+    reader.assign(&partitions).unwrap();
+    let mut by_group: std::collections::HashMap<String, (i32, Vec<u32>)> = std::collections::HashMap::new();
+    for _ in 0..30 {
+        let record = tokio::time::timeout(Duration::from_secs(30), reader.recv())
+            .await
+            .expect("every row within 30 s")
+            .unwrap();
+        let group = String::from_utf8_lossy(record.key().unwrap()).into_owned();
+        let key = record
+            .headers()
+            .and_then(|headers| headers.iter().find(|h| h.key == "Idempotency-Key"))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default();
+        assert!(key.starts_with(&format!("{schema}.idempotency_outbox:")), "{key}");
+        let n: u32 = String::from_utf8_lossy(record.payload().unwrap())
+            .parse()
+            .unwrap();
+        let entry = by_group.entry(group).or_insert((record.partition(), Vec::new()));
+        assert_eq!(entry.0, record.partition(), "a group stays in one partition");
+        entry.1.push(n);
+    }
+    for (group, (_, ns)) in &by_group {
+        let mut sorted = ns.clone();
+        sorted.sort_unstable();
+        assert_eq!(ns, &sorted, "{group} in order");
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// Two relays on one table: every row published once, each group in order (the advisory lock
 /// per group keeps a group with one relay at a time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
