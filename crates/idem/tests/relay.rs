@@ -941,6 +941,62 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
         .unwrap();
 }
 
+/// A round that only parks rows (100 with keys that are not keys, a whole batch) is progress:
+/// the relay goes on with the rows after them at once, not after its next poll (60 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_that_only_parks_rows_goes_on_at_once() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let mut rows: Vec<(&str, &str, Option<&str>, &str)> = vec![("", "g", Some("not a key"), "bad"); 100];
+    rows.extend([("", "g", None, "good-1"), ("", "g", None, "good-2")]);
+    let schema = outbox_with(&pool, &rows).await;
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("relay.parked.{}", Key::generate());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _relay = start_relay(&schema, &format!("{}?routing_key={queue}", amqp_url()));
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "parked".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for expected in ["good-1", "good-2"] {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("the rows after a parked batch go out without waiting for the poll")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&delivery.data[..], expected.as_bytes());
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.idempotency_outbox WHERE dead_at IS NOT NULL AND last_error LIKE '%not a valid Idempotency-Key%'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(dead, 100);
+    let _ = channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {

@@ -296,6 +296,13 @@ impl<P: Publisher> Relay<P> {
     /// [`OutboxError::Publish`] when every key of the round failed to publish (the broker is
     /// down); the errors are recorded on the rows.
     pub async fn relay_batch(&self) -> Result<usize, OutboxError> {
+        Ok(self.round().await?.0)
+    }
+
+    /// One round (see [`relay_batch`](Self::relay_batch)): how many rows it published, and how
+    /// many it parked as dead. A round that only parked rows made progress too: the rows after
+    /// them are there to publish at once.
+    async fn round(&self) -> Result<(usize, usize), OutboxError> {
         let mut tx = self
             .pool
             .begin()
@@ -308,7 +315,7 @@ impl<P: Publisher> Relay<P> {
             .map_err(OutboxError::db("lock the pending ordering keys"))?;
         if held.is_empty() {
             tx.commit().await.map_err(OutboxError::db("end a relay round"))?;
-            return Ok(0);
+            return Ok((0, 0));
         }
         let rows = sqlx::query(AssertSqlSafe(self.outbox.sql.claim.as_str()))
             .bind(&held)
@@ -317,6 +324,7 @@ impl<P: Publisher> Relay<P> {
             .await
             .map_err(OutboxError::db("read the pending rows"))?;
         let mut sent = Vec::new();
+        let mut parked = 0;
         let mut stopped: HashSet<String> = HashSet::new();
         let mut last_error = None;
         for row in rows {
@@ -332,6 +340,7 @@ impl<P: Publisher> Relay<P> {
                         // No attempt can publish it: parked at once.
                         let why = format!("the row's key is not a valid Idempotency-Key: {error}");
                         self.failed(&mut tx, id, &why, 0).await?;
+                        parked += 1;
                         continue;
                     }
                 },
@@ -347,6 +356,7 @@ impl<P: Publisher> Relay<P> {
                 Err(why) => {
                     // No attempt can publish it: parked at once, with the reason.
                     self.failed(&mut tx, id, &why, 0).await?;
+                    parked += 1;
                     continue;
                 }
             };
@@ -364,7 +374,9 @@ impl<P: Publisher> Relay<P> {
                     let text = error.to_string();
                     metrics::counter!("idempotency_outbox_relay_errors_total", "outbox" => self.name.clone())
                         .increment(1);
-                    if !self.failed(&mut tx, id, &text, self.max_attempts).await? {
+                    if self.failed(&mut tx, id, &text, self.max_attempts).await? {
+                        parked += 1;
+                    } else {
                         tracing::warn!(outbox = %self.name, id, error = %text, "publish failed; the aggregate waits");
                         stopped.insert(message.ordering_key);
                     }
@@ -383,8 +395,8 @@ impl<P: Publisher> Relay<P> {
         metrics::counter!("idempotency_outbox_published_total", "outbox" => self.name.clone())
             .increment(sent.len() as u64);
         match last_error {
-            Some(error) if sent.is_empty() => Err(OutboxError::Publish(error)),
-            _ => Ok(sent.len()),
+            Some(error) if sent.is_empty() && parked == 0 => Err(OutboxError::Publish(error)),
+            _ => Ok((sent.len(), parked)),
         }
     }
 
@@ -430,7 +442,10 @@ impl<P: Publisher> Relay<P> {
             cleanup_every: self.cleanup_every,
             listen: self.listen,
         };
-        let round = || async { Ok(self.relay_batch().await? > 0) };
+        let round = || async {
+            let (sent, parked) = self.round().await?;
+            Ok(sent + parked > 0)
+        };
         let cleanup = || async {
             if let Err(error) =
                 crate::admin::purge_sent(&self.pool, &self.outbox.tables, self.retention).await
