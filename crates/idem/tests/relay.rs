@@ -99,10 +99,7 @@ async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
         .await
         .unwrap();
     assert_eq!(orders, 1, "the order and its event in one transaction");
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// A schema of the test's own, with an `orders` table beside the outbox.
@@ -118,6 +115,14 @@ async fn schema(pool: &PgPool) -> String {
     .await
     .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
     schema
+}
+
+/// Drops a test's schema, its tables with it.
+async fn drop_schema(pool: &PgPool, schema: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 /// `idem` with `args`, run to completion; panics unless it succeeds.
@@ -145,10 +150,96 @@ fn start_relay(schema: &str, to: &str) -> Process {
             "--max-attempts",
             "2",
         ],
-        &[],
+        &aws_env(),
         "warn",
         false,
     )
+}
+
+/// The credentials and region the local AWS server takes, unless the environment has some.
+fn aws_env() -> Vec<(&'static str, String)> {
+    [
+        ("AWS_ACCESS_KEY_ID", "test"),
+        ("AWS_SECRET_ACCESS_KEY", "test"),
+        ("AWS_REGION", "us-east-1"),
+    ]
+    .into_iter()
+    .filter(|(name, _)| std::env::var_os(name).is_none())
+    .map(|(name, value)| (name, value.to_owned()))
+    .collect()
+}
+
+/// A client of the local AWS server's SQS, and a new queue of the test's own named `name`
+/// (a FIFO queue when it ends in `.fifo`).
+#[cfg(feature = "sqs")]
+async fn sqs_queue(name: &str) -> (idempotency_sqs::aws_sdk_sqs::Client, String) {
+    use idempotency_sqs::aws_sdk_sqs::config::{Credentials, Region};
+    use idempotency_sqs::aws_sdk_sqs::types::QueueAttributeName;
+    use idempotency_sqs::aws_sdk_sqs::{Client, Config};
+
+    let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
+    let client = Client::from_conf(
+        Config::builder()
+            .behavior_version_latest()
+            .http_client(idempotency_sqs::http_client())
+            .endpoint_url(&endpoint)
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
+            .build(),
+    );
+    let mut create = client
+        .create_queue()
+        .queue_name(format!("relay-{}-{name}", Key::generate()));
+    if name.ends_with(".fifo") {
+        create = create.attributes(QueueAttributeName::FifoQueue, "true");
+    }
+    let url = create
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e:?}"))
+        .queue_url
+        .unwrap();
+    (client, url)
+}
+
+/// A mock Kafka cluster (kept while the value lives), its bootstrap servers, and a topic of
+/// three partitions.
+#[cfg(feature = "kafka")]
+fn kafka_topic() -> (
+    idempotency_kafka::rdkafka::mocking::MockCluster<
+        'static,
+        idempotency_kafka::rdkafka::producer::DefaultProducerContext,
+    >,
+    String,
+    String,
+) {
+    let cluster =
+        idempotency_kafka::rdkafka::mocking::MockCluster::new(1).expect("librdkafka's mock cluster");
+    let topic = format!("events-{}", Key::generate());
+    cluster.create_topic(&topic, 3, 1).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    (cluster, brokers, topic)
+}
+
+/// A reader of the three partitions of `topic`, from their start.
+#[cfg(feature = "kafka")]
+fn kafka_reader(brokers: &str, topic: &str) -> idempotency_kafka::rdkafka::consumer::StreamConsumer {
+    use idempotency_kafka::rdkafka::consumer::Consumer;
+    use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let reader: idempotency_kafka::rdkafka::consumer::StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "relay-test")
+        .create()
+        .unwrap();
+    let mut partitions = TopicPartitionList::new();
+    for partition in 0..3 {
+        partitions
+            .add_partition_offset(topic, partition, Offset::Beginning)
+            .unwrap();
+    }
+    reader.assign(&partitions).unwrap();
+    reader
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,10 +435,7 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
     let _ = channel
         .queue_delete(missing.as_str().into(), Default::default())
         .await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// A migrated outbox in a schema of the test's own, and `rows` inserted as
@@ -464,10 +552,7 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
         got[2].1.starts_with(&format!("{schema}.idempotency_outbox:")),
         "{got:?}"
     );
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// SQS: each row sent with its key as the `Idempotency-Key` attribute (and its headers as
@@ -475,29 +560,9 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
-    use idempotency_sqs::aws_sdk_sqs::config::{Credentials, Region};
-    use idempotency_sqs::aws_sdk_sqs::{Client, Config};
-
-    let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
-    let client = Client::from_conf(
-        Config::builder()
-            .behavior_version_latest()
-            .http_client(idempotency_sqs::http_client())
-            .endpoint_url(&endpoint)
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
-            .build(),
-    );
-    let mut urls = Vec::new();
-    for name in ["events", "other"] {
-        let created = client
-            .create_queue()
-            .queue_name(format!("relay-{name}-{}", Key::generate()))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e:?}"));
-        urls.push(created.queue_url.unwrap());
-    }
+    let (client, default) = sqs_queue("events").await;
+    let (_, other) = sqs_queue("other").await;
+    let urls = [default, other];
     let pool = PgPool::connect(&database_url()).await.unwrap();
     let schema = outbox_with(
         &pool,
@@ -507,19 +572,7 @@ async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
         ],
     )
     .await;
-    let database = database_url();
-    let to = format!("sqs://?queue_url={}", urls[0]);
-    let env = [
-        ("AWS_ACCESS_KEY_ID", "test".to_owned()),
-        ("AWS_SECRET_ACCESS_KEY", "test".to_owned()),
-        ("AWS_REGION", "us-east-1".to_owned()),
-    ];
-    let _relay = common::spawn_idem(
-        &["relay", "--database", &database, "--schema", &schema, "--to", &to],
-        &env,
-        "warn",
-        false,
-    );
+    let _relay = start_relay(&schema, &format!("sqs://?queue_url={}", urls[0]));
     let mut got = Vec::new();
     idempotency_testkit::eventually(Duration::from_secs(30), "both messages", async || {
         for url in &urls {
@@ -562,10 +615,7 @@ async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
         got[1].1.starts_with(&format!("{schema}.idempotency_outbox:")),
         "{got:?}"
     );
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// NATS JetStream: each row acknowledged by the stream, its key as `Idempotency-Key` and
@@ -614,10 +664,7 @@ async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
     );
     assert_eq!(got[1].0, got[1].1);
     assert_eq!(got[1].2, "ten");
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// Kafka (librdkafka's mock cluster): each row acknowledged by every replica, its key as the
@@ -626,15 +673,9 @@ async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
 #[cfg(feature = "kafka")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_are_produced_to_kafka_keyed_by_their_group() {
-    use idempotency_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
     use idempotency_kafka::rdkafka::message::{Headers, Message};
-    use idempotency_kafka::rdkafka::mocking::MockCluster;
-    use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
-    let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
-    let topic = format!("events-{}", Key::generate());
-    cluster.create_topic(&topic, 3, 1).unwrap();
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers, topic) = kafka_topic();
     let pool = PgPool::connect(&database_url()).await.unwrap();
     let rows: Vec<(String, String)> = (0..30)
         .map(|i| (format!("order-{}", i % 3), format!("{i}")))
@@ -645,18 +686,7 @@ async fn rows_are_produced_to_kafka_keyed_by_their_group() {
         .collect();
     let schema = outbox_with(&pool, &borrowed).await;
     let _relay = start_relay(&schema, &format!("kafka://{brokers}?topic={topic}"));
-    let reader: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .set("group.id", "relay-test")
-        .create()
-        .unwrap();
-    let mut partitions = TopicPartitionList::new();
-    for partition in 0..3 {
-        partitions
-            .add_partition_offset(&topic, partition, Offset::Beginning)
-            .unwrap();
-    }
-    reader.assign(&partitions).unwrap();
+    let reader = kafka_reader(&brokers, &topic);
     let mut by_group: std::collections::HashMap<String, (i32, Vec<u32>)> = std::collections::HashMap::new();
     for _ in 0..30 {
         let record = tokio::time::timeout(Duration::from_secs(30), reader.recv())
@@ -683,10 +713,7 @@ async fn rows_are_produced_to_kafka_keyed_by_their_group() {
         sorted.sort_unstable();
         assert_eq!(ns, &sorted, "{group} in order");
     }
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// Two relays on one table: every row published once, each group in order (the advisory lock
@@ -746,14 +773,11 @@ async fn two_relays_share_a_table_without_reordering_a_group() {
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
-/// The producer of the crash test: 2,000 rows in transactions of 10 through psycopg, one
-/// transaction in ten rolled back; row `i` is in group `g{i % 20}` with key `evt-{i}`.
+/// The Python producer: `argv[3]` transactions of 10 rows through psycopg, one transaction in
+/// ten rolled back; row `i` is in group `g{i % 20}` with key `evt-{i}` and payload `i`.
 const PRODUCER: &str = r#"
 import sys
 import psycopg
@@ -764,7 +788,7 @@ conn.execute("SET search_path TO " + sys.argv[2])
 class Rollback(Exception):
     pass
 
-for t in range(200):
+for t in range(int(sys.argv[3])):
     try:
         with conn.transaction():
             for i in range(t * 10, t * 10 + 10):
@@ -778,6 +802,182 @@ for t in range(200):
         pass
 conn.close()
 "#;
+
+/// Runs the Python producer with `transactions` transactions into `schema`'s outbox, and checks
+/// that nine in ten committed.
+async fn produce(pool: &PgPool, schema: &str, transactions: u32) {
+    let python = tools_python();
+    let produced = std::process::Command::new(&python)
+        .args(["-c", PRODUCER, &database_url(), schema, &transactions.to_string()])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} is needed for this test (scripts/services installs it): {e}",
+                python.display()
+            )
+        });
+    assert!(
+        produced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&produced.stderr)
+    );
+    let committed: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.idempotency_outbox"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(committed, i64::from(transactions) * 9);
+}
+
+/// Checks what arrived (payloads, in arrival order) against the Python producer's
+/// `transactions`: exactly the committed rows, once each, none rolled back, each group in order.
+fn exactly_the_committed_rows_in_order(arrived: &[u32], transactions: u32) {
+    let expected: std::collections::BTreeSet<u32> =
+        (0..transactions * 10).filter(|i| (i / 10) % 10 != 9).collect();
+    let got: std::collections::BTreeSet<u32> = arrived.iter().copied().collect();
+    assert_eq!(arrived.len(), expected.len(), "each committed row once");
+    assert_eq!(got, expected, "exactly the committed rows, none rolled back");
+    let mut last: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for n in arrived {
+        if let Some(previous) = last.insert(n % 20, *n) {
+            assert!(previous < *n, "group g{}: {n} arrived after {previous}", n % 20);
+        }
+    }
+}
+
+/// 1,000 rows from the Python producer (100 rolled back) to JetStream: exactly the 900
+/// committed arrive, each group in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_python_rows_reach_jetstream_committed_only_and_in_order() {
+    let stream = idempotency_testkit::nats::TestStream::new("relay", |_| {}).await;
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    produce(&pool, &schema, 100).await;
+    let to = format!(
+        "{}?subject={}",
+        idempotency_testkit::nats::nats_url(),
+        stream.work
+    );
+    let _relay = start_relay(&schema, &to);
+    let reader: async_nats::jetstream::consumer::PullConsumer = stream
+        .created
+        .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
+        .await
+        .unwrap();
+    let mut messages = reader.messages().await.unwrap();
+    let mut arrived = Vec::new();
+    while arrived.len() < 900 {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .expect("the relay keeps publishing")
+            .unwrap()
+            .unwrap();
+        arrived.push(String::from_utf8_lossy(&message.payload).parse().unwrap());
+        message.ack().await.unwrap();
+    }
+    exactly_the_committed_rows_in_order(&arrived, 100);
+    drop_schema(&pool, &schema).await;
+}
+
+/// 1,000 rows from the Python producer (100 rolled back) to a counting webhook: exactly the 900
+/// committed arrive, each group in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_python_rows_reach_a_webhook_committed_only_and_in_order() {
+    use axum::extract::State;
+    use std::sync::{Arc, Mutex};
+
+    let arrived: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let app = axum::Router::new()
+        .route(
+            "/events",
+            axum::routing::post(
+                |State(arrived): State<Arc<Mutex<Vec<u32>>>>, body: String| async move {
+                    arrived.lock().unwrap().push(body.parse().unwrap());
+                    "ok"
+                },
+            ),
+        )
+        .with_state(Arc::clone(&arrived));
+    let addr = common::serve_app(app).await;
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    produce(&pool, &schema, 100).await;
+    let _relay = start_relay(&schema, &format!("http://{addr}/events"));
+    idempotency_testkit::eventually(Duration::from_secs(60), "900 rows posted", async || {
+        arrived.lock().unwrap().len() >= 900
+    })
+    .await;
+    exactly_the_committed_rows_in_order(&arrived.lock().unwrap(), 100);
+    drop_schema(&pool, &schema).await;
+}
+
+/// 1,000 rows from the Python producer (100 rolled back) to an SQS FIFO queue (the group as the
+/// message group): exactly the 900 committed arrive, each group in order.
+#[cfg(feature = "sqs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_python_rows_reach_an_sqs_fifo_queue_committed_only_and_in_order() {
+    let (client, url) = sqs_queue("events.fifo").await;
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    produce(&pool, &schema, 100).await;
+    let _relay = start_relay(&schema, &format!("sqs://?queue_url={url}"));
+    let mut arrived = Vec::new();
+    idempotency_testkit::eventually(Duration::from_secs(120), "900 messages", async || {
+        let received = client
+            .receive_message()
+            .queue_url(&url)
+            .max_number_of_messages(10)
+            .send()
+            .await
+            .unwrap();
+        for message in received.messages.unwrap_or_default() {
+            arrived.push(message.body().unwrap().parse().unwrap());
+            client
+                .delete_message()
+                .queue_url(&url)
+                .receipt_handle(message.receipt_handle().unwrap())
+                .send()
+                .await
+                .unwrap();
+        }
+        arrived.len() >= 900
+    })
+    .await;
+    exactly_the_committed_rows_in_order(&arrived, 100);
+    drop_schema(&pool, &schema).await;
+}
+
+/// 1,000 rows from the Python producer (100 rolled back) to Kafka (mock cluster, 3 partitions;
+/// the group as the record key): exactly the 900 committed arrive, each group in order.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_python_rows_reach_kafka_committed_only_and_in_order() {
+    use idempotency_kafka::rdkafka::message::Message;
+
+    let (_cluster, brokers, topic) = kafka_topic();
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    produce(&pool, &schema, 100).await;
+    let _relay = start_relay(&schema, &format!("kafka://{brokers}?topic={topic}"));
+    let reader = kafka_reader(&brokers, &topic);
+    let mut arrived = Vec::new();
+    while arrived.len() < 900 {
+        let record = tokio::time::timeout(Duration::from_secs(30), reader.recv())
+            .await
+            .expect("the relay keeps producing")
+            .unwrap();
+        arrived.push(
+            String::from_utf8_lossy(record.payload().unwrap())
+                .parse()
+                .unwrap(),
+        );
+    }
+    // Each group is in one partition: the order across partitions is the reader's, within a
+    // group it is the relay's.
+    exactly_the_committed_rows_in_order(&arrived, 100);
+    drop_schema(&pool, &schema).await;
+}
 
 /// The relay SIGKILLed five times while it publishes 1,800 committed rows (200 more rolled back
 /// by the Python producer): after the restarts every committed row is sent, none of the rolled
@@ -805,28 +1005,7 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
 
     let pool = PgPool::connect(&database_url()).await.unwrap();
     let schema = outbox_with(&pool, &[]).await;
-    let python = tools_python();
-    let produced = std::process::Command::new(&python)
-        .args(["-c", PRODUCER, &database_url(), &schema])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{} is needed for this test (scripts/services installs it): {e}",
-                python.display()
-            )
-        });
-    assert!(
-        produced.status.success(),
-        "{}",
-        String::from_utf8_lossy(&produced.stderr)
-    );
-    let committed: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {schema}.idempotency_outbox"
-    )))
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(committed, 1800);
+    produce(&pool, &schema, 200).await;
 
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
@@ -935,10 +1114,7 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// A round that only parks rows (100 with keys that are not keys, a whole batch) is progress:
@@ -991,10 +1167,7 @@ async fn a_round_that_only_parks_rows_goes_on_at_once() {
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
@@ -1043,10 +1216,7 @@ async fn a_version_1_table_is_upgraded_in_place() {
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not ours"), "{err}");
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_schema(&pool, &schema).await;
 }
 
 /// What `idem relay` cannot use is refused at start with the reason, the password never shown.
