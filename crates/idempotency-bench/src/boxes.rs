@@ -22,7 +22,7 @@ use idempotency_outbox::{
 use idempotency_postgres::PgTransaction;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 
-use crate::measure::{Samples, per_second, runtime};
+use crate::measure::{Samples, per_second, rate, runtime};
 
 const MESSAGES: usize = 3000;
 const LATENCY_MESSAGES: usize = 400;
@@ -145,7 +145,7 @@ async fn inbox_rate(
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
-    Ok(crate::measure::rate(MESSAGES as u64, elapsed))
+    Ok(rate(MESSAGES as u64, elapsed))
 }
 
 /// Publishes with confirms and notes when each confirm arrived.
@@ -256,7 +256,7 @@ async fn relayed_per_second(pool: &PgPool, tables: &Tables, queue: &str) -> Resu
             break;
         }
     }
-    Ok(per(MESSAGES, started.elapsed()))
+    Ok(rate(MESSAGES as u64, started.elapsed()))
 }
 
 /// Times the relay's publisher publishing [`MESSAGES`] messages one after another, each
@@ -278,14 +278,7 @@ async fn published_per_second(queue: &str) -> Result<f64, String> {
             .await
             .map_err(|e| e.to_string())?;
     }
-    Ok(per(MESSAGES, started.elapsed()))
-}
-
-/// `count` per `elapsed`, per second.
-fn per(count: usize, elapsed: Duration) -> f64 {
-    #[expect(clippy::cast_precision_loss, reason = "a rate")]
-    let count = count as f64;
-    count / elapsed.as_secs_f64()
+    Ok(rate(MESSAGES as u64, started.elapsed()))
 }
 
 async fn outbox_latencies(
