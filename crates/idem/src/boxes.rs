@@ -23,9 +23,15 @@ pub struct Location {
 impl Location {
     /// A pool of two connections; `read_only` sessions refuse every write.
     async fn pool(&self, read_only: bool) -> Result<PgPool, Error> {
+        self.pool_of(2, read_only).await
+    }
+
+    /// A pool of `connections`; `read_only` sessions refuse every write. The database's URL is
+    /// redacted in errors, the driver's message included.
+    pub(crate) async fn pool_of(&self, connections: u32, read_only: bool) -> Result<PgPool, Error> {
         let url = idempotency::redact_url(&self.database);
         let pool = PgPoolOptions::new()
-            .max_connections(2)
+            .max_connections(connections)
             .acquire_timeout(Duration::from_secs(10))
             .after_connect(move |connection, _| {
                 Box::pin(async move {
@@ -39,7 +45,7 @@ impl Location {
             })
             .connect(&self.database)
             .await
-            .map_err(|e| Error::Boxes(format!("{url}: {e}")))?;
+            .map_err(|e| Error::Boxes(format!("{url}: {}", idempotency::redact_url(&e.to_string()))))?;
         Ok(pool)
     }
 

@@ -20,10 +20,10 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use idempotency::postgres::sqlx::{self, postgres::PgPoolOptions};
 use idempotency_consumer::BoxError;
 use idempotency_outbox::{AmqpPublisher, NatsPublisher, Outbox, OutboxMessage, Publisher, Relay, Tables};
 
+use crate::boxes::Location;
 use crate::error::Error;
 use crate::units;
 
@@ -376,22 +376,6 @@ fn tables(config: &Config) -> Result<Tables, Error> {
         .map_err(|e| Error::Usage(e.to_string()))
 }
 
-/// A pool on `database`, its URL redacted in errors.
-async fn pool(database: &str, connections: u32) -> Result<sqlx::PgPool, Error> {
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(database)
-        .await
-        .map_err(|e| {
-            Error::Boxes(format!(
-                "{}: {}",
-                idempotency::redact_url(database),
-                idempotency::redact_url(&e.to_string())
-            ))
-        })
-}
-
 /// `idem relay migrate`: creates or upgrades the outbox table alone.
 ///
 /// # Errors
@@ -403,9 +387,13 @@ pub async fn migrate(database: &str, schema: &str, table: &str) -> Result<String
         .schema(schema)
         .and_then(|tables| tables.outbox(table))
         .map_err(|e| Error::Usage(e.to_string()))?;
-    let pool = pool(database, 1).await?;
-    tables.migrate_outbox(&pool).await?;
-    Ok(format!("{}: ready\n", tables.qualified_outbox()))
+    let at = Location {
+        database: database.to_owned(),
+        tables,
+    };
+    let pool = at.pool_of(1, false).await?;
+    at.tables.migrate_outbox(&pool).await?;
+    Ok(format!("{}: ready\n", at.tables.qualified_outbox()))
 }
 
 /// Runs `idem relay` until `shutdown` completes: then the round in progress finishes and it
@@ -418,7 +406,11 @@ pub async fn migrate(database: &str, schema: &str, table: &str) -> Result<String
 pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
     let tables = tables(&config)?;
     let to = destination(config.to.as_deref().unwrap_or_default()).await?;
-    let pool = pool(config.database.as_deref().unwrap_or_default(), 4).await?;
+    let at = Location {
+        database: config.database.clone().unwrap_or_default(),
+        tables: tables.clone(),
+    };
+    let pool = at.pool_of(4, false).await?;
     tables.check_outbox(&pool).await?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
