@@ -184,20 +184,25 @@ pub async fn settle(
         error,
     };
     let mut queue = open(from).await?;
-    let now = SystemTime::now();
-    let matching = queue
-        .browse(usize::MAX)
-        .await
-        .map_err(failed)?
-        .iter()
-        .filter(|l| selection.matches(l, now))
-        .count()
-        .min(selection.limit);
     let (verb, done) = match settle {
         Settle::Replay => ("replay", "replayed"),
         Settle::Purge => ("purge", "purged"),
     };
-    if matching > 0 {
+    // The question says how many will change, which takes reading them first; with `--yes`
+    // they are read once, by the settlement itself (on RabbitMQ and SQS each read is a delivery).
+    if confirm == Confirm::Ask {
+        let now = SystemTime::now();
+        let matching = queue
+            .browse(usize::MAX)
+            .await
+            .map_err(failed)?
+            .iter()
+            .filter(|l| selection.matches(l, now))
+            .count()
+            .min(selection.limit);
+        if matching == 0 {
+            return Ok(report(&queue.name(), verb, done, 0, json));
+        }
         let question = format!(
             "{verb} {matching} dead letters of {}{}?",
             queue.name(),
@@ -209,11 +214,7 @@ pub async fn settle(
         );
         crate::key_actions::confirmed(confirm, &question)?;
     }
-    let settled = if matching == 0 {
-        0
-    } else {
-        queue.settle(selection, settle).await.map_err(failed)?
-    };
+    let settled = queue.settle(selection, settle).await.map_err(failed)?;
     if settled > 0 {
         tracing::warn!(
             target: "idem::audit",
@@ -224,9 +225,14 @@ pub async fn settle(
             "an operator settled dead letters"
         );
     }
-    Ok(if json {
-        serde_json::json!({ "dead_letters": queue.name(), "action": verb, "count": settled }).to_string()
+    Ok(report(&queue.name(), verb, done, settled, json))
+}
+
+/// What a replay or purge did, as a line or JSON.
+fn report(queue: &str, verb: &str, done: &str, count: usize, json: bool) -> String {
+    if json {
+        serde_json::json!({ "dead_letters": queue, "action": verb, "count": count }).to_string()
     } else {
-        format!("{}: {done} {settled} dead letters\n", queue.name())
-    })
+        format!("{queue}: {done} {count} dead letters\n")
+    }
 }
