@@ -510,6 +510,7 @@ impl HttpHandler {
         template: &ReconcileTemplate,
         consumer: &str,
         message: &(dyn Delivery + Sync),
+        key: &idempotency::Key,
         attempt: &Call<'_>,
     ) -> Option<Result<Outcome, HandlerError>> {
         let count = |result: &'static str| {
@@ -521,11 +522,7 @@ impl HttpHandler {
             tracing::warn!(attempt = attempt.number, why = %why, "whether an earlier attempt took effect cannot be told: the handler is not called, and the message is retried later");
             Some(Err(HandlerError::retry(format!("reconcile: {why}"))))
         };
-        let key = match idempotency::Key::new(attempt.key) {
-            Ok(key) => key,
-            Err(error) => return unresolved(format!("the key cannot be asked about: {error}")),
-        };
-        let target = template.target(&key);
+        let target = template.target(key);
         let url = match template.origin() {
             Some(origin) => format!("{}{target}", origin.to_string().trim_end_matches('/')),
             None => format!(
@@ -596,7 +593,7 @@ impl<M: Delivery + Sync> Handler<M> for HttpHandler {
         };
         if call.number > 1
             && let Some((template, consumer)) = &self.reconcile
-            && let Some(answer) = self.ask(template, consumer, message, &call).await
+            && let Some(answer) = self.ask(template, consumer, message, attempt.key(), &call).await
         {
             return answer;
         }
