@@ -350,17 +350,9 @@ async fn check_amqp(
                 .map_err(passive(format!("the exchange `{exchange}`")))?;
         }
         (None, Some(queue)) => {
-            channel
-                .queue_declare(
-                    queue.into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    lapin::types::FieldTable::default(),
-                )
+            idempotency_amqp::queue_depth(&channel, queue)
                 .await
-                .map_err(passive(format!("the queue `{queue}`")))?;
+                .map_err(|e| e.to_string())?;
         }
         (None, None) => {}
     }

@@ -50,7 +50,7 @@ pub(crate) fn open(url: String) -> OpenFuture {
         let queue = AmqpDeadLetters { connection, topology };
         for name in [&queue.topology.dead_queue, &queue.topology.queue] {
             let channel = queue.channel().await?;
-            depth(&channel, name).await?;
+            queue_depth(&channel, name).await?;
             let _ = channel.close(200, "checked".into()).await;
         }
         let boxed: Box<dyn DeadLetterQueue> = Box::new(queue);
@@ -58,8 +58,13 @@ pub(crate) fn open(url: String) -> OpenFuture {
     })
 }
 
-/// The ready messages of `queue`, by a passive declare; a missing queue is a clear error.
-async fn depth(channel: &Channel, queue: &str) -> Result<u32, AdapterError> {
+/// The ready messages of `queue`, by a passive declare; a missing queue is a clear error
+/// (and closes `channel`, as any failed declare does).
+///
+/// # Errors
+///
+/// [`AdapterErrorKind::Config`] naming the queue when it does not exist.
+pub async fn queue_depth(channel: &Channel, queue: &str) -> Result<u32, AdapterError> {
     let declared = channel
         .queue_declare(
             queue.into(),
@@ -116,7 +121,7 @@ impl AmqpDeadLetters {
         channel: &Channel,
         limit: usize,
     ) -> Result<Vec<(DeadLetter, lapin::message::BasicGetMessage)>, AdapterError> {
-        let ready = depth(channel, &self.topology.dead_queue).await? as usize;
+        let ready = queue_depth(channel, &self.topology.dead_queue).await? as usize;
         let mut taken = Vec::new();
         while taken.len() < ready.min(limit) {
             let Some(message) = channel

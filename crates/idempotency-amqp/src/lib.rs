@@ -31,6 +31,7 @@
 use std::time::Duration;
 
 mod dead_letters;
+pub use dead_letters::queue_depth;
 mod source;
 mod tls;
 mod worker;
