@@ -125,6 +125,18 @@ async fn drop_schema(pool: &PgPool, schema: &str) {
         .unwrap();
 }
 
+/// The next message `consumer` gets (within 30 s, else panics saying `what` was expected),
+/// acknowledged; its body.
+async fn next_body(consumer: &mut lapin::Consumer, what: &str) -> Vec<u8> {
+    let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect(what)
+        .unwrap()
+        .unwrap();
+    delivery.ack(BasicAckOptions::default()).await.unwrap();
+    delivery.data
+}
+
 /// `idem` with `args`, run to completion; panics unless it succeeds.
 fn idem_ok(args: &[&str]) -> String {
     let (code, out, err) = common::idem(args);
@@ -342,13 +354,10 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
     .execute(&pool)
     .await
     .unwrap();
-    let after = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-        .await
-        .expect("the group goes on after its parked row")
-        .unwrap()
-        .unwrap();
-    assert_eq!(&after.data[..], b"after");
-    after.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(
+        next_body(&mut consumer, "the group goes on after its parked row").await,
+        b"after"
+    );
     let at = [
         "--database",
         database.as_str(),
@@ -377,13 +386,10 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
     .execute(&pool)
     .await
     .unwrap();
-    let good = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-        .await
-        .expect("the group goes on after a row with bad headers")
-        .unwrap()
-        .unwrap();
-    assert_eq!(&good.data[..], b"good");
-    good.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(
+        next_body(&mut consumer, "the group goes on after a row with bad headers").await,
+        b"good"
+    );
     let listed = outbox(&["list", "--json"]);
     assert!(
         listed.contains("the headers are a JSON object of text values, not a number"),
@@ -413,13 +419,10 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         )
         .await
         .unwrap();
-    let replayed = tokio::time::timeout(Duration::from_secs(30), parked.next())
-        .await
-        .expect("the replayed row is published")
-        .unwrap()
-        .unwrap();
-    assert_eq!(&replayed.data[..], b"parked");
-    replayed.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(
+        next_body(&mut parked, "the replayed row is published").await,
+        b"parked"
+    );
     // The row with bad headers, replayed too, is parked again at once; everything else is sent.
     idempotency_testkit::eventually(Duration::from_secs(30), "every good row sent", async || {
         let stats: serde_json::Value = serde_json::from_str(&outbox(&["stats", "--json"])).unwrap();
@@ -1149,13 +1152,12 @@ async fn a_round_that_only_parks_rows_goes_on_at_once() {
         .await
         .unwrap();
     for expected in ["good-1", "good-2"] {
-        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-            .await
-            .expect("the rows after a parked batch go out without waiting for the poll")
-            .unwrap()
-            .unwrap();
-        assert_eq!(&delivery.data[..], expected.as_bytes());
-        delivery.ack(BasicAckOptions::default()).await.unwrap();
+        let body = next_body(
+            &mut consumer,
+            "the rows after a parked batch go out without waiting for the poll",
+        )
+        .await;
+        assert_eq!(body, expected.as_bytes());
     }
     let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {schema}.idempotency_outbox WHERE dead_at IS NOT NULL AND last_error LIKE '%not a valid Idempotency-Key%'"
