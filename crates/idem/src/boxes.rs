@@ -1,11 +1,12 @@
-//! `idem inbox list|show|replay|purge|stats` and `idem outbox list|stats`: the inbox and outbox
-//! tables on PostgreSQL. Human tables by default, JSON with `--json`. Inspection runs in
-//! read-only sessions and never creates a table.
+//! `idem inbox list|show|replay|purge|stats` and `idem outbox list|stats|replay|purge`: the inbox
+//! (on PostgreSQL) and the outbox (on PostgreSQL, MySQL or MariaDB). Human tables by default,
+//! JSON with `--json`. Inspection runs in read-only sessions and never creates a table.
 
 use std::time::Duration;
 
+use idempotency::mysql::sqlx::mysql::MySqlPoolOptions;
 use idempotency::postgres::sqlx::{self, PgPool, postgres::PgPoolOptions};
-use idempotency_outbox::{InboxRow, InboxState, Tables};
+use idempotency_outbox::{Database, InboxRow, InboxState, Tables};
 use serde_json::{Value, json};
 
 use crate::error::Error;
@@ -14,7 +15,7 @@ use crate::ops::{age_text, table};
 /// Where the tables are.
 #[derive(Debug, Clone)]
 pub struct Location {
-    /// The PostgreSQL URL.
+    /// The database's URL: `postgres://…`, or for an outbox `mysql://…` and `mariadb://…`.
     pub database: String,
     /// The tables' names.
     pub tables: Tables,
@@ -26,10 +27,51 @@ impl Location {
         self.pool_of(2, read_only).await
     }
 
+    /// Whether the URL names a MySQL or MariaDB server.
+    fn is_mysql(&self) -> bool {
+        matches!(
+            self.database.split_once("://").map(|(scheme, _)| scheme),
+            Some("mysql" | "mariadb")
+        )
+    }
+
+    /// A pool of `connections` on the outbox's database, PostgreSQL or MySQL; `read_only`
+    /// sessions refuse every write.
+    pub(crate) async fn database_of(&self, connections: u32, read_only: bool) -> Result<Database, Error> {
+        if !self.is_mysql() {
+            return Ok(Database::Postgres(self.pool_of(connections, read_only).await?));
+        }
+        let url = idempotency::redact_url(&self.database);
+        let options = idempotency::mysql::MysqlOptions::from_url(&self.database)
+            .map_err(|e| Error::Boxes(e.to_string()))?;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |connection, _| {
+                Box::pin(async move {
+                    if read_only {
+                        sqlx::query("SET SESSION TRANSACTION READ ONLY")
+                            .execute(connection)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options.connect)
+            .await
+            .map_err(|e| Error::Boxes(format!("{url}: {}", idempotency::redact_url(&e.to_string()))))?;
+        Ok(Database::MySql(pool))
+    }
+
     /// A pool of `connections`; `read_only` sessions refuse every write. The database's URL is
     /// redacted in errors, the driver's message included.
     pub(crate) async fn pool_of(&self, connections: u32, read_only: bool) -> Result<PgPool, Error> {
         let url = idempotency::redact_url(&self.database);
+        if self.is_mysql() {
+            return Err(Error::Boxes(format!(
+                "{url}: the inbox is on PostgreSQL (the outbox may be on MySQL: `idem outbox`, `idem relay`)"
+            )));
+        }
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(Duration::from_secs(10))
@@ -58,10 +100,10 @@ impl Location {
 
     /// A pool whose outbox table exists and is of this version (a service that only relays
     /// has no inbox).
-    async fn outbox(&self, read_only: bool) -> Result<PgPool, Error> {
-        let pool = self.pool(read_only).await?;
-        self.tables.check_outbox(&pool).await?;
-        Ok(pool)
+    async fn outbox(&self, read_only: bool) -> Result<Database, Error> {
+        let database = self.database_of(2, read_only).await?;
+        self.tables.check_outbox(&database).await?;
+        Ok(database)
     }
 }
 

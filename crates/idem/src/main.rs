@@ -70,13 +70,13 @@ enum Command {
         #[command(subcommand)]
         action: InboxCommand,
     },
-    /// Inspect and maintain an outbox on PostgreSQL: pending and dead messages, the backlog,
+    /// Inspect and maintain an outbox on PostgreSQL or MySQL: pending and dead messages, the backlog,
     /// replay of dead rows, purge.
     Outbox {
         #[command(subcommand)]
         action: OutboxCommand,
     },
-    /// Publish the rows an application writes into an outbox table (PostgreSQL), in order per
+    /// Publish the rows an application writes into an outbox table (PostgreSQL, MySQL), in order per
     /// group, each with its key as Idempotency-Key, once the broker confirms it (docs/OUTBOX.md).
     Relay(RelayArgs),
     /// The dead letters of a consumer's source, on any broker: list them by reason, show them,
@@ -101,7 +101,7 @@ enum RelayCommand {
     /// Create the outbox table (or upgrade one of version 1), with the trigger that wakes the
     /// relays.
     Migrate {
-        /// The PostgreSQL database.
+        /// The database: postgres://…, mysql://… or mariadb://….
         #[arg(long, env = "IDEM_DATABASE")]
         database: String,
         /// The table's schema.
@@ -247,7 +247,8 @@ async fn dlq(action: DlqCommand) -> Result<String, Error> {
 
 #[derive(Debug, Args)]
 struct BoxArgs {
-    /// The PostgreSQL database holding the inbox and outbox tables.
+    /// The database holding the tables: postgres://… (the inbox and the outbox), or mysql://…
+    /// and mariadb://… (the outbox).
     #[arg(long, env = "IDEM_DATABASE")]
     database: String,
     /// The tables' schema.

@@ -30,7 +30,8 @@ use crate::units;
 /// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// The PostgreSQL database holding the outbox table.
+    /// The database holding the outbox table: postgres://…, or mysql://… and mariadb://… (which
+    /// have no notifications: the relay polls every --poll).
     #[arg(long, env = "IDEM_DATABASE", required = true)]
     pub database: Option<String>,
     /// Where rows are published: amqp(s)://…?exchange=…&routing_key=…, nats://…?subject=…,
@@ -54,7 +55,8 @@ pub struct Config {
     /// Failed publishes that park a row as dead (`idem outbox replay` sends it again).
     #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = idempotency_outbox::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
-    /// The longest an idle relay waits without a notification from the table's trigger.
+    /// The longest an idle relay waits without a notification from the table's trigger (on
+    /// MySQL, which has none, how often it polls).
     #[arg(long, env = "IDEM_POLL", default_value = "1s", value_parser = units::parse_duration)]
     pub poll: Duration,
     /// How long sent rows are kept before the relay deletes them.
@@ -383,9 +385,9 @@ pub async fn migrate(database: &str, schema: &str, table: &str) -> Result<String
         database: database.to_owned(),
         tables,
     };
-    let pool = at.pool_of(1, false).await?;
-    at.tables.migrate_outbox(&pool).await?;
-    Ok(format!("{}: ready\n", at.tables.qualified_outbox()))
+    let database = at.database_of(1, false).await?;
+    at.tables.migrate_outbox(&database).await?;
+    Ok(format!("{}: ready\n", database.qualified_outbox(&at.tables)))
 }
 
 /// Runs `idem relay` until `shutdown` completes: then the round in progress finishes and it
@@ -402,8 +404,8 @@ pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + '
         database: config.database.clone().unwrap_or_default(),
         tables: tables.clone(),
     };
-    let pool = at.pool_of(4, false).await?;
-    tables.check_outbox(&pool).await?;
+    let database = at.database_of(4, false).await?;
+    tables.check_outbox(&database).await?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
@@ -422,7 +424,8 @@ pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + '
             let _ = axum::serve(listener, router).await;
         });
     }
-    let mut relay = Relay::new(pool, Outbox::new(tables.clone()), to)
+    let outbox_name = database.qualified_outbox(&tables);
+    let mut relay = Relay::new(database, Outbox::new(tables.clone()), to)
         .batch(config.batch)
         .max_attempts(config.max_attempts)
         .poll(config.poll)
@@ -430,7 +433,7 @@ pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + '
     if let Some(name) = config.name {
         relay = relay.name(name);
     }
-    tracing::info!(outbox = %tables.qualified_outbox(), to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "relaying");
+    tracing::info!(outbox = %outbox_name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "relaying");
     relay.run_until(shutdown).await?;
     tracing::info!("stopped: the round in progress was finished");
     Ok(())

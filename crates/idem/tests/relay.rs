@@ -18,13 +18,26 @@ fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
 fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 /// The first `language` example of `docs/OUTBOX.md`, as written there.
 fn documented(language: &str) -> String {
-    let guide = include_str!("../../../docs/OUTBOX.md");
+    documented_in("", language)
+}
+
+/// The first `language` example of `docs/OUTBOX.md` after the heading `section` (`""`: from the
+/// top).
+fn documented_in(section: &str, language: &str) -> String {
+    let whole = include_str!("../../../docs/OUTBOX.md");
+    let guide = &whole[whole
+        .find(section)
+        .unwrap_or_else(|| panic!("docs/OUTBOX.md has {section:?}"))..];
     let fence = format!("```{language}\n");
     let start = guide
         .find(&fence)
@@ -53,19 +66,11 @@ fn tools_python() -> std::path::PathBuf {
         .join("bin/python")
 }
 
-/// The Python example of `docs/OUTBOX.md`, run as written with psycopg, writes a row the relay
-/// reads as the SQL example's: the same key, destination, group, payload and headers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    let script = format!(
-        "import json, sys\nimport psycopg\nconn = psycopg.connect(sys.argv[1], autocommit=True)\nconn.execute('SET search_path TO ' + sys.argv[2])\n{}conn.close()\n",
-        documented("python")
-    );
+/// Runs the tools' Python with `args`; panics with its errors unless it succeeds.
+fn python(args: &[&str]) {
     let python = tools_python();
     let output = std::process::Command::new(&python)
-        .args(["-c", &script, &database_url(), &schema])
+        .args(args)
         .output()
         .unwrap_or_else(|e| {
             panic!(
@@ -78,6 +83,19 @@ async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// The Python example of `docs/OUTBOX.md`, run as written with psycopg, writes a row the relay
+/// reads as the SQL example's: the same key, destination, group, payload and headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    let script = format!(
+        "import json, sys\nimport psycopg\nconn = psycopg.connect(sys.argv[1], autocommit=True)\nconn.execute('SET search_path TO ' + sys.argv[2])\n{}conn.close()\n",
+        documented("python")
+    );
+    python(&["-c", &script, &database_url(), &schema]);
     let (destination, group, key, payload, content_type): (String, String, String, Vec<u8>, String) =
         sqlx::query_as(AssertSqlSafe(format!(
             "SELECT destination, ordering_key, key, payload, headers->>'content-type' FROM {schema}.idempotency_outbox"
@@ -100,6 +118,159 @@ async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
         .unwrap();
     assert_eq!(orders, 1, "the order and its event in one transaction");
     drop_schema(&pool, &schema).await;
+}
+
+/// The MySQL examples of `docs/OUTBOX.md`, run as written (the SQL through the server, the
+/// Python with PyMySQL) into a migrated MySQL outbox: the rows the relay expects, each with its
+/// order in the same transaction; another application's table of the same name is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_mysql_inserts_write_the_rows_the_relay_expects() {
+    let table = Table::new(Db::MySql).await;
+    let my = table.my.clone().unwrap();
+    let mut connection = my.acquire().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("USE {}", table.schema)))
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(documented_in("## MySQL and MariaDB", "sql")))
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM orders")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    let script = format!(
+        "import json, sys\nfrom urllib.parse import urlparse\nimport pymysql\nurl = urlparse(sys.argv[1])\nconn = pymysql.connect(host=url.hostname, port=url.port or 3306, user=url.username, password=url.password or '', database=sys.argv[2])\n{}conn.close()\n",
+        documented_in("## MySQL and MariaDB", "python")
+    );
+    python(&["-c", &script, &mysql_url(), &table.schema]);
+    let rows: Vec<(String, String, String, Vec<u8>, String)> = sqlx::query_as(
+        "SELECT destination, ordering_key, `key`, payload, JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"content-type\"'))
+         FROM idempotency_outbox ORDER BY id",
+    )
+    .fetch_all(&mut *connection)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2, "the SQL row and the Python row");
+    for (destination, group, key, payload, content_type) in &rows {
+        assert_eq!(
+            (destination.as_str(), group.as_str(), key.as_str()),
+            ("order.created", "order-42", "order-42:created")
+        );
+        let body: serde_json::Value = serde_json::from_slice(payload).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"order": "order-42", "amount_cents": 1000})
+        );
+        assert_eq!(content_type, "application/json");
+    }
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&mut *connection)
+        .await
+        .unwrap();
+    assert_eq!(orders, 1, "the Python order and its event in one transaction");
+    // Another application's table where the outbox should be is refused, and left alone.
+    sqlx::raw_sql("CREATE TABLE theirs (id INT PRIMARY KEY) COMMENT = 'billing v3'")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    drop(connection);
+    let (code, out, err) = common::idem(&[
+        "relay",
+        "migrate",
+        "--database",
+        &mysql_url(),
+        "--schema",
+        &table.schema,
+        "--table",
+        "theirs",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("is marked \"billing v3\""), "{err}");
+    table.drop().await;
+}
+
+/// On MySQL: a row whose headers are not headers, or whose key is not a key, is parked with the
+/// reason while its group goes on; `idem outbox list|stats|replay|purge` see and act on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_rows_that_cannot_be_published_are_parked_and_operated_on() {
+    use axum::extract::State;
+    use std::sync::{Arc, Mutex};
+
+    let arrived: Arc<Mutex<Vec<String>>> = Arc::default();
+    let app = axum::Router::new()
+        .route(
+            "/events",
+            axum::routing::post(
+                |State(arrived): State<Arc<Mutex<Vec<String>>>>, body: String| async move {
+                    arrived.lock().unwrap().push(body);
+                    "ok"
+                },
+            ),
+        )
+        .with_state(Arc::clone(&arrived));
+    let addr = common::serve_app(app).await;
+    let table = Table::new(Db::MySql).await;
+    let my = table.my.clone().unwrap();
+    for (key, headers, payload) in [
+        (Some("k-1"), "{}", "first"),
+        (Some("k-2"), "[1]", "bad headers"),
+        (Some("not a key"), "{}", "bad key"),
+        (None, r#"{"x-source": "shop"}"#, "last"),
+    ] {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {}.idempotency_outbox (ordering_key, `key`, payload, headers) VALUES ('g', ?, ?, ?)",
+            table.schema
+        )))
+        .bind(key)
+        .bind(payload)
+        .bind(headers)
+        .execute(&my)
+        .await
+        .unwrap();
+    }
+    let relay = table.relay(&format!("http://{addr}/events"));
+    idempotency_testkit::eventually(Duration::from_secs(30), "the group went on", async || {
+        arrived.lock().unwrap().len() >= 2
+    })
+    .await;
+    assert_eq!(*arrived.lock().unwrap(), ["first", "last"]);
+    let url = table.url();
+    let at = ["--database", url.as_str(), "--schema", table.schema.as_str()];
+    let stats: serde_json::Value =
+        serde_json::from_str(&idem_ok(&[&["outbox", "stats", "--json"][..], &at[..]].concat())).unwrap();
+    assert_eq!(
+        (&stats["pending"], &stats["dead"], &stats["sent"]),
+        (&0.into(), &2.into(), &2.into()),
+        "{stats}"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&idem_ok(&[&["outbox", "list", "--json"][..], &at[..]].concat())).unwrap();
+    let reasons: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row["last_error"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{listed}");
+    assert!(reasons[0].contains("the headers' entry 0"), "{reasons:?}");
+    assert!(reasons[1].contains("not a valid Idempotency-Key"), "{reasons:?}");
+    drop(relay);
+    let replayed = idem_ok(&[&["outbox", "replay", "--json"][..], &at[..]].concat());
+    assert_eq!(replayed.trim(), r#"{"replayed":2}"#);
+    assert_eq!(table.count("dead_at IS NULL AND sent_at IS NULL").await, 2);
+    // Parked again by a relay, then purged.
+    let relay = table.relay(&format!("http://{addr}/events"));
+    idempotency_testkit::eventually(Duration::from_secs(30), "parked again", async || {
+        table.count("dead_at IS NOT NULL").await == 2
+    })
+    .await;
+    drop(relay);
+    let purged = idem_ok(&[&["outbox", "purge", "--older-than", "0s", "--json"][..], &at[..]].concat());
+    assert_eq!(purged.trim(), r#"{"purged":2}"#);
+    assert_eq!(table.count("TRUE").await, 2, "the sent rows are kept");
+    table.drop().await;
 }
 
 /// A schema of the test's own, with an `orders` table beside the outbox.
@@ -147,18 +318,29 @@ fn idem_ok(args: &[&str]) -> String {
 /// `idem relay` for `schema`'s outbox to `to`, in the background, polling only once a minute:
 /// a row is published at once only if the table's trigger woke it.
 fn start_relay(schema: &str, to: &str) -> Process {
-    let database = database_url();
+    relay_on(&database_url(), schema, to)
+}
+
+/// `idem relay` for the outbox of `schema` in `database` to `to`, in the background, polling
+/// once a minute on PostgreSQL (a row is published at once only if the table's trigger woke the
+/// relay) and every 100 ms on MySQL (which has no notifications).
+fn relay_on(database: &str, schema: &str, to: &str) -> Process {
+    let poll = if database.starts_with("mysql") {
+        "100ms"
+    } else {
+        "60s"
+    };
     common::spawn_idem(
         &[
             "relay",
             "--database",
-            &database,
+            database,
             "--schema",
             schema,
             "--to",
             to,
             "--poll",
-            "60s",
+            poll,
             "--max-attempts",
             "2",
         ],
@@ -166,6 +348,139 @@ fn start_relay(schema: &str, to: &str) -> Process {
         "warn",
         false,
     )
+}
+
+/// The databases an outbox table lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Db {
+    Postgres,
+    MySql,
+}
+
+/// A test's own outbox table, migrated by `idem relay migrate`: in a PostgreSQL schema or a
+/// MySQL database of its own (`--schema` names either), beside an `orders` table.
+struct Table {
+    db: Db,
+    schema: String,
+    pg: PgPool,
+    my: Option<sqlx::MySqlPool>,
+}
+
+impl Table {
+    /// A new table on `db`.
+    async fn new(db: Db) -> Self {
+        let pg = PgPool::connect(&database_url())
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
+        match db {
+            Db::Postgres => {
+                let schema = outbox_with(&pg, &[]).await;
+                Self {
+                    db,
+                    schema,
+                    pg,
+                    my: None,
+                }
+            }
+            Db::MySql => {
+                let my = sqlx::MySqlPool::connect(&mysql_url())
+                    .await
+                    .unwrap_or_else(|e| panic!("MySQL at {} is needed for this test: {e}", mysql_url()));
+                let schema = format!(
+                    "relay_{}",
+                    Key::generate().as_str().replace('-', "_").to_lowercase()
+                );
+                for sql in [
+                    format!("CREATE DATABASE {schema}"),
+                    format!(
+                        "CREATE TABLE {schema}.orders (id VARCHAR(64) PRIMARY KEY, amount_cents INT NOT NULL)"
+                    ),
+                ] {
+                    sqlx::query(AssertSqlSafe(sql)).execute(&my).await.unwrap();
+                }
+                let url = mysql_url();
+                idem_ok(&["relay", "migrate", "--database", &url, "--schema", &schema]);
+                Self {
+                    db,
+                    schema,
+                    pg,
+                    my: Some(my),
+                }
+            }
+        }
+    }
+
+    /// The database's URL, as `--database` takes it.
+    fn url(&self) -> String {
+        match self.db {
+            Db::Postgres => database_url(),
+            Db::MySql => mysql_url(),
+        }
+    }
+
+    /// How many rows of the outbox match `condition`.
+    async fn count(&self, condition: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {}.idempotency_outbox WHERE {condition}",
+            self.schema
+        );
+        match &self.my {
+            None => sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(&self.pg)
+                .await
+                .unwrap(),
+            Some(my) => sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(my)
+                .await
+                .unwrap(),
+        }
+    }
+
+    /// Runs the Python producer (psycopg or PyMySQL) with `transactions` transactions into the
+    /// outbox, and checks that nine in ten committed.
+    async fn produce(&self, transactions: u32) {
+        let (script, url) = match self.db {
+            Db::Postgres => (PRODUCER, database_url()),
+            Db::MySql => (MYSQL_PRODUCER, mysql_url()),
+        };
+        python(&["-c", script, &url, &self.schema, &transactions.to_string()]);
+        assert_eq!(self.count("TRUE").await, i64::from(transactions) * 9);
+    }
+
+    /// `idem relay` for this table to `to`, in the background (see [`start_relay`]).
+    fn relay(&self, to: &str) -> Process {
+        relay_on(&self.url(), &self.schema, to)
+    }
+
+    /// Drops the table's schema or database.
+    async fn drop(self) {
+        match &self.my {
+            None => drop_schema(&self.pg, &self.schema).await,
+            Some(my) => {
+                sqlx::query(AssertSqlSafe(format!("DROP DATABASE {}", self.schema)))
+                    .execute(my)
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+}
+
+/// Runs an `async fn(Db)` scenario as one test per database.
+macro_rules! on_both_databases {
+    ($(#[$attr:meta])* $scenario:ident => $postgres:ident, $mysql:ident) => {
+        $(#[$attr])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            $scenario(Db::Postgres).await;
+        }
+
+        $(#[$attr])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $mysql() {
+            $scenario(Db::MySql).await;
+        }
+    };
 }
 
 /// The credentials and region the local AWS server takes, unless the environment has some.
@@ -719,19 +1034,14 @@ async fn rows_are_produced_to_kafka_keyed_by_their_group() {
     drop_schema(&pool, &schema).await;
 }
 
-/// Two relays on one table: every row published once, each group in order (the advisory lock
-/// per group keeps a group with one relay at a time).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_relays_share_a_table_without_reordering_a_group() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let rows: Vec<(String, String)> = (0..200)
-        .map(|i| (format!("group-{}", i % 10), format!("{i}")))
-        .collect();
-    let borrowed: Vec<(&str, &str, Option<&str>, &str)> = rows
-        .iter()
-        .map(|(group, body)| ("", group.as_str(), None, body.as_str()))
-        .collect();
-    let schema = outbox_with(&pool, &borrowed).await;
+on_both_databases!(two_relays_share_a_table => two_relays_share_a_table_without_reordering_a_group, two_relays_share_a_mysql_table_without_reordering_a_group);
+
+/// Two relays on one table: every row published once, each group in order (the lock per group,
+/// advisory on PostgreSQL and named on MySQL, keeps a group with one relay at a time). The
+/// Python producer writes 1,000 rows (100 rolled back) in 20 groups.
+async fn two_relays_share_a_table(db: Db) {
+    let table = Table::new(db).await;
+    table.produce(100).await;
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .unwrap();
@@ -746,7 +1056,7 @@ async fn two_relays_share_a_table_without_reordering_a_group() {
         .await
         .unwrap();
     let to = format!("{}?routing_key={queue}", amqp_url());
-    let _relays = [start_relay(&schema, &to), start_relay(&schema, &to)];
+    let _relays = [table.relay(&to), table.relay(&to)];
     let mut consumer = channel
         .basic_consume(
             queue.as_str().into(),
@@ -757,26 +1067,51 @@ async fn two_relays_share_a_table_without_reordering_a_group() {
         .await
         .unwrap();
     let mut keys = std::collections::HashSet::new();
-    let mut last: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-    for _ in 0..200 {
+    let mut arrived = Vec::new();
+    while arrived.len() < 900 {
         let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
             .await
             .expect("every row within 30 s")
             .unwrap()
             .unwrap();
-        let n: u32 = String::from_utf8_lossy(&delivery.data).parse().unwrap();
-        let group = n % 10;
-        if let Some(previous) = last.insert(group, n) {
-            assert!(previous < n, "group {group}: {n} after {previous}");
-        }
+        arrived.push(String::from_utf8_lossy(&delivery.data).parse().unwrap());
         let key = delivery.properties.message_id().clone().unwrap().to_string();
         assert!(keys.insert(key.clone()), "{key} published twice");
         delivery.ack(BasicAckOptions::default()).await.unwrap();
     }
+    exactly_the_committed_rows_in_order(&arrived, 100);
+    idempotency_testkit::eventually(Duration::from_secs(30), "every row marked sent", async || {
+        table.count("sent_at IS NULL").await == 0
+    })
+    .await;
+    // Every publish was confirmed before its row was marked sent, so a copy would be in the
+    // queue before this marker.
+    channel
+        .basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            b"marker",
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect("the marker arrives")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&next.data),
+        "marker",
+        "no row published twice"
+    );
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
 
 /// The Python producer: `argv[3]` transactions of 10 rows through psycopg, one transaction in
@@ -806,32 +1141,29 @@ for t in range(int(sys.argv[3])):
 conn.close()
 "#;
 
-/// Runs the Python producer with `transactions` transactions into `schema`'s outbox, and checks
-/// that nine in ten committed.
-async fn produce(pool: &PgPool, schema: &str, transactions: u32) {
-    let python = tools_python();
-    let produced = std::process::Command::new(&python)
-        .args(["-c", PRODUCER, &database_url(), schema, &transactions.to_string()])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{} is needed for this test (scripts/services installs it): {e}",
-                python.display()
+/// The Python producer on MySQL, through PyMySQL: as [`PRODUCER`], into the database `argv[2]`
+/// of the server `argv[1]` names.
+const MYSQL_PRODUCER: &str = r#"
+import sys
+from urllib.parse import urlparse
+import pymysql
+
+url = urlparse(sys.argv[1])
+conn = pymysql.connect(host=url.hostname, port=url.port or 3306, user=url.username,
+                       password=url.password or "", database=sys.argv[2])
+for t in range(int(sys.argv[3])):
+    with conn.cursor() as cursor:
+        for i in range(t * 10, t * 10 + 10):
+            cursor.execute(
+                "INSERT INTO idempotency_outbox (ordering_key, `key`, payload) VALUES (%s, %s, %s)",
+                ("g%d" % (i % 20), "evt-%d" % i, str(i).encode()),
             )
-        });
-    assert!(
-        produced.status.success(),
-        "{}",
-        String::from_utf8_lossy(&produced.stderr)
-    );
-    let committed: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {schema}.idempotency_outbox"
-    )))
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    assert_eq!(committed, i64::from(transactions) * 9);
-}
+    if t % 10 == 9:
+        conn.rollback()
+    else:
+        conn.commit()
+conn.close()
+"#;
 
 /// Checks what arrived (payloads, in arrival order) against the Python producer's
 /// `transactions`: exactly the committed rows, once each, none rolled back, each group in order.
@@ -849,20 +1181,20 @@ fn exactly_the_committed_rows_in_order(arrived: &[u32], transactions: u32) {
     }
 }
 
+on_both_databases!(jetstream => a_thousand_python_rows_reach_jetstream_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_jetstream);
+
 /// 1,000 rows from the Python producer (100 rolled back) to JetStream: exactly the 900
 /// committed arrive, each group in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_thousand_python_rows_reach_jetstream_committed_only_and_in_order() {
+async fn jetstream(db: Db) {
     let stream = idempotency_testkit::nats::TestStream::new("relay", |_| {}).await;
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    produce(&pool, &schema, 100).await;
+    let table = Table::new(db).await;
+    table.produce(100).await;
     let to = format!(
         "{}?subject={}",
         idempotency_testkit::nats::nats_url(),
         stream.work
     );
-    let _relay = start_relay(&schema, &to);
+    let _relay = table.relay(&to);
     let reader: async_nats::jetstream::consumer::PullConsumer = stream
         .created
         .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
@@ -880,13 +1212,14 @@ async fn a_thousand_python_rows_reach_jetstream_committed_only_and_in_order() {
         message.ack().await.unwrap();
     }
     exactly_the_committed_rows_in_order(&arrived, 100);
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
+
+on_both_databases!(webhook => a_thousand_python_rows_reach_a_webhook_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_a_webhook);
 
 /// 1,000 rows from the Python producer (100 rolled back) to a counting webhook: exactly the 900
 /// committed arrive, each group in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_thousand_python_rows_reach_a_webhook_committed_only_and_in_order() {
+async fn webhook(db: Db) {
     use axum::extract::State;
     use std::sync::{Arc, Mutex};
 
@@ -903,28 +1236,27 @@ async fn a_thousand_python_rows_reach_a_webhook_committed_only_and_in_order() {
         )
         .with_state(Arc::clone(&arrived));
     let addr = common::serve_app(app).await;
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    produce(&pool, &schema, 100).await;
-    let _relay = start_relay(&schema, &format!("http://{addr}/events"));
+    let table = Table::new(db).await;
+    table.produce(100).await;
+    let _relay = table.relay(&format!("http://{addr}/events"));
     idempotency_testkit::eventually(Duration::from_secs(60), "900 rows posted", async || {
         arrived.lock().unwrap().len() >= 900
     })
     .await;
     exactly_the_committed_rows_in_order(&arrived.lock().unwrap(), 100);
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
+
+on_both_databases!(#[cfg(feature = "sqs")] sqs_fifo => a_thousand_python_rows_reach_an_sqs_fifo_queue_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_an_sqs_fifo_queue);
 
 /// 1,000 rows from the Python producer (100 rolled back) to an SQS FIFO queue (the group as the
 /// message group): exactly the 900 committed arrive, each group in order.
 #[cfg(feature = "sqs")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_thousand_python_rows_reach_an_sqs_fifo_queue_committed_only_and_in_order() {
+async fn sqs_fifo(db: Db) {
     let (client, url) = sqs_queue("events.fifo").await;
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    produce(&pool, &schema, 100).await;
-    let _relay = start_relay(&schema, &format!("sqs://?queue_url={url}"));
+    let table = Table::new(db).await;
+    table.produce(100).await;
+    let _relay = table.relay(&format!("sqs://?queue_url={url}"));
     let mut arrived = Vec::new();
     idempotency_testkit::eventually(Duration::from_secs(120), "900 messages", async || {
         let received = client
@@ -948,21 +1280,21 @@ async fn a_thousand_python_rows_reach_an_sqs_fifo_queue_committed_only_and_in_or
     })
     .await;
     exactly_the_committed_rows_in_order(&arrived, 100);
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
+
+on_both_databases!(#[cfg(feature = "kafka")] kafka => a_thousand_python_rows_reach_kafka_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_kafka);
 
 /// 1,000 rows from the Python producer (100 rolled back) to Kafka (mock cluster, 3 partitions;
 /// the group as the record key): exactly the 900 committed arrive, each group in order.
 #[cfg(feature = "kafka")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_thousand_python_rows_reach_kafka_committed_only_and_in_order() {
+async fn kafka(db: Db) {
     use idempotency_kafka::rdkafka::message::Message;
 
     let (_cluster, brokers, topic) = kafka_topic();
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    produce(&pool, &schema, 100).await;
-    let _relay = start_relay(&schema, &format!("kafka://{brokers}?topic={topic}"));
+    let table = Table::new(db).await;
+    table.produce(100).await;
+    let _relay = table.relay(&format!("kafka://{brokers}?topic={topic}"));
     let reader = kafka_reader(&brokers, &topic);
     let mut arrived = Vec::new();
     while arrived.len() < 900 {
@@ -979,15 +1311,16 @@ async fn a_thousand_python_rows_reach_kafka_committed_only_and_in_order() {
     // Each group is in one partition: the order across partitions is the reader's, within a
     // group it is the relay's.
     exactly_the_committed_rows_in_order(&arrived, 100);
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
+
+on_both_databases!(killed_five_times => a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_each_row_once, a_mysql_relay_killed_five_times_loses_nothing);
 
 /// The relay SIGKILLed five times while it publishes 1,800 committed rows (200 more rolled back
 /// by the Python producer): after the restarts every committed row is sent, none of the rolled
 /// back ones, and a guarded consumer (`idem consume`, one message at a time) runs each key once
 /// and each group in order, however many copies the broker got.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_each_row_once() {
+async fn killed_five_times(db: Db) {
     use axum::extract::State;
     use axum::http::HeaderMap;
     use std::sync::{Arc, Mutex};
@@ -1006,9 +1339,8 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
     )
     .await;
 
-    let pool = PgPool::connect(&database_url()).await.unwrap();
-    let schema = outbox_with(&pool, &[]).await;
-    produce(&pool, &schema, 200).await;
+    let table = Table::new(db).await;
+    table.produce(200).await;
 
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
@@ -1051,26 +1383,21 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
     );
     let _consumer = common::ready(consumer, admin, "idem consume").await;
 
-    let sent = async || -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM {schema}.idempotency_outbox WHERE sent_at IS NOT NULL"
-        )))
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
+    let sent = async || -> i64 { table.count("sent_at IS NOT NULL").await };
     let relay_to = format!("{}?routing_key={queue}", amqp_url());
-    let database = database_url();
+    let database = table.url();
     let relay_args = [
         "relay",
         "--database",
         &database,
         "--schema",
-        &schema,
+        &table.schema,
         "--to",
         &relay_to,
         "--batch",
         "10",
+        "--poll",
+        "100ms",
     ];
     let mut kills = 0;
     for threshold in [200, 500, 800, 1100, 1400] {
@@ -1098,7 +1425,9 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
         &[("result", "duplicate")],
     )
     .await;
-    eprintln!("{kills} kills; {duplicates} duplicate copies reached the consumer and were acked unhandled");
+    eprintln!(
+        "{db:?}: {kills} kills; {duplicates} duplicate copies reached the consumer and were acked unhandled"
+    );
 
     let calls = calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1800, "each committed row handled once");
@@ -1117,7 +1446,7 @@ async fn a_relay_killed_five_times_loses_nothing_and_a_guarded_consumer_runs_eac
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
-    drop_schema(&pool, &schema).await;
+    table.drop().await;
 }
 
 /// A round that only parks rows (100 with keys that are not keys, a whole batch) is progress:
@@ -1224,6 +1553,33 @@ async fn a_version_1_table_is_upgraded_in_place() {
 /// What `idem relay` cannot use is refused at start with the reason, the password never shown.
 #[test]
 fn bad_input_is_refused_at_start() {
+    // A MySQL table that is not an outbox table, or a MySQL URL without a database.
+    let (code, out, err) = common::idem(&[
+        "relay",
+        "--database",
+        &mysql_url(),
+        "--table",
+        "not_an_outbox",
+        "--to",
+        "http://127.0.0.1:9/x",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("not_an_outbox does not exist: create it with `idem relay migrate`"),
+        "{err}"
+    );
+    let (code, out, err) = common::idem(&[
+        "outbox",
+        "list",
+        "--database",
+        "mysql://app:s3cret@127.0.0.1:3306",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("names no database"), "{err}");
+    assert!(!err.contains("s3cret"), "{err}");
+    let (code, out, err) = common::idem(&["inbox", "list", "--database", &mysql_url()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("the inbox is on PostgreSQL"), "{err}");
     let database = database_url();
     for (to, says) in [
         ("smtp://mail/x", "the destination is amqp://"),

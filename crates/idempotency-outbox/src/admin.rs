@@ -8,10 +8,10 @@ use std::time::Duration;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool, Row};
 
 use crate::inbox::Inbox;
-use crate::{OutboxError, Tables, headers};
+use crate::{Database, OutboxError, Tables, headers};
 
 /// How many rows one cleanup statement deletes: small enough to hold no lock for long.
-const PURGE_BATCH: i64 = 1000;
+pub(crate) const PURGE_BATCH: i64 = 1000;
 
 /// An inbox row's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -335,11 +335,16 @@ pub struct OutboxRow {
 ///
 /// [`OutboxError::Database`].
 pub async fn outbox_list(
-    pool: &PgPool,
+    database: impl Into<Database>,
     tables: &Tables,
     all: bool,
     limit: i64,
 ) -> Result<Vec<OutboxRow>, OutboxError> {
+    let pool = match database.into() {
+        Database::Postgres(pool) => pool,
+        #[cfg(feature = "mysql")]
+        Database::MySql(pool) => return crate::mysql::list(&pool, tables, all, limit).await,
+    };
     let sql = format!(
         "SELECT id, ordering_key, destination, key, sent_at IS NOT NULL AS sent, dead_at IS NOT NULL AS dead,
                 attempts, last_error, extract(epoch FROM now() - created_at)::float8 AS age_seconds
@@ -349,7 +354,7 @@ pub async fn outbox_list(
     let rows = sqlx::query(AssertSqlSafe(sql))
         .bind(all)
         .bind(limit)
-        .fetch_all(pool)
+        .fetch_all(&pool)
         .await
         .map_err(OutboxError::db("list the outbox"))?;
     Ok(rows
@@ -398,7 +403,15 @@ impl OutboxStats {
 /// # Errors
 ///
 /// [`OutboxError::Database`].
-pub async fn outbox_stats(pool: &PgPool, tables: &Tables) -> Result<OutboxStats, OutboxError> {
+pub async fn outbox_stats(
+    database: impl Into<Database>,
+    tables: &Tables,
+) -> Result<OutboxStats, OutboxError> {
+    let pool = match database.into() {
+        Database::Postgres(pool) => pool,
+        #[cfg(feature = "mysql")]
+        Database::MySql(pool) => return crate::mysql::stats(&pool, tables).await,
+    };
     let sql = format!(
         "SELECT count(*) FILTER (WHERE sent_at IS NULL AND dead_at IS NULL), count(*) FILTER (WHERE sent_at IS NOT NULL),
                 count(*) FILTER (WHERE dead_at IS NOT NULL AND sent_at IS NULL),
@@ -407,7 +420,7 @@ pub async fn outbox_stats(pool: &PgPool, tables: &Tables) -> Result<OutboxStats,
         tables.qualified_outbox()
     );
     let (pending, sent, dead, oldest_pending_seconds) = sqlx::query_as(AssertSqlSafe(sql))
-        .fetch_one(pool)
+        .fetch_one(&pool)
         .await
         .map_err(OutboxError::db("count the outbox"))?;
     Ok(OutboxStats {
@@ -420,12 +433,22 @@ pub async fn outbox_stats(pool: &PgPool, tables: &Tables) -> Result<OutboxStats,
 
 /// Makes dead outbox rows pending again (all of them, or the one with `id`), their attempts
 /// reset, so that the relay publishes them in their group's order among the rows still pending.
-/// Returns how many.
+/// Returns how many. On PostgreSQL the relays are woken at once; on MySQL they find the rows at
+/// their next poll.
 ///
 /// # Errors
 ///
 /// [`OutboxError::Database`].
-pub async fn outbox_replay(pool: &PgPool, tables: &Tables, id: Option<i64>) -> Result<u64, OutboxError> {
+pub async fn outbox_replay(
+    database: impl Into<Database>,
+    tables: &Tables,
+    id: Option<i64>,
+) -> Result<u64, OutboxError> {
+    let pool = match database.into() {
+        Database::Postgres(pool) => pool,
+        #[cfg(feature = "mysql")]
+        Database::MySql(pool) => return crate::mysql::replay(&pool, tables, id).await,
+    };
     let sql = format!(
         "UPDATE {} SET dead_at = NULL, attempts = 0, last_error = NULL
          WHERE dead_at IS NOT NULL AND sent_at IS NULL AND ($1::bigint IS NULL OR id = $1)",
@@ -433,7 +456,7 @@ pub async fn outbox_replay(pool: &PgPool, tables: &Tables, id: Option<i64>) -> R
     );
     let replayed = sqlx::query(AssertSqlSafe(sql))
         .bind(id)
-        .execute(pool)
+        .execute(&pool)
         .await
         .map_err(OutboxError::db("replay dead outbox rows"))?
         .rows_affected();
@@ -441,7 +464,7 @@ pub async fn outbox_replay(pool: &PgPool, tables: &Tables, id: Option<i64>) -> R
         // The relays are woken as by an insert.
         sqlx::query("SELECT pg_notify($1, '')")
             .bind(tables.outbox_channel())
-            .execute(pool)
+            .execute(&pool)
             .await
             .map_err(OutboxError::db("wake the relays"))?;
     }
@@ -454,17 +477,25 @@ pub async fn outbox_replay(pool: &PgPool, tables: &Tables, id: Option<i64>) -> R
 ///
 /// [`OutboxError::Database`].
 pub async fn outbox_purge_dead(
-    pool: &PgPool,
+    database: impl Into<Database>,
     tables: &Tables,
     older_than: Duration,
 ) -> Result<u64, OutboxError> {
+    let what = "purge dead outbox rows";
+    let pool = match database.into() {
+        Database::Postgres(pool) => pool,
+        #[cfg(feature = "mysql")]
+        Database::MySql(pool) => {
+            return crate::mysql::purge(&pool, tables, "dead_at", older_than, what).await;
+        }
+    };
     let table = tables.qualified_outbox();
     let sql = format!(
         "DELETE FROM {table} WHERE id IN (
              SELECT id FROM {table} WHERE sent_at IS NULL AND dead_at <= now() - make_interval(secs => $1)
              LIMIT {PURGE_BATCH})"
     );
-    purge_batches(pool, &sql, older_than, "purge dead outbox rows").await
+    purge_batches(&pool, &sql, older_than, what).await
 }
 
 /// Deletes sent rows older than `retention`, in batches. Returns how many.
@@ -472,13 +503,23 @@ pub async fn outbox_purge_dead(
 /// # Errors
 ///
 /// [`OutboxError::Database`].
-pub async fn purge_sent(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<u64, OutboxError> {
+pub async fn purge_sent(
+    database: impl Into<Database>,
+    tables: &Tables,
+    retention: Duration,
+) -> Result<u64, OutboxError> {
+    let what = "purge sent outbox rows";
+    let pool = match database.into() {
+        Database::Postgres(pool) => pool,
+        #[cfg(feature = "mysql")]
+        Database::MySql(pool) => return crate::mysql::purge(&pool, tables, "sent_at", retention, what).await,
+    };
     let table = tables.qualified_outbox();
     let sql = format!(
         "DELETE FROM {table} WHERE id IN (
              SELECT id FROM {table} WHERE sent_at < now() - make_interval(secs => $1) LIMIT {PURGE_BATCH})"
     );
-    purge_batches(pool, &sql, retention, "purge sent outbox rows").await
+    purge_batches(&pool, &sql, retention, what).await
 }
 
 /// Runs the batch `DELETE` `sql` (`$1`: an age in seconds) until a batch deletes less than
@@ -489,14 +530,27 @@ async fn purge_batches(
     age: Duration,
     what: &'static str,
 ) -> Result<u64, OutboxError> {
-    let mut purged = 0;
-    loop {
-        let done = sqlx::query(AssertSqlSafe(sql))
+    in_batches(|| async {
+        Ok(sqlx::query(AssertSqlSafe(sql))
             .bind(age.as_secs_f64())
             .execute(pool)
             .await
             .map_err(OutboxError::db(what))?
-            .rows_affected();
+            .rows_affected())
+    })
+    .await
+}
+
+/// Runs `delete` (one batch of at most [`PURGE_BATCH`] rows: short locks) until a batch deletes
+/// fewer; how many in all.
+pub(crate) async fn in_batches<F, D>(mut delete: F) -> Result<u64, OutboxError>
+where
+    F: FnMut() -> D,
+    D: Future<Output = Result<u64, OutboxError>>,
+{
+    let mut purged = 0;
+    loop {
+        let done = delete().await?;
         purged += done;
         if done < PURGE_BATCH.unsigned_abs() {
             return Ok(purged);

@@ -139,8 +139,7 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
         };
         let channel = self.inbox.tables().inbox_channel();
         wake::run(
-            self.inbox.pool(),
-            &channel,
+            Some((self.inbox.pool(), channel.as_str())),
             &what,
             &pace,
             round,

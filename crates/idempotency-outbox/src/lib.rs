@@ -1,4 +1,4 @@
-//! The inbox and the transactional outbox on PostgreSQL: one crate, since both are tables of the
+//! The inbox and the transactional outbox on PostgreSQL (the outbox on MySQL too): one crate, since both are tables of the
 //! same database with the same lifecycle (created under the project's migration lock, woken by
 //! `LISTEN/NOTIFY` with polling as the fallback, cleaned up after a retention, inspected by
 //! `idem inbox` and `idem outbox`).
@@ -34,6 +34,11 @@
 //! (JetStream acks, the key as `Nats-Msg-Id` too) and, with the `kafka` feature,
 //! `KafkaPublisher` (an idempotent producer, the ordering key as the record key).
 //!
+//! **On MySQL and MariaDB** (the `mysql` feature) the outbox is the same table and the same
+//! relay: [`Outbox::enqueue`] takes a MySQL transaction, [`Relay::new`] and the operations
+//! functions a `MySqlPool` (any [`Database`]); groups are held with named locks, and relays poll
+//! since MySQL has no notifications. The inbox stays on PostgreSQL.
+//!
 //! # Operations
 //!
 //! [`inbox_list`], [`inbox_show`], [`inbox_replay`], [`inbox_purge`], [`inbox_stats`],
@@ -42,9 +47,12 @@
 //! they receive, handle, publish and fail to publish (`docs/OPERATIONS.md` lists the metrics).
 
 mod admin;
+mod database;
 mod headers;
 mod inbox;
 mod inbox_worker;
+#[cfg(feature = "mysql")]
+mod mysql;
 mod outbox;
 mod schema;
 mod wake;
@@ -54,9 +62,12 @@ pub use admin::{
     inbox_replay, inbox_show, inbox_stats, outbox_list, outbox_purge_dead, outbox_replay, outbox_stats,
     purge_sent,
 };
+pub use database::Database;
 pub use inbox::{Inbox, InboxHandler, InboxMessage, InboxReceiver, Received, RetryPolicy};
 pub use inbox_worker::InboxWorker;
-pub use outbox::{DEFAULT_MAX_ATTEMPTS, Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay};
+pub use outbox::{
+    DEFAULT_MAX_ATTEMPTS, Outbox, OutboxConnection, OutboxMessage, OutgoingMessage, Publisher, Relay,
+};
 pub use schema::{OUTBOX_VERSION, SCHEMA_VERSION, Tables};
 
 mod amqp;
@@ -85,6 +96,16 @@ pub enum OutboxError {
         /// The driver's error.
         #[source]
         source: sqlx::Error,
+    },
+    /// A MySQL or MariaDB statement failed.
+    #[cfg(feature = "mysql")]
+    #[error("MySQL: {what}: {source}")]
+    MySql {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's error.
+        #[source]
+        source: idempotency_mysql::sqlx::Error,
     },
     /// A setting or an argument is invalid.
     #[error("{0}")]

@@ -7,12 +7,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
-use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Row};
+use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 
 use crate::wake::{self, Pace};
-use crate::{OutboxError, Tables, headers};
+use crate::{Database, OutboxError, Tables, headers};
 
 /// A message to publish when the caller's transaction commits.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,6 +100,8 @@ impl<P: Publisher + ?Sized> Publisher for Arc<P> {
 pub struct Outbox {
     tables: Tables,
     sql: Arc<Statements>,
+    #[cfg(feature = "mysql")]
+    mysql: Arc<crate::mysql::Statements>,
 }
 
 impl fmt::Debug for Outbox {
@@ -116,6 +119,86 @@ struct Statements {
     claim: String,
     sent: String,
     failed: String,
+}
+
+/// A connection an outbox message can be enqueued on, in the caller's transaction: a
+/// PostgreSQL connection or transaction, and with the `mysql` feature a MySQL one.
+pub trait OutboxConnection: sealed::Sealed + Send {
+    /// Inserts `message` into `outbox` on this connection; its id. What
+    /// [`Outbox::enqueue`] runs.
+    #[doc(hidden)]
+    fn insert<'a>(
+        &'a mut self,
+        outbox: &'a Outbox,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<i64, OutboxError>>;
+}
+
+mod sealed {
+    /// Only this crate's connections enqueue.
+    pub trait Sealed {}
+}
+
+impl sealed::Sealed for PgConnection {}
+impl OutboxConnection for PgConnection {
+    fn insert<'a>(
+        &'a mut self,
+        outbox: &'a Outbox,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<i64, OutboxError>> {
+        Box::pin(async move {
+            let row = sqlx::query(AssertSqlSafe(outbox.sql.enqueue.as_str()))
+                .bind(&message.destination)
+                .bind(&message.ordering_key)
+                .bind(message.key.as_ref().map(Key::as_str))
+                .bind(&message.payload)
+                .bind(headers::to_json(&message.headers).to_string())
+                .fetch_one(self)
+                .await
+                .map_err(OutboxError::db("enqueue an outbox message"))?;
+            Ok(row.get("id"))
+        })
+    }
+}
+
+impl sealed::Sealed for sqlx::Transaction<'_, Postgres> {}
+impl OutboxConnection for sqlx::Transaction<'_, Postgres> {
+    fn insert<'a>(
+        &'a mut self,
+        outbox: &'a Outbox,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<i64, OutboxError>> {
+        (**self).insert(outbox, message)
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql_connections {
+    use idempotency_mysql::sqlx::{MySql, MySqlConnection, Transaction};
+
+    use super::{BoxFuture, Outbox, OutboxConnection, OutboxError, OutgoingMessage, sealed};
+
+    impl sealed::Sealed for MySqlConnection {}
+    impl OutboxConnection for MySqlConnection {
+        fn insert<'a>(
+            &'a mut self,
+            outbox: &'a Outbox,
+            message: &'a OutgoingMessage,
+        ) -> BoxFuture<'a, Result<i64, OutboxError>> {
+            crate::mysql::enqueue(self, &outbox.mysql, message)
+        }
+    }
+
+    impl sealed::Sealed for Transaction<'_, MySql> {}
+    impl OutboxConnection for Transaction<'_, MySql> {
+        fn insert<'a>(
+            &'a mut self,
+            outbox: &'a Outbox,
+            message: &'a OutgoingMessage,
+        ) -> BoxFuture<'a, Result<i64, OutboxError>> {
+            (**self).insert(outbox, message)
+        }
+    }
 }
 
 impl Outbox {
@@ -143,14 +226,16 @@ impl Outbox {
                  WHERE sent_at IS NULL AND dead_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2"
             ),
             sent: format!("UPDATE {table} SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)"),
-            // Past the limit, the row is parked as dead: its group goes on without it.
+            // A row parked as dead: its group goes on without it.
             failed: format!(
                 "UPDATE {table} SET attempts = attempts + 1, last_error = $2,
-                        dead_at = CASE WHEN attempts + 1 >= $3 THEN now() END
-                 WHERE id = $1 RETURNING dead_at IS NOT NULL"
+                        dead_at = CASE WHEN $3 THEN now() END
+                 WHERE id = $1"
             ),
         };
         Self {
+            #[cfg(feature = "mysql")]
+            mysql: Arc::new(crate::mysql::Statements::new(&tables)),
             tables,
             sql: Arc::new(sql),
         }
@@ -162,27 +247,127 @@ impl Outbox {
         &self.tables
     }
 
-    /// Writes `message` in the caller's transaction (pass `&mut *tx` for a `PgTransaction`): it
-    /// is published if and only if that transaction commits. Returns its id.
+    /// Writes `message` in the caller's transaction (a PostgreSQL transaction or connection,
+    /// and with the `mysql` feature a MySQL one): it is published if and only if that
+    /// transaction commits. Returns its id.
     ///
     /// # Errors
     ///
-    /// [`OutboxError::Database`]: roll the transaction back, as for any failed statement.
-    pub async fn enqueue(
+    /// [`OutboxError::Database`] (or [`OutboxError::MySql`]): roll the transaction back, as for
+    /// any failed statement.
+    pub async fn enqueue<C: OutboxConnection + ?Sized>(
         &self,
-        tx: &mut PgConnection,
+        tx: &mut C,
         message: &OutgoingMessage,
     ) -> Result<i64, OutboxError> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.enqueue.as_str()))
-            .bind(&message.destination)
-            .bind(&message.ordering_key)
-            .bind(message.key.as_ref().map(Key::as_str))
-            .bind(&message.payload)
-            .bind(headers::to_json(&message.headers).to_string())
-            .fetch_one(tx)
+        tx.insert(self, message).await
+    }
+}
+
+/// A pending row as a relay round reads it.
+pub(crate) struct Pending {
+    pub(crate) id: i64,
+    pub(crate) ordering_key: String,
+    pub(crate) destination: String,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    /// The `headers` column as text.
+    pub(crate) headers: String,
+    /// Failed publishes so far.
+    pub(crate) attempts: i32,
+}
+
+/// A relay round's hold on the table, in one database's dialect: its groups are held and its
+/// transaction open until [`finish`](Self::finish); dropped before, nothing it did is kept.
+pub(crate) trait Round: Send {
+    /// Records a failed publish of row `id`, parked as dead when `dead`.
+    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>>;
+
+    /// Marks the rows `sent`, commits and lets the groups go.
+    fn finish<'b>(self, sent: &'b [i64]) -> BoxFuture<'b, Result<(), OutboxError>>
+    where
+        Self: 'b;
+}
+
+/// A relay round on PostgreSQL: a transaction holding its groups' advisory locks.
+struct PgRound<'a> {
+    tx: sqlx::Transaction<'static, Postgres>,
+    sql: &'a Statements,
+}
+
+impl<'a> PgRound<'a> {
+    /// Begins a round: holds the groups of up to `batch` of the oldest pending rows, and reads
+    /// their pending rows in id order.
+    async fn begin(
+        pool: &PgPool,
+        sql: &'a Statements,
+        batch: u32,
+    ) -> Result<(Self, Vec<Pending>), OutboxError> {
+        let mut tx = pool
+            .begin()
             .await
-            .map_err(OutboxError::db("enqueue an outbox message"))?;
-        Ok(row.get("id"))
+            .map_err(OutboxError::db("begin a relay round"))?;
+        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql.keys.as_str()))
+            .bind(i64::from(batch))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(OutboxError::db("lock the pending ordering keys"))?;
+        if held.is_empty() {
+            return Ok((Self { tx, sql }, Vec::new()));
+        }
+        let rows = sqlx::query(AssertSqlSafe(sql.claim.as_str()))
+            .bind(&held)
+            .bind(i64::from(batch))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(OutboxError::db("read the pending rows"))?;
+        let rows = rows
+            .iter()
+            .map(|row| Pending {
+                id: row.get("id"),
+                ordering_key: row.get("ordering_key"),
+                destination: row.get("destination"),
+                key: row.get("key"),
+                payload: row.get("payload"),
+                headers: row.get("headers"),
+                attempts: row.get("attempts"),
+            })
+            .collect();
+        Ok((Self { tx, sql }, rows))
+    }
+}
+
+impl Round for PgRound<'_> {
+    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(self.sql.failed.as_str()))
+                .bind(id)
+                .bind(why)
+                .bind(dead)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(OutboxError::db("record a publish error"))?;
+            Ok(())
+        })
+    }
+
+    fn finish<'b>(mut self, sent: &'b [i64]) -> BoxFuture<'b, Result<(), OutboxError>>
+    where
+        Self: 'b,
+    {
+        Box::pin(async move {
+            if !sent.is_empty() {
+                sqlx::query(AssertSqlSafe(self.sql.sent.as_str()))
+                    .bind(sent)
+                    .execute(&mut *self.tx)
+                    .await
+                    .map_err(OutboxError::db("mark rows sent"))?;
+            }
+            self.tx
+                .commit()
+                .await
+                .map_err(OutboxError::db("commit a relay round"))
+        })
     }
 }
 
@@ -193,7 +378,8 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 /// Publishes pending outbox rows with a [`Publisher`] and marks them sent.
 ///
 /// **Several relays may run.** Each round, a relay takes the ordering keys of the oldest pending
-/// rows and tries a transaction-scoped advisory lock on each (`pg_try_advisory_xact_lock`): a
+/// rows and tries a transaction-scoped advisory lock on each (`pg_try_advisory_xact_lock`; on
+/// MySQL a named lock, `GET_LOCK`, released after the round's commit): a
 /// key is published by one relay at a time, in id order, while different keys are published by
 /// different relays in parallel. Rows are not claimed with `FOR UPDATE SKIP LOCKED`: skipping a
 /// locked row would let another relay publish the next row of the same aggregate first. The
@@ -209,7 +395,7 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 /// it in its group go on.
 #[derive(Debug)]
 pub struct Relay<P> {
-    pool: PgPool,
+    db: Database,
     outbox: Outbox,
     publisher: P,
     name: String,
@@ -222,12 +408,14 @@ pub struct Relay<P> {
 }
 
 impl<P: Publisher> Relay<P> {
-    /// A relay of `outbox` on `pool`, publishing with `publisher`. Defaults: batches of 100,
-    /// polling every second, sent rows kept 7 days and cleaned up every minute.
-    pub fn new(pool: PgPool, outbox: Outbox, publisher: P) -> Self {
+    /// A relay of `outbox` on `database` (a `PgPool`, or with the `mysql` feature a
+    /// `MySqlPool`), publishing with `publisher`. Defaults: batches of 100, polling every
+    /// second, sent rows kept 7 days and cleaned up every minute.
+    pub fn new(database: impl Into<Database>, outbox: Outbox, publisher: P) -> Self {
+        let db = database.into();
         Self {
-            name: outbox.tables.qualified_outbox(),
-            pool,
+            name: db.qualified_outbox(&outbox.tables),
+            db,
             outbox,
             publisher,
             batch: 100,
@@ -265,7 +453,8 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Whether idle loops `LISTEN` for the notifications sent when messages arrive (the
-    /// default); without, they only poll, and a message waits up to the poll interval.
+    /// default on PostgreSQL); without, they only poll, and a message waits up to the poll
+    /// interval. MySQL has no notifications: relays on it poll.
     #[must_use]
     pub fn notifications(mut self, listen: bool) -> Self {
         self.listen = listen;
@@ -303,43 +492,42 @@ impl<P: Publisher> Relay<P> {
     /// many it parked as dead. A round that only parked rows made progress too: the rows after
     /// them are there to publish at once.
     async fn round(&self) -> Result<(usize, usize), OutboxError> {
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(OutboxError::db("begin a relay round"))?;
-        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.keys.as_str()))
-            .bind(i64::from(self.batch))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(OutboxError::db("lock the pending ordering keys"))?;
-        if held.is_empty() {
-            tx.commit().await.map_err(OutboxError::db("end a relay round"))?;
-            return Ok((0, 0));
+        match &self.db {
+            Database::Postgres(pool) => {
+                let (round, rows) = PgRound::begin(pool, &self.outbox.sql, self.batch).await?;
+                self.publish(round, rows).await
+            }
+            #[cfg(feature = "mysql")]
+            Database::MySql(pool) => {
+                let (round, rows) =
+                    crate::mysql::MySqlRound::begin(pool, &self.outbox.mysql, self.batch).await?;
+                self.publish(round, rows).await
+            }
         }
-        let rows = sqlx::query(AssertSqlSafe(self.outbox.sql.claim.as_str()))
-            .bind(&held)
-            .bind(i64::from(self.batch))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(OutboxError::db("read the pending rows"))?;
+    }
+
+    /// Publishes the `rows` a round holds, in order per group, and finishes the round.
+    async fn publish<R: Round>(
+        &self,
+        mut round: R,
+        rows: Vec<Pending>,
+    ) -> Result<(usize, usize), OutboxError> {
         let mut sent = Vec::new();
         let mut parked = 0;
         let mut stopped: HashSet<String> = HashSet::new();
         let mut last_error = None;
         for row in rows {
-            let ordering_key: String = row.get("ordering_key");
-            if stopped.contains(&ordering_key) {
+            if stopped.contains(&row.ordering_key) {
                 continue;
             }
-            let id: i64 = row.get("id");
-            let key = match row.get::<Option<String>, _>("key") {
+            let id = row.id;
+            let key = match row.key {
                 Some(text) => match Key::new(text) {
                     Ok(key) => key,
                     Err(error) => {
                         // No attempt can publish it: parked at once.
                         let why = format!("the row's key is not a valid Idempotency-Key: {error}");
-                        self.failed(&mut tx, id, &why, 0).await?;
+                        self.failed(&mut round, id, &why, true).await?;
                         parked += 1;
                         continue;
                     }
@@ -351,11 +539,11 @@ impl<P: Publisher> Relay<P> {
                     ))
                 })?,
             };
-            let headers = match headers::parse(row.get("headers")) {
+            let headers = match headers::parse(&row.headers) {
                 Ok(headers) => headers,
                 Err(why) => {
                     // No attempt can publish it: parked at once, with the reason.
-                    self.failed(&mut tx, id, &why, 0).await?;
+                    self.failed(&mut round, id, &why, true).await?;
                     parked += 1;
                     continue;
                 }
@@ -363,9 +551,9 @@ impl<P: Publisher> Relay<P> {
             let message = OutboxMessage {
                 id,
                 key,
-                destination: row.get("destination"),
-                ordering_key,
-                payload: row.get("payload"),
+                destination: row.destination,
+                ordering_key: row.ordering_key,
+                payload: row.payload,
                 headers,
             };
             match self.publisher.publish(&message).await {
@@ -374,7 +562,10 @@ impl<P: Publisher> Relay<P> {
                     let text = error.to_string();
                     metrics::counter!("idempotency_outbox_relay_errors_total", "outbox" => self.name.clone())
                         .increment(1);
-                    if self.failed(&mut tx, id, &text, self.max_attempts).await? {
+                    // Past the limit, the row is parked: its group goes on without it.
+                    let dead = i64::from(row.attempts) + 1 >= i64::from(self.max_attempts);
+                    self.failed(&mut round, id, &text, dead).await?;
+                    if dead {
                         parked += 1;
                     } else {
                         tracing::warn!(outbox = %self.name, id, error = %text, "publish failed; the aggregate waits");
@@ -384,14 +575,7 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         }
-        sqlx::query(AssertSqlSafe(self.outbox.sql.sent.as_str()))
-            .bind(&sent)
-            .execute(&mut *tx)
-            .await
-            .map_err(OutboxError::db("mark rows sent"))?;
-        tx.commit()
-            .await
-            .map_err(OutboxError::db("commit a relay round"))?;
+        round.finish(&sent).await?;
         metrics::counter!("idempotency_outbox_published_total", "outbox" => self.name.clone())
             .increment(sent.len() as u64);
         match last_error {
@@ -400,27 +584,20 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
-    /// Records a failed publish of row `id` (`why`); a row at `limit` attempts is parked as
-    /// dead. Whether it was parked.
-    async fn failed(
+    /// Records a failed publish of row `id` (`why`), parked as dead when `dead`.
+    async fn failed<R: Round>(
         &self,
-        tx: &mut PgConnection,
+        round: &mut R,
         id: i64,
         why: &str,
-        limit: u32,
-    ) -> Result<bool, OutboxError> {
-        let dead: bool = sqlx::query_scalar(AssertSqlSafe(self.outbox.sql.failed.as_str()))
-            .bind(id)
-            .bind(why)
-            .bind(i64::from(limit))
-            .fetch_one(tx)
-            .await
-            .map_err(OutboxError::db("record a publish error"))?;
+        dead: bool,
+    ) -> Result<(), OutboxError> {
+        round.failed(id, why, dead).await?;
         if dead {
             metrics::counter!("idempotency_outbox_dead_total", "outbox" => self.name.clone()).increment(1);
             tracing::warn!(outbox = %self.name, id, error = %why, "parked as dead: `idem outbox replay` sends it again after a fix; its group goes on");
         }
-        Ok(dead)
+        Ok(())
     }
 
     /// Relays until `shutdown` completes, then finishes the round in progress and returns.
@@ -447,17 +624,20 @@ impl<P: Publisher> Relay<P> {
             Ok(sent + parked > 0)
         };
         let cleanup = || async {
-            if let Err(error) =
-                crate::admin::purge_sent(&self.pool, &self.outbox.tables, self.retention).await
+            if let Err(error) = crate::admin::purge_sent(&self.db, &self.outbox.tables, self.retention).await
             {
                 tracing::warn!(outbox = %self.name, %error, "outbox cleanup failed");
             }
-            match crate::admin::outbox_stats(&self.pool, &self.outbox.tables).await {
+            match crate::admin::outbox_stats(&self.db, &self.outbox.tables).await {
                 Ok(stats) => stats.show(&self.name),
                 Err(error) => tracing::warn!(outbox = %self.name, %error, "outbox statistics failed"),
             }
         };
         let channel = self.outbox.tables.outbox_channel();
-        wake::run(&self.pool, &channel, &what, &pace, round, cleanup, shutdown).await
+        let listen = match &self.db {
+            Database::Postgres(pool) if self.listen => Some((pool, channel.as_str())),
+            _ => None,
+        };
+        wake::run(listen, &what, &pace, round, cleanup, shutdown).await
     }
 }

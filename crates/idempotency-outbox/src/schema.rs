@@ -4,7 +4,7 @@
 use idempotency_postgres::Identifier;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 
-use crate::OutboxError;
+use crate::{Database, OutboxError};
 
 /// The version of the inbox table this crate writes into its comment, and the only one it
 /// reads.
@@ -76,6 +76,18 @@ impl Tables {
     pub fn outbox(mut self, table: &str) -> Result<Self, idempotency_core::StoreError> {
         self.outbox = Identifier::new(table)?;
         Ok(self)
+    }
+
+    /// The schema's name (on MySQL a database; `public` there means the URL's own).
+    #[cfg(feature = "mysql")]
+    pub(crate) fn schema_name(&self) -> &str {
+        self.schema.as_str()
+    }
+
+    /// The outbox table's name, unqualified.
+    #[cfg(feature = "mysql")]
+    pub(crate) fn outbox_name(&self) -> &str {
+        self.outbox.as_str()
     }
 
     /// `schema.inbox`, as the SQL uses it.
@@ -184,13 +196,19 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
     }
 
     /// Creates (or upgrades) the outbox table alone, as [`migrate`](Self::migrate) does both:
-    /// what `idem relay migrate` runs for a service that has no inbox.
+    /// what `idem relay migrate` runs for a service that has no inbox. On PostgreSQL or, with
+    /// the `mysql` feature, on MySQL and MariaDB (where the schema `public`, the default, means
+    /// the URL's database, and the lock is the named lock `idempotency-migrate`).
     ///
     /// # Errors
     ///
     /// As [`migrate`](Self::migrate).
-    pub async fn migrate_outbox(&self, pool: &PgPool) -> Result<(), OutboxError> {
-        self.migrate_tables(pool, false).await
+    pub async fn migrate_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
+        match database.into() {
+            Database::Postgres(pool) => self.migrate_tables(&pool, false).await,
+            #[cfg(feature = "mysql")]
+            Database::MySql(pool) => crate::mysql::migrate(&pool, self).await,
+        }
     }
 
     async fn migrate_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
@@ -228,8 +246,12 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
     /// # Errors
     ///
     /// As [`check`](Self::check).
-    pub async fn check_outbox(&self, pool: &PgPool) -> Result<(), OutboxError> {
-        self.check_tables(pool, false).await
+    pub async fn check_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
+        match database.into() {
+            Database::Postgres(pool) => self.check_tables(&pool, false).await,
+            #[cfg(feature = "mysql")]
+            Database::MySql(pool) => crate::mysql::check(&pool, self).await,
+        }
     }
 
     async fn check_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {

@@ -25,12 +25,11 @@ pub(crate) struct Pace {
     pub(crate) listen: bool,
 }
 
-/// Listens on `channel`, runs `pace.loops` loops of rounds of `round` (each returns whether there may be more
+/// Listens on `listen`'s channel (a pool and a channel; `None`: polling only), runs `pace.loops` loops of rounds of `round` (each returns whether there may be more
 /// work right away) and `cleanup` every `pace.cleanup_every`, until `shutdown`; then lets each
 /// loop finish its round. `what` names the loops in logs.
 pub(crate) async fn run<R, RF, C, CF, S>(
-    pool: &PgPool,
-    channel: &str,
+    listen: Option<(&PgPool, &str)>,
     what: &str,
     pace: &Pace,
     round: R,
@@ -44,7 +43,7 @@ where
     CF: Future<Output = ()>,
     S: Future<Output = ()>,
 {
-    let mut listener = if pace.listen {
+    let mut listener = if let Some((pool, channel)) = listen.filter(|_| pace.listen) {
         let mut listener = PgListener::connect_with(pool)
             .await
             .map_err(OutboxError::db("connect for notifications"))?;

@@ -17,7 +17,7 @@
 //! | `mysql` | [`mysql::MysqlStore`] (`mysql://`, `mariadb://` URLs), with same-transaction mode |
 //! | `redis` | [`redis::RedisStore`] (`redis://`, `rediss://`, `redis-cluster://` URLs) |
 //! | `kafka` | [`kafka`], idempotent Kafka consumption (builds the bundled librdkafka) |
-//! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL |
+//! | `outbox` | [`outbox`], the inbox and the transactional outbox on PostgreSQL (with `mysql`, the outbox on MySQL too) |
 //! | `dynamodb` | [`dynamodb::DynamoDbStore`] (`dynamodb://` URLs; builds the AWS SDK, rustls on ring) |
 //! | `sqs` | [`sqs`], idempotent Amazon SQS consumers (builds the AWS SDK, rustls on ring) |
 //! | `testkit` | [`testkit`], the conformance suite and a fault-injecting store |
