@@ -259,6 +259,123 @@ struct RawFile {
     route: Vec<Spanned<RawRoute>>,
 }
 
+/// A `[[relay]]` table: `idem relay`'s flags with their values, as its command line would pass
+/// them, and the line of its header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayTable {
+    /// The line of the `[[relay]]` header.
+    pub line: usize,
+    /// `--flag value` pairs (a switch alone), in file order.
+    pub args: Vec<String>,
+}
+
+/// Keys a `[[relay]]` table may not set: the process's, given on the command line.
+const NOT_RELAY_SETTINGS: [&str; 2] = ["config", "admin-listen"];
+
+/// Reads the `[[relay]]` tables of `path` for `idem relay --config` (`command`): each key one
+/// of its flags by its long name, checked by the flag's own parser. The file's other keys and
+/// tables are `idem serve`'s, which checks them.
+///
+/// # Errors
+///
+/// [`FileError`] with the place: a file that cannot be read or is not TOML, no `[[relay]]`
+/// table, an unknown key, a value the flag refuses, a table without `database` or `to`.
+pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, FileError> {
+    use toml::de::DeValue;
+
+    let text = read(path)?;
+    let at = |span: Range<usize>, message: String| {
+        let (line, column) = line_column(&text, span.start);
+        FileError {
+            path: path.to_owned(),
+            line,
+            column,
+            message,
+        }
+    };
+    let table = toml::de::DeTable::parse(&text).map_err(|error| {
+        at(
+            error.span().unwrap_or(0..0),
+            error.message().trim_end().to_owned(),
+        )
+    })?;
+    let tables = match table
+        .get_ref()
+        .get("relay")
+        .map(|value| (value.get_ref(), value.span()))
+    {
+        Some((DeValue::Array(tables), _)) => tables,
+        Some((_, span)) => return Err(at(span, "`relay` is an array of tables: [[relay]]".into())),
+        None => {
+            return Err(at(
+                0..0,
+                "has no [[relay]] table: each names a `database` and a `to` (docs/OUTBOX.md)".into(),
+            ));
+        }
+    };
+    let command = command.clone().mut_args(|arg| arg.env(None));
+    let mut relays = Vec::new();
+    for relay in tables {
+        let DeValue::Table(entries) = relay.get_ref() else {
+            return Err(at(relay.span(), "a [[relay]] is a table".into()));
+        };
+        let mut args = Vec::new();
+        let mut spans = Vec::new();
+        for (key, value) in entries {
+            let name = key.get_ref().as_ref();
+            let flag = (!NOT_RELAY_SETTINGS.contains(&name))
+                .then(|| command.get_arguments().find(|arg| arg.get_long() == Some(name)))
+                .flatten();
+            let Some(flag) = flag else {
+                return Err(at(
+                    key.span(),
+                    format!(
+                        "unknown key `{name}` in [[relay]]: its keys are `idem relay`'s flags without `--` (not `config` or `admin-listen`, which are the process's)"
+                    ),
+                ));
+            };
+            let switch = !flag.get_action().takes_values();
+            let value = setting_value(name, value.get_ref(), switch)
+                .map_err(|why| at(value.span(), why.to_string()))?;
+            if switch && value.as_deref() == Some("false") {
+                continue;
+            }
+            spans.push((name.to_owned(), key.span()));
+            args.push(format!("--{name}"));
+            if !switch {
+                args.extend(value);
+            }
+        }
+        for required in ["database", "to"] {
+            if !spans.iter().any(|(name, _)| name == required) {
+                return Err(at(
+                    relay.span(),
+                    format!("[[relay]] has no `{required}`: each relay names a `database` and a `to`"),
+                ));
+            }
+        }
+        let mut line = vec!["relay".to_owned()];
+        line.extend(args.iter().cloned());
+        if let Err(error) = command.clone().try_get_matches_from(line) {
+            use clap::error::{ContextKind, ContextValue};
+            let flag = match error.get(ContextKind::InvalidArg) {
+                Some(ContextValue::String(flag)) => flag.clone(),
+                _ => String::new(),
+            };
+            let span = spans
+                .iter()
+                .find(|(name, _)| flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}"))
+                .map_or_else(|| relay.span(), |(_, span)| span.clone());
+            return Err(at(span, format!("[[relay]]: {}", clap_reason(&error))));
+        }
+        relays.push(RelayTable {
+            line: line_column(&text, relay.span().start).0,
+            args,
+        });
+    }
+    Ok(relays)
+}
+
 /// Reads and checks `path`: the top-level keys against `command`'s flags (the `idem serve`
 /// command, whose value parsers check the values), the routes against their own keys.
 ///
@@ -268,13 +385,17 @@ struct RawFile {
 /// unknown key, a value a flag's parser refuses, a route without `path`, a bad duration, size,
 /// JSON pointer, URL or status list.
 pub fn load(path: &Path, command: &clap::Command) -> Result<ConfigFile, FileError> {
-    let text = std::fs::read_to_string(path).map_err(|error| FileError {
+    parse(path, &read(path)?, command)
+}
+
+/// The text of the file at `path`.
+fn read(path: &Path) -> Result<String, FileError> {
+    std::fs::read_to_string(path).map_err(|error| FileError {
         path: path.to_owned(),
         line: 0,
         column: 0,
         message: format!("cannot be read: {error}"),
-    })?;
-    parse(path, &text, command)
+    })
 }
 
 /// As [`load`], from the file's text.
@@ -300,7 +421,8 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
     let mut settings = Vec::new();
     for (key, value) in table.get_ref() {
         let name = key.get_ref().as_ref();
-        if name == "route" {
+        // `[[relay]]` tables are `idem relay`'s (`relays`).
+        if name == "route" || name == "relay" {
             continue;
         }
         let Some(flag) = setting_flag(command, name) else {

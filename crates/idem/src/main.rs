@@ -701,7 +701,11 @@ async fn run(command: Command) -> Result<String, Error> {
                 table,
             }) => idem::relay::migrate(&database, &schema, &table).await,
             None => {
-                idem::relay::relay(args.config, shutdown_signal()).await?;
+                let command = <Cli as clap::CommandFactory>::command();
+                let relay = command
+                    .find_subcommand("relay")
+                    .unwrap_or_else(|| unreachable!("idem has a relay command"));
+                idem::relay::relay(args.config, relay, shutdown_signal()).await?;
                 Ok(String::new())
             }
         },

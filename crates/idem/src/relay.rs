@@ -27,17 +27,22 @@ use crate::boxes::Location;
 use crate::error::Error;
 use crate::units;
 
-/// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable.
+/// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable, and the keys of
+/// a `[[relay]]` table of `--config`'s file.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
+    /// Run the relays of this TOML file's `[[relay]]` tables, one per table, each with these
+    /// flags as its keys (docs/OUTBOX.md); instead of --database and --to.
+    #[arg(long, env = "IDEM_CONFIG", conflicts_with_all = ["database", "to"])]
+    pub config: Option<std::path::PathBuf>,
     /// The database holding the outbox table: postgres://…, or mysql://… and mariadb://… (which
     /// have no notifications: the relay polls every --poll).
-    #[arg(long, env = "IDEM_DATABASE", required = true)]
+    #[arg(long, env = "IDEM_DATABASE", required_unless_present = "config")]
     pub database: Option<String>,
     /// Where rows are published: amqp(s)://…?exchange=…&routing_key=…, nats://…?subject=…,
     /// kafka://…?topic=… (the row's destination, when set, replaces the routing key, subject or
     /// topic).
-    #[arg(long, env = "IDEM_TO", required = true)]
+    #[arg(long, env = "IDEM_TO", required_unless_present = "config")]
     pub to: Option<String>,
     /// The outbox table's schema.
     #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
@@ -258,6 +263,9 @@ async fn destination(to: &str) -> Result<To, Error> {
             let publisher = NatsPublisher::connect(&url, Duration::from_secs(10))
                 .await
                 .map_err(|e| refused(e.to_string()))?;
+            if let Some(subject) = &subject {
+                publisher.check_subject(subject).await.map_err(refused)?;
+            }
             Ok(To {
                 publisher: Destination::Nats(publisher),
                 default: subject,
@@ -268,6 +276,12 @@ async fn destination(to: &str) -> Result<To, Error> {
             let (url, topic) = take_param(to, "topic")?;
             let publisher =
                 idempotency_outbox::KafkaPublisher::from_url(&url).map_err(|e| refused(e.to_string()))?;
+            if let Some(topic) = &topic {
+                publisher
+                    .check_topic(topic, Duration::from_secs(10))
+                    .await
+                    .map_err(refused)?;
+            }
             Ok(To {
                 publisher: Destination::Kafka(publisher),
                 default: topic,
@@ -390,26 +404,100 @@ pub async fn migrate(database: &str, schema: &str, table: &str) -> Result<String
     Ok(format!("{}: ready\n", database.qualified_outbox(&at.tables)))
 }
 
-/// Runs `idem relay` until `shutdown` completes: then the round in progress finishes and it
-/// returns.
+/// The relays `config` asks for: itself, or with `--config` one per `[[relay]]` table of the
+/// file (`command` is `idem relay`'s, whose flags are the tables' keys).
 ///
 /// # Errors
 ///
-/// A `--to` that cannot be used, a database that cannot be reached, a table that is missing
-/// (`idem relay migrate` creates it) or of another version.
-pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), Error> {
-    let tables = tables(&config)?;
-    let to = destination(config.to.as_deref().unwrap_or_default()).await?;
+/// [`Error::Usage`] naming the file, the line and the column of what is wrong; two tables on
+/// one outbox table (each row goes to one destination: give it in the row's `destination`).
+pub fn configs(config: Config, command: &clap::Command) -> Result<Vec<Config>, Error> {
+    let Some(path) = &config.config else {
+        return Ok(vec![config]);
+    };
+    let command = command.clone().mut_args(|arg| arg.env(None));
+    let mut configs: Vec<(usize, Config)> = Vec::new();
+    for table in crate::config_file::relays(path, &command).map_err(|e| Error::Usage(e.to_string()))? {
+        let mut args = vec!["relay".to_owned()];
+        args.extend(table.args);
+        let relay = command
+            .clone()
+            .try_get_matches_from(args)
+            .and_then(|matches| <Config as clap::FromArgMatches>::from_arg_matches(&matches))
+            .map_err(|e| Error::Usage(format!("{}:{}: {e}", path.display(), table.line)))?;
+        let same = |other: &Config| {
+            other.database == relay.database && other.schema == relay.schema && other.table == relay.table
+        };
+        if let Some((line, _)) = configs.iter().find(|(_, other)| same(other)) {
+            return Err(Error::Usage(format!(
+                "{}:{}: the [[relay]] at line {line} relays the same outbox table: each row goes to one destination, so one table has one relay (several processes may run it; a row's `destination` picks among the queues, subjects or topics of one --to)",
+                path.display(),
+                table.line
+            )));
+        }
+        configs.push((table.line, relay));
+    }
+    Ok(configs.into_iter().map(|(_, config)| config).collect())
+}
+
+/// A relay ready to run: its table checked and its destination reached.
+struct Prepared {
+    relay: Relay<To>,
+    name: String,
+    to: String,
+}
+
+/// Checks `config`'s destination and table, and builds its relay.
+async fn prepare(config: &Config) -> Result<Prepared, Error> {
+    let tables = tables(config)?;
+    let to_url = config.to.clone().unwrap_or_default();
+    let to = destination(&to_url).await?;
     let at = Location {
         database: config.database.clone().unwrap_or_default(),
         tables: tables.clone(),
     };
     let database = at.database_of(4, false).await?;
     tables.check_outbox(&database).await?;
+    let mut name = database.qualified_outbox(&tables);
+    let mut relay = Relay::new(database, Outbox::new(tables), to)
+        .batch(config.batch)
+        .max_attempts(config.max_attempts)
+        .poll(config.poll)
+        .retention(config.retention, Duration::from_secs(60));
+    if let Some(named) = &config.name {
+        relay = relay.name(named.clone());
+        name.clone_from(named);
+    }
+    Ok(Prepared {
+        relay,
+        name,
+        to: idempotency::redact_url(&to_url),
+    })
+}
+
+/// Runs `idem relay` until `shutdown` completes: then the rounds in progress finish and it
+/// returns. With `--config`, every `[[relay]]` of the file in this one process (`command` is
+/// `idem relay`'s, for the tables' keys).
+///
+/// # Errors
+///
+/// A `--to` that cannot be used, a database that cannot be reached, a table that is missing
+/// (`idem relay migrate` creates it) or of another version, a file that is not valid: before
+/// any relay starts.
+pub async fn relay(
+    config: Config,
+    command: &clap::Command,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let admin_listen = config.admin_listen;
+    let mut relays = Vec::new();
+    for config in configs(config, command)? {
+        relays.push(prepare(&config).await?);
+    }
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
-    if let Some(addr) = config.admin_listen {
+    if let Some(addr) = admin_listen {
         let listener = crate::server::bind(addr).await?;
         let router = axum::Router::new()
             .route("/_idem/livez", axum::routing::get(|| async { "ok\n" }))
@@ -424,18 +512,22 @@ pub async fn relay(config: Config, shutdown: impl Future<Output = ()> + Send + '
             let _ = axum::serve(listener, router).await;
         });
     }
-    let outbox_name = database.qualified_outbox(&tables);
-    let mut relay = Relay::new(database, Outbox::new(tables.clone()), to)
-        .batch(config.batch)
-        .max_attempts(config.max_attempts)
-        .poll(config.poll)
-        .retention(config.retention, Duration::from_secs(60));
-    if let Some(name) = config.name {
-        relay = relay.name(name);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let running = relays.iter().map(|prepared| {
+        let mut stopped = stopped.clone();
+        tracing::info!(outbox = %prepared.name, to = %prepared.to, "relaying");
+        prepared.relay.run_until(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })
+    });
+    for result in futures_util::future::join_all(running).await {
+        result?;
     }
-    tracing::info!(outbox = %outbox_name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "relaying");
-    relay.run_until(shutdown).await?;
-    tracing::info!("stopped: the round in progress was finished");
+    tracing::info!("stopped: the rounds in progress were finished");
     Ok(())
 }
 

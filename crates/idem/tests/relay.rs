@@ -273,6 +273,126 @@ async fn mysql_rows_that_cannot_be_published_are_parked_and_operated_on() {
     table.drop().await;
 }
 
+/// `idem relay --config FILE` runs every `[[relay]]` of the file in one process (here a
+/// PostgreSQL outbox to one webhook and a MySQL one to another, with the gateway's settings in
+/// the same file); a file that is wrong is refused with its line and column before any relay
+/// starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_file_runs_every_relay_it_names() {
+    use axum::extract::{Path, State};
+    use std::sync::{Arc, Mutex};
+
+    type Arrived = Arc<Mutex<Vec<(String, String)>>>;
+    let arrived = Arrived::default();
+    let app = axum::Router::new()
+        .route(
+            "/{hook}",
+            axum::routing::post(
+                |State(arrived): State<Arrived>, Path(hook): Path<String>, body: String| async move {
+                    arrived.lock().unwrap().push((hook, body));
+                    "ok"
+                },
+            ),
+        )
+        .with_state(Arc::clone(&arrived));
+    let addr = common::serve_app(app).await;
+    let (pg, my) = (Table::new(Db::Postgres).await, Table::new(Db::MySql).await);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("idem.toml");
+    let write = |relays: &str| {
+        std::fs::write(
+            &file,
+            format!(
+                "upstream = \"http://127.0.0.1:3000\"\nstore = \"sqlite://{}\"\n\n{relays}",
+                dir.path().join("gateway.db").display()
+            ),
+        )
+        .unwrap();
+    };
+    let relays = format!(
+        "[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/postgres\"\n\n[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/mysql\"\npoll = \"100ms\"\nname = \"shop\"\n",
+        pg.url(),
+        pg.schema,
+        my.url(),
+        my.schema
+    );
+    write(&relays);
+    let path = file.display().to_string();
+    // The gateway reads the same file and leaves the relays to `idem relay`.
+    let checked = idem_ok(&["serve", "--config", &path, "--check"]);
+    assert!(checked.contains("valid"), "{checked}");
+    let _relays = common::spawn_idem(&["relay", "--config", &path], &[], "warn", false);
+    for (table, payload) in [(&pg, "from postgres"), (&my, "from mysql")] {
+        let insert = format!(
+            "INSERT INTO {}.idempotency_outbox (ordering_key, payload) VALUES ('g', '{payload}')",
+            table.schema
+        );
+        match &table.my {
+            None => {
+                sqlx::query(AssertSqlSafe(insert))
+                    .execute(&table.pg)
+                    .await
+                    .unwrap();
+            }
+            Some(my) => {
+                sqlx::query(AssertSqlSafe(insert)).execute(my).await.unwrap();
+            }
+        }
+    }
+    idempotency_testkit::eventually(Duration::from_secs(30), "both rows posted", async || {
+        arrived.lock().unwrap().len() >= 2
+    })
+    .await;
+    let mut got = arrived.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("mysql".to_owned(), "from mysql".to_owned()),
+            ("postgres".to_owned(), "from postgres".to_owned())
+        ]
+    );
+    // Wrong files: the place and the reason, and no relay runs.
+    for (relays, says) in [
+        (
+            format!(
+                "{relays}\n[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/again\"\n",
+                my.url(),
+                my.schema
+            ),
+            "relays the same outbox table".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\nto = \"http://h/\"\nbogus = 1\n".to_owned(),
+            ":7:1: unknown key `bogus` in [[relay]]".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\nto = \"http://h/\"\nbatch = 0\n".to_owned(),
+            ":7:1: [[relay]]: invalid value '0' for '--batch".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\n".to_owned(),
+            ":4:1: [[relay]] has no `to`".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\nto = \"http://h/\"\nadmin-listen = \"127.0.0.1:1\"\n"
+                .to_owned(),
+            "unknown key `admin-listen` in [[relay]]".to_owned(),
+        ),
+        (String::new(), "has no [[relay]] table".to_owned()),
+    ] {
+        write(&relays);
+        let (code, out, err) = common::idem(&["relay", "--config", &path]);
+        assert_eq!(code, 1, "{relays}: {out}{err}");
+        assert!(err.contains(&says), "{relays}: {err}");
+    }
+    let (code, _, err) = common::idem(&["relay", "--config", &path, "--to", "http://h/"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+    pg.drop().await;
+    my.drop().await;
+}
+
 /// A schema of the test's own, with an `orders` table beside the outbox.
 async fn schema(pool: &PgPool) -> String {
     let schema = format!(
@@ -1607,6 +1727,27 @@ fn bad_input_is_refused_at_start() {
         let (code, out, err) = common::idem(&["relay", "--database", &database, "--to", &to]);
         assert_eq!(code, 1, "{to}: {out}{err}");
         assert!(err.contains(&says), "{to}: {err}");
+    }
+    // A subject no stream captures, a topic the brokers do not have.
+    let subject = format!("nowhere.{}", Key::generate());
+    let to = format!("{}?subject={subject}", idempotency_testkit::nats::nats_url());
+    let (code, out, err) = common::idem(&["relay", "--database", &database, "--to", &to]);
+    assert_eq!(code, 1, "{to}: {out}{err}");
+    assert!(
+        err.contains(&format!("no JetStream stream captures the subject `{subject}`")),
+        "{err}"
+    );
+    #[cfg(feature = "kafka")]
+    {
+        let (_cluster, brokers, topic) = kafka_topic();
+        let missing = format!("{topic}-missing");
+        let to = format!("kafka://{brokers}?topic={missing}");
+        let (code, out, err) = common::idem(&["relay", "--database", &database, "--to", &to]);
+        assert_eq!(code, 1, "{to}: {out}{err}");
+        assert!(
+            err.contains(&format!("the topic `{missing}` does not exist")),
+            "{err}"
+        );
     }
     let (code, _, err) = common::idem(&["relay", "--database", &database]);
     assert_eq!(code, 2, "{err}");

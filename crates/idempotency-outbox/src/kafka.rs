@@ -4,7 +4,7 @@ use std::fmt;
 
 use idempotency_consumer::BoxError;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use crate::{OutboxMessage, Publisher};
 
@@ -41,14 +41,54 @@ impl KafkaPublisher {
     /// # Errors
     ///
     /// What is wrong with the URL or a setting, never echoing the password.
+    ///
+    /// Unless the URL sets `allow.auto.create.topics`, the producer does not ask the brokers to
+    /// create a topic it publishes to: a row whose topic is missing fails (and is parked after
+    /// its attempts) instead of creating a topic with the brokers' defaults.
     pub fn from_url(url: &str) -> Result<Self, idempotency_kafka::AdapterError> {
-        Ok(Self::with_producer(idempotency_kafka::producer_from_url(url)?))
+        let url = if url.contains("allow.auto.create.topics=") {
+            url.to_owned()
+        } else {
+            let separator = if url.contains('?') { '&' } else { '?' };
+            format!("{url}{separator}allow.auto.create.topics=false")
+        };
+        Ok(Self::with_producer(idempotency_kafka::producer_from_url(&url)?))
     }
 
     /// A publisher on `producer` (configure it with `enable.idempotence=true`).
     #[must_use]
     pub fn with_producer(producer: FutureProducer) -> Self {
         Self { producer }
+    }
+}
+
+impl KafkaPublisher {
+    /// Checks that the brokers know `topic` (else every publish to it would fail, or create it
+    /// with the brokers' defaults where they create topics on first use), asking for its
+    /// metadata within `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// The topic does not exist, or the brokers did not answer; the reason.
+    pub async fn check_topic(&self, topic: &str, timeout: std::time::Duration) -> Result<(), String> {
+        let producer = self.producer.clone();
+        let name = topic.to_owned();
+        let metadata =
+            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(Some(&name), timeout))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("the brokers did not describe the topic `{topic}` ({e})"))?;
+        match metadata.topics().iter().find(|t| t.name() == topic) {
+            Some(found) if found.error().is_none() && !found.partitions().is_empty() => Ok(()),
+            Some(found) => Err(format!(
+                "the topic `{topic}` does not exist ({})",
+                found.error().map_or_else(
+                    || "no partitions".to_owned(),
+                    |e| rdkafka::error::RDKafkaErrorCode::from(e).to_string()
+                )
+            )),
+            None => Err(format!("the topic `{topic}` does not exist")),
+        }
     }
 }
 

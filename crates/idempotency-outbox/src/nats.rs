@@ -47,6 +47,21 @@ impl NatsPublisher {
     }
 }
 
+impl NatsPublisher {
+    /// Checks that a stream captures `subject` (else every publish to it would fail): the
+    /// stream's name.
+    ///
+    /// # Errors
+    ///
+    /// No stream captures it, or the server could not be asked; the reason.
+    pub async fn check_subject(&self, subject: &str) -> Result<String, String> {
+        self.jetstream
+            .stream_by_subject(subject)
+            .await
+            .map_err(|e| format!("no JetStream stream captures the subject `{subject}` ({e})"))
+    }
+}
+
 impl Publisher for NatsPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
         let mut headers = HeaderMap::new();
