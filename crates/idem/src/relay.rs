@@ -83,36 +83,8 @@ enum Destination {
     #[cfg(feature = "kafka")]
     Kafka(idempotency_outbox::KafkaPublisher),
     #[cfg(feature = "sqs")]
-    Sqs(SqsPublisher),
+    Sqs(idempotency_outbox::SqsPublisher),
     Http(HttpPublisher),
-}
-
-/// Sends rows to SQS queues: the `--to` URL's queue, or the one a row's destination names.
-#[cfg(feature = "sqs")]
-struct SqsPublisher {
-    client: idempotency_sqs::aws_sdk_sqs::Client,
-}
-
-#[cfg(feature = "sqs")]
-impl SqsPublisher {
-    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
-        let body = String::from_utf8(message.payload.clone())
-            .map_err(|_| "an SQS message body is text, and this payload is not UTF-8")?;
-        let attributes: Vec<(String, String)> = message
-            .headers
-            .iter()
-            .map(|(name, value)| (name.clone(), String::from_utf8_lossy(value).into_owned()))
-            .collect();
-        let group = if message.ordering_key.is_empty() {
-            "outbox"
-        } else {
-            message.ordering_key.as_str()
-        };
-        idempotency_sqs::Producer::new(self.client.clone(), message.destination.clone())
-            .send_with_attributes(&message.key, group, body, &attributes)
-            .await?;
-        Ok(())
-    }
 }
 
 /// Posts rows to a webhook and takes a `2xx` as the confirmation.
@@ -311,7 +283,7 @@ async fn destination(to: &str) -> Result<To, Error> {
                 .await
                 .map_err(|e| refused(format!("the queue {} cannot be reached: {e}", source.queue_url)))?;
             Ok(To {
-                publisher: Destination::Sqs(SqsPublisher { client }),
+                publisher: Destination::Sqs(idempotency_outbox::SqsPublisher::new(client)),
                 default: Some(source.queue_url),
             })
         }

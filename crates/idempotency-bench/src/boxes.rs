@@ -205,80 +205,12 @@ pub(crate) fn run_outbox(rounds: usize) -> Result<(), String> {
             };
             println!("| {name} | {} | {} | {} |", at(0.5), at(0.99), at(1.0));
         }
-        println!(
-            "\n## Outbox: rows relayed per second vs a plain publish loop ({MESSAGES} messages per measurement, RabbitMQ publisher confirms)\n"
-        );
-        println!("| what | msg/s | min–max |");
-        println!("|---|---:|---:|");
-        let mut rates: Vec<Vec<f64>> = vec![Vec::new(), Vec::new()];
-        for _ in 0..rounds {
-            rates[0].push(relayed_per_second(&pool, &tables, &queue).await?);
-            rates[1].push(published_per_second(&queue).await?);
-            channel
-                .queue_purge(queue.as_str().into(), lapin::options::QueuePurgeOptions::default())
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        for (name, rates) in ["`idem relay`'s relay (outbox rows, 10 groups, batches of 100)", "the same publisher in a loop"]
-            .into_iter()
-            .zip(rates)
-        {
-            let samples = Samples::of(rates);
-            println!("| {name} | {} | {} |", per_second(samples.median), samples.spread());
-        }
         let _ = channel
             .queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default())
             .await;
         teardown(&pool, &tables, &ledger).await;
         Ok(())
     })
-}
-
-/// Writes [`MESSAGES`] outbox rows (not timed), then times a relay from its start until every
-/// row is sent.
-async fn relayed_per_second(pool: &PgPool, tables: &Tables, queue: &str) -> Result<f64, String> {
-    let outbox = Outbox::new(tables.clone());
-    let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-    for n in 0..MESSAGES {
-        outbox
-            .enqueue(
-                &mut tx,
-                &OutgoingMessage::new(queue, format!("agg-{}", n % 10), "{}"),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    tx.commit().await.map_err(|e| e.to_string())?;
-    let relay = Relay::new(pool.clone(), outbox, AmqpPublisher::new(amqp_url(), "")).notifications(false);
-    let started = Instant::now();
-    loop {
-        if relay.relay_batch().await.map_err(|e| e.to_string())? == 0 {
-            break;
-        }
-    }
-    Ok(rate(MESSAGES as u64, started.elapsed()))
-}
-
-/// Times the relay's publisher publishing [`MESSAGES`] messages one after another, each
-/// confirmed, without the table.
-async fn published_per_second(queue: &str) -> Result<f64, String> {
-    let publisher = AmqpPublisher::new(amqp_url(), "");
-    let started = Instant::now();
-    for id in 0..MESSAGES {
-        let id = i64::try_from(id).unwrap_or(i64::MAX);
-        let message = OutboxMessage {
-            id,
-            key: Key::new(format!("plain:{id}")).map_err(|e| e.to_string())?,
-            destination: queue.to_owned(),
-            ordering_key: format!("agg-{}", id % 10),
-            payload: b"{}".to_vec(),
-            headers: Vec::new(),
-        };
-        Publisher::publish(&publisher, &message)
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(rate(MESSAGES as u64, started.elapsed()))
 }
 
 async fn outbox_latencies(

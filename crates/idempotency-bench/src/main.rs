@@ -24,6 +24,7 @@ mod memory;
 mod mysql;
 mod postgres;
 mod redis;
+mod relay;
 mod sql_store;
 mod sqlite;
 
@@ -92,6 +93,9 @@ enum Target {
     Kafka,
     Inbox,
     Outbox,
+    /// The outbox relay vs the same publisher in a loop, for RabbitMQ, NATS, Kafka, SQS and a
+    /// webhook, from PostgreSQL (and RabbitMQ from MySQL).
+    Relay,
     Dynamodb,
     Sqs,
     /// Every target, in this order.
@@ -163,6 +167,7 @@ fn main() -> ExitCode {
             Target::Kafka => kafka::run(rounds),
             Target::Inbox => boxes::run_inbox(rounds),
             Target::Outbox => boxes::run_outbox(rounds),
+            Target::Relay => relay::run_relay(rounds),
             Target::Dynamodb => aws::run_dynamodb(window, rounds),
             Target::Sqs => aws::run_sqs(rounds),
         };

@@ -42,16 +42,19 @@ impl KafkaPublisher {
     ///
     /// What is wrong with the URL or a setting, never echoing the password.
     ///
-    /// Unless the URL sets `allow.auto.create.topics`, the producer does not ask the brokers to
-    /// create a topic it publishes to: a row whose topic is missing fails (and is parked after
-    /// its attempts) instead of creating a topic with the brokers' defaults.
+    /// Unless the URL says otherwise, the producer does not ask the brokers to create a topic it
+    /// publishes to (`allow.auto.create.topics=false`: a row whose topic is missing fails, and
+    /// is parked after its attempts, instead of creating a topic with the brokers' defaults),
+    /// and sends each record at once (`linger.ms=0`: the relay waits for each delivery report
+    /// before the next record, so there is never a batch to wait for).
     pub fn from_url(url: &str) -> Result<Self, idempotency_kafka::AdapterError> {
-        let url = if url.contains("allow.auto.create.topics=") {
-            url.to_owned()
-        } else {
-            let separator = if url.contains('?') { '&' } else { '?' };
-            format!("{url}{separator}allow.auto.create.topics=false")
-        };
+        let mut url = url.to_owned();
+        for (setting, value) in [("allow.auto.create.topics", "false"), ("linger.ms", "0")] {
+            if !url.contains(&format!("{setting}=")) {
+                let separator = if url.contains('?') { '&' } else { '?' };
+                url = format!("{url}{separator}{setting}={value}");
+            }
+        }
         Ok(Self::with_producer(idempotency_kafka::producer_from_url(&url)?))
     }
 

@@ -31,8 +31,9 @@
 //! marks them sent. Every message carries `<outbox>:<id>` as its `Idempotency-Key`: a relay that
 //! crashes between publishing and marking publishes again, and the consumer's record answers
 //! the copy. Publishers: [`AmqpPublisher`] (RabbitMQ, publisher confirms), [`NatsPublisher`]
-//! (JetStream acks, the key as `Nats-Msg-Id` too) and, with the `kafka` feature,
-//! `KafkaPublisher` (an idempotent producer, the ordering key as the record key).
+//! (JetStream acks, the key as `Nats-Msg-Id` too), with the `kafka` feature `KafkaPublisher`
+//! (an idempotent producer, the ordering key as the record key), and with the `sqs` feature
+//! `SqsPublisher` (the key as an attribute and a FIFO queue's deduplication id).
 //!
 //! **On MySQL and MariaDB** (the `mysql` feature) the outbox is the same table and the same
 //! relay: [`Outbox::enqueue`] takes a MySQL transaction, [`Relay::new`] and the operations
@@ -78,6 +79,10 @@ pub use nats::NatsPublisher;
 mod kafka;
 #[cfg(feature = "kafka")]
 pub use kafka::KafkaPublisher;
+#[cfg(feature = "sqs")]
+mod sqs;
+#[cfg(feature = "sqs")]
+pub use sqs::SqsPublisher;
 
 use idempotency_postgres::sqlx;
 

@@ -1,0 +1,51 @@
+//! The relay's SQS publisher: the key as the `Idempotency-Key` message attribute and, on a FIFO
+//! queue, the deduplication id; the ordering group as the message group.
+
+use std::fmt;
+
+use idempotency_consumer::BoxError;
+use idempotency_sqs::aws_sdk_sqs::Client;
+
+use crate::{OutboxMessage, Publisher};
+
+/// Sends outbox messages to SQS, the destination as the queue URL, and returns once
+/// `SendMessage` was answered. The headers go as string attributes (SQS takes ten in all, the
+/// key's included: a row with more fails); the body must be UTF-8 text.
+pub struct SqsPublisher {
+    client: Client,
+}
+
+impl fmt::Debug for SqsPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqsPublisher").finish_non_exhaustive()
+    }
+}
+
+impl SqsPublisher {
+    /// A publisher on `client`.
+    #[must_use]
+    pub fn new(client: Client) -> Self {
+        Self { client }
+    }
+}
+
+impl Publisher for SqsPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let body = String::from_utf8(message.payload.clone())
+            .map_err(|_| "an SQS message body is text, and this payload is not UTF-8")?;
+        let attributes: Vec<(String, String)> = message
+            .headers
+            .iter()
+            .map(|(name, value)| (name.clone(), String::from_utf8_lossy(value).into_owned()))
+            .collect();
+        let group = if message.ordering_key.is_empty() {
+            "outbox"
+        } else {
+            message.ordering_key.as_str()
+        };
+        idempotency_sqs::Producer::new(self.client.clone(), message.destination.clone())
+            .send_with_attributes(&message.key, group, body, &attributes)
+            .await?;
+        Ok(())
+    }
+}
