@@ -616,8 +616,8 @@ fn aws_env() -> Vec<(&'static str, String)> {
     .collect()
 }
 
-/// A client of the local AWS server's SQS, and a new queue of the test's own named `name`
-/// (a FIFO queue when it ends in `.fifo`).
+/// A client of the local AWS server's SQS, and a new queue of the test's own named after
+/// `name` (a FIFO queue when it ends in `.fifo`), with its `-dead` queue beside it.
 #[cfg(feature = "sqs")]
 async fn sqs_queue(name: &str) -> (idempotency_sqs::aws_sdk_sqs::Client, String) {
     use idempotency_sqs::aws_sdk_sqs::config::{Credentials, Region};
@@ -634,23 +634,34 @@ async fn sqs_queue(name: &str) -> (idempotency_sqs::aws_sdk_sqs::Client, String)
             .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
             .build(),
     );
-    let mut create = client
-        .create_queue()
-        .queue_name(format!("relay-{}-{name}", Key::generate()));
-    if name.ends_with(".fifo") {
-        create = create.attributes(QueueAttributeName::FifoQueue, "true");
+    let stem = format!("relay-{}-{}", Key::generate(), name.trim_end_matches(".fifo"));
+    let fifo = name.ends_with(".fifo");
+    let mut url = String::new();
+    // The queue, and its dead-letter queue where `idem consume` looks for it.
+    for queue in [stem.clone(), format!("{stem}-dead")] {
+        let mut create = client.create_queue();
+        if fifo {
+            create = create
+                .queue_name(format!("{queue}.fifo"))
+                .attributes(QueueAttributeName::FifoQueue, "true");
+        } else {
+            create = create.queue_name(queue);
+        }
+        let created = create
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e:?}"))
+            .queue_url
+            .unwrap();
+        if url.is_empty() {
+            url = created;
+        }
     }
-    let url = create
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e:?}"))
-        .queue_url
-        .unwrap();
     (client, url)
 }
 
 /// A mock Kafka cluster (kept while the value lives), its bootstrap servers, and a topic of
-/// three partitions.
+/// three partitions (with its `.dead` topic).
 #[cfg(feature = "kafka")]
 fn kafka_topic() -> (
     idempotency_kafka::rdkafka::mocking::MockCluster<
@@ -664,6 +675,8 @@ fn kafka_topic() -> (
         idempotency_kafka::rdkafka::mocking::MockCluster::new(1).expect("librdkafka's mock cluster");
     let topic = format!("events-{}", Key::generate());
     cluster.create_topic(&topic, 3, 1).unwrap();
+    // Where `idem consume` puts its dead letters.
+    cluster.create_topic(&format!("{topic}.dead"), 1, 1).unwrap();
     let brokers = cluster.bootstrap_servers();
     (cluster, brokers, topic)
 }
@@ -1285,6 +1298,88 @@ for t in range(int(sys.argv[3])):
 conn.close()
 "#;
 
+/// The calls a handler behind `idem consume` got: each message's `Idempotency-Key` and payload,
+/// in the order they came.
+type Calls = std::sync::Arc<std::sync::Mutex<Vec<(String, u32)>>>;
+
+/// `idem consume` feeding a handler that notes each call, running while it lives.
+struct Guarded {
+    _process: Process,
+    _dir: tempfile::TempDir,
+    /// Its `--admin-listen` address.
+    admin: std::net::SocketAddr,
+    /// What the handler got.
+    calls: Calls,
+}
+
+/// `idem consume --from FROM` (one message at a time, records in SQLite) feeding a handler
+/// that notes each call.
+async fn guarded_consumer(from: &str, env: &[(&'static str, String)]) -> Guarded {
+    use axum::extract::State;
+    use axum::http::HeaderMap;
+
+    async fn handle(State(calls): State<Calls>, headers: HeaderMap, body: String) -> &'static str {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        calls.lock().unwrap().push((key, body.parse().unwrap()));
+        "done"
+    }
+    let calls = Calls::default();
+    let handler = common::serve_app(
+        axum::Router::new()
+            .route("/events", axum::routing::post(handle))
+            .with_state(std::sync::Arc::clone(&calls)),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("consumer.db").display());
+    let admin = common::free_addr();
+    let (to, admin_text) = (format!("http://{handler}/events"), admin.to_string());
+    let consumer = common::spawn_idem(
+        &[
+            "consume",
+            "--from",
+            from,
+            "--to",
+            &to,
+            "--store",
+            &store,
+            "--admin-listen",
+            &admin_text,
+            "--prefetch",
+            "1",
+            "--concurrency",
+            "1",
+            "--batch",
+            "1",
+        ],
+        env,
+        "warn",
+        false,
+    );
+    Guarded {
+        _process: common::ready(consumer, admin, "idem consume").await,
+        _dir: dir,
+        admin,
+        calls,
+    }
+}
+
+/// Waits for the guarded consumer's handler to have run `expected` calls, then checks them
+/// against the Python producer's `transactions`: each committed row's key once, none rolled
+/// back, each group in order.
+async fn handled_exactly_once_in_order(calls: &Calls, expected: usize, transactions: u32) {
+    idempotency_testkit::eventually(Duration::from_secs(120), "every row handled", async || {
+        calls.lock().unwrap().len() >= expected
+    })
+    .await;
+    let calls = calls.lock().unwrap().clone();
+    for (key, n) in &calls {
+        assert_eq!(*key, format!("evt-{n}"), "each row with its key");
+    }
+    let arrived: Vec<u32> = calls.iter().map(|(_, n)| *n).collect();
+    exactly_the_committed_rows_in_order(&arrived, transactions);
+}
+
 /// Checks what arrived (payloads, in arrival order) against the Python producer's
 /// `transactions`: exactly the committed rows, once each, none rolled back, each group in order.
 fn exactly_the_committed_rows_in_order(arrived: &[u32], transactions: u32) {
@@ -1303,35 +1398,20 @@ fn exactly_the_committed_rows_in_order(arrived: &[u32], transactions: u32) {
 
 on_both_databases!(jetstream => a_thousand_python_rows_reach_jetstream_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_jetstream);
 
-/// 1,000 rows from the Python producer (100 rolled back) to JetStream: exactly the 900
-/// committed arrive, each group in order.
+/// 1,000 rows from the Python producer (100 rolled back) to JetStream, and `idem consume` on
+/// the other side: exactly the 900 committed are handled, once each, each group in order.
 async fn jetstream(db: Db) {
     let stream = idempotency_testkit::nats::TestStream::new("relay", |_| {}).await;
     let table = Table::new(db).await;
     table.produce(100).await;
-    let to = format!(
-        "{}?subject={}",
-        idempotency_testkit::nats::nats_url(),
-        stream.work
+    let nats = idempotency_testkit::nats::nats_url();
+    let _relay = table.relay(&format!("{nats}?subject={}", stream.work));
+    let from = format!(
+        "{nats}?stream={}&consumer=idem&subject={}&dead_letter={}",
+        stream.stream, stream.work, stream.dead
     );
-    let _relay = table.relay(&to);
-    let reader: async_nats::jetstream::consumer::PullConsumer = stream
-        .created
-        .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
-        .await
-        .unwrap();
-    let mut messages = reader.messages().await.unwrap();
-    let mut arrived = Vec::new();
-    while arrived.len() < 900 {
-        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
-            .await
-            .expect("the relay keeps publishing")
-            .unwrap()
-            .unwrap();
-        arrived.push(String::from_utf8_lossy(&message.payload).parse().unwrap());
-        message.ack().await.unwrap();
-    }
-    exactly_the_committed_rows_in_order(&arrived, 100);
+    let consumer = guarded_consumer(&from, &[]).await;
+    handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
 }
 
@@ -1370,67 +1450,40 @@ async fn webhook(db: Db) {
 on_both_databases!(#[cfg(feature = "sqs")] sqs_fifo => a_thousand_python_rows_reach_an_sqs_fifo_queue_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_an_sqs_fifo_queue);
 
 /// 1,000 rows from the Python producer (100 rolled back) to an SQS FIFO queue (the group as the
-/// message group): exactly the 900 committed arrive, each group in order.
+/// message group), and `idem consume` on the other side: exactly the 900 committed are handled,
+/// once each, each group in order.
 #[cfg(feature = "sqs")]
 async fn sqs_fifo(db: Db) {
-    let (client, url) = sqs_queue("events.fifo").await;
+    let (_client, url) = sqs_queue("events.fifo").await;
     let table = Table::new(db).await;
     table.produce(100).await;
     let _relay = table.relay(&format!("sqs://?queue_url={url}"));
-    let mut arrived = Vec::new();
-    idempotency_testkit::eventually(Duration::from_secs(120), "900 messages", async || {
-        let received = client
-            .receive_message()
-            .queue_url(&url)
-            .max_number_of_messages(10)
-            .send()
-            .await
-            .unwrap();
-        for message in received.messages.unwrap_or_default() {
-            arrived.push(message.body().unwrap().parse().unwrap());
-            client
-                .delete_message()
-                .queue_url(&url)
-                .receipt_handle(message.receipt_handle().unwrap())
-                .send()
-                .await
-                .unwrap();
-        }
-        arrived.len() >= 900
-    })
-    .await;
-    exactly_the_committed_rows_in_order(&arrived, 100);
+    let mut env = aws_env();
+    env.push((
+        "AWS_ENDPOINT_URL",
+        std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into()),
+    ));
+    let from = format!("sqs://?queue_url={url}&wait=1s&visibility=30s");
+    let consumer = guarded_consumer(&from, &env).await;
+    handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
 }
 
 on_both_databases!(#[cfg(feature = "kafka")] kafka => a_thousand_python_rows_reach_kafka_committed_only_and_in_order, a_thousand_python_rows_from_mysql_reach_kafka);
 
 /// 1,000 rows from the Python producer (100 rolled back) to Kafka (mock cluster, 3 partitions;
-/// the group as the record key): exactly the 900 committed arrive, each group in order.
+/// the group as the record key), and `idem consume` on the other side: exactly the 900
+/// committed are handled, once each, each group in order.
 #[cfg(feature = "kafka")]
 async fn kafka(db: Db) {
-    use idempotency_kafka::rdkafka::message::Message;
-
     let (_cluster, brokers, topic) = kafka_topic();
     let table = Table::new(db).await;
     table.produce(100).await;
     let _relay = table.relay(&format!("kafka://{brokers}?topic={topic}"));
-    let reader = kafka_reader(&brokers, &topic);
-    let mut arrived = Vec::new();
-    while arrived.len() < 900 {
-        let record = tokio::time::timeout(Duration::from_secs(30), reader.recv())
-            .await
-            .expect("the relay keeps producing")
-            .unwrap();
-        arrived.push(
-            String::from_utf8_lossy(record.payload().unwrap())
-                .parse()
-                .unwrap(),
-        );
-    }
-    // Each group is in one partition: the order across partitions is the reader's, within a
-    // group it is the relay's.
-    exactly_the_committed_rows_in_order(&arrived, 100);
+    let from = format!("kafka://{brokers}?topic={topic}&group=relay-test");
+    let consumer = guarded_consumer(&from, &[]).await;
+    // Each group is in one partition, which the consumer handles in order.
+    handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
 }
 
@@ -1441,24 +1494,6 @@ on_both_databases!(killed_five_times => a_relay_killed_five_times_loses_nothing_
 /// back ones, and a guarded consumer (`idem consume`, one message at a time) runs each key once
 /// and each group in order, however many copies the broker got.
 async fn killed_five_times(db: Db) {
-    use axum::extract::State;
-    use axum::http::HeaderMap;
-    use std::sync::{Arc, Mutex};
-
-    type Calls = Arc<Mutex<Vec<(String, u32)>>>;
-    async fn handle(State(calls): State<Calls>, headers: HeaderMap, body: String) -> &'static str {
-        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-        calls.lock().unwrap().push((key, body.parse().unwrap()));
-        "done"
-    }
-    let calls = Calls::default();
-    let handler = common::serve_app(
-        axum::Router::new()
-            .route("/events", axum::routing::post(handle))
-            .with_state(Arc::clone(&calls)),
-    )
-    .await;
-
     let table = Table::new(db).await;
     table.produce(200).await;
 
@@ -1471,37 +1506,7 @@ async fn killed_five_times(db: Db) {
         .declare(&channel)
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("consumer.db").display());
-    let admin = common::free_addr();
-    let (from, to, admin_text) = (
-        format!("{}?queue={queue}", amqp_url()),
-        format!("http://{handler}/events"),
-        admin.to_string(),
-    );
-    let consumer = common::spawn_idem(
-        &[
-            "consume",
-            "--from",
-            &from,
-            "--to",
-            &to,
-            "--store",
-            &store,
-            "--admin-listen",
-            &admin_text,
-            "--prefetch",
-            "1",
-            "--concurrency",
-            "1",
-            "--batch",
-            "1",
-        ],
-        &[],
-        "warn",
-        false,
-    );
-    let _consumer = common::ready(consumer, admin, "idem consume").await;
+    let consumer = guarded_consumer(&format!("{}?queue={queue}", amqp_url()), &[]).await;
 
     let sent = async || -> i64 { table.count("sent_at IS NOT NULL").await };
     let relay_to = format!("{}?routing_key={queue}", amqp_url());
@@ -1534,13 +1539,10 @@ async fn killed_five_times(db: Db) {
         sent().await == 1800
     })
     .await;
-    idempotency_testkit::eventually(Duration::from_secs(120), "every row handled", async || {
-        calls.lock().unwrap().len() >= 1800
-    })
-    .await;
+    handled_exactly_once_in_order(&consumer.calls, 1800, 200).await;
     let duplicates = common::metric(
         &common::client(),
-        admin,
+        consumer.admin,
         "idempotency_consumer_messages_total",
         &[("result", "duplicate")],
     )
@@ -1548,21 +1550,6 @@ async fn killed_five_times(db: Db) {
     eprintln!(
         "{db:?}: {kills} kills; {duplicates} duplicate copies reached the consumer and were acked unhandled"
     );
-
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls.len(), 1800, "each committed row handled once");
-    let keys: std::collections::HashSet<&str> = calls.iter().map(|(key, _)| key.as_str()).collect();
-    assert_eq!(keys.len(), 1800, "no key handled twice");
-    for (key, n) in &calls {
-        assert_eq!(*key, format!("evt-{n}"));
-        assert!((n / 10) % 10 != 9, "{key} was rolled back, and published");
-    }
-    let mut last: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-    for (_, n) in &calls {
-        if let Some(previous) = last.insert(n % 20, *n) {
-            assert!(previous < *n, "group g{}: {n} handled after {previous}", n % 20);
-        }
-    }
     let _ = channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await;
