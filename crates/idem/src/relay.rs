@@ -1,9 +1,10 @@
 //! `idem relay`: the transactional outbox for services in any language. An application inserts
-//! a row into the outbox table in its own transaction (`docs/OUTBOX.md` has the table and the
-//! `INSERT`); the relay publishes each committed row, in order within its ordering group, with
-//! the row's key as its `Idempotency-Key`, waits for the broker's confirmation, and marks it
-//! sent. It runs the library's [`Relay`]: several relays on one table share the work without
-//! publishing a group's rows out of order or one row twice at once.
+//! a row into the outbox table in its own transaction, on PostgreSQL or MySQL/MariaDB
+//! (`docs/OUTBOX.md` has the table and the `INSERT`); the relay publishes each committed row, in
+//! order within its ordering group, with the row's key as its `Idempotency-Key`, waits for the
+//! broker's confirmation, and marks it sent. It runs the library's [`Relay`]: several relays on
+//! one table share the work without publishing a group's rows out of order or one row twice at
+//! once. `--config FILE` runs one relay per `[[relay]]` table of the file.
 //!
 //! | `--to` | the broker | where each row goes |
 //! |---|---|---|
