@@ -416,6 +416,32 @@ async fn drop_schema(pool: &PgPool, schema: &str) {
         .unwrap();
 }
 
+/// A RabbitMQ connection and channel, and a new queue `PREFIX.<id>` (declared with the
+/// dead-letter topology `idem consume` expects when `topology`).
+async fn rabbit_queue(prefix: &str, topology: bool) -> (Connection, lapin::Channel, String) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("RabbitMQ at {} is needed for this test: {e}", amqp_url()));
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("{prefix}.{}", Key::generate());
+    if topology {
+        idempotency_amqp::Topology::for_queue(&queue)
+            .declare(&channel)
+            .await
+            .unwrap();
+    } else {
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    (connection, channel, queue)
+}
+
 /// The next message `consumer` gets (within 30 s, else panics saying `what` was expected),
 /// acknowledged; its body.
 async fn next_body(consumer: &mut lapin::Consumer, what: &str) -> Vec<u8> {
@@ -713,19 +739,7 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
         "{out}"
     );
 
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| panic!("RabbitMQ at {} is needed for this test: {e}", amqp_url()));
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("order.created.{}", Key::generate());
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (_connection, channel, queue) = rabbit_queue("order.created", false).await;
     let to = format!("{}?routing_key={queue}", amqp_url());
     let _relay = start_relay(&schema, &to);
 
@@ -1175,19 +1189,7 @@ on_both_databases!(two_relays_share_a_table => two_relays_share_a_table_without_
 async fn two_relays_share_a_table(db: Db) {
     let table = Table::new(db).await;
     table.produce(100).await;
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("relay.shared.{}", Key::generate());
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (_connection, channel, queue) = rabbit_queue("relay.shared", false).await;
     let to = format!("{}?routing_key={queue}", amqp_url());
     let _relays = [table.relay(&to), table.relay(&to)];
     let mut consumer = channel
@@ -1312,9 +1314,9 @@ struct Guarded {
     calls: Calls,
 }
 
-/// `idem consume --from FROM` (one message at a time, records in SQLite) feeding a handler
-/// that notes each call.
-async fn guarded_consumer(from: &str, env: &[(&'static str, String)]) -> Guarded {
+/// `idem consume --from FROM` (handling one message at a time, records in SQLite; `prefetch`
+/// messages fetched at once) feeding a handler that notes each call.
+async fn guarded_consumer(from: &str, env: &[(&'static str, String)], prefetch: &str) -> Guarded {
     use axum::extract::State;
     use axum::http::HeaderMap;
 
@@ -1346,7 +1348,7 @@ async fn guarded_consumer(from: &str, env: &[(&'static str, String)]) -> Guarded
             "--admin-listen",
             &admin_text,
             "--prefetch",
-            "1",
+            prefetch,
             "--concurrency",
             "1",
             "--batch",
@@ -1368,7 +1370,9 @@ async fn guarded_consumer(from: &str, env: &[(&'static str, String)]) -> Guarded
 /// against the Python producer's `transactions`: each committed row's key once, none rolled
 /// back, each group in order.
 async fn handled_exactly_once_in_order(calls: &Calls, expected: usize, transactions: u32) {
-    idempotency_testkit::eventually(Duration::from_secs(120), "every row handled", async || {
+    // A bound for a stalled consumer, not a speed: the SQS case goes through one local server
+    // that the other SQS tests share.
+    idempotency_testkit::eventually(Duration::from_secs(300), "every row handled", async || {
         calls.lock().unwrap().len() >= expected
     })
     .await;
@@ -1410,7 +1414,7 @@ async fn jetstream(db: Db) {
         "{nats}?stream={}&consumer=idem&subject={}&dead_letter={}",
         stream.stream, stream.work, stream.dead
     );
-    let consumer = guarded_consumer(&from, &[]).await;
+    let consumer = guarded_consumer(&from, &[], "1").await;
     handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
 }
@@ -1464,7 +1468,8 @@ async fn sqs_fifo(db: Db) {
         std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into()),
     ));
     let from = format!("sqs://?queue_url={url}&wait=1s&visibility=30s");
-    let consumer = guarded_consumer(&from, &env).await;
+    // Ten a receive (SQS's most): the local AWS server answers a few hundred requests a second.
+    let consumer = guarded_consumer(&from, &env, "10").await;
     handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
 }
@@ -1481,7 +1486,7 @@ async fn kafka(db: Db) {
     table.produce(100).await;
     let _relay = table.relay(&format!("kafka://{brokers}?topic={topic}"));
     let from = format!("kafka://{brokers}?topic={topic}&group=relay-test");
-    let consumer = guarded_consumer(&from, &[]).await;
+    let consumer = guarded_consumer(&from, &[], "1").await;
     // Each group is in one partition, which the consumer handles in order.
     handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
@@ -1497,16 +1502,8 @@ async fn killed_five_times(db: Db) {
     let table = Table::new(db).await;
     table.produce(200).await;
 
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("relay.crash.{}", Key::generate());
-    idempotency_amqp::Topology::for_queue(&queue)
-        .declare(&channel)
-        .await
-        .unwrap();
-    let consumer = guarded_consumer(&format!("{}?queue={queue}", amqp_url()), &[]).await;
+    let (_connection, channel, queue) = rabbit_queue("relay.crash", true).await;
+    let consumer = guarded_consumer(&format!("{}?queue={queue}", amqp_url()), &[], "1").await;
 
     let sent = async || -> i64 { table.count("sent_at IS NOT NULL").await };
     let relay_to = format!("{}?routing_key={queue}", amqp_url());
@@ -1564,19 +1561,7 @@ async fn a_round_that_only_parks_rows_goes_on_at_once() {
     let mut rows: Vec<(&str, &str, Option<&str>, &str)> = vec![("", "g", Some("not a key"), "bad"); 100];
     rows.extend([("", "g", None, "good-1"), ("", "g", None, "good-2")]);
     let schema = outbox_with(&pool, &rows).await;
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("relay.parked.{}", Key::generate());
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (_connection, channel, queue) = rabbit_queue("relay.parked", false).await;
     let _relay = start_relay(&schema, &format!("{}?routing_key={queue}", amqp_url()));
     let mut consumer = channel
         .basic_consume(

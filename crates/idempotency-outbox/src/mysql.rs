@@ -425,8 +425,10 @@ pub(crate) async fn purge(
     age: Duration,
     what: &'static str,
 ) -> Result<u64, OutboxError> {
+    // As on PostgreSQL: dead rows parked at least `age` ago, sent rows older than `age`.
+    let before = if column == "dead_at" { "<=" } else { "<" };
     let sql = format!(
-        "DELETE FROM {} WHERE {column} < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+        "DELETE FROM {} WHERE {column} {before} UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
          AND (sent_at IS NOT NULL OR dead_at IS NOT NULL) LIMIT {PURGE_BATCH}",
         qualified(tables)
     );

@@ -12,7 +12,9 @@ use std::time::Duration;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlPool};
-use idempotency_outbox::{Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay, Tables, outbox_stats};
+use idempotency_outbox::{
+    Outbox, OutboxMessage, OutgoingMessage, Publisher, Relay, Tables, outbox_stats, purge_sent,
+};
 use idempotency_testkit::eventually;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -122,6 +124,16 @@ async fn a_message_enqueued_on_mysql_exists_exactly_when_its_transaction_commits
     assert_eq!(published[1].key.as_str(), "order-1:paid");
     let stats = outbox_stats(&pool, &tables).await.unwrap();
     assert_eq!((stats.pending, stats.sent, stats.dead), (0, 2, 0));
+    // Sent rows are kept for the retention, then deleted by the relay's cleanup.
+    assert_eq!(
+        purge_sent(&pool, &tables, Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(purge_sent(&pool, &tables, Duration::ZERO).await.unwrap(), 2);
+    let stats = outbox_stats(&pool, &tables).await.unwrap();
+    assert_eq!((stats.pending, stats.sent, stats.dead), (0, 0, 0));
     drop_database(&pool, &tables).await;
 }
 
