@@ -104,7 +104,7 @@ enum RelayCommand {
         /// The database: postgres://…, mysql://… or mariadb://….
         #[arg(long, env = "IDEM_DATABASE")]
         database: String,
-        /// The table's schema.
+        /// The table's schema (on MySQL a database; `public`: the URL's own).
         #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
         schema: String,
         /// The table.

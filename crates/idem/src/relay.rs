@@ -41,11 +41,12 @@ pub struct Config {
     #[arg(long, env = "IDEM_DATABASE", required_unless_present = "config")]
     pub database: Option<String>,
     /// Where rows are published: amqp(s)://…?exchange=…&routing_key=…, nats://…?subject=…,
-    /// kafka://…?topic=… (the row's destination, when set, replaces the routing key, subject or
-    /// topic).
+    /// kafka://…?topic=…, sqs://…?queue_url=…, or an http(s):// webhook (the row's destination,
+    /// when set, replaces the routing key, subject, topic or queue URL, or fills the webhook
+    /// URL's {destination}).
     #[arg(long, env = "IDEM_TO", required_unless_present = "config")]
     pub to: Option<String>,
-    /// The outbox table's schema.
+    /// The outbox table's schema (on MySQL a database; `public`: the URL's own).
     #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
     pub schema: String,
     /// The outbox table.
