@@ -225,7 +225,7 @@ async fn destination(to: &str) -> Result<To, Error> {
                 .map_err(|e| refused(e.to_string()))?;
             check_amqp(&connection, exchange.as_deref(), routing_key.as_deref())
                 .await
-                .map_err(refused)?;
+                .map_err(|e| refused(e.to_string()))?;
             let _ = connection.close(200, "checked".into()).await;
             Ok(To {
                 publisher: Destination::Amqp(AmqpPublisher::new(url, exchange.unwrap_or_default())),
@@ -238,7 +238,10 @@ async fn destination(to: &str) -> Result<To, Error> {
                 .await
                 .map_err(|e| refused(e.to_string()))?;
             if let Some(subject) = &subject {
-                publisher.check_subject(subject).await.map_err(refused)?;
+                publisher
+                    .check_subject(subject)
+                    .await
+                    .map_err(|e| refused(e.to_string()))?;
             }
             Ok(To {
                 publisher: Destination::Nats(publisher),
@@ -254,7 +257,7 @@ async fn destination(to: &str) -> Result<To, Error> {
                 publisher
                     .check_topic(topic, Duration::from_secs(10))
                     .await
-                    .map_err(refused)?;
+                    .map_err(|e| refused(e.to_string()))?;
             }
             Ok(To {
                 publisher: Destination::Kafka(publisher),
@@ -315,15 +318,32 @@ async fn destination(to: &str) -> Result<To, Error> {
     }
 }
 
+/// Why an AMQP destination cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum AmqpUnusable {
+    /// No channel could be opened to ask.
+    #[error("a channel could not be opened ({0})")]
+    Channel(#[source] lapin::Error),
+    /// The exchange `--to` names does not exist.
+    #[error("the exchange `{exchange}` does not exist ({source})")]
+    NoExchange {
+        exchange: String,
+        #[source]
+        source: lapin::Error,
+    },
+    /// The queue the default exchange would route to does not exist.
+    #[error("{0}")]
+    NoQueue(#[source] idempotency_amqp::AdapterError),
+}
+
 /// Checks that `exchange` exists, or, through the default exchange, that the queue `routing_key`
 /// names does (a passive declare; a missing one closes only its channel).
 async fn check_amqp(
     connection: &lapin::Connection,
     exchange: Option<&str>,
     routing_key: Option<&str>,
-) -> Result<(), String> {
-    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
-    let passive = |what: String| move |e: lapin::Error| format!("{what} does not exist ({e})");
+) -> Result<(), AmqpUnusable> {
+    let channel = connection.create_channel().await.map_err(AmqpUnusable::Channel)?;
     match (exchange, routing_key) {
         (Some(exchange), _) => {
             channel
@@ -337,12 +357,15 @@ async fn check_amqp(
                     lapin::types::FieldTable::default(),
                 )
                 .await
-                .map_err(passive(format!("the exchange `{exchange}`")))?;
+                .map_err(|source| AmqpUnusable::NoExchange {
+                    exchange: exchange.to_owned(),
+                    source,
+                })?;
         }
         (None, Some(queue)) => {
             idempotency_amqp::queue_depth(&channel, queue)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(AmqpUnusable::NoQueue)?;
         }
         (None, None) => {}
     }

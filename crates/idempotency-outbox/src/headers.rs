@@ -25,16 +25,22 @@ pub(crate) fn from_text(text: &str) -> Vec<(String, Vec<u8>)> {
         .unwrap_or_default()
 }
 
+/// Why a row's `headers` are not headers: the reason, as the row's error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct InvalidHeaders(String);
+
 /// Decodes the `headers` column read as text, refusing what is not headers: an object of text
 /// values, or the list `to_json` writes. The reason names what is wrong.
-pub(crate) fn parse(text: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
-    let value: Value = serde_json::from_str(text).map_err(|e| format!("the headers are not JSON: {e}"))?;
+pub(crate) fn parse(text: &str) -> Result<Vec<(String, Vec<u8>)>, InvalidHeaders> {
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| InvalidHeaders(format!("the headers are not JSON: {e}")))?;
     match &value {
         Value::Object(entries) => {
             if let Some((name, _)) = entries.iter().find(|(_, value)| !value.is_string()) {
-                return Err(format!(
+                return Err(InvalidHeaders(format!(
                     "the headers are a JSON object whose values must be text, and {name:?}'s is not"
-                ));
+                )));
             }
         }
         Value::Array(entries) => {
@@ -47,13 +53,13 @@ pub(crate) fn parse(text: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
                             .is_some_and(|hex| hex::decode(hex).is_ok()))
             };
             if let Some(at) = entries.iter().position(|entry| !readable(entry)) {
-                return Err(format!(
+                return Err(InvalidHeaders(format!(
                     "the headers' entry {at} is not {{\"name\": …, \"value\": …}} (or \"hex\")"
-                ));
+                )));
             }
         }
         other => {
-            return Err(format!(
+            return Err(InvalidHeaders(format!(
                 "the headers are a JSON object of text values, not {}",
                 match other {
                     Value::Null => "null",
@@ -61,7 +67,7 @@ pub(crate) fn parse(text: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
                     Value::Number(_) => "a number",
                     _ => "a string",
                 }
-            ));
+            )));
         }
     }
     Ok(from_json(&value))
@@ -117,7 +123,7 @@ mod tests {
             (r#"[{"name": "a"}]"#, "entry 0"),
             (r#"[{"name": "a", "hex": "zz"}]"#, "entry 0"),
         ] {
-            let refused = parse(text).unwrap_err();
+            let refused = parse(text).unwrap_err().to_string();
             assert!(refused.contains(says), "{text}: {refused}");
         }
     }

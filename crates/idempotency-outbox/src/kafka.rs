@@ -6,7 +6,7 @@ use idempotency_consumer::BoxError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use crate::{OutboxMessage, Publisher};
+use crate::{OutboxError, OutboxMessage, Publisher};
 
 /// Publishes outbox messages to Kafka, the destination as the topic and the ordering key as the
 /// record key (so an aggregate's events share a partition and keep their order), with the
@@ -72,25 +72,26 @@ impl KafkaPublisher {
     ///
     /// # Errors
     ///
-    /// The topic does not exist, or the brokers did not answer; the reason.
-    pub async fn check_topic(&self, topic: &str, timeout: std::time::Duration) -> Result<(), String> {
+    /// [`OutboxError::Destination`]: the topic does not exist, or the brokers did not answer.
+    pub async fn check_topic(&self, topic: &str, timeout: std::time::Duration) -> Result<(), OutboxError> {
+        let refused = |why: String| OutboxError::Destination(why);
         let producer = self.producer.clone();
         let name = topic.to_owned();
         let metadata =
             tokio::task::spawn_blocking(move || producer.client().fetch_metadata(Some(&name), timeout))
                 .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("the brokers did not describe the topic `{topic}` ({e})"))?;
+                .map_err(|e| refused(e.to_string()))?
+                .map_err(|e| refused(format!("the brokers did not describe the topic `{topic}` ({e})")))?;
         match metadata.topics().iter().find(|t| t.name() == topic) {
             Some(found) if found.error().is_none() && !found.partitions().is_empty() => Ok(()),
-            Some(found) => Err(format!(
+            Some(found) => Err(refused(format!(
                 "the topic `{topic}` does not exist ({})",
                 found.error().map_or_else(
                     || "no partitions".to_owned(),
                     |e| rdkafka::error::RDKafkaErrorCode::from(e).to_string()
                 )
-            )),
-            None => Err(format!("the topic `{topic}` does not exist")),
+            ))),
+            None => Err(refused(format!("the topic `{topic}` does not exist"))),
         }
     }
 }

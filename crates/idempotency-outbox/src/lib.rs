@@ -115,6 +115,10 @@ pub enum OutboxError {
     /// A setting or an argument is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// A destination that does not exist or could not be asked about (a subject no stream
+    /// captures, a topic the brokers do not have).
+    #[error("{0}")]
+    Destination(String),
     /// The broker refused or did not acknowledge every message of a relay round.
     #[error("publishing failed: {0}")]
     Publish(String),

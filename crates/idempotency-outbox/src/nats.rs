@@ -7,7 +7,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream;
 use idempotency_consumer::BoxError;
 
-use crate::{OutboxMessage, Publisher};
+use crate::{OutboxError, OutboxMessage, Publisher};
 
 /// Publishes outbox messages to JetStream, the destination as the subject, with the outbox key
 /// as `Idempotency-Key` and `Nats-Msg-Id`, and waits for each publish acknowledgement. Headers
@@ -53,12 +53,13 @@ impl NatsPublisher {
     ///
     /// # Errors
     ///
-    /// No stream captures it, or the server could not be asked; the reason.
-    pub async fn check_subject(&self, subject: &str) -> Result<String, String> {
-        self.jetstream
-            .stream_by_subject(subject)
-            .await
-            .map_err(|e| format!("no JetStream stream captures the subject `{subject}` ({e})"))
+    /// [`OutboxError::Destination`]: no stream captures it, or the server could not be asked.
+    pub async fn check_subject(&self, subject: &str) -> Result<String, OutboxError> {
+        self.jetstream.stream_by_subject(subject).await.map_err(|e| {
+            OutboxError::Destination(format!(
+                "no JetStream stream captures the subject `{subject}` ({e})"
+            ))
+        })
     }
 }
 

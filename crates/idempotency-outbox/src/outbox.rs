@@ -543,7 +543,7 @@ impl<P: Publisher> Relay<P> {
                 Ok(headers) => headers,
                 Err(why) => {
                     // No attempt can publish it: parked at once, with the reason.
-                    self.failed(&mut round, id, &why, true).await?;
+                    self.failed(&mut round, id, &why.to_string(), true).await?;
                     parked += 1;
                     continue;
                 }

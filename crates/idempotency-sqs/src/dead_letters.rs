@@ -69,8 +69,11 @@ pub(crate) fn open(url: String) -> OpenFuture {
     })
 }
 
+/// A queue's attributes, by name.
+type Attributes = HashMap<QueueAttributeName, String>;
+
 /// The attributes of the queue at `url`; a queue that does not exist is a clear error.
-async fn exists(client: &Client, url: &str) -> Result<HashMap<QueueAttributeName, String>, AdapterError> {
+async fn exists(client: &Client, url: &str) -> Result<Attributes, AdapterError> {
     let answer = client
         .get_queue_attributes()
         .queue_url(url)
