@@ -50,7 +50,7 @@ use std::time::Duration;
 mod dead_letters;
 mod source;
 mod worker;
-pub use source::{KafkaSource, SOURCE, producer_from_url};
+pub use source::{KafkaSource, SOURCE, producer_from_url, producer_from_url_with_defaults};
 pub use worker::{DEFAULT_BATCH, DEFAULT_LINGER, Worker};
 
 /// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and

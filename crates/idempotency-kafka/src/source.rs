@@ -292,6 +292,28 @@ const PRODUCER_OWNED: [&str; 3] = ["bootstrap.servers", "enable.idempotence", "a
 /// [`AdapterErrorKind::Config`] saying what is wrong (never echoing the password), librdkafka's
 /// reason for a setting it refuses included.
 pub fn producer_from_url(url: &str) -> Result<rdkafka::producer::FutureProducer, AdapterError> {
+    producer_from_url_with_defaults(url, &[])
+}
+
+/// As [`producer_from_url`], with librdkafka settings of the caller's own that apply unless the
+/// URL sets them too (a publisher's `linger.ms`, say).
+///
+/// ```
+/// let producer = idempotency_kafka::producer_from_url_with_defaults(
+///     "kafka://k1:9092?linger.ms=20",
+///     &[("linger.ms", "0"), ("allow.auto.create.topics", "false")],
+/// )?;
+/// # drop(producer);
+/// # Ok::<(), idempotency_kafka::AdapterError>(())
+/// ```
+///
+/// # Errors
+///
+/// As [`producer_from_url`]; a default librdkafka refuses too.
+pub fn producer_from_url_with_defaults(
+    url: &str,
+    defaults: &[(&str, &str)],
+) -> Result<rdkafka::producer::FutureProducer, AdapterError> {
     let (brokers, userinfo, params) = split_url(url, "kafka://HOST:PORT?SETTING=VALUE")?;
     let settings = client_settings(
         params,
@@ -304,6 +326,10 @@ pub fn producer_from_url(url: &str) -> Result<rdkafka::producer::FutureProducer,
         .set("bootstrap.servers", &brokers)
         .set("enable.idempotence", "true")
         .set("acks", "all");
+    // The URL's own settings come after, and win.
+    for (name, value) in defaults {
+        client.set(*name, *value);
+    }
     for (name, value) in &settings {
         client.set(name, value);
     }

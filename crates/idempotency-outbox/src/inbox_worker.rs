@@ -120,7 +120,6 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
             loops: self.workers,
             poll: self.poll,
             cleanup_every: self.cleanup_every,
-            listen: self.listen,
         };
         let round = || async {
             let claimed = self
@@ -138,14 +137,7 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
             }
         };
         let channel = self.inbox.tables().inbox_channel();
-        wake::run(
-            Some((self.inbox.pool(), channel.as_str())),
-            &what,
-            &pace,
-            round,
-            cleanup,
-            shutdown,
-        )
-        .await
+        let listen = self.listen.then_some((self.inbox.pool(), channel.as_str()));
+        wake::run(listen, &what, &pace, round, cleanup, shutdown).await
     }
 }

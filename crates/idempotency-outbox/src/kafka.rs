@@ -38,24 +38,22 @@ impl KafkaPublisher {
     /// `kafka://[USER:PASSWORD@]HOST:PORT[,…][?SETTING=V…]` URL names, as `idem consume`'s
     /// Kafka sources take them (TLS, SASL; see [`idempotency_kafka::producer_from_url`]).
     ///
-    /// # Errors
-    ///
-    /// What is wrong with the URL or a setting, never echoing the password.
-    ///
     /// Unless the URL says otherwise, the producer does not ask the brokers to create a topic it
     /// publishes to (`allow.auto.create.topics=false`: a row whose topic is missing fails, and
     /// is parked after its attempts, instead of creating a topic with the brokers' defaults),
     /// and sends each record at once (`linger.ms=0`: the relay waits for each delivery report
     /// before the next record, so there is never a batch to wait for).
+    ///
+    /// # Errors
+    ///
+    /// What is wrong with the URL or a setting, never echoing the password.
     pub fn from_url(url: &str) -> Result<Self, idempotency_kafka::AdapterError> {
-        let mut url = url.to_owned();
-        for (setting, value) in [("allow.auto.create.topics", "false"), ("linger.ms", "0")] {
-            if !url.contains(&format!("{setting}=")) {
-                let separator = if url.contains('?') { '&' } else { '?' };
-                url = format!("{url}{separator}{setting}={value}");
-            }
-        }
-        Ok(Self::with_producer(idempotency_kafka::producer_from_url(&url)?))
+        Ok(Self::with_producer(
+            idempotency_kafka::producer_from_url_with_defaults(
+                url,
+                &[("allow.auto.create.topics", "false"), ("linger.ms", "0")],
+            )?,
+        ))
     }
 
     /// A publisher on `producer` (configure it with `enable.idempotence=true`).
@@ -63,9 +61,7 @@ impl KafkaPublisher {
     pub fn with_producer(producer: FutureProducer) -> Self {
         Self { producer }
     }
-}
 
-impl KafkaPublisher {
     /// Checks that the brokers know `topic` (else every publish to it would fail, or create it
     /// with the brokers' defaults where they create topics on first use), asking for its
     /// metadata within `timeout`.

@@ -22,7 +22,7 @@ use idempotency_mysql::sqlx::pool::PoolConnection;
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
 
 use crate::admin::PURGE_BATCH;
-use crate::outbox::{Pending, Round};
+use crate::outbox::{Pending, PendingColumns, Round};
 use crate::{OUTBOX_VERSION, OutboxError, OutboxRow, OutboxStats, OutgoingMessage, Tables, headers};
 
 /// The lock every migration of this project takes on a MySQL server (the store's too).
@@ -51,6 +51,7 @@ pub(crate) struct Statements {
     table: String,
     enqueue: String,
     keys: String,
+    failed: String,
 }
 
 impl Statements {
@@ -68,6 +69,10 @@ impl Statements {
                  (SELECT DISTINCT ordering_key FROM
                   (SELECT ordering_key FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT ?) pending) groups_
                  WHERE GET_LOCK(CONCAT('idem-outbox:', SHA1(CONCAT(?, ':', ordering_key))), 0) = 1"
+            ),
+            failed: format!(
+                "UPDATE {table} SET attempts = attempts + 1, last_error = ?,
+                        dead_at = CASE WHEN ? THEN UTC_TIMESTAMP(6) END WHERE id = ?"
             ),
             table,
         }
@@ -254,7 +259,7 @@ impl<'a> MySqlRound<'a> {
             sql.table,
             placeholders(held.len())
         );
-        let mut query = sqlx::query(AssertSqlSafe(claim));
+        let mut query = sqlx::query_as::<_, PendingColumns>(AssertSqlSafe(claim));
         for group in &held {
             query = query.bind(group);
         }
@@ -263,31 +268,14 @@ impl<'a> MySqlRound<'a> {
             .fetch_all(round.connection())
             .await
             .map_err(db("read the pending rows"))?;
-        let rows = rows
-            .iter()
-            .map(|row| Pending {
-                id: row.get("id"),
-                ordering_key: row.get("ordering_key"),
-                destination: row.get("destination"),
-                key: row.get("key"),
-                payload: row.get("payload"),
-                headers: row.get("headers"),
-                attempts: row.get("attempts"),
-            })
-            .collect();
-        Ok((round, rows))
+        Ok((round, rows.into_iter().map(Pending::from).collect()))
     }
 }
 
 impl Round for MySqlRound<'_> {
     fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>> {
         Box::pin(async move {
-            let sql = format!(
-                "UPDATE {} SET attempts = attempts + 1, last_error = ?,
-                        dead_at = CASE WHEN ? THEN UTC_TIMESTAMP(6) END WHERE id = ?",
-                self.sql.table
-            );
-            sqlx::query(AssertSqlSafe(sql))
+            sqlx::query(AssertSqlSafe(self.sql.failed.as_str()))
                 .bind(why)
                 .bind(dead)
                 .bind(id)

@@ -45,9 +45,7 @@ impl NatsPublisher {
         let client = idempotency_nats::connect_url(url, timeout).await?;
         Ok(Self::new(jetstream::new(client)))
     }
-}
 
-impl NatsPublisher {
     /// Checks that a stream captures `subject` (else every publish to it would fail): the
     /// stream's name.
     ///

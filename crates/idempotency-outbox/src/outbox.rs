@@ -264,6 +264,10 @@ impl Outbox {
     }
 }
 
+/// A pending row's columns as the claim statements of both databases select them: `id`,
+/// `ordering_key`, `destination`, `key`, `payload`, `headers` (as text), `attempts`.
+pub(crate) type PendingColumns = (i64, String, String, Option<String>, Vec<u8>, String, i32);
+
 /// A pending row as a relay round reads it.
 pub(crate) struct Pending {
     pub(crate) id: i64,
@@ -275,6 +279,20 @@ pub(crate) struct Pending {
     pub(crate) headers: String,
     /// Failed publishes so far.
     pub(crate) attempts: i32,
+}
+
+impl From<PendingColumns> for Pending {
+    fn from((id, ordering_key, destination, key, payload, headers, attempts): PendingColumns) -> Self {
+        Self {
+            id,
+            ordering_key,
+            destination,
+            key,
+            payload,
+            headers,
+            attempts,
+        }
+    }
 }
 
 /// A relay round's hold on the table, in one database's dialect: its groups are held and its
@@ -315,25 +333,13 @@ impl<'a> PgRound<'a> {
         if held.is_empty() {
             return Ok((Self { tx, sql }, Vec::new()));
         }
-        let rows = sqlx::query(AssertSqlSafe(sql.claim.as_str()))
+        let rows: Vec<PendingColumns> = sqlx::query_as(AssertSqlSafe(sql.claim.as_str()))
             .bind(&held)
             .bind(i64::from(batch))
             .fetch_all(&mut *tx)
             .await
             .map_err(OutboxError::db("read the pending rows"))?;
-        let rows = rows
-            .iter()
-            .map(|row| Pending {
-                id: row.get("id"),
-                ordering_key: row.get("ordering_key"),
-                destination: row.get("destination"),
-                key: row.get("key"),
-                payload: row.get("payload"),
-                headers: row.get("headers"),
-                attempts: row.get("attempts"),
-            })
-            .collect();
-        Ok((Self { tx, sql }, rows))
+        Ok((Self { tx, sql }, rows.into_iter().map(Pending::from).collect()))
     }
 }
 
@@ -617,7 +623,6 @@ impl<P: Publisher> Relay<P> {
             loops: 1,
             poll: self.poll,
             cleanup_every: self.cleanup_every,
-            listen: self.listen,
         };
         let round = || async {
             let (sent, parked) = self.round().await?;

@@ -21,12 +21,11 @@ pub(crate) struct Pace {
     pub(crate) poll: Duration,
     /// How often the cleanup runs.
     pub(crate) cleanup_every: Duration,
-    /// Whether to `LISTEN` for notifications (without, loops only poll).
-    pub(crate) listen: bool,
 }
 
-/// Listens on `listen`'s channel (a pool and a channel; `None`: polling only), runs `pace.loops` loops of rounds of `round` (each returns whether there may be more
-/// work right away) and `cleanup` every `pace.cleanup_every`, until `shutdown`; then lets each
+/// Listens on `listen`'s channel (a pool and a channel; `None`: polling only), runs
+/// `pace.loops` loops of rounds of `round` (each returns whether there may be more work right
+/// away) and `cleanup` every `pace.cleanup_every`, until `shutdown`; then lets each
 /// loop finish its round. `what` names the loops in logs.
 pub(crate) async fn run<R, RF, C, CF, S>(
     listen: Option<(&PgPool, &str)>,
@@ -43,7 +42,7 @@ where
     CF: Future<Output = ()>,
     S: Future<Output = ()>,
 {
-    let mut listener = if let Some((pool, channel)) = listen.filter(|_| pace.listen) {
+    let mut listener = if let Some((pool, channel)) = listen {
         let mut listener = PgListener::connect_with(pool)
             .await
             .map_err(OutboxError::db("connect for notifications"))?;
