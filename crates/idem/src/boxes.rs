@@ -98,10 +98,10 @@ impl Location {
         Ok(pool)
     }
 
-    /// A pool whose outbox table exists and is of this version (a service that only relays
-    /// has no inbox).
-    async fn outbox(&self, read_only: bool) -> Result<Database, Error> {
-        let database = self.database_of(2, read_only).await?;
+    /// A pool of `connections` whose outbox table exists and is of this version (a service
+    /// that only relays has no inbox).
+    pub(crate) async fn outbox(&self, connections: u32, read_only: bool) -> Result<Database, Error> {
+        let database = self.database_of(connections, read_only).await?;
         self.tables.check_outbox(&database).await?;
         Ok(database)
     }
@@ -283,7 +283,7 @@ pub async fn inbox_stats(at: &Location, consumer: Option<&str>, json_out: bool) 
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -> Result<String, Error> {
-    let pool = at.outbox(true).await?;
+    let pool = at.outbox(2, true).await?;
     let rows = idempotency_outbox::outbox_list(&pool, &at.tables, all, limit).await?;
     if json_out {
         let rows: Vec<Value> = rows
@@ -345,7 +345,7 @@ pub async fn outbox_list(at: &Location, all: bool, limit: i64, json_out: bool) -
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error> {
-    let pool = at.outbox(true).await?;
+    let pool = at.outbox(2, true).await?;
     let stats = idempotency_outbox::outbox_stats(&pool, &at.tables).await?;
     if json_out {
         return Ok(json!({
@@ -377,7 +377,7 @@ pub async fn outbox_stats(at: &Location, json_out: bool) -> Result<String, Error
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_replay(at: &Location, id: Option<i64>, json_out: bool) -> Result<String, Error> {
-    let pool = at.outbox(false).await?;
+    let pool = at.outbox(2, false).await?;
     let replayed = idempotency_outbox::outbox_replay(&pool, &at.tables, id).await?;
     Ok(if json_out {
         json!({ "replayed": replayed }).to_string() + "\n"
@@ -392,7 +392,7 @@ pub async fn outbox_replay(at: &Location, id: Option<i64>, json_out: bool) -> Re
 ///
 /// [`Error::Boxes`].
 pub async fn outbox_purge(at: &Location, older_than: Duration, json_out: bool) -> Result<String, Error> {
-    let pool = at.outbox(false).await?;
+    let pool = at.outbox(2, false).await?;
     let purged = idempotency_outbox::outbox_purge_dead(&pool, &at.tables, older_than).await?;
     Ok(if json_out {
         json!({ "purged": purged }).to_string() + "\n"

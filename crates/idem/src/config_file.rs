@@ -259,55 +259,39 @@ struct RawFile {
     route: Vec<Spanned<RawRoute>>,
 }
 
-/// A `[[relay]]` table: `idem relay`'s flags with their values, as its command line would pass
-/// them, and the line of its header.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A `[[relay]]` table, parsed by `idem relay`'s flags, and the line of its header.
+#[derive(Debug, Clone)]
 pub struct RelayTable {
     /// The line of the `[[relay]]` header.
     pub line: usize,
-    /// `--flag value` pairs (a switch alone), in file order.
-    pub args: Vec<String>,
+    /// The table's keys as `idem relay`'s command line would give them.
+    pub matches: clap::ArgMatches,
 }
 
-/// Keys a `[[relay]]` table may not set: the process's, given on the command line.
-const NOT_RELAY_SETTINGS: [&str; 2] = ["config", "admin-listen"];
-
-/// Reads the `[[relay]]` tables of `path` for `idem relay --config` (`command`): each key one
-/// of its flags by its long name, checked by the flag's own parser. The file's other keys and
-/// tables are `idem serve`'s, which checks them.
+/// Reads the `[[relay]]` tables of `path` for `idem relay --config` (`command`, its `IDEM_*`
+/// variables left out): each key one of its flags by its long name, parsed by the flag's own
+/// parser. The file's other keys and tables are `idem serve`'s, which checks them.
 ///
 /// # Errors
 ///
 /// [`FileError`] with the place: a file that cannot be read or is not TOML, no `[[relay]]`
-/// table, an unknown key, a value the flag refuses, a table without `database` or `to`.
+/// table, an unknown key (`admin-listen` is the process's, given on the command line), a value
+/// the flag refuses, a table without `database` or `to`.
 pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, FileError> {
     use toml::de::DeValue;
 
     let text = read(path)?;
-    let at = |span: Range<usize>, message: String| {
-        let (line, column) = line_column(&text, span.start);
-        FileError {
-            path: path.to_owned(),
-            line,
-            column,
-            message,
-        }
-    };
-    let table = toml::de::DeTable::parse(&text).map_err(|error| {
-        at(
-            error.span().unwrap_or(0..0),
-            error.message().trim_end().to_owned(),
-        )
-    })?;
+    let source = Source { path, text: &text };
+    let table = toml::de::DeTable::parse(&text).map_err(|e| source.toml(&e))?;
     let tables = match table
         .get_ref()
         .get("relay")
         .map(|value| (value.get_ref(), value.span()))
     {
         Some((DeValue::Array(tables), _)) => tables,
-        Some((_, span)) => return Err(at(span, "`relay` is an array of tables: [[relay]]".into())),
+        Some((_, span)) => return Err(source.at(span, "`relay` is an array of tables: [[relay]]".into())),
         None => {
-            return Err(at(
+            return Err(source.at(
                 0..0,
                 "has no [[relay]] table: each names a `database` and a `to` (docs/OUTBOX.md)".into(),
             ));
@@ -317,17 +301,14 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
     let mut relays = Vec::new();
     for relay in tables {
         let DeValue::Table(entries) = relay.get_ref() else {
-            return Err(at(relay.span(), "a [[relay]] is a table".into()));
+            return Err(source.at(relay.span(), "a [[relay]] is a table".into()));
         };
-        let mut args = Vec::new();
+        let mut args = vec!["relay".to_owned()];
         let mut spans = Vec::new();
         for (key, value) in entries {
             let name = key.get_ref().as_ref();
-            let flag = (!NOT_RELAY_SETTINGS.contains(&name))
-                .then(|| command.get_arguments().find(|arg| arg.get_long() == Some(name)))
-                .flatten();
-            let Some(flag) = flag else {
-                return Err(at(
+            let Some(flag) = setting_flag(&command, name).filter(|_| name != "admin-listen") else {
+                return Err(source.at(
                     key.span(),
                     format!(
                         "unknown key `{name}` in [[relay]]: its keys are `idem relay`'s flags without `--` (not `config` or `admin-listen`, which are the process's)"
@@ -336,7 +317,7 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
             };
             let switch = !flag.get_action().takes_values();
             let value = setting_value(name, value.get_ref(), switch)
-                .map_err(|why| at(value.span(), why.to_string()))?;
+                .map_err(|why| source.at(value.span(), why.to_string()))?;
             if switch && value.as_deref() == Some("false") {
                 continue;
             }
@@ -348,29 +329,20 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
         }
         for required in ["database", "to"] {
             if !spans.iter().any(|(name, _)| name == required) {
-                return Err(at(
+                return Err(source.at(
                     relay.span(),
                     format!("[[relay]] has no `{required}`: each relay names a `database` and a `to`"),
                 ));
             }
         }
-        let mut line = vec!["relay".to_owned()];
-        line.extend(args.iter().cloned());
-        if let Err(error) = command.clone().try_get_matches_from(line) {
-            use clap::error::{ContextKind, ContextValue};
-            let flag = match error.get(ContextKind::InvalidArg) {
-                Some(ContextValue::String(flag)) => flag.clone(),
-                _ => String::new(),
-            };
-            let span = spans
-                .iter()
-                .find(|(name, _)| flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}"))
-                .map_or_else(|| relay.span(), |(_, span)| span.clone());
-            return Err(at(span, format!("[[relay]]: {}", clap_reason(&error))));
-        }
+        let matches = command.clone().try_get_matches_from(args).map_err(|error| {
+            let named = spans.iter().map(|(name, span)| (name.as_str(), span));
+            let span = flag_span(&error, named).unwrap_or_else(|| relay.span());
+            source.at(span, format!("[[relay]]: {}", clap_reason(&error)))
+        })?;
         relays.push(RelayTable {
             line: line_column(&text, relay.span().start).0,
-            args,
+            matches,
         });
     }
     Ok(relays)
@@ -398,26 +370,42 @@ fn read(path: &Path) -> Result<String, FileError> {
     })
 }
 
+/// A file's path and text, for errors that name a place in it.
+struct Source<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Source<'_> {
+    /// An error at the start of `span`.
+    fn at(&self, span: Range<usize>, message: String) -> FileError {
+        let (line, column) = line_column(self.text, span.start);
+        FileError {
+            path: self.path.to_owned(),
+            line,
+            column,
+            message,
+        }
+    }
+
+    /// A `toml` error, at its place.
+    fn toml(&self, error: &toml::de::Error) -> FileError {
+        self.at(
+            error.span().unwrap_or(0..0),
+            error.message().trim_end().to_owned(),
+        )
+    }
+}
+
 /// As [`load`], from the file's text.
 ///
 /// # Errors
 ///
 /// As [`load`].
 pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigFile, FileError> {
-    let at = |span: Range<usize>, message: String| {
-        let (line, column) = line_column(text, span.start);
-        FileError {
-            path: path.to_owned(),
-            line,
-            column,
-            message,
-        }
-    };
-    let toml_error = |error: toml::de::Error| {
-        let span = error.span().unwrap_or(0..0);
-        at(span, error.message().trim_end().to_owned())
-    };
-    let table = toml::de::DeTable::parse(text).map_err(toml_error)?;
+    let source = Source { path, text };
+    let at = |span: Range<usize>, message: String| source.at(span, message);
+    let table = toml::de::DeTable::parse(text).map_err(|e| source.toml(&e))?;
     let mut settings = Vec::new();
     for (key, value) in table.get_ref() {
         let name = key.get_ref().as_ref();
@@ -447,7 +435,7 @@ pub fn parse(path: &Path, text: &str, command: &clap::Command) -> Result<ConfigF
     }
     check_with_flags(&settings, command).map_err(|(span, why)| at(span, why))?;
     // The routes from the table already parsed, its spans kept.
-    let raw = RawFile::deserialize(toml::de::Deserializer::from(table)).map_err(toml_error)?;
+    let raw = RawFile::deserialize(toml::de::Deserializer::from(table)).map_err(|e| source.toml(&e))?;
     let mut routes = Vec::new();
     for route in raw.route {
         let line = line_column(text, route.span().start).0;
@@ -535,23 +523,34 @@ fn check_with_flags(
     let Err(error) = command.try_get_matches_from(args) else {
         return Ok(());
     };
-    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    use clap::error::ErrorKind;
     if matches!(
         error.kind(),
         ErrorKind::MissingRequiredArgument | ErrorKind::ArgumentConflict
     ) {
         return Ok(());
     }
-    let flag = match error.get(ContextKind::InvalidArg) {
-        Some(ContextValue::String(flag)) => flag.clone(),
-        _ => String::new(),
-    };
-    let named = settings.iter().find(|(setting, _)| {
-        let name = &setting.name;
-        flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}")
-    });
-    let span = named.map_or(0..0, |(_, span)| span.clone());
+    let named = settings
+        .iter()
+        .map(|(setting, span)| (setting.name.as_str(), span));
+    let span = flag_span(&error, named).unwrap_or(0..0);
     Err((span, clap_reason(&error)))
+}
+
+/// The span of the setting among `named` (a flag's long name and where the file sets it) whose
+/// value clap's `error` is about.
+fn flag_span<'s>(
+    error: &clap::Error,
+    mut named: impl Iterator<Item = (&'s str, &'s Range<usize>)>,
+) -> Option<Range<usize>> {
+    use clap::error::{ContextKind, ContextValue};
+    let flag = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(flag)) => flag.as_str(),
+        _ => "",
+    };
+    named
+        .find(|(name, _)| flag.starts_with(&format!("--{name} ")) || flag == format!("--{name}"))
+        .map(|(_, span)| span.clone())
 }
 
 /// clap's message for `error`, its first line without `error: `.

@@ -412,15 +412,9 @@ pub fn configs(config: Config, command: &clap::Command) -> Result<Vec<Config>, E
     let Some(path) = &config.config else {
         return Ok(vec![config]);
     };
-    let command = command.clone().mut_args(|arg| arg.env(None));
     let mut configs: Vec<(usize, Config)> = Vec::new();
-    for table in crate::config_file::relays(path, &command).map_err(|e| Error::Usage(e.to_string()))? {
-        let mut args = vec!["relay".to_owned()];
-        args.extend(table.args);
-        let relay = command
-            .clone()
-            .try_get_matches_from(args)
-            .and_then(|matches| <Config as clap::FromArgMatches>::from_arg_matches(&matches))
+    for table in crate::config_file::relays(path, command).map_err(|e| Error::Usage(e.to_string()))? {
+        let relay = <Config as clap::FromArgMatches>::from_arg_matches(&table.matches)
             .map_err(|e| Error::Usage(format!("{}:{}: {e}", path.display(), table.line)))?;
         let same = |other: &Config| {
             other.database == relay.database && other.schema == relay.schema && other.table == relay.table
@@ -440,7 +434,7 @@ pub fn configs(config: Config, command: &clap::Command) -> Result<Vec<Config>, E
 /// A relay ready to run: its table checked and its destination reached.
 struct Prepared {
     relay: Relay<To>,
-    name: String,
+    /// `--to`, redacted.
     to: String,
 }
 
@@ -451,23 +445,19 @@ async fn prepare(config: &Config) -> Result<Prepared, Error> {
     let to = destination(&to_url).await?;
     let at = Location {
         database: config.database.clone().unwrap_or_default(),
-        tables: tables.clone(),
+        tables,
     };
-    let database = at.database_of(4, false).await?;
-    tables.check_outbox(&database).await?;
-    let mut name = database.qualified_outbox(&tables);
-    let mut relay = Relay::new(database, Outbox::new(tables), to)
+    let database = at.outbox(4, false).await?;
+    let mut relay = Relay::new(database, Outbox::new(at.tables), to)
         .batch(config.batch)
         .max_attempts(config.max_attempts)
         .poll(config.poll)
         .retention(config.retention, Duration::from_secs(60));
-    if let Some(named) = &config.name {
-        relay = relay.name(named.clone());
-        name.clone_from(named);
+    if let Some(name) = &config.name {
+        relay = relay.name(name.clone());
     }
     Ok(Prepared {
         relay,
-        name,
         to: idempotency::redact_url(&to_url),
     })
 }
@@ -516,7 +506,7 @@ pub async fn relay(
     });
     let running = relays.iter().map(|prepared| {
         let mut stopped = stopped.clone();
-        tracing::info!(outbox = %prepared.name, to = %prepared.to, "relaying");
+        tracing::info!(outbox = %prepared.relay.label(), to = %prepared.to, "relaying");
         prepared.relay.run_until(async move {
             let _ = stopped.wait_for(|stop| *stop).await;
         })

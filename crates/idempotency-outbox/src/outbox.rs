@@ -451,6 +451,12 @@ impl<P: Publisher> Relay<P> {
         self
     }
 
+    /// The relay's name: the prefix of its keys and the `outbox` label of its metrics.
+    #[must_use]
+    pub fn label(&self) -> &str {
+        &self.name
+    }
+
     /// How many rows one round publishes at most.
     #[must_use]
     pub fn batch(mut self, batch: u32) -> Self {
