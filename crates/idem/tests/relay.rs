@@ -126,7 +126,7 @@ async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_mysql_inserts_write_the_rows_the_relay_expects() {
     let table = Table::new(Db::MySql).await;
-    let my = table.my.clone().unwrap();
+    let my = table.mysql().clone();
     let mut connection = my.acquire().await.unwrap();
     sqlx::query(AssertSqlSafe(format!("USE {}", table.schema)))
         .execute(&mut *connection)
@@ -212,7 +212,7 @@ async fn mysql_rows_that_cannot_be_published_are_parked_and_operated_on() {
         .with_state(Arc::clone(&arrived));
     let addr = common::serve_app(app).await;
     let table = Table::new(Db::MySql).await;
-    let my = table.my.clone().unwrap();
+    let my = table.mysql().clone();
     for (key, headers, payload) in [
         (Some("k-1"), "{}", "first"),
         (Some("k-2"), "[1]", "bad headers"),
@@ -327,17 +327,7 @@ async fn a_config_file_runs_every_relay_it_names() {
             "INSERT INTO {}.idempotency_outbox (ordering_key, payload) VALUES ('g', '{payload}')",
             table.schema
         );
-        match &table.my {
-            None => {
-                sqlx::query(AssertSqlSafe(insert))
-                    .execute(&table.pg)
-                    .await
-                    .unwrap();
-            }
-            Some(my) => {
-                sqlx::query(AssertSqlSafe(insert)).execute(my).await.unwrap();
-            }
-        }
+        table.execute(insert).await;
     }
     idempotency_testkit::eventually(Duration::from_secs(30), "both rows posted", async || {
         arrived.lock().unwrap().len() >= 2
@@ -506,26 +496,28 @@ enum Db {
 /// A test's own outbox table, migrated by `idem relay migrate`: in a PostgreSQL schema or a
 /// MySQL database of its own (`--schema` names either), beside an `orders` table.
 struct Table {
-    db: Db,
     schema: String,
-    pg: PgPool,
-    my: Option<sqlx::MySqlPool>,
+    pool: Pool,
+}
+
+/// A pool on a [`Table`]'s database.
+enum Pool {
+    Postgres(PgPool),
+    MySql(sqlx::MySqlPool),
 }
 
 impl Table {
     /// A new table on `db`.
     async fn new(db: Db) -> Self {
-        let pg = PgPool::connect(&database_url())
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
         match db {
             Db::Postgres => {
+                let pg = PgPool::connect(&database_url()).await.unwrap_or_else(|e| {
+                    panic!("PostgreSQL at {} is needed for this test: {e}", database_url())
+                });
                 let schema = outbox_with(&pg, &[]).await;
                 Self {
-                    db,
                     schema,
-                    pg,
-                    my: None,
+                    pool: Pool::Postgres(pg),
                 }
             }
             Db::MySql => {
@@ -547,10 +539,8 @@ impl Table {
                 let url = mysql_url();
                 idem_ok(&["relay", "migrate", "--database", &url, "--schema", &schema]);
                 Self {
-                    db,
                     schema,
-                    pg,
-                    my: Some(my),
+                    pool: Pool::MySql(my),
                 }
             }
         }
@@ -558,9 +548,25 @@ impl Table {
 
     /// The database's URL, as `--database` takes it.
     fn url(&self) -> String {
-        match self.db {
-            Db::Postgres => database_url(),
-            Db::MySql => mysql_url(),
+        match self.pool {
+            Pool::Postgres(_) => database_url(),
+            Pool::MySql(_) => mysql_url(),
+        }
+    }
+
+    /// The MySQL pool of a table on MySQL.
+    fn mysql(&self) -> &sqlx::MySqlPool {
+        match &self.pool {
+            Pool::MySql(my) => my,
+            Pool::Postgres(_) => panic!("a MySQL table was expected"),
+        }
+    }
+
+    /// Runs `sql` (no parameters).
+    async fn execute(&self, sql: String) {
+        match &self.pool {
+            Pool::Postgres(pg) => drop(sqlx::query(AssertSqlSafe(sql)).execute(pg).await.unwrap()),
+            Pool::MySql(my) => drop(sqlx::query(AssertSqlSafe(sql)).execute(my).await.unwrap()),
         }
     }
 
@@ -570,12 +576,12 @@ impl Table {
             "SELECT count(*) FROM {}.idempotency_outbox WHERE {condition}",
             self.schema
         );
-        match &self.my {
-            None => sqlx::query_scalar(AssertSqlSafe(sql))
-                .fetch_one(&self.pg)
+        match &self.pool {
+            Pool::Postgres(pg) => sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(pg)
                 .await
                 .unwrap(),
-            Some(my) => sqlx::query_scalar(AssertSqlSafe(sql))
+            Pool::MySql(my) => sqlx::query_scalar(AssertSqlSafe(sql))
                 .fetch_one(my)
                 .await
                 .unwrap(),
@@ -585,11 +591,11 @@ impl Table {
     /// Runs the Python producer (psycopg or PyMySQL) with `transactions` transactions into the
     /// outbox, and checks that nine in ten committed.
     async fn produce(&self, transactions: u32) {
-        let (script, url) = match self.db {
-            Db::Postgres => (PRODUCER, database_url()),
-            Db::MySql => (MYSQL_PRODUCER, mysql_url()),
+        let script = match self.pool {
+            Pool::Postgres(_) => PRODUCER,
+            Pool::MySql(_) => MYSQL_PRODUCER,
         };
-        python(&["-c", script, &url, &self.schema, &transactions.to_string()]);
+        python(&["-c", script, &self.url(), &self.schema, &transactions.to_string()]);
         assert_eq!(self.count("TRUE").await, i64::from(transactions) * 9);
     }
 
@@ -600,14 +606,9 @@ impl Table {
 
     /// Drops the table's schema or database.
     async fn drop(self) {
-        match &self.my {
-            None => drop_schema(&self.pg, &self.schema).await,
-            Some(my) => {
-                sqlx::query(AssertSqlSafe(format!("DROP DATABASE {}", self.schema)))
-                    .execute(my)
-                    .await
-                    .unwrap();
-            }
+        match &self.pool {
+            Pool::Postgres(pg) => drop_schema(pg, &self.schema).await,
+            Pool::MySql(_) => self.execute(format!("DROP DATABASE {}", self.schema)).await,
         }
     }
 }

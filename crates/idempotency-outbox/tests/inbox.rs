@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{LedgerHandler, fresh, ledger_counts, pool};
+use common::{LedgerHandler, Running, fresh, ledger_counts, pool};
 use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor};
 use idempotency_core::Key;
 use idempotency_outbox::{
@@ -148,8 +148,7 @@ async fn four_competing_workers_handle_each_message_once() {
         }),
     )
     .workers(4);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
+    let running = Running::spawn(|stopped| async move { worker.run_until(stopped).await });
     eventually(LIMIT, "the backlog drained", || {
         let (pool, tables) = (pool.clone(), tables.clone());
         async move {
@@ -161,8 +160,7 @@ async fn four_competing_workers_handle_each_message_once() {
         }
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(ledger_counts(&pool, &ledger).await, (2000, 2000));
 }
 
@@ -210,8 +208,7 @@ async fn a_poison_message_goes_dead_and_a_replay_runs_it_once_fixed() {
     let worker = InboxWorker::new(inbox.clone(), Arc::clone(&handler))
         .retry(retry)
         .poll(Duration::from_millis(50));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
+    let running = Running::spawn(|stopped| async move { worker.run_until(stopped).await });
     eventually(LIMIT, "two dead, one processed", || {
         let (pool, tables) = (pool.clone(), tables.clone());
         async move {
@@ -259,8 +256,7 @@ async fn a_poison_message_goes_dead_and_a_replay_runs_it_once_fixed() {
         }
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(ledger_counts(&pool, &ledger).await, (2, 2));
     // Replaying again finds nothing dead under that key.
     assert_eq!(

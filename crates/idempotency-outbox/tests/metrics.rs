@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{fresh, pool};
+use common::{Running, fresh, pool};
 use idempotency_consumer::{BoxError, Delivery, HandlerError, Processor};
 use idempotency_core::Key;
 use idempotency_outbox::{
@@ -94,16 +94,14 @@ async fn every_inbox_and_outbox_metric_moves_when_its_event_happens() {
         .poll(Duration::from_millis(50))
         // Everything processed is past the window at once.
         .retention(Duration::ZERO, Duration::from_millis(100));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
+    let running = Running::spawn(|stopped| async move { worker.run_until(stopped).await });
     let labels = [("consumer", consumer.as_str())];
     eventually(LIMIT, "processed rows purged", || {
         let metrics = idempotency_testkit::recorded::global();
         async move { metrics.counter("idempotency_inbox_purged_total", &labels) >= 2 }
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    running.stop().await;
     let stats = inbox_stats(&pool, &tables, Some(&consumer)).await.unwrap();
     assert_eq!((stats.pending, stats.dead), (0, 1));
 
@@ -121,8 +119,7 @@ async fn every_inbox_and_outbox_metric_moves_when_its_event_happens() {
         .retention(Duration::from_secs(3600), Duration::from_millis(100));
     assert!(relay.relay_batch().await.is_err());
     publisher.0.store(false, Ordering::SeqCst);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { relay.run_until(async { drop(stopped.await) }).await });
+    let running = Running::spawn(|stopped| async move { relay.run_until(stopped).await });
     eventually(LIMIT, "published", || {
         let (pool, tables) = (pool.clone(), tables.clone());
         async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
@@ -130,8 +127,7 @@ async fn every_inbox_and_outbox_metric_moves_when_its_event_happens() {
     .await;
     // A cleanup round refreshes the gauges after the publish.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    running.stop().await;
 
     let metrics = idempotency_testkit::recorded::global();
     let received = |result| {

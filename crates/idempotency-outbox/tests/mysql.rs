@@ -4,11 +4,14 @@
 
 #![cfg(feature = "mysql")]
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
+use common::Running;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlPool};
@@ -175,11 +178,7 @@ async fn three_mysql_relays_keep_every_aggregate_in_order_and_a_killed_one_costs
             let relay = Relay::new(pool.clone(), outbox.clone(), recording)
                 .name("shop")
                 .poll(Duration::from_millis(50));
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            (
-                stop,
-                tokio::spawn(async move { relay.run_until(async { drop(stopped.await) }).await }),
-            )
+            Running::spawn(|stopped| async move { relay.run_until(stopped).await })
         })
         .collect();
     killed.abort();
@@ -189,9 +188,8 @@ async fn three_mysql_relays_keep_every_aggregate_in_order_and_a_killed_one_costs
         async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
     })
     .await;
-    for (stop, running) in relays {
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+    for running in relays {
+        running.stop().await;
     }
     let before = hanging.published.lock().unwrap().clone();
     let after = recording.published.lock().unwrap().clone();

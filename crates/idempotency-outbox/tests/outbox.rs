@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{fresh, pool};
+use common::{Running, fresh, pool};
 use futures_util::StreamExt;
 use idempotency_consumer::{BoxError, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
@@ -243,11 +243,7 @@ async fn three_relays_keep_every_aggregate_in_order_and_a_killed_one_costs_only_
             let relay = Relay::new(pool.clone(), outbox.clone(), AmqpPublisher::new(amqp_url(), ""))
                 .name("shop")
                 .poll(Duration::from_millis(100));
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            (
-                stop,
-                tokio::spawn(async move { relay.run_until(async { drop(stopped.await) }).await }),
-            )
+            Running::spawn(|stopped| async move { relay.run_until(stopped).await })
         })
         .collect();
     killed.abort();
@@ -257,9 +253,8 @@ async fn three_relays_keep_every_aggregate_in_order_and_a_killed_one_costs_only_
         async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
     })
     .await;
-    for (stop, running) in relays {
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+    for running in relays {
+        running.stop().await;
     }
     let received = drain(&channel, &queue_name).await;
     let duplicates = consume_in_order(&received, 50, 40).await;
@@ -286,8 +281,7 @@ async fn a_broker_outage_grows_the_backlog_and_it_drains() {
     let outbox = Outbox::new(tables.clone());
     let relay = Relay::new(pool.clone(), outbox.clone(), AmqpPublisher::new(proxied, ""))
         .poll(Duration::from_millis(100));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { relay.run_until(async { drop(stopped.await) }).await });
+    let running = Running::spawn(|stopped| async move { relay.run_until(stopped).await });
     enqueue_interleaved(&pool, &outbox, &queue_name, 10, 10).await;
     eventually(LIMIT, "the first 100 sent", || {
         let (pool, tables) = (pool.clone(), tables.clone());
@@ -318,8 +312,7 @@ async fn a_broker_outage_grows_the_backlog_and_it_drains() {
         async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
     })
     .await;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    running.stop().await;
     let received = drain(&channel, &queue_name).await;
     assert_eq!(consume_in_order(&received, 10, 20).await, 0, "copies");
 }

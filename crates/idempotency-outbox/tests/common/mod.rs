@@ -2,6 +2,7 @@
 
 #![allow(dead_code, unreachable_pub)] // each test crate uses a part
 
+use std::future::Future;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use idempotency_outbox::{InboxHandler, InboxMessage, Tables};
@@ -108,4 +109,29 @@ pub async fn record(
     .await
     .map_err(idempotency_consumer::HandlerError::retry)?;
     Ok(())
+}
+
+/// A relay or an inbox worker running in the background until [`stop`](Self::stop).
+pub struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), idempotency_outbox::OutboxError>>,
+}
+
+impl Running {
+    /// Spawns `run` (a `run_until`), with the future that completes when stopped.
+    pub fn spawn<F, R>(run: F) -> Self
+    where
+        F: FnOnce(std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> R,
+        R: Future<Output = Result<(), idempotency_outbox::OutboxError>> + Send + 'static,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(run(Box::pin(async { drop(stopped.await) })));
+        Self { stop, task }
+    }
+
+    /// Stops it and waits for the round in progress; panics if it failed.
+    pub async fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.task.await.unwrap().unwrap();
+    }
 }
