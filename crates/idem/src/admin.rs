@@ -88,6 +88,24 @@ impl Admin {
         self.draining.clone()
     }
 
+    /// The process's metrics, as `/metrics` renders them.
+    #[must_use]
+    pub fn metrics(&self) -> &PrometheusHandle {
+        &self.metrics
+    }
+
+    /// The store the admin endpoints check.
+    #[must_use]
+    pub fn store(&self) -> &DynStore {
+        &self.store
+    }
+
+    /// The store's kind (its URL scheme): no credential can be in it.
+    #[must_use]
+    pub fn store_kind(&self) -> &str {
+        &self.store_kind
+    }
+
     /// Publishes `policy` at `/policy`: what clients may rely on, per route.
     #[must_use]
     pub fn policy(mut self, policy: SharedPolicy) -> Self {
@@ -118,7 +136,7 @@ async fn probe_write(store: &DynStore) -> Result<(), idempotency::StoreError> {
 
 /// Why the store check failed: the text the health endpoints answer with.
 #[derive(Debug, thiserror::Error)]
-enum StoreCheckError {
+pub(crate) enum StoreCheckError {
     /// Writes failed, and so does a probe write now.
     #[error("{failure}; a probe write failed too: {now}")]
     Writes {
@@ -138,7 +156,7 @@ enum StoreCheckError {
 
 /// `Ok` when the store answers a read and its writes work: the last guarded request's write
 /// worked, or, when it failed, a probe write works now. What failed otherwise.
-async fn store_check(admin: &Admin) -> Result<(), StoreCheckError> {
+pub(crate) async fn store_check(admin: &Admin) -> Result<(), StoreCheckError> {
     let probe = async {
         if let Some(failure) = admin.health.failure() {
             probe_write(&admin.store)

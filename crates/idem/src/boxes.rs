@@ -28,7 +28,7 @@ impl Location {
     }
 
     /// Whether the URL names a MySQL or MariaDB server.
-    fn is_mysql(&self) -> bool {
+    pub(crate) fn is_mysql(&self) -> bool {
         matches!(
             self.database.split_once("://").map(|(scheme, _)| scheme),
             Some("mysql" | "mariadb")
@@ -92,7 +92,7 @@ impl Location {
     }
 
     /// A pool on tables that exist with this version's mark.
-    async fn checked(&self, read_only: bool) -> Result<PgPool, Error> {
+    pub(crate) async fn checked(&self, read_only: bool) -> Result<PgPool, Error> {
         let pool = self.pool(read_only).await?;
         self.tables.check(&pool).await?;
         Ok(pool)

@@ -834,9 +834,9 @@ pub fn report(merged: &Merged, serve_command: &clap::Command) -> String {
             .map(|value| value.to_string_lossy())
             .collect::<Vec<_>>()
             .join(",");
-        let value = if long.contains("secret") {
+        let value = if long.contains("secret") || long.contains("token") {
             "***".to_owned()
-        } else if long == "store" {
+        } else if matches!(long, "store" | "ui-database") {
             idempotency::redact_url(&value)
         } else if !arg.get_action().takes_values() {
             if serve.get_flag(id) { "true" } else { "false" }.to_owned()

@@ -117,6 +117,9 @@ pub struct Config {
     /// (until the running calls have been settled at shutdown).
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// The dashboard (`--ui`) and its settings.
+    #[command(flatten)]
+    pub dashboard: crate::ui::UiFlags,
     /// How each consumed message's log event shows its key: `hash` (a digest), `plain` or `off`.
     #[arg(long, env = "IDEM_LOG_KEYS", default_value = "hash")]
     pub log_keys: idempotency::KeyLog,
@@ -631,6 +634,7 @@ pub async fn consume(
     let info = (kind.parse)(&from).map_err(source_error)?;
     let to = handler_uri(config.to.as_deref().unwrap_or_default())?;
     let handler_tls = handler_tls(&config, &to).await?;
+    config.dashboard.check(config.admin_listen)?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
@@ -656,7 +660,9 @@ pub async fn consume(
     let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
     if let Some(addr) = config.admin_listen {
         let listener = bind(addr).await?;
-        let admin = admin_router(admin, ADMIN_PREFIX);
+        let router = admin_router(admin.clone(), ADMIN_PREFIX);
+        let process = crate::ui::Process::Consumer { from: from.clone() };
+        let admin = config.dashboard.serve_beside(router, admin, process)?;
         tokio::spawn(async move {
             let stop = async move {
                 let _ = admin_stop.await;

@@ -36,14 +36,24 @@ async fn open(from: &str) -> Result<Box<dyn DeadLetterQueue>, Error> {
     (kind.dead_letters)(from.to_owned()).await.map_err(failed)
 }
 
-/// `idem dlq list`: the dead letters grouped by reason, with their counts and the oldest one's
-/// age; `reason` keeps only the reasons containing it.
+/// The dead letters of a source, grouped by reason.
+#[derive(Debug, Clone)]
+pub struct Groups {
+    /// The dead-letter destination's name.
+    pub name: String,
+    /// How many dead letters the groups hold.
+    pub total: usize,
+    /// (reason, count, the oldest one's age), the largest group first.
+    pub reasons: Vec<(String, usize, Duration)>,
+}
+
+/// The dead letters of the source `from` (at most `limit` read), grouped by reason; `reason`
+/// keeps only the reasons containing it.
 ///
 /// # Errors
 ///
-/// [`Error::DeadLetters`] when the source URL is not valid, the broker cannot be reached, or
-/// the destination does not exist.
-pub async fn list(from: &str, reason: Option<&str>, limit: usize, json: bool) -> Result<String, Error> {
+/// As [`list`].
+pub async fn groups(from: &str, reason: Option<&str>, limit: usize) -> Result<Groups, Error> {
     let mut queue = open(from).await?;
     let letters = queue.browse(limit).await.map_err(|error| Error::DeadLetters {
         from: idempotency::redact_url(from),
@@ -62,25 +72,43 @@ pub async fn list(from: &str, reason: Option<&str>, limit: usize, json: bool) ->
         group.1 = group.1.max(letter.age(now));
         total += 1;
     }
-    let mut groups: Vec<_> = groups.into_iter().collect();
-    groups.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
+    let mut reasons: Vec<_> = groups
+        .into_iter()
+        .map(|(reason, (count, oldest))| (reason.to_owned(), count, oldest))
+        .collect();
+    reasons.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(Groups {
+        name: queue.name(),
+        total,
+        reasons,
+    })
+}
+
+/// `idem dlq list`: the dead letters grouped by reason, with their counts and the oldest one's
+/// age; `reason` keeps only the reasons containing it.
+///
+/// # Errors
+///
+/// [`Error::DeadLetters`] when the source URL is not valid, the broker cannot be reached, or
+/// the destination does not exist.
+pub async fn list(from: &str, reason: Option<&str>, limit: usize, json: bool) -> Result<String, Error> {
+    let Groups { name, total, reasons } = groups(from, reason, limit).await?;
     if json {
-        let reasons: Vec<_> = groups
+        let reasons: Vec<_> = reasons
             .iter()
-            .map(|(reason, (count, oldest))| {
+            .map(|(reason, count, oldest)| {
                 serde_json::json!({ "reason": reason, "count": count, "oldest_seconds": oldest.as_secs() })
             })
             .collect();
         return Ok(
-            serde_json::json!({ "dead_letters": queue.name(), "total": total, "reasons": reasons })
-                .to_string(),
+            serde_json::json!({ "dead_letters": name, "total": total, "reasons": reasons }).to_string(),
         );
     }
-    let rows: Vec<Vec<String>> = groups
+    let rows: Vec<Vec<String>> = reasons
         .iter()
-        .map(|(reason, (count, oldest))| vec![count.to_string(), age(*oldest), (*reason).to_owned()])
+        .map(|(reason, count, oldest)| vec![count.to_string(), age(*oldest), reason.clone()])
         .collect();
-    let mut out = format!("{}: {total} dead letters\n", queue.name());
+    let mut out = format!("{name}: {total} dead letters\n");
     if !rows.is_empty() {
         out.push('\n');
         out.push_str(&crate::ops::table(&["COUNT", "OLDEST", "REASON"], &rows));

@@ -67,6 +67,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The dashboard's settings are refused.
+    #[error(transparent)]
+    Ui(#[from] crate::ui::UiError),
     /// A TLS setting cannot be used (the message names the file or flag and why).
     #[error("TLS: {0}")]
     Tls(#[from] crate::tls::TlsError),

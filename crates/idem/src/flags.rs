@@ -79,27 +79,53 @@ pub fn parse_scope_secret(text: &str) -> Result<ScopeSecret, FlagError> {
     Ok(ScopeSecret::new(text.as_bytes())?)
 }
 
-/// Parses `--scope-secret` with [`parse_scope_secret`]. A plain `value_parser` function's
-/// error would make clap print "invalid value '`<the secret>`'": this one's error names the flag
-/// and the reason only.
-#[derive(Debug, Clone, Copy)]
-pub struct SecretParser;
+/// The value parser of a flag that carries a secret (`--scope-secret`, `--admin-token`). A plain
+/// `value_parser` function's error would make clap print "invalid value '`<the secret>`'": this
+/// one's error names the flag and the reason only.
+#[derive(Clone, Copy)]
+pub struct SecretParser<T> {
+    flag: &'static str,
+    parse: fn(&str) -> Result<T, String>,
+}
 
-impl clap::builder::TypedValueParser for SecretParser {
-    type Value = ScopeSecret;
+impl<T> std::fmt::Debug for SecretParser<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretParser")
+            .field("flag", &self.flag)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> SecretParser<T> {
+    /// `flag`'s parser: `parse` turns the text into the value, or says why not (without the
+    /// value).
+    pub const fn new(flag: &'static str, parse: fn(&str) -> Result<T, String>) -> Self {
+        Self { flag, parse }
+    }
+}
+
+impl SecretParser<ScopeSecret> {
+    /// `--scope-secret`, with [`parse_scope_secret`].
+    pub const SCOPE_SECRET: Self = Self::new("--scope-secret", |text| {
+        parse_scope_secret(text).map_err(|e| e.to_string())
+    });
+}
+
+impl<T: Clone + Send + Sync + 'static> clap::builder::TypedValueParser for SecretParser<T> {
+    type Value = T;
 
     fn parse_ref(
         &self,
         _command: &clap::Command,
         _arg: Option<&clap::Arg>,
         value: &std::ffi::OsStr,
-    ) -> Result<ScopeSecret, clap::Error> {
+    ) -> Result<T, clap::Error> {
         let refuse =
             |why: String| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{why}\n"));
         let text = value
             .to_str()
-            .ok_or_else(|| refuse("--scope-secret: not valid UTF-8".into()))?;
-        parse_scope_secret(text).map_err(|e| refuse(e.to_string()))
+            .ok_or_else(|| refuse(format!("{}: not valid UTF-8", self.flag)))?;
+        (self.parse)(text).map_err(refuse)
     }
 }
 
@@ -320,7 +346,14 @@ pub fn parse_header_name(text: &str) -> Result<HeaderName, FlagError> {
 /// as `<VARIABLE>_FILE`, the path of a file holding the value (the convention of container
 /// secrets: a Kubernetes Secret or a Docker secret mounted as a file); and no help text shows
 /// their values.
-pub const SECRET_SETTINGS: &[&str] = &["IDEM_STORE", "IDEM_FROM", "IDEM_SCOPE_SECRET", "IDEM_DATABASE"];
+pub const SECRET_SETTINGS: &[&str] = &[
+    "IDEM_STORE",
+    "IDEM_FROM",
+    "IDEM_SCOPE_SECRET",
+    "IDEM_DATABASE",
+    "IDEM_ADMIN_TOKEN",
+    "IDEM_UI_DATABASE",
+];
 
 /// Why a `…_FILE` variable cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -12,6 +12,7 @@
 //! * [`demo`]: the payments demo (`idem demo`);
 //! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
 //! * [`key_actions`]: `idem keys release|forget|complete`, an operator's changes to one key;
+//! * [`ui`]: the dashboard (`--ui`) of the gateway and of `idem consume`;
 //! * [`units`]: human durations and sizes as the flags take them;
 //! * [`error`]: what can go wrong, as one typed [`Error`].
 
@@ -35,4 +36,5 @@ pub mod relay;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
+pub mod ui;
 mod upstream;

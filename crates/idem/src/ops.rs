@@ -185,12 +185,13 @@ fn outcome_json(bytes: &[u8]) -> Value {
     }
 }
 
-/// `idem keys get`: one record, with its outcome decoded when the gateway stored it.
+/// The record of `scope` and `key` as `idem keys get --json` prints it: its summary, its
+/// fingerprint, and its outcome decoded when the gateway stored it (`held_by` while in flight).
 ///
 /// # Errors
 ///
-/// The store's error, or no such record.
-pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> Result<String, Error> {
+/// The store's error, or [`Error::NoRecord`].
+pub async fn record_json(store: &DynStore, scope: &Scope, key: &Key) -> Result<Value, Error> {
     let Some(record) = store.get(scope, key).await? else {
         return Err(Error::NoRecord {
             key: key.as_str().into(),
@@ -215,24 +216,38 @@ pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> 
             });
         }
     }
+    Ok(value)
+}
+
+/// The fields of [`record_json`] that `idem keys get` and the dashboard show, in their order
+/// (the outcome aside).
+pub(crate) const RECORD_FIELDS: [&str; 12] = [
+    "scope",
+    "key",
+    "state",
+    "attempt",
+    "held_by",
+    "fingerprint",
+    "created_at",
+    "acquired_at",
+    "lease_until",
+    "lease_expired",
+    "completed_at",
+    "expires_at",
+];
+
+/// `idem keys get`: one record, with its outcome decoded when the gateway stored it.
+///
+/// # Errors
+///
+/// The store's error, or no such record.
+pub async fn get(store: &DynStore, scope: &Scope, key: &Key, json_out: bool) -> Result<String, Error> {
+    let value = record_json(store, scope, key).await?;
     if json_out {
         return Ok(value.to_string());
     }
     let mut out = String::new();
-    for field in [
-        "scope",
-        "key",
-        "state",
-        "attempt",
-        "held_by",
-        "fingerprint",
-        "created_at",
-        "acquired_at",
-        "lease_until",
-        "lease_expired",
-        "completed_at",
-        "expires_at",
-    ] {
+    for field in RECORD_FIELDS {
         if let Some(v) = value.get(field) {
             let text = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
             let _ = writeln!(out, "{field:<14}{text}");

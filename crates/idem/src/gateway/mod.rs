@@ -67,6 +67,9 @@ pub struct Config {
     /// Serve /metrics and /healthz here instead of under /_idem/ on the main listener.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// The dashboard (`--ui`) and its settings.
+    #[command(flatten)]
+    pub dashboard: crate::ui::UiFlags,
     /// A TOML file with these settings (the flags' long names as keys) and per-route policies
     /// (`[[route]]` tables); the flags and IDEM_* variables win over it. See docs/HTTP.md.
     #[arg(long, env = "IDEM_CONFIG")]
@@ -117,7 +120,7 @@ pub struct Config {
     pub scope_header: Option<HeaderName>,
     /// The secret (16 bytes or more) the scope hash is keyed with; every gateway on one store
     /// needs the same. Without it, the first gateway generates one and keeps it in the store.
-    #[arg(long, env = "IDEM_SCOPE_SECRET", hide_env_values = true, value_parser = SecretParser)]
+    #[arg(long, env = "IDEM_SCOPE_SECRET", hide_env_values = true, value_parser = SecretParser::SCOPE_SECRET)]
     pub scope_secret: Option<ScopeSecret>,
     /// Wait mode: a duplicate of a running request waits up to this long for its response.
     #[arg(long, env = "IDEM_WAIT", value_parser = parse_wait)]
@@ -297,7 +300,13 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let admin = Admin::new(store, &config.store, health, metrics).policy(policy);
     let draining = admin.draining();
     let (main, admin) = match config.admin_listen {
-        Some(_) => (main, Some(admin_router(admin, ""))),
+        Some(_) => {
+            let router = admin_router(admin.clone(), "");
+            let router = config
+                .dashboard
+                .serve_beside(router, admin, crate::ui::Process::Gateway)?;
+            (main, Some(router))
+        }
         None => (main.merge(admin_router(admin, ADMIN_PREFIX)), None),
     };
     Ok(Routers {
@@ -344,6 +353,7 @@ pub async fn serve(
     mut config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    config.dashboard.check(config.admin_listen)?;
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;

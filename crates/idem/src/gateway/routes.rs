@@ -325,6 +325,7 @@ fn keep_process_settings(current: &Config, next: &mut Config) -> Vec<&'static st
     keep!(
         listen => "listen",
         admin_listen => "admin-listen",
+        dashboard => "ui",
         store => "store",
         no_migrate => "no-migrate",
         tls_cert => "tls-cert",

@@ -27,6 +27,8 @@ pub mod raw;
 
 const UPSTREAM_ENV: &str = "IDEM_TEST_UPSTREAM";
 const UPSTREAM_READY: &str = "UPSTREAM LISTENING ON ";
+/// Where the upstream process listens, when a test names the address (a restart on the same one).
+const UPSTREAM_ADDR_ENV: &str = "IDEM_TEST_UPSTREAM_ADDR";
 
 /// Executions per forwarded key, in the upstream process.
 type Calls = Arc<Mutex<HashMap<String, u32>>>;
@@ -72,7 +74,7 @@ fn echo_response(headers: &HeaderMap, key: &str, calls: u32, body: &Bytes) -> Re
 }
 
 /// `POST /echo`: counts the call and echoes what it got. `POST /slow?ms=N`: counts the call,
-/// then answers as `/echo` after N ms.
+/// then answers as `/echo` after N ms (or the `X-Delay-Ms` header's N).
 /// `POST /flaky`: 503 on a key's first call, then as `/echo`. `POST /big?bytes=N`: a chunked body
 /// of N bytes. `GET /calls?key=K`: how many times K ran. Anything else: `404` with the path it
 /// arrived at, verbatim.
@@ -94,7 +96,14 @@ fn upstream_app() -> Router {
                 |State(calls): State<Calls>, uri: Uri, headers: HeaderMap, body: Bytes| async move {
                     // Counted on arrival: a call whose gateway dies mid-way has still started.
                     let (key, n) = count(&calls, &headers);
-                    let ms: u64 = query(&uri, "ms").and_then(|v| v.parse().ok()).unwrap_or(500);
+                    // `X-Delay-Ms` (outside the request's fingerprint) wins over `?ms=`.
+                    let ms: u64 = headers
+                        .get("x-delay-ms")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                        .or_else(|| query(&uri, "ms"))
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(500);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                     echo_response(&headers, &key, n, &body)
                 },
@@ -162,7 +171,8 @@ pub fn upstream_child() {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = std::env::var(UPSTREAM_ADDR_ENV).unwrap_or_else(|_| "127.0.0.1:0".into());
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         println!("{UPSTREAM_READY}{}", listener.local_addr().unwrap());
         axum::serve(listener, upstream_app()).await.unwrap();
     });
@@ -204,8 +214,18 @@ impl Drop for Process {
 
 /// Starts the upstream process; returns it and its address.
 pub fn start_upstream() -> (Process, SocketAddr) {
+    start_upstream_at(None)
+}
+
+/// Starts the upstream process on `addr` (a loopback port of its own when `None`); returns it
+/// and its address.
+pub fn start_upstream_at(addr: Option<SocketAddr>) -> (Process, SocketAddr) {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    if let Some(addr) = addr {
+        command.env(UPSTREAM_ADDR_ENV, addr.to_string());
+    }
     let mut process = Process {
-        child: Command::new(std::env::current_exe().unwrap())
+        child: command
             .args([
                 "upstream_process",
                 "--exact",
@@ -267,7 +287,6 @@ pub fn idem(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// `idem` with `args` (a `serve` command line) as a process of its own, logging warnings.
 /// `idem` with `args` and `env` as a process of its own, logging at `log` (`IDEM_LOG`); its
 /// standard error piped for the test to read when `capture_stderr`, else shown.
 pub fn spawn_idem(args: &[&str], env: &[(&str, String)], log: &str, capture_stderr: bool) -> Process {
@@ -295,6 +314,7 @@ pub async fn serve_app(app: Router) -> SocketAddr {
     addr
 }
 
+/// `idem` with `args` (a `serve` command line) as a process of its own, logging warnings.
 pub fn spawn_serve(args: &[&str]) -> Process {
     Process {
         child: Command::new(env!("CARGO_BIN_EXE_idem"))
