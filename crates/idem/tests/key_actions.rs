@@ -402,7 +402,7 @@ async fn a_release_racing_a_running_request_hands_the_key_to_the_retry() {
 /// server, says why, exits 1, and the record stays as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_role_is_refused_and_nothing_changes() {
-    use idempotency::postgres::sqlx::{self, AssertSqlSafe};
+    use idempotency::postgres::sqlx;
 
     let (url, _) = env_or("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
     let store = idempotency::open(&url).await.unwrap();
@@ -410,28 +410,10 @@ async fn a_read_only_role_is_refused_and_nothing_changes() {
     completed(&store, &key).await;
     let before = record(&store, &key).await;
 
-    let role = format!("idem_reader_{}", std::process::id());
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    for statement in [
-        format!("DROP ROLE IF EXISTS {role}"),
-        format!("CREATE ROLE {role} LOGIN"),
-        format!("GRANT USAGE ON SCHEMA public TO {role}"),
-        format!("GRANT SELECT ON public.idempotency_records TO {role}"),
-    ] {
-        sqlx::raw_sql(AssertSqlSafe(statement))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
-    let mut reader = url::Url::parse(&url).unwrap();
-    reader.set_username(&role).unwrap();
-    let (code, out, err) = keys(reader.as_str(), "forget", &key, &["--yes"]);
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "REVOKE ALL ON public.idempotency_records FROM {role}; REVOKE USAGE ON SCHEMA public FROM {role}; DROP ROLE {role}"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    let reader = common::ReadOnlyRole::create(&pool, &url, "reader").await;
+    let (code, out, err) = keys(&reader.url, "forget", &key, &["--yes"]);
+    reader.drop(&pool).await;
 
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.is_empty(), "nothing printed as changed: {out}");

@@ -497,6 +497,103 @@ async fn the_consumers_dashboard_replays_a_dead_letter() {
     browser.close().await;
 }
 
+/// The CSRF token of the first form on `html`.
+fn csrf_of(html: &str) -> String {
+    let field = "name=\"csrf\" value=\"";
+    let at = html.find(field).expect("a form with a CSRF token") + field.len();
+    html[at..].split('"').next().unwrap().to_owned()
+}
+
+/// A gateway whose store role may only read: the dashboard shows the stuck key, and Release is
+/// refused with the server's reason on the page; the record stays as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_store_role_is_refused_on_the_page() {
+    use idempotency::{BeginRequest, Claim, Fingerprint, Scope};
+
+    let url =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let store = idempotency::open(&url).await.unwrap();
+    let key = format!("read-only-{}", Key::generate());
+    let request = BeginRequest::new(
+        Scope::global(),
+        Key::new(&key).unwrap(),
+        Fingerprint::of_bytes(b"{}"),
+    )
+    .lease(Duration::from_secs(600));
+    assert!(matches!(store.begin(&request).await.unwrap(), Claim::Acquired(_)));
+    let before = store
+        .get(&Scope::global(), &Key::new(&key).unwrap())
+        .await
+        .unwrap();
+
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let reader = common::ReadOnlyRole::create(&pool, &url, "ui_reader").await;
+    let addrs = common::free_addrs(2);
+    let gateway = common::spawn_idem(
+        &[
+            "serve",
+            "--listen",
+            &addrs[0].to_string(),
+            "--admin-listen",
+            &addrs[1].to_string(),
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--store",
+            &reader.url,
+            "--no-migrate",
+            "--purge-every",
+            "off",
+            "--ui",
+        ],
+        &[("IDEM_ADMIN_TOKEN", TOKEN.to_owned())],
+        "warn",
+        false,
+    );
+    let gateway = common::ready_on(gateway, addrs[1], "/healthz", "idem serve --ui, read-only").await;
+    let client = common::client();
+    let bearer = format!("Bearer {TOKEN}");
+    let page = common::send(
+        &client,
+        addrs[1],
+        "GET",
+        "/ui/inflight?older_than=0s",
+        &[("authorization", bearer.as_str())],
+        b"",
+    )
+    .await;
+    let html = String::from_utf8_lossy(&page.body).into_owned();
+    assert!(html.contains(&key), "the key is listed: {html}");
+    let form = [
+        ("authorization", bearer.as_str()),
+        ("content-type", "application/x-www-form-urlencoded"),
+    ];
+    let body = format!("csrf={}&scope=&key={key}&confirm=yes", csrf_of(&html));
+    let refused = common::send(
+        &client,
+        addrs[1],
+        "POST",
+        "/ui/inflight/release",
+        &form,
+        body.as_bytes(),
+    )
+    .await;
+    drop(gateway);
+    reader.drop(&pool).await;
+
+    let text = String::from_utf8_lossy(&refused.body);
+    assert_eq!(refused.status, 409, "{text}");
+    assert!(
+        text.contains("The store refused the change, so nothing was changed"),
+        "{text}"
+    );
+    assert!(text.contains("permission denied"), "the server's reason: {text}");
+    let after = store
+        .get(&Scope::global(), &Key::new(&key).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(after, before, "the record is unchanged");
+}
+
 /// The dashboard's settings are checked before anything starts.
 #[test]
 fn the_dashboard_refuses_to_start_unprotected_or_without_its_listener() {

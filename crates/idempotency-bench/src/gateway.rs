@@ -17,7 +17,7 @@
 //! - **Memory**: `gateway-memory` sends 200,000 new-key requests with 1 KiB bodies through the
 //!   gateway on SQLite and samples its resident memory (`/proc/PID/status`) as they go.
 
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -41,6 +41,9 @@ struct Run {
 pub(crate) struct Process {
     name: String,
     child: Child,
+    /// Its standard error, in a file: a pipe nobody reads while the load runs would fill and
+    /// stall the process at its next log line (`idem serve` logs every request at `info`).
+    stderr: std::fs::File,
 }
 
 impl Drop for Process {
@@ -65,14 +68,16 @@ impl Drop for Process {
 
 impl Process {
     pub(crate) fn spawn(name: &str, command: &mut Command) -> Result<Self, String> {
+        let stderr = tempfile::tempfile().map_err(|e| format!("a file for {name}'s log: {e}"))?;
         let child = command
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(stderr.try_clone().map_err(|e| e.to_string())?)
             .spawn()
             .map_err(|e| format!("cannot start {name}: {e}"))?;
         Ok(Self {
             name: name.to_owned(),
             child,
+            stderr,
         })
     }
 
@@ -123,9 +128,8 @@ impl Process {
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
                 let mut stderr = String::new();
-                if let Some(mut pipe) = self.child.stderr.take() {
-                    let _ = pipe.read_to_string(&mut stderr);
-                }
+                let _ = self.stderr.seek(std::io::SeekFrom::Start(0));
+                let _ = self.stderr.read_to_string(&mut stderr);
                 return Err(format!("{} exited ({status}): {stderr}", self.name));
             }
             if Instant::now() > deadline {
@@ -266,29 +270,38 @@ fn start_upstream() -> Result<(Process, u16), String> {
     Ok((upstream, port))
 }
 
-/// `idem serve` on `store`, in front of the upstream.
-fn start_gateway(idem: &Path, name: &str, store: &str, upstream: u16) -> Result<Target, String> {
+/// `idem serve` on `store`, in front of the upstream; with `ui`, its dashboard on (`--ui` on an
+/// admin listener of its own, with a token), as an operator would run it during an incident.
+fn start_gateway(idem: &Path, name: &str, store: &str, upstream: u16, ui: bool) -> Result<Target, String> {
     let port = free_port()?;
-    let mut process = Process::spawn(
-        name,
-        Command::new(idem)
-            .args([
-                "serve",
-                "--upstream",
-                &format!("http://127.0.0.1:{upstream}"),
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--store",
-                store,
-                "--retention",
-                "10m",
-                "--purge-every",
-                "off",
-                "--max-connections",
-                "4096",
-            ])
-            .env("RUST_LOG", "error"),
-    )?;
+    let mut command = Command::new(idem);
+    command
+        .args([
+            "serve",
+            "--upstream",
+            &format!("http://127.0.0.1:{upstream}"),
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--store",
+            store,
+            "--retention",
+            "10m",
+            "--purge-every",
+            "off",
+            "--max-connections",
+            "4096",
+        ])
+        .env("RUST_LOG", "error");
+    if ui {
+        command.args([
+            "--ui",
+            "--admin-listen",
+            &format!("127.0.0.1:{}", free_port()?),
+            "--admin-token",
+            "bench-dashboard-token-0123456789",
+        ]);
+    }
+    let mut process = Process::spawn(name, &mut command)?;
     process.wait_for(port)?;
     Ok(Target {
         name: name.to_owned(),
@@ -381,7 +394,14 @@ fn wrk(
         .map_err(|e| format!("wrk: {e}"))?;
     let after = target.pid.map(cpu_ticks);
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    let mut run = parse_wrk(&text).ok_or_else(|| format!("cannot read wrk's output:\n{text}"))?;
+    let mut run = parse_wrk(&text).ok_or_else(|| {
+        format!(
+            "cannot read wrk's output on {} ({}):\n{text}{}",
+            target.name,
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })?;
     let requests = text
         .lines()
         .find_map(|line| line.trim().split_once(" requests in "))
@@ -465,7 +485,16 @@ fn targets(
     let redis = std::env::var("IDEM_BENCH_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/1".into());
     let mysql = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
     for store in stores {
-        let (name, url) = match store.as_str() {
+        let (store, ui) = match store.strip_suffix("-ui") {
+            Some(store) => (store, true),
+            None => (store.as_str(), false),
+        };
+        let (name, url) = match store {
+            "memory" if ui => ("idem serve, memory, --ui", "memory://".to_owned()),
+            "sqlite" if ui => (
+                "idem serve, SQLite (group commit), --ui",
+                format!("sqlite://{}", dir.join("grouped-ui.db").display()),
+            ),
             "memory" => ("idem serve, memory", "memory://".to_owned()),
             "sqlite" => (
                 "idem serve, SQLite (group commit)",
@@ -484,11 +513,11 @@ fn targets(
             "mysql" => ("idem serve, MariaDB", mysql.clone()),
             other => {
                 return Err(format!(
-                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, redis-batched, postgres, mysql)"
+                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, redis-batched, postgres, mysql; memory-ui and sqlite-ui: with the dashboard on)"
                 ));
             }
         };
-        targets.push(start_gateway(idem, name, &url, upstream)?);
+        targets.push(start_gateway(idem, name, &url, upstream, ui)?);
     }
     Ok(targets)
 }
@@ -610,6 +639,7 @@ pub(crate) fn run_memory(connections: usize, requests: u64) -> Result<(), String
         "idem serve, SQLite",
         &format!("sqlite://{}", dir.path().join("memory.db").display()),
         upstream_port,
+        false,
     )?;
     let pid = gateway.process.as_ref().map_or(0, Process::pid);
     let (new_keys, _, _) = scripts(dir.path(), 1024)?;

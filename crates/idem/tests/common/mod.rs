@@ -489,3 +489,49 @@ pub async fn metric_on(
         })
         .sum()
 }
+
+/// A PostgreSQL role of this process that may only read the store's records, for the tests of
+/// what a read-only store refuses.
+pub struct ReadOnlyRole {
+    name: String,
+    /// `url` with the role as its user.
+    pub url: String,
+}
+
+impl ReadOnlyRole {
+    /// Creates the role (dropping a leftover of an earlier run), with `SELECT` on
+    /// `public.idempotency_records` only.
+    pub async fn create(pool: &idempotency::postgres::sqlx::PgPool, url: &str, what: &str) -> Self {
+        use idempotency::postgres::sqlx::{self, AssertSqlSafe};
+        let name = format!("idem_{what}_{}", std::process::id());
+        for statement in [
+            format!("DROP ROLE IF EXISTS {name}"),
+            format!("CREATE ROLE {name} LOGIN"),
+            format!("GRANT USAGE ON SCHEMA public TO {name}"),
+            format!("GRANT SELECT ON public.idempotency_records TO {name}"),
+        ] {
+            sqlx::raw_sql(AssertSqlSafe(statement))
+                .execute(pool)
+                .await
+                .unwrap();
+        }
+        let mut reader = url::Url::parse(url).unwrap();
+        reader.set_username(&name).unwrap();
+        Self {
+            name,
+            url: reader.into(),
+        }
+    }
+
+    /// Drops the role.
+    pub async fn drop(self, pool: &idempotency::postgres::sqlx::PgPool) {
+        use idempotency::postgres::sqlx::{self, AssertSqlSafe};
+        let name = &self.name;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "REVOKE ALL ON public.idempotency_records FROM {name}; REVOKE USAGE ON SCHEMA public FROM {name}; DROP ROLE {name}"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}
