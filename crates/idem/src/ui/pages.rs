@@ -339,9 +339,14 @@ pub(super) async fn inflight(
         ),
     };
     let more = records.len() > ROWS;
+    let mut records: Vec<_> = records.into_iter().take(ROWS).collect();
+    // The longest held first: the ones an operator is looking for.
+    records.sort_by_key(|record| match record.state {
+        SummaryState::InFlight { acquired_at, .. } => acquired_at,
+        SummaryState::Completed { completed_at, .. } => completed_at,
+    });
     let rows = records
         .iter()
-        .take(ROWS)
         .filter_map(|record| {
             let now = now?;
             let SummaryState::InFlight {
