@@ -85,8 +85,11 @@ pub fn parse_scope_secret(text: &str) -> Result<ScopeSecret, FlagError> {
 #[derive(Clone, Copy)]
 pub struct SecretParser<T> {
     flag: &'static str,
-    parse: fn(&str) -> Result<T, String>,
+    parse: fn(&str) -> Result<T, SecretError>,
 }
+
+/// Why a secret flag's value is refused: the parser's error, whose text never holds the value.
+pub type SecretError = Box<dyn std::error::Error + Send + Sync>;
 
 impl<T> std::fmt::Debug for SecretParser<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -99,16 +102,14 @@ impl<T> std::fmt::Debug for SecretParser<T> {
 impl<T> SecretParser<T> {
     /// `flag`'s parser: `parse` turns the text into the value, or says why not (without the
     /// value).
-    pub const fn new(flag: &'static str, parse: fn(&str) -> Result<T, String>) -> Self {
+    pub const fn new(flag: &'static str, parse: fn(&str) -> Result<T, SecretError>) -> Self {
         Self { flag, parse }
     }
 }
 
 impl SecretParser<ScopeSecret> {
     /// `--scope-secret`, with [`parse_scope_secret`].
-    pub const SCOPE_SECRET: Self = Self::new("--scope-secret", |text| {
-        parse_scope_secret(text).map_err(|e| e.to_string())
-    });
+    pub const SCOPE_SECRET: Self = Self::new("--scope-secret", |text| Ok(parse_scope_secret(text)?));
 }
 
 impl<T: Clone + Send + Sync + 'static> clap::builder::TypedValueParser for SecretParser<T> {
@@ -125,7 +126,7 @@ impl<T: Clone + Send + Sync + 'static> clap::builder::TypedValueParser for Secre
         let text = value
             .to_str()
             .ok_or_else(|| refuse(format!("{}: not valid UTF-8", self.flag)))?;
-        (self.parse)(text).map_err(refuse)
+        (self.parse)(text).map_err(|e| refuse(e.to_string()))
     }
 }
 

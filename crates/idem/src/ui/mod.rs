@@ -91,9 +91,7 @@ impl AdminToken {
 
 impl crate::flags::SecretParser<AdminToken> {
     /// `--admin-token`, with [`AdminToken::new`].
-    pub const ADMIN_TOKEN: Self = Self::new("--admin-token", |text| {
-        AdminToken::new(text).map_err(|e| e.to_string())
-    });
+    pub const ADMIN_TOKEN: Self = Self::new("--admin-token", |text| Ok(AdminToken::new(text)?));
 }
 
 /// The dashboard's flags, the same on `idem serve` and `idem consume`.

@@ -390,13 +390,18 @@ pub(super) async fn inflight(
     )
 }
 
-/// The scope a form or query names: empty is the global scope.
-fn scope_of(text: &str) -> Result<Scope, String> {
-    if text.is_empty() {
-        Ok(Scope::global())
-    } else {
-        Scope::new(text).map_err(|e| format!("scope `{text}`: {e}"))
+/// The scope and key a form or query names (an empty scope is the global one).
+fn scope_and_key(scope: &str, key: &str) -> Result<(Scope, Key), crate::Error> {
+    fn invalid(what: &'static str, text: &str) -> impl FnOnce(idempotency::KeyError) -> crate::Error {
+        let text = text.to_owned();
+        move |source| crate::Error::Invalid { what, text, source }
     }
+    let scope = if scope.is_empty() {
+        Scope::global()
+    } else {
+        Scope::new(scope).map_err(invalid("scope", scope))?
+    };
+    Ok((scope, Key::new(key).map_err(invalid("key", key))?))
 }
 
 /// `POST /ui/inflight/release`: asks for a confirmation, then runs `idem keys release`'s code.
@@ -404,14 +409,9 @@ pub(super) async fn release(State(ui): State<Ui>, Checked(form, access): Checked
     let page = frame(&ui, &access, "In flight");
     let scope_text = form.scope.clone().unwrap_or_default();
     let key_text = form.key.clone().unwrap_or_default();
-    let parsed = scope_of(&scope_text).and_then(|scope| {
-        Key::new(&key_text)
-            .map(|key| (scope, key))
-            .map_err(|e| format!("key `{key_text}`: {e}"))
-    });
-    let (scope, key) = match parsed {
+    let (scope, key) = match scope_and_key(&scope_text, &key_text) {
         Ok(parsed) => parsed,
-        Err(why) => return message(page, Err(crate::Error::Usage(why)), "/ui/inflight"),
+        Err(why) => return message(page, Err(why), "/ui/inflight"),
     };
     if !form.confirmed() {
         let question = match ui.admin.store().get(&scope, &key).await {
@@ -502,21 +502,14 @@ pub(super) async fn key(
     let Some(key_text) = query.key.filter(|key| !key.is_empty()) else {
         return html(StatusCode::OK, &page);
     };
-    let parsed = scope_of(&page.scope).and_then(|scope| {
-        Key::new(&key_text)
-            .map(|key| (scope, key))
-            .map_err(|e| format!("key `{key_text}`: {e}"))
-    });
-    let value = match parsed {
-        Ok((scope, key)) => crate::ops::record_json(ui.admin.store(), &scope, &key)
-            .await
-            .map_err(|e| e.to_string()),
+    let value = match scope_and_key(&page.scope, &key_text) {
+        Ok((scope, key)) => crate::ops::record_json(ui.admin.store(), &scope, &key).await,
         Err(why) => Err(why),
     };
     let value = match value {
         Ok(value) => value,
         Err(why) => {
-            page.error = Some(why);
+            page.error = Some(why.to_string());
             return html(StatusCode::NOT_FOUND, &page);
         }
     };
@@ -661,9 +654,9 @@ struct BoxCounts {
 struct BoxesPage {
     page: PageInfo,
     database: String,
-    outbox: Result<BoxCounts, String>,
+    outbox: Result<BoxCounts, crate::Error>,
     /// `None` on MySQL, which has no inbox.
-    inbox: Option<Result<BoxCounts, String>>,
+    inbox: Option<Result<BoxCounts, crate::Error>>,
 }
 
 impl BoxCounts {
@@ -712,12 +705,8 @@ pub(super) async fn boxes(State(ui): State<Ui>, Extension(access): Extension<Acc
     let page = BoxesPage {
         page: frame(&ui, &access, "Inbox / outbox"),
         database: idempotency::redact_url(&at.database),
-        outbox: outbox.await.map_err(|e| e.to_string()),
-        inbox: if at.is_mysql() {
-            None
-        } else {
-            Some(inbox.await.map_err(|e| e.to_string()))
-        },
+        outbox: outbox.await,
+        inbox: if at.is_mysql() { None } else { Some(inbox.await) },
     };
     html(StatusCode::OK, &page)
 }
