@@ -36,8 +36,6 @@ use subtle::ConstantTimeEq as _;
 
 use crate::admin::Admin;
 
-pub use rates::Series;
-
 /// The token `--admin-token` takes: at least 16 characters, never printed (its `Debug` says
 /// only that it is set).
 #[derive(Clone, PartialEq, Eq)]

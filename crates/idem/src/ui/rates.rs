@@ -20,15 +20,15 @@ pub(super) const WINDOW: Duration = Duration::from_secs(15 * 60);
 
 /// One line of the chart: a counter (summed over its labels, or over those with one `result`).
 #[derive(Debug, Clone, Copy)]
-pub struct Series {
+pub(super) struct Series {
     /// What the page calls it.
-    pub label: &'static str,
+    pub(super) label: &'static str,
     /// The counter's name.
-    pub metric: &'static str,
+    pub(super) metric: &'static str,
     /// Only the counter's series with this `result` label.
-    pub result: Option<&'static str>,
+    pub(super) result: Option<&'static str>,
     /// The line's colour.
-    pub colour: &'static str,
+    pub(super) colour: &'static str,
 }
 
 /// The gateway's decisions.
