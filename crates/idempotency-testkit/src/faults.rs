@@ -5,7 +5,9 @@
 //! * be **down** — every call fails with [`ErrorKind::Unavailable`] and reaches nothing;
 //! * **fail the next n calls** before they reach the store;
 //! * **lose the next n replies** — the call reaches the store and takes effect, then the caller
-//!   gets an error, as when a connection drops after the server committed.
+//!   gets an error, as when a connection drops after the server committed;
+//! * **hold the next call** until the test opens a [`Gate`], as a store that is slow for one
+//!   caller, ordered by events rather than by a delay.
 //!
 //! It also counts the calls per operation.
 
@@ -43,12 +45,32 @@ struct Faults {
     plan: Mutex<HashMap<Op, Plan>>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct Plan {
     fail_next: u32,
     lose_next: u32,
     calls: u64,
     delay: Duration,
+    /// The next call waits until this says `true` (or its [`Gate`] is dropped).
+    hold: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// Holds the call of a [`FaultyStore`] it was made for ([`FaultyStore::hold_next`]) until it
+/// is opened or dropped.
+#[derive(Debug)]
+pub struct Gate(tokio::sync::watch::Sender<bool>);
+
+impl Gate {
+    /// Lets the held call reach the store.
+    pub fn open(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
+    }
 }
 
 enum Fault {
@@ -100,6 +122,15 @@ impl<S> FaultyStore<S> {
         self.with_plan(op, |plan| plan.delay = delay);
     }
 
+    /// Makes the next call of `op` wait, before it reaches the store, until the returned gate
+    /// is opened (or dropped); later calls go through.
+    #[must_use = "the call is held until the gate is opened or dropped"]
+    pub fn hold_next(&self, op: Op) -> Gate {
+        let (gate, held) = tokio::sync::watch::channel(false);
+        self.with_plan(op, |plan| plan.hold = Some(held));
+        Gate(gate)
+    }
+
     /// How many times `op` was called (failed calls included).
     pub fn calls(&self, op: Op) -> u64 {
         self.with_plan(op, |plan| plan.calls)
@@ -137,7 +168,13 @@ impl<S> FaultyStore<S> {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
-        match self.next_fault(op) {
+        let fault = self.next_fault(op);
+        // Counted, then held: a test sees the call before it reaches the store.
+        if let Some(mut hold) = self.with_plan(op, |plan| plan.hold.take()) {
+            // An error means the gate is gone, which opens it too.
+            let _ = hold.wait_for(|open| *open).await;
+        }
+        match fault {
             Fault::None => call.await,
             Fault::Fail => Err(injected(op, "refused")),
             Fault::LoseReply => {
