@@ -103,7 +103,7 @@ pub struct Config {
     /// trip, their outcomes recorded in one more), at most the prefetch; 1 decides each alone.
     /// Kafka: of one partition, handled one after another, in order; RabbitMQ, NATS and SQS
     /// (one receive of a standard queue): handled at once, each acked once its own outcome is
-    /// recorded.
+    /// recorded (RabbitMQ and NATS: at most half the concurrency, two batches in flight).
     #[arg(long, env = "IDEM_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub batch: u16,
     /// How long a batch waits for more messages, and how long a handler runs before the

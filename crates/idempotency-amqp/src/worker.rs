@@ -14,7 +14,7 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline, batches};
+use idempotency_consumer::adapter::{AdapterErrorKind, BatchPlan, Pipeline, batches};
 
 use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
@@ -108,7 +108,9 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     /// outcomes in one more ([`Processor::process_many`]), each delivery acked once its own
     /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
     /// `1` decides each delivery on its own. [`concurrency`](Self::concurrency) deliveries are
-    /// processed at once, in batches of this size.
+    /// processed at once, in batches of this size and of at most half the concurrency, so that
+    /// two batches overlap ([`BatchPlan`]: one waits for the store while the other's handlers
+    /// and acks run).
     #[must_use]
     pub fn batch(mut self, deliveries: usize) -> Self {
         self.batch = deliveries.max(1);
@@ -227,10 +229,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             // `Send` for every lifetime.
             .boxed();
         let concurrency = self.concurrency.unwrap_or(usize::from(self.prefetch));
-        let batch = self.batch.min(usize::from(self.prefetch));
+        let plan = BatchPlan::new(self.batch.min(usize::from(self.prefetch)), concurrency);
         // A failed settlement is logged, counted and handed back by the pipeline; the broker
         // delivers it again, and the record decides again.
-        if batch <= 1 {
+        if plan.size <= 1 {
             deliveries
                 .for_each_concurrent(concurrency, |message| {
                     let pipeline = &pipeline;
@@ -240,8 +242,8 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 })
                 .await;
         } else {
-            batches(deliveries, batch, self.linger)
-                .for_each_concurrent(concurrency.div_ceil(batch), |messages| {
+            batches(deliveries, plan.size, self.linger)
+                .for_each_concurrent(plan.in_flight, |messages| {
                     let pipeline = &pipeline;
                     async move {
                         let messages: Vec<&AmqpMessage> = messages.iter().collect();

@@ -145,3 +145,9 @@ impl BrokerSource for Queue {
 }
 
 idempotency_testkit::adapter_suite!(RabbitMq);
+
+/// Independent messages only (see the case's docs): not a case of the four-broker suite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_waiting_for_the_store_does_not_hold_the_next_back() {
+    idempotency_testkit::brokers::a_batch_waiting_for_the_store_does_not_hold_the_next_back(&RabbitMq).await;
+}

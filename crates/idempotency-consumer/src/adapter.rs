@@ -107,6 +107,40 @@ pub fn batches<S: futures_util::Stream>(
     tokio_stream::StreamExt::chunks_timeout(stream, most.max(1), linger)
 }
 
+/// How a worker of independent messages (RabbitMQ, JetStream) runs `concurrency` messages at
+/// once in batches of at most `batch` ([`batches`], [`Pipeline::process_batch`]): the size of a
+/// batch and how many batches are in flight at once.
+///
+/// A batch holds at most half of `concurrency`, so that two batches (or more) are in flight
+/// whenever two messages may be: while one waits for the store (its claims in one round trip,
+/// its outcomes in another), the other's handlers run and its acknowledgements go out, and the
+/// broker, which hands out no more than its prefetch of unacknowledged messages, keeps
+/// delivering. One batch of the whole concurrency at a time left the store and the broker
+/// waiting on each other in turn (`docs/BENCHMARKS.md`, "Consumers: with the guard vs
+/// without"). Never more than `concurrency` messages are in process; a plan of size 1 means
+/// each message is decided on its own, `concurrency` at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// The most messages a batch holds.
+    pub size: usize,
+    /// How many batches are decided at the same time.
+    pub in_flight: usize,
+}
+
+impl BatchPlan {
+    /// The plan for `concurrency` messages at once in batches of at most `batch` (both at
+    /// least 1).
+    #[must_use]
+    pub fn new(batch: usize, concurrency: usize) -> Self {
+        let concurrency = concurrency.max(1);
+        let size = batch.max(1).min((concurrency / 2).max(1));
+        Self {
+            size,
+            in_flight: concurrency / size,
+        }
+    }
+}
+
 /// The per-message pipeline of one worker; see the [module docs](self).
 pub struct Pipeline<B> {
     broker: B,
@@ -526,6 +560,32 @@ impl std::error::Error for AdapterError {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_plan_keeps_two_batches_in_flight_within_the_concurrency() {
+        for (batch, concurrency, size, in_flight) in [
+            (64, 16, 8, 2),
+            (64, 64, 32, 2),
+            (64, 128, 64, 2),
+            (64, 200, 64, 3),
+            (10, 100, 10, 10),
+            (64, 3, 1, 3),
+            (64, 2, 1, 2),
+            (64, 1, 1, 1),
+            (64, 0, 1, 1),
+            (1, 64, 1, 64),
+            (0, 64, 1, 64),
+            (5, 11, 5, 2),
+        ] {
+            let plan = BatchPlan::new(batch, concurrency);
+            assert_eq!(
+                (plan.size, plan.in_flight),
+                (size, in_flight),
+                "batch {batch}, concurrency {concurrency}"
+            );
+            assert!(plan.size * plan.in_flight <= concurrency.max(1), "{plan:?}");
+        }
+    }
+
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use futures_util::future::FutureExt;
 use idempotency_consumer::{DEFAULT_BATCH, DEFAULT_LINGER, Processor};
 
-use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Pipeline, batches};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, BatchPlan, Pipeline, batches};
 
 use crate::{BROKER, JetStream, NatsMessage};
 
@@ -124,7 +124,9 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     /// outcomes in one more ([`Processor::process_many`]), each message acked once its own
     /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
     /// `1` decides each message on its own. [`concurrency`](Self::concurrency) messages are
-    /// processed at once, in batches of this size.
+    /// processed at once, in batches of this size and of at most half the concurrency, so that
+    /// two batches overlap ([`BatchPlan`]: one waits for the store while the other's handlers
+    /// and acks run).
     #[must_use]
     pub fn batch(mut self, messages: usize) -> Self {
         self.batch = messages.max(1);
@@ -268,8 +270,11 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                 .boxed();
             // A failed settlement is logged and counted by the pipeline: unsettled, the message
             // comes back after its ack wait and the record answers it.
-            let batch = self.batch.min(self.prefetch.unwrap_or(self.concurrency));
-            if batch <= 1 {
+            let plan = BatchPlan::new(
+                self.batch.min(self.prefetch.unwrap_or(self.concurrency)),
+                self.concurrency,
+            );
+            if plan.size <= 1 {
                 messages
                     .for_each_concurrent(self.concurrency, |message| {
                         let pipeline = &pipeline;
@@ -279,8 +284,8 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                     })
                     .await;
             } else {
-                batches(messages, batch, self.linger)
-                    .for_each_concurrent(self.concurrency.div_ceil(batch), |messages| {
+                batches(messages, plan.size, self.linger)
+                    .for_each_concurrent(plan.in_flight, |messages| {
                         let pipeline = &pipeline;
                         async move {
                             let messages: Vec<&NatsMessage> = messages.iter().collect();

@@ -590,6 +590,54 @@ pub async fn a_shutdown_lets_the_running_call_finish_and_settles_it(harness: &im
     until_settled(&source).await;
 }
 
+/// Not in the suite (Kafka decides a partition's messages in order, one batch at a time; SQS
+/// one receive at a time): on a broker of independent messages (RabbitMQ, JetStream), a batch
+/// whose claims wait for the store does not hold the next batch back. The first message's
+/// claim is held at the store until the messages published after it have run: they can only
+/// have run in a second batch in flight beside the first ([`BatchPlan`]). A worker that
+/// decides one batch at a time never runs them, and the case fails waiting.
+///
+/// [`BatchPlan`]: idempotency_consumer::adapter::BatchPlan
+pub async fn a_batch_waiting_for_the_store_does_not_hold_the_next_back(harness: &impl BrokerHarness) {
+    let source = harness.source("overlap").await;
+    let name = name(&source, "overlap");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let gate = store.hold_next(crate::faults::Op::Begin);
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("overlap-held"), b"ok").await;
+    eventually(LIMIT, "the first batch's claim at the store", async || {
+        store.calls(crate::faults::Op::Begin) >= 1
+    })
+    .await;
+    let next: Vec<String> = (0..3).map(|n| format!("overlap-next-{n}")).collect();
+    for key in &next {
+        source.publish(Some(key), b"ok").await;
+    }
+    eventually(
+        LIMIT,
+        "the later messages run while the first batch waits for the store",
+        async || next.iter().all(|key| charger.0.effects(key) == 1),
+    )
+    .await;
+    assert_eq!(charger.0.effects("overlap-held"), 0, "the held claim ran");
+    gate.open();
+    eventually(
+        LIMIT,
+        "the held message runs once its claim goes through",
+        async || charger.0.effects("overlap-held") == 1,
+    )
+    .await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    for key in next.iter().map(String::as_str).chain(["overlap-held"]) {
+        assert_eq!(charger.0.calls(key), [1], "{key}");
+    }
+}
+
 /// A dead letter names its source, how often it was delivered (at least the limit) and when it
 /// was dead-lettered (an HTTP date).
 fn assert_dead_letter_history(dead: &DeadLetter) {
