@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures_util::StreamExt;
+use idempotency_consumer::adapter::BatchPlan;
 use idempotency_consumer::{Consumer, Delivery, Disposition, Handler, HandlerError, TxConsumer, TxHandler};
 use idempotency_core::{Attempt, Key, Outcome, StoreAdmin};
 use idempotency_postgres::{PgTransaction, PostgresStore};
@@ -29,8 +30,9 @@ pub(crate) const MESSAGES: usize = 20_000;
 pub(crate) const RETENTION: Duration = Duration::from_secs(60);
 /// Messages in process at once, in every variant (a consumer with a prefetch of 100 works so).
 const CONCURRENCY: usize = 64;
-/// The batched variant's batch: all the messages in process at once, decided together.
-const BATCH: usize = CONCURRENCY;
+/// The batched variant's largest batch (the workers' default): the plan makes it half the
+/// concurrency, two batches in flight.
+const BATCH: usize = idempotency_consumer::DEFAULT_BATCH;
 /// How long a batch waits for more messages (the workers' default).
 const LINGER: Duration = idempotency_consumer::DEFAULT_LINGER;
 pub(crate) type DynStore = Arc<dyn StoreAdmin>;
@@ -95,36 +97,56 @@ pub(crate) enum Work {
 pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
-        println!("\n## Consumers: messages/s consumed and acked, the guard deciding batches of {BATCH} vs each message alone vs no guard ({MESSAGES} messages per measurement)\n");
-        println!("| broker | store | batched msg/s | per message msg/s | without msg/s | batched / without | per message / without | batched / per message | batched min–max | per message min–max | without min–max |");
-        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let plan = BatchPlan::new(BATCH, CONCURRENCY);
+        // The worker's plan, and the whole concurrency as one batch at a time (as the workers
+        // ran before their plan kept two batches in flight).
+        let one_at_a_time = BatchPlan {
+            size: CONCURRENCY,
+            in_flight: 1,
+        };
+        println!(
+            "\n## Consumers: messages/s consumed and acked, the guard deciding batches of up to {} ({} in flight) vs one batch of {CONCURRENCY} at a time vs each message alone vs no guard ({MESSAGES} messages per measurement)\n",
+            plan.size, plan.in_flight
+        );
+        println!("| broker | store | batched msg/s | one batch at a time msg/s | per message msg/s | without msg/s | batched / without | one at a time / without | per message / without | batched / one at a time | batched / per message | batched min–max | one at a time min–max | per message min–max | without min–max |");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in &pairs {
             for broker in ["rabbitmq", "nats"] {
-                let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());
+                let (mut batched, mut one, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for round in 0..rounds {
-                    for (work, batch, rates) in [
-                        (with_work, true, &mut batched),
-                        (with_work, false, &mut single),
-                        (without_work, false, &mut without),
+                    for (work, batches, rates) in [
+                        (with_work, Some(plan), &mut batched),
+                        (with_work, Some(one_at_a_time), &mut one),
+                        (with_work, None, &mut single),
+                        (without_work, None, &mut without),
                     ] {
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
                         rates.push(match broker {
-                            "rabbitmq" => rabbitmq(work, &tag, batch).await?,
-                            _ => nats(work, &tag, batch).await?,
+                            "rabbitmq" => rabbitmq(work, &tag, batches).await?,
+                            _ => nats(work, &tag, batches).await?,
                         });
                     }
                 }
-                let (batched, single, without) = (Samples::of(batched), Samples::of(single), Samples::of(without));
+                let (batched, one, single, without) = (
+                    Samples::of(batched),
+                    Samples::of(one),
+                    Samples::of(single),
+                    Samples::of(without),
+                );
                 println!(
-                    "| {broker} | {store_name} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+                    "| {broker} | {store_name} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
                     per_second(batched.median),
+                    per_second(one.median),
                     per_second(single.median),
                     per_second(without.median),
                     batched.median / without.median,
+                    one.median / without.median,
                     single.median / without.median,
+                    batched.median / one.median,
                     batched.median / single.median,
                     batched.spread(),
+                    one.spread(),
                     single.spread(),
                     without.spread(),
                 );
@@ -192,7 +214,7 @@ pub(crate) async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresS
     Ok((redis, postgres))
 }
 
-async fn rabbitmq(work: &Work, tag: &str, batched: bool) -> Result<f64, String> {
+async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64, String> {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
         .await
@@ -221,8 +243,8 @@ async fn rabbitmq(work: &Work, tag: &str, batched: bool) -> Result<f64, String> 
         .await
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    if batched {
-        drain_batches(deliveries, |deliveries| {
+    if let Some(plan) = batches {
+        drain_batches(deliveries, plan, |deliveries| {
             let (channel, topology) = (&channel, &topology);
             async move {
                 let deliveries = deliveries
@@ -319,26 +341,40 @@ where
     }
 }
 
-/// Handles the first `MESSAGES` items of `stream` in batches of up to [`BATCH`] (lingering
-/// [`LINGER`]), one batch at a time: [`CONCURRENCY`] messages in process at once, as
-/// [`drain`]. The first error fails the measurement.
+/// Handles the first `MESSAGES` items of `stream` in batches of `plan` (each lingering
+/// [`LINGER`]), as the RabbitMQ and JetStream workers do with theirs: at most [`CONCURRENCY`]
+/// messages in process at once, as [`drain`]. The first error fails the measurement.
 async fn drain_batches<T, F, Fut>(
     stream: impl futures_util::Stream<Item = T>,
+    plan: BatchPlan,
     handle: F,
 ) -> Result<(), String>
 where
     F: Fn(Vec<T>) -> Fut,
     Fut: Future<Output = Result<(), String>>,
 {
-    let mut batches = std::pin::pin!(idempotency_consumer::adapter::batches(
-        stream.take(MESSAGES),
-        BATCH,
-        LINGER
-    ));
-    while let Some(batch) = batches.next().await {
-        handle(batch).await?;
+    let failed = std::sync::Mutex::new(None);
+    idempotency_consumer::adapter::batches(stream.take(MESSAGES), plan.size, LINGER)
+        .for_each_concurrent(plan.in_flight, |batch| {
+            let handled = handle(batch);
+            let failed = &failed;
+            async move {
+                if let Err(error) = handled.await {
+                    failed
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .get_or_insert(error);
+                }
+            }
+        })
+        .await;
+    match failed
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        Some(error) => Err(error),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// What a batched measurement of a variant without the guard answers.
@@ -364,7 +400,7 @@ pub(crate) fn consumer_free_handle(payload: &[u8]) -> usize {
     std::hint::black_box(payload.len())
 }
 
-async fn nats(work: &Work, tag: &str, batched: bool) -> Result<f64, String> {
+async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64, String> {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let client = async_nats::connect(&url)
         .await
@@ -406,8 +442,8 @@ async fn nats(work: &Work, tag: &str, batched: bool) -> Result<f64, String> {
         .map_err(|e| e.to_string())?;
     let messages = puller.messages().await.map_err(|e| e.to_string())?;
     let started = Instant::now();
-    if batched {
-        drain_batches(messages, |messages| {
+    if let Some(plan) = batches {
+        drain_batches(messages, plan, |messages| {
             let (js, dead) = (&js, &dead);
             async move {
                 let messages = messages
