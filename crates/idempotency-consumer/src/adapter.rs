@@ -560,32 +560,6 @@ impl std::error::Error for AdapterError {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_plan_keeps_two_batches_in_flight_within_the_concurrency() {
-        for (batch, concurrency, size, in_flight) in [
-            (64, 16, 8, 2),
-            (64, 64, 32, 2),
-            (64, 128, 64, 2),
-            (64, 200, 64, 3),
-            (10, 100, 10, 10),
-            (64, 3, 1, 3),
-            (64, 2, 1, 2),
-            (64, 1, 1, 1),
-            (64, 0, 1, 1),
-            (1, 64, 1, 64),
-            (0, 64, 1, 64),
-            (5, 11, 5, 2),
-        ] {
-            let plan = BatchPlan::new(batch, concurrency);
-            assert_eq!(
-                (plan.size, plan.in_flight),
-                (size, in_flight),
-                "batch {batch}, concurrency {concurrency}"
-            );
-            assert!(plan.size * plan.in_flight <= concurrency.max(1), "{plan:?}");
-        }
-    }
-
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -741,6 +715,32 @@ mod tests {
 
     /// Every pipeline metric, each provoked by its event: settlements by result and their
     /// duration, keep-alives that worked and failed, a processor's panic.
+    #[test]
+    fn a_plan_keeps_two_batches_in_flight_within_the_concurrency() {
+        for (batch, concurrency, size, in_flight) in [
+            (64, 16, 8, 2),
+            (64, 64, 32, 2),
+            (64, 128, 64, 2),
+            (64, 200, 64, 3),
+            (10, 100, 10, 10),
+            (64, 3, 1, 3),
+            (64, 2, 1, 2),
+            (64, 1, 1, 1),
+            (64, 0, 1, 1),
+            (1, 64, 1, 64),
+            (0, 64, 1, 64),
+            (5, 11, 5, 2),
+        ] {
+            let plan = BatchPlan::new(batch, concurrency);
+            assert_eq!(
+                (plan.size, plan.in_flight),
+                (size, in_flight),
+                "batch {batch}, concurrency {concurrency}"
+            );
+            assert!(plan.size * plan.in_flight <= concurrency.max(1), "{plan:?}");
+        }
+    }
+
     #[test]
     fn every_pipeline_metric_moves_when_its_event_happens() {
         let recorded = idempotency_testkit::recorded::record_metrics_paused(async {

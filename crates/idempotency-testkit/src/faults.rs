@@ -45,31 +45,28 @@ struct Faults {
     plan: Mutex<HashMap<Op, Plan>>,
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 struct Plan {
     fail_next: u32,
     lose_next: u32,
     calls: u64,
     delay: Duration,
-    /// The next call waits until this says `true` (or its [`Gate`] is dropped).
-    hold: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The next call waits until its [`Gate`] is opened (dropped).
+    hold: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// Holds the call of a [`FaultyStore`] it was made for ([`FaultyStore::hold_next`]) until it
 /// is opened or dropped.
 #[derive(Debug)]
-pub struct Gate(tokio::sync::watch::Sender<bool>);
+pub struct Gate(
+    #[expect(dead_code, reason = "held only to be dropped: dropping it opens the gate")]
+    tokio::sync::oneshot::Sender<()>,
+);
 
 impl Gate {
     /// Lets the held call reach the store.
     pub fn open(self) {
         drop(self);
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.0.send_replace(true);
     }
 }
 
@@ -126,7 +123,7 @@ impl<S> FaultyStore<S> {
     /// is opened (or dropped); later calls go through.
     #[must_use = "the call is held until the gate is opened or dropped"]
     pub fn hold_next(&self, op: Op) -> Gate {
-        let (gate, held) = tokio::sync::watch::channel(false);
+        let (gate, held) = tokio::sync::oneshot::channel();
         self.with_plan(op, |plan| plan.hold = Some(held));
         Gate(gate)
     }
@@ -170,9 +167,9 @@ impl<S> FaultyStore<S> {
         }
         let fault = self.next_fault(op);
         // Counted, then held: a test sees the call before it reaches the store.
-        if let Some(mut hold) = self.with_plan(op, |plan| plan.hold.take()) {
-            // An error means the gate is gone, which opens it too.
-            let _ = hold.wait_for(|open| *open).await;
+        if let Some(hold) = self.with_plan(op, |plan| plan.hold.take()) {
+            // The gate opens when its sender is gone.
+            let _ = hold.await;
         }
         match fault {
             Fault::None => call.await,
