@@ -122,52 +122,7 @@ impl MysqlOptions {
         }
     }
 
-    /// Sets the records table.
-    ///
-    /// # Errors
-    ///
-    /// As [`Identifier::new`].
-    pub fn table(mut self, table: &str) -> Result<Self, StoreError> {
-        self.table = Identifier::new(table)?;
-        Ok(self)
-    }
-
-    /// Sets the pool size, and keeps a quarter of it (at least 1) for lease-keeping.
-    #[must_use]
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self.lease_connections = (self.max_connections / 4).max(1);
-        self
-    }
-
-    /// Sets how many connections are kept for lease-keeping (call after
-    /// [`max_connections`](Self::max_connections)); new work keeps at least one.
-    #[must_use]
-    pub fn lease_connections(mut self, reserved: u32) -> Self {
-        self.lease_connections = reserved;
-        self
-    }
-
-    /// Sets how long an operation waits for a pooled connection.
-    #[must_use]
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = timeout;
-        self
-    }
-
-    /// Sets what connecting may do.
-    #[must_use]
-    pub fn access(mut self, access: Access) -> Self {
-        self.access = access;
-        self
-    }
-
-    /// Sets whether `connect` creates the table.
-    #[must_use]
-    pub fn migrate(mut self, migrate: bool) -> Self {
-        self.migrate = migrate;
-        self
-    }
+    idempotency_core::sql_pool_options!();
 }
 
 /// `mysql://…` and `mariadb://…` URLs: the store on its default table, created if missing (see

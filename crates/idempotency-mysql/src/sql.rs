@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use idempotency_core::Identifier;
+use idempotency_core::sql::admin;
 
 /// The schema version this crate writes; recorded as the table's comment.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -62,7 +63,6 @@ pub(crate) struct Statements {
     pub(crate) peek: Arc<str>,
     pub(crate) lock: Arc<str>,
     pub(crate) share: Arc<str>,
-    pub(crate) now: Arc<str>,
     pub(crate) insert: Arc<str>,
     pub(crate) update: Arc<str>,
     pub(crate) complete: Arc<str>,
@@ -70,12 +70,8 @@ pub(crate) struct Statements {
     pub(crate) release: Arc<str>,
     pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
-    pub(crate) get: Arc<str>,
-    pub(crate) stats: Arc<str>,
-    pub(crate) list: Arc<str>,
-    /// Scope, key, token: deletes a live record that holds the token.
-    pub(crate) forget: Arc<str>,
-    pub(crate) purge: Arc<str>,
+    /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
+    pub(crate) admin: admin::Statements,
 }
 
 impl Statements {
@@ -131,7 +127,6 @@ impl Statements {
                 now = ms("SYSDATE(3)"),
             )
             .into(),
-            now: format!("SELECT {}", ms("SYSDATE(3)")).into(),
             // Parameters: the record's columns, times in Unix milliseconds.
             insert: format!(
                 "INSERT INTO {t} (scope, `key`, fingerprint, attempt, created_at, expires_at, token,
@@ -188,6 +183,8 @@ impl Statements {
                 lease = at(&format!("LAST_INSERT_ID({} + ?)", now())),
             )
             .into(),
+            admin: admin::Statements {
+            now: format!("SELECT {}", ms("SYSDATE(3)")).into(),
             // Parameters: scope, key.
             get: format!("SELECT {columns} FROM {t} AS r WHERE r.{record} AND r.{live}").into(),
             // Parameters: scope or NULL, twice.
@@ -233,6 +230,7 @@ impl Statements {
                 "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(3) ORDER BY expires_at LIMIT ?"
             )
             .into(),
+            },
             table: t.to_owned(),
         }
     }

@@ -10,9 +10,8 @@ use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
 use idempotency_core::sql::admin::{self, Action, SqlActions};
 use idempotency_core::{
-    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
-    Record, RecordColumns, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    begin_each, complete_each, stored_millis,
+    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, Outcome, Record,
+    RecordColumns, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, stored_millis,
 };
 use sqlx::mysql::{
     MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlQueryResult, MySqlRow,
@@ -304,10 +303,10 @@ impl MysqlStore {
             Operation::Complete => &sql.complete,
             Operation::Release => &sql.release,
             Operation::Extend => &sql.extend,
-            Operation::Get => &sql.get,
-            Operation::Stats => &sql.stats,
-            Operation::List => &sql.list,
-            Operation::PurgeExpired => &sql.purge,
+            Operation::Get => &sql.admin.get,
+            Operation::Stats => &sql.admin.stats,
+            Operation::List => &sql.admin.list,
+            Operation::PurgeExpired => &sql.admin.purge,
         }
     }
 
@@ -482,7 +481,7 @@ async fn decide_begin(
             (now, Some(decode_record(&row, 1)?))
         }
         None => {
-            let now: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.now)))
+            let now: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.admin.now)))
                 .fetch_one(&mut *connection)
                 .await
                 .map_err(|e| Failure::Sql("read the server's clock", e))?;
@@ -691,28 +690,7 @@ impl Store for MysqlStore {
     }
 }
 
-#[async_trait]
-impl StoreAdmin for MysqlStore {
-    async fn now(&self) -> Result<Timestamp, StoreError> {
-        admin::now(self).await
-    }
-
-    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
-        admin::stats(self, scope).await
-    }
-
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
-        admin::list(self, filter).await
-    }
-
-    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
-        admin::purge_expired(self, limit).await
-    }
-
-    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-        admin::forget(self, scope, key, token).await
-    }
-}
+idempotency_core::sql_store_admin!(MysqlStore);
 
 /// MySQL binds its `?` one by one: a parameter tested for NULL and then compared with is bound
 /// twice (see the statements in `sql`).
@@ -728,15 +706,7 @@ impl SqlActions for MysqlStore {
     }
 
     fn statement(&self, action: Action) -> Arc<str> {
-        let sql = self.statements();
-        Arc::clone(match action {
-            Action::Get => &sql.get,
-            Action::Now => &sql.now,
-            Action::Stats => &sql.stats,
-            Action::List => &sql.list,
-            Action::Purge => &sql.purge,
-            Action::Forget => &sql.forget,
-        })
+        self.statements().admin.of(action)
     }
 
     fn placeholders(action: Action) -> &'static [usize] {

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use idempotency_core::Identifier;
+use idempotency_core::sql::admin;
 
 /// The schema version this crate writes; recorded as the table's comment.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -50,14 +51,8 @@ pub(crate) struct Statements {
     pub(crate) release: Arc<str>,
     pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
-    pub(crate) get: Arc<str>,
-    pub(crate) stats: Arc<str>,
-    pub(crate) list: Arc<str>,
-    pub(crate) purge: Arc<str>,
-    /// The server's clock in Unix milliseconds.
-    pub(crate) now: Arc<str>,
-    /// `$1` scope, `$2` key, `$3` token: deletes a live record that holds the token.
-    pub(crate) forget: Arc<str>,
+    /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
+    pub(crate) admin: admin::Statements,
 }
 
 impl Statements {
@@ -266,6 +261,7 @@ impl Statements {
                 lease = ms("lease_until"),
             )
             .into(),
+            admin: admin::Statements {
             // $1 scope, $2 key.
             get: format!(
                 "SELECT {columns} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()"
@@ -318,6 +314,7 @@ impl Statements {
                 "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND expires_at > now()"
             )
             .into(),
+            },
             table: table.to_string(),
             schema: schema.to_string(),
         }

@@ -9,9 +9,9 @@ use idempotency_core::machine::{self, Effect};
 use idempotency_core::sql as sql_rows;
 use idempotency_core::sql::admin::{self, Action, SqlActions};
 use idempotency_core::{
-    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, ListFilter, Outcome,
-    Record, RecordState, RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
-    begin_each, complete_each, failed_batch, stored_millis,
+    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, Outcome, Record,
+    RecordState, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, failed_batch,
+    stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -256,10 +256,10 @@ impl PostgresStore {
             Operation::CompleteMany => &self.sql.complete_many,
             Operation::Release => &self.sql.release,
             Operation::Extend => &self.sql.extend,
-            Operation::Get => &self.sql.get,
-            Operation::Stats => &self.sql.stats,
-            Operation::List => &self.sql.list,
-            Operation::PurgeExpired => &self.sql.purge,
+            Operation::Get => &self.sql.admin.get,
+            Operation::Stats => &self.sql.admin.stats,
+            Operation::List => &self.sql.admin.list,
+            Operation::PurgeExpired => &self.sql.admin.purge,
         }
     }
 }
@@ -501,28 +501,7 @@ impl PostgresStore {
     }
 }
 
-#[async_trait]
-impl StoreAdmin for PostgresStore {
-    async fn now(&self) -> Result<Timestamp, StoreError> {
-        admin::now(self).await
-    }
-
-    async fn stats(&self, scope: Option<&Scope>) -> Result<Stats, StoreError> {
-        admin::stats(self, scope).await
-    }
-
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<RecordSummary>, StoreError> {
-        admin::list(self, filter).await
-    }
-
-    async fn purge_expired(&self, limit: u64) -> Result<u64, StoreError> {
-        admin::purge_expired(self, limit).await
-    }
-
-    async fn forget(&self, scope: &Scope, key: &Key, token: Token) -> Result<Fenced<()>, StoreError> {
-        admin::forget(self, scope, key, token).await
-    }
-}
+idempotency_core::sql_store_admin!(PostgresStore);
 
 /// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Action`]'s order.
 impl SqlActions for PostgresStore {
@@ -537,14 +516,7 @@ impl SqlActions for PostgresStore {
     }
 
     fn statement(&self, action: Action) -> Arc<str> {
-        Arc::clone(match action {
-            Action::Get => &self.sql.get,
-            Action::Now => &self.sql.now,
-            Action::Stats => &self.sql.stats,
-            Action::List => &self.sql.list,
-            Action::Purge => &self.sql.purge,
-            Action::Forget => &self.sql.forget,
-        })
+        self.sql.admin.of(action)
     }
 
     fn placeholders(action: Action) -> &'static [usize] {

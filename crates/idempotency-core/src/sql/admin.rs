@@ -51,6 +51,38 @@ pub enum Action {
     Forget,
 }
 
+/// The statement of each [`Action`], built by the store from its table's name.
+#[derive(Debug)]
+pub struct Statements {
+    /// [`Action::Get`].
+    pub get: Arc<str>,
+    /// [`Action::Now`].
+    pub now: Arc<str>,
+    /// [`Action::Stats`].
+    pub stats: Arc<str>,
+    /// [`Action::List`].
+    pub list: Arc<str>,
+    /// [`Action::Purge`].
+    pub purge: Arc<str>,
+    /// [`Action::Forget`].
+    pub forget: Arc<str>,
+}
+
+impl Statements {
+    /// The statement for `action` (what [`SqlActions::statement`] answers).
+    #[must_use]
+    pub fn of(&self, action: Action) -> Arc<str> {
+        Arc::clone(match action {
+            Action::Get => &self.get,
+            Action::Now => &self.now,
+            Action::Stats => &self.stats,
+            Action::List => &self.list,
+            Action::Purge => &self.purge,
+            Action::Forget => &self.forget,
+        })
+    }
+}
+
 /// A sqlx database whose types carry what the stores bind and decode: implemented for every
 /// such database (PostgreSQL, MySQL), so that the functions of this module are written once.
 pub trait Engine: Database {
@@ -106,6 +138,13 @@ pub trait Engine: Database {
     ///
     /// [`crate::ErrorKind::Protocol`] when it does not decode.
     fn int(row: &Self::Row, at: usize) -> Result<i64, StoreError>;
+
+    /// Column `at` of `row` as text.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::ErrorKind::Protocol`] when it does not decode.
+    fn text(row: &Self::Row, at: usize) -> Result<String, StoreError>;
 }
 
 impl<DB> Engine for DB
@@ -164,6 +203,10 @@ where
 
     fn int(row: &Self::Row, at: usize) -> Result<i64, StoreError> {
         crate::sql::column(row, at, "decode an integer")
+    }
+
+    fn text(row: &Self::Row, at: usize) -> Result<String, StoreError> {
+        crate::sql::column(row, at, "decode a text")
     }
 }
 
@@ -365,4 +408,53 @@ fn no_row(doing: &str) -> StoreError {
         crate::ErrorKind::Protocol,
         format!("{doing}: the server answered no row"),
     )
+}
+
+#[doc(hidden)]
+pub use async_trait::async_trait as __async_trait;
+
+/// Implements [`StoreAdmin`](crate::StoreAdmin) for a store that implements [`SqlActions`], with
+/// this module's functions. (A blanket `impl<S: SqlActions> StoreAdmin for S` would conflict
+/// with the forwarding impls for `Box<S>` and `Arc<S>`, hence a macro.)
+///
+/// ```ignore
+/// idempotency_core::sql_store_admin!(PostgresStore);
+/// ```
+#[macro_export]
+macro_rules! sql_store_admin {
+    ($store:ty) => {
+        #[$crate::sql::admin::__async_trait]
+        impl $crate::StoreAdmin for $store {
+            async fn now(&self) -> ::std::result::Result<$crate::Timestamp, $crate::StoreError> {
+                $crate::sql::admin::now(self).await
+            }
+
+            async fn stats(
+                &self,
+                scope: ::std::option::Option<&$crate::Scope>,
+            ) -> ::std::result::Result<$crate::Stats, $crate::StoreError> {
+                $crate::sql::admin::stats(self, scope).await
+            }
+
+            async fn list(
+                &self,
+                filter: &$crate::ListFilter,
+            ) -> ::std::result::Result<::std::vec::Vec<$crate::RecordSummary>, $crate::StoreError> {
+                $crate::sql::admin::list(self, filter).await
+            }
+
+            async fn purge_expired(&self, limit: u64) -> ::std::result::Result<u64, $crate::StoreError> {
+                $crate::sql::admin::purge_expired(self, limit).await
+            }
+
+            async fn forget(
+                &self,
+                scope: &$crate::Scope,
+                key: &$crate::Key,
+                token: $crate::Token,
+            ) -> ::std::result::Result<$crate::Fenced<()>, $crate::StoreError> {
+                $crate::sql::admin::forget(self, scope, key, token).await
+            }
+        }
+    };
 }

@@ -306,6 +306,70 @@ where
     })
 }
 
+/// The builder methods every sqlx-based store's options share, written once: `table`,
+/// `max_connections`, `lease_connections`, `acquire_timeout`, `access` and `migrate`, for a
+/// struct with the fields `table: Identifier`, `max_connections: u32`, `lease_connections: u32`,
+/// `acquire_timeout: Duration`, `access: Access` and `migrate: bool`. Expanded inside the
+/// options' `impl` block:
+///
+/// ```ignore
+/// impl PostgresOptions {
+///     idempotency_core::sql_pool_options!();
+/// }
+/// ```
+#[macro_export]
+macro_rules! sql_pool_options {
+    () => {
+        /// Sets the records table.
+        ///
+        /// # Errors
+        ///
+        /// As [`Identifier::new`](idempotency_core::Identifier::new).
+        pub fn table(mut self, table: &str) -> ::std::result::Result<Self, $crate::StoreError> {
+            self.table = $crate::Identifier::new(table)?;
+            Ok(self)
+        }
+
+        /// Sets the pool size, and keeps a quarter of it (at least 1) for lease-keeping.
+        #[must_use]
+        pub fn max_connections(mut self, max: u32) -> Self {
+            self.max_connections = max.max(1);
+            self.lease_connections = (self.max_connections / 4).max(1);
+            self
+        }
+
+        /// Sets how many connections are kept for lease-keeping (call after
+        /// [`max_connections`](Self::max_connections)); new work keeps at least one.
+        #[must_use]
+        pub fn lease_connections(mut self, reserved: u32) -> Self {
+            self.lease_connections = reserved;
+            self
+        }
+
+        /// Sets how long an operation waits for a pooled connection.
+        #[must_use]
+        pub fn acquire_timeout(mut self, timeout: ::std::time::Duration) -> Self {
+            self.acquire_timeout = timeout;
+            self
+        }
+
+        /// Sets what connecting may do.
+        #[must_use]
+        pub fn access(mut self, access: $crate::Access) -> Self {
+            self.access = access;
+            self
+        }
+
+        /// Sets whether `connect` creates the table, or upgrades it, before it answers (the
+        /// default: yes); with `false` the table is used as it is.
+        #[must_use]
+        pub fn migrate(mut self, migrate: bool) -> Self {
+            self.migrate = migrate;
+            self
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
