@@ -10,12 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{Fingerprint, Key, Scope, Token};
-use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlConnection};
+use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection};
 use idempotency_mysql::{MysqlOptions, MysqlStore, Operation};
 
 use crate::measure::{RawConnections, runtime};
-use crate::sql_store::{Engine, compare};
-use idempotency_core::TxFuture;
+use crate::sql_store::Engine;
 
 /// Connections for the store's operations, and as many for the raw statements; with the
 /// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
@@ -23,53 +22,7 @@ use idempotency_core::TxFuture;
 const POOL: u32 = 30;
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = runtime()?;
-    runtime.block_on(run_async(window, rounds))
-}
-
-async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
-    let url = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let table = format!("bench_records_{}", std::process::id());
-    let options = MysqlOptions::from_url(&url)
-        .and_then(|o| o.table(&table))
-        .map_err(|e| e.to_string())?
-        .max_connections(POOL);
-    let store = MysqlStore::connect_with(options)
-        .await
-        .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(&url)))?;
-    // The raw statements' connections: as many as the store's, taken back the same way.
-    let raw = RawConnections::new(store.pool().connect_options(), POOL);
-    let target = Target {
-        store: store.clone(),
-        raw,
-    };
-    let business = format!("bench_charges_{}", std::process::id());
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {business} (id BIGINT AUTO_INCREMENT PRIMARY KEY, idem_key VARCHAR(255) NOT NULL, cents INT NOT NULL) ENGINE = InnoDB"
-    )))
-    .execute(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-
-    let settings: Vec<(String, String)> = sqlx::query_as(
-        "SELECT CAST(VARIABLE_NAME AS CHAR), CAST(VARIABLE_VALUE AS CHAR) FROM information_schema.GLOBAL_VARIABLES
-         WHERE VARIABLE_NAME IN ('VERSION', 'INNODB_FLUSH_LOG_AT_TRX_COMMIT', 'SYNC_BINLOG', 'LOG_BIN',
-                                 'INNODB_BUFFER_POOL_SIZE', 'MAX_CONNECTIONS', 'TRANSACTION_ISOLATION', 'TX_ISOLATION')
-         ORDER BY VARIABLE_NAME",
-    )
-    .fetch_all(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-    compare(&target, &settings, POOL, &business, window, rounds).await?;
-
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {business}; DROP TABLE {}",
-        store.table()
-    )))
-    .execute(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-    Ok(())
+    runtime()?.block_on(crate::sql_store::run::<Target>(POOL, window, rounds))
 }
 
 /// The store, and connections like its own for the raw statements.
@@ -81,11 +34,56 @@ struct Target {
 
 impl Engine for Target {
     type Store = MysqlStore;
+    type Database = MySql;
 
     const NAME: &'static str = "MySQL";
+    const URL: (&'static str, &'static str) = ("MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
+    const SETTINGS: &'static str =
+        "SELECT CAST(VARIABLE_NAME AS CHAR), CAST(VARIABLE_VALUE AS CHAR) FROM information_schema.GLOBAL_VARIABLES
+         WHERE VARIABLE_NAME IN ('VERSION', 'INNODB_FLUSH_LOG_AT_TRX_COMMIT', 'SYNC_BINLOG', 'LOG_BIN',
+                                 'INNODB_BUFFER_POOL_SIZE', 'MAX_CONNECTIONS', 'TRANSACTION_ISOLATION', 'TX_ISOLATION')
+         ORDER BY VARIABLE_NAME";
+
+    fn create_business(table: &str) -> String {
+        format!(
+            "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, idem_key VARCHAR(255) NOT NULL, cents INT NOT NULL) ENGINE = InnoDB"
+        )
+    }
+
+    fn insert_business(table: &str) -> String {
+        format!("INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)")
+    }
+
+    fn business_table() -> String {
+        format!("bench_charges_{}", std::process::id())
+    }
+
+    async fn connect(url: &str, pool: u32) -> Result<Self, String> {
+        let options = MysqlOptions::from_url(url)
+            .and_then(|o| o.table(&format!("bench_records_{}", std::process::id())))
+            .map_err(|e| e.to_string())?
+            .max_connections(pool);
+        let store = MysqlStore::connect_with(options)
+            .await
+            .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(url)))?;
+        let raw = RawConnections::new(store.pool().connect_options(), pool);
+        Ok(Self { store, raw })
+    }
 
     fn store(&self) -> &MysqlStore {
         &self.store
+    }
+
+    fn records_table(&self) -> String {
+        self.store.table().to_owned()
+    }
+
+    fn raw(&self) -> &RawConnections<MySqlConnection> {
+        &self.raw
+    }
+
+    fn get_statement(&self) -> Arc<str> {
+        self.store.sql(Operation::Get).into()
     }
 
     /// The store's three statements for a new key (the first look and the insert on one connection
@@ -136,35 +134,5 @@ impl Engine for Target {
         })
         .await?;
         Ok(())
-    }
-
-    async fn raw_select(&self, scope: &Scope, key: &Key) -> Result<(), String> {
-        let get = self.store.sql(Operation::Get).to_owned();
-        self.raw
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(get))
-                    .bind(scope.as_str())
-                    .bind(key.as_str())
-                    .fetch_optional(connection)
-                    .await
-                    .map(drop)
-            })
-            .await
-    }
-
-    fn insert<'t>(
-        tx: &'t mut idempotency_mysql::MysqlTransaction,
-        table: Arc<str>,
-        key: Key,
-    ) -> TxFuture<'t, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {table} (idem_key, cents) VALUES (?, 1000)"
-            )))
-            .bind(key.as_str())
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-        })
     }
 }

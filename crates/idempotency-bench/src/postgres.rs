@@ -1,21 +1,21 @@
 //! PostgreSQL store: begin→complete cycles per second at 1, 16 and 64 callers against the same
 //! SQL issued directly on a pool of connections like the store's own (as many, taken back
-//! without a ping: `idempotency_core::connections`), and a same-transaction cycle against the
-//! bare business transaction, in one run.
+//! without a ping: `idempotency_core::connections`), replays against a raw `SELECT` by key, and
+//! a same-transaction cycle against the bare business transaction, in one run.
 //!
 //! The server is `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`). The bench
-//! works in a table of its own (`idempotency_bench.records_<pid>`), dropped at the end.
+//! works in tables of its own (`idempotency_bench.records_<pid>`, `idempotency_bench.charges_<pid>`),
+//! dropped at the end.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
-use sqlx::{AssertSqlSafe, PgConnection};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres};
 
 use crate::measure::{RawConnections, runtime};
-use crate::sql_store::{Engine, compare};
-use idempotency_core::TxFuture;
+use crate::sql_store::Engine;
 
 const SCHEMA: &str = "idempotency_bench";
 
@@ -25,54 +25,7 @@ const SCHEMA: &str = "idempotency_bench";
 const POOL: u32 = 30;
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    let runtime = runtime()?;
-    runtime.block_on(run_async(window, rounds))
-}
-
-async fn run_async(window: Duration, rounds: usize) -> Result<(), String> {
-    let url =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let table = format!("records_{}", std::process::id());
-    let options = PostgresOptions::from_url(&url)
-        .and_then(|o| o.schema(SCHEMA))
-        .and_then(|o| o.table(&table))
-        .map_err(|e| e.to_string())?
-        .max_connections(POOL);
-    let store = PostgresStore::connect_with(options)
-        .await
-        .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
-    // The raw statements' connections: as many as the store's, taken back the same way.
-    let raw = RawConnections::new(store.pool().connect_options(), POOL);
-    let target = Target {
-        store: store.clone(),
-        raw,
-    };
-    let business = format!("{SCHEMA}.charges_{}", std::process::id());
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {business} (id bigserial PRIMARY KEY, key text NOT NULL, cents int NOT NULL)"
-    )))
-    .execute(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-
-    let settings: Vec<(String, String)> = sqlx::query_as(
-        "SELECT name, setting FROM pg_settings WHERE name IN
-         ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
-         ORDER BY name",
-    )
-    .fetch_all(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-    compare(&target, &settings, POOL, &business, window, rounds).await?;
-
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {business}; DROP TABLE {}",
-        store.table()
-    )))
-    .execute(store.pool())
-    .await
-    .map_err(|e| e.to_string())?;
-    Ok(())
+    runtime()?.block_on(crate::sql_store::run::<Target>(POOL, window, rounds))
 }
 
 /// The store, and connections like its own for the raw statements.
@@ -84,11 +37,53 @@ struct Target {
 
 impl Engine for Target {
     type Store = PostgresStore;
+    type Database = Postgres;
 
     const NAME: &'static str = "PostgreSQL";
+    const URL: (&'static str, &'static str) = ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    const SETTINGS: &'static str = "SELECT name, setting FROM pg_settings WHERE name IN
+         ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
+         ORDER BY name";
+
+    fn create_business(table: &str) -> String {
+        format!("CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL, cents int NOT NULL)")
+    }
+
+    fn insert_business(table: &str) -> String {
+        format!("INSERT INTO {table} (key, cents) VALUES ($1, 1000)")
+    }
+
+    fn business_table() -> String {
+        format!("{SCHEMA}.charges_{}", std::process::id())
+    }
+
+    async fn connect(url: &str, pool: u32) -> Result<Self, String> {
+        let options = PostgresOptions::from_url(url)
+            .and_then(|o| o.schema(SCHEMA))
+            .and_then(|o| o.table(&format!("records_{}", std::process::id())))
+            .map_err(|e| e.to_string())?
+            .max_connections(pool);
+        let store = PostgresStore::connect_with(options)
+            .await
+            .map_err(|e| format!("PostgreSQL at {}: {e}", idempotency_core::redact_url(url)))?;
+        let raw = RawConnections::new(store.pool().connect_options(), pool);
+        Ok(Self { store, raw })
+    }
 
     fn store(&self) -> &PostgresStore {
         &self.store
+    }
+
+    fn records_table(&self) -> String {
+        self.store.table()
+    }
+
+    fn raw(&self) -> &RawConnections<PgConnection> {
+        &self.raw
+    }
+
+    fn get_statement(&self) -> Arc<str> {
+        self.store.sql(Operation::Get).into()
     }
 
     /// The store's two statements, bound with the same values, each on a connection of `raw` (as
@@ -123,35 +118,5 @@ impl Engine for Target {
         })
         .await?;
         Ok(())
-    }
-
-    async fn raw_select(&self, scope: &Scope, key: &Key) -> Result<(), String> {
-        let get = self.store.sql(Operation::Get).to_owned();
-        self.raw
-            .run(async |connection| {
-                sqlx::query(AssertSqlSafe(get))
-                    .bind(scope.as_str())
-                    .bind(key.as_str())
-                    .fetch_optional(connection)
-                    .await
-                    .map(drop)
-            })
-            .await
-    }
-
-    fn insert<'t>(
-        tx: &'t mut idempotency_postgres::PgTransaction,
-        table: Arc<str>,
-        key: Key,
-    ) -> TxFuture<'t, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {table} (key, cents) VALUES ($1, 1000)"
-            )))
-            .bind(key.as_str())
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-        })
     }
 }

@@ -9,37 +9,81 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency_core::sql::admin::{Engine as SqlEngine, Param};
 use idempotency_core::{
     BeginRequest, Claim, Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded, Scope, Store,
-    TransactionalStore, TxFuture,
+    StoreError, TransactionalStore, TxFuture,
 };
+use sqlx::Database;
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, store_cycle, versus};
+use crate::measure::{RawConnections, alternate_async, cycle_key, cycles_per_second, store_cycle, versus};
 
-/// What a SQL engine gives the comparison: its store and the statements run beside it.
+/// What a SQL engine gives the comparison: its store, its server's SQL for the business table
+/// and the settings, and the store's statements run beside it.
 pub(crate) trait Engine: Clone + Send + Sync + 'static {
-    /// The store.
-    type Store: TransactionalStore + Clone + Send + Sync + 'static;
+    /// The store, whose transactions are the database's.
+    type Store: TransactionalStore<Transaction = sqlx::Transaction<'static, Self::Database>>
+        + Clone
+        + Send
+        + Sync
+        + 'static;
+
+    /// The sqlx database.
+    type Database: SqlEngine;
 
     /// Its name in the tables' titles.
     const NAME: &'static str;
 
+    /// The variable that names the server, and the server when it is not set.
+    const URL: (&'static str, &'static str);
+
+    /// Selects the server's settings worth printing: (name, value) text rows.
+    const SETTINGS: &'static str;
+
+    /// `CREATE TABLE` of the business table `table`: an `id` the server assigns, a key and
+    /// `cents`.
+    fn create_business(table: &str) -> String;
+
+    /// Inserts a charge of 1,000 cents for the key (the only parameter) into `table`.
+    fn insert_business(table: &str) -> String;
+
+    /// The business table's name for this run.
+    fn business_table() -> String;
+
+    /// Connects the store on a records table of this run's own with `pool` connections, and as
+    /// many raw connections like the store's.
+    fn connect(url: &str, pool: u32) -> impl Future<Output = Result<Self, String>> + Send;
+
     /// The store under test.
     fn store(&self) -> &Self::Store;
+
+    /// The store's records table, as its SQL names it.
+    fn records_table(&self) -> String;
+
+    /// The raw connections.
+    fn raw(&self) -> &RawConnections<<Self::Database as Database>::Connection>;
+
+    /// The store's statement for `get` (parameters scope, key).
+    fn get_statement(&self) -> Arc<str>;
 
     /// The store's statements for a new key, bound with the same values, on connections of
     /// the raw pool as the store takes them for `begin` and `complete`.
     fn raw_cycle(&self, scope: &Scope, key: &Key) -> impl Future<Output = Result<(), String>> + Send;
 
     /// The store's `get` statement for `(scope, key)` on a connection of the raw pool.
-    fn raw_select(&self, scope: &Scope, key: &Key) -> impl Future<Output = Result<(), String>> + Send;
-
-    /// Inserts one charge row for `key` into `table` through the record's transaction.
-    fn insert<'t>(
-        tx: &'t mut <Self::Store as TransactionalStore>::Transaction,
-        table: Arc<str>,
-        key: Key,
-    ) -> TxFuture<'t, Result<(), sqlx::Error>>;
+    fn raw_select(&self, scope: &Scope, key: &Key) -> impl Future<Output = Result<(), String>> + Send {
+        async move {
+            let get = self.get_statement();
+            let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
+            self.raw()
+                .run(async |connection| {
+                    Self::Database::fetch_optional(connection, get, &params, &[0, 1])
+                        .await
+                        .map(drop)
+                })
+                .await
+        }
+    }
 
     /// The business transaction alone: BEGIN, the same insert, COMMIT, through the store's
     /// own transactions (its pool).
@@ -47,12 +91,54 @@ pub(crate) trait Engine: Clone + Send + Sync + 'static {
         async move {
             let store = self.store();
             let mut tx = store.begin_transaction().await.map_err(|e| e.to_string())?;
-            Self::insert(&mut tx, Arc::clone(table), key.clone())
+            insert::<Self>(&mut tx, Arc::clone(table), key.clone())
                 .await
                 .map_err(|e| e.to_string())?;
             store.commit(tx).await.map_err(|e| e.to_string())
         }
     }
+}
+
+/// Inserts one charge row for `key` into `table` through the record's transaction.
+fn insert<'t, E: Engine>(
+    tx: &'t mut sqlx::Transaction<'static, E::Database>,
+    table: Arc<str>,
+    key: Key,
+) -> TxFuture<'t, Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        let params = [Param::Text(Some(key.as_str()))];
+        E::Database::execute(&mut **tx, E::insert_business(&table).into(), &params, &[0])
+            .await
+            .map(drop)
+    })
+}
+
+/// Runs the comparison on `E`'s server (its variable, or the default): a records table and a
+/// business table of the run's own, dropped at the end.
+pub(crate) async fn run<E: Engine>(pool: u32, window: Duration, rounds: usize) -> Result<(), String> {
+    let url = std::env::var(E::URL.0).unwrap_or_else(|_| E::URL.1.into());
+    let engine = E::connect(&url, pool).await?;
+    let business = E::business_table();
+    let execute = async |sql: String| {
+        engine
+            .raw()
+            .run(async |connection| E::Database::execute(connection, sql.into(), &[], &[]).await)
+            .await
+    };
+    execute(E::create_business(&business)).await?;
+    let rows = engine
+        .raw()
+        .run(async |connection| E::Database::fetch_all(connection, E::SETTINGS.into(), &[], &[]).await)
+        .await?;
+    let settings = rows
+        .iter()
+        .map(|row| Ok((E::Database::text(row, 0)?, E::Database::text(row, 1)?)))
+        .collect::<Result<Vec<_>, StoreError>>()
+        .map_err(|e| e.to_string())?;
+    compare(&engine, &settings, pool, &business, window, rounds).await?;
+    execute(format!("DROP TABLE {business}")).await?;
+    execute(format!("DROP TABLE {}", engine.records_table())).await?;
+    Ok(())
 }
 
 #[derive(Clone)]
@@ -216,7 +302,7 @@ async fn same_transaction_cycle<E: Engine>(
             key.clone(),
             Fingerprint::of_bytes(b"payload"),
             policy,
-            move |tx, attempt| E::insert(tx, table, attempt.key().clone()),
+            move |tx, attempt| insert::<E>(tx, table, attempt.key().clone()),
         )
         .await
         .map_err(|e| e.to_string())?;
