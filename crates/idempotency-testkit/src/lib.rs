@@ -51,6 +51,8 @@ pub mod outage;
 pub mod proxy;
 pub mod recorded;
 pub mod same_transaction;
+#[cfg(feature = "sql")]
+pub mod sql;
 pub mod tls;
 pub mod wait;
 

@@ -108,3 +108,36 @@ pub fn proxied_options(store: &MysqlStore, proxy: &TcpProxy) -> MysqlOptions {
         .port(proxy.addr().port());
     options
 }
+
+/// MySQL's SQL for the test kit's business rows (`idempotency_testkit::sql`).
+pub struct Sql;
+
+impl idempotency_testkit::sql::Dialect for Sql {
+    type Database = sqlx::MySql;
+    type Store = MysqlStore;
+
+    const ID_COLUMN: &'static str = "BIGINT AUTO_INCREMENT PRIMARY KEY";
+    const RETURNING_ID: &'static str = "";
+    const INSERTED_ID: &'static str = "SELECT CAST(LAST_INSERT_ID() AS SIGNED)";
+    const CONNECTION_ID: &'static str = "SELECT CAST(CONNECTION_ID() AS SIGNED)";
+
+    fn url() -> String {
+        database_url()
+    }
+
+    fn pool(store: &MysqlStore) -> &sqlx::MySqlPool {
+        store.pool()
+    }
+
+    fn records_table(store: &MysqlStore) -> String {
+        store.table().to_owned()
+    }
+
+    fn placeholder(_: usize) -> String {
+        "?".into()
+    }
+
+    fn kill(id: i64) -> String {
+        format!("KILL {id}")
+    }
+}

@@ -113,3 +113,36 @@ pub fn proxied_options(store: &PostgresStore, proxy: &TcpProxy) -> PostgresOptio
         .port(proxy.addr().port());
     options
 }
+
+/// PostgreSQL's SQL for the test kit's business rows (`idempotency_testkit::sql`).
+pub struct Sql;
+
+impl idempotency_testkit::sql::Dialect for Sql {
+    type Database = sqlx::Postgres;
+    type Store = PostgresStore;
+
+    const ID_COLUMN: &'static str = "bigserial PRIMARY KEY";
+    const RETURNING_ID: &'static str = " RETURNING id";
+    const INSERTED_ID: &'static str = "SELECT lastval()";
+    const CONNECTION_ID: &'static str = "SELECT pg_backend_pid()::int8";
+
+    fn url() -> String {
+        database_url()
+    }
+
+    fn pool(store: &PostgresStore) -> &sqlx::PgPool {
+        store.pool()
+    }
+
+    fn records_table(store: &PostgresStore) -> String {
+        store.table()
+    }
+
+    fn placeholder(n: usize) -> String {
+        format!("${n}")
+    }
+
+    fn kill(id: i64) -> String {
+        format!("SELECT pg_terminate_backend({id})::int::int8")
+    }
+}

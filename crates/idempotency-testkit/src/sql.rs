@@ -1,0 +1,268 @@
+//! Business rows beside a sqlx-based store's records, written once for every SQL server
+//! (feature `sql`): the table of charges the [`same_transaction`](crate::same_transaction) suite
+//! and the [`outage`] runs write in the record's transaction, in each server's
+//! SQL. A store crate's tests implement [`Dialect`] on a type of their own (its placeholders,
+//! its id column, how it names and kills a connection) and use [`Charges`].
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use idempotency_core::sql::admin::{Engine, Param};
+use idempotency_core::{Attempt, Key, TransactionalStore, TxFuture};
+use sqlx::{Connection, Database, Pool};
+
+use crate::TcpProxy;
+use crate::outage::{self, BoxError};
+use crate::same_transaction::Business;
+
+/// What differs between SQL servers in the tests' business rows.
+pub trait Dialect: Send + Sync + 'static {
+    /// The sqlx database.
+    type Database: Engine;
+
+    /// The store, whose transactions are the database's.
+    type Store: TransactionalStore<Transaction = sqlx::Transaction<'static, Self::Database>>
+        + Clone
+        + Send
+        + Sync
+        + 'static;
+
+    /// The server the tests use (their variable, or the loopback default).
+    fn url() -> String;
+
+    /// The store's pool.
+    fn pool(store: &Self::Store) -> &Pool<Self::Database>;
+
+    /// The store's records table, as its SQL names it (with its schema, if any).
+    fn records_table(store: &Self::Store) -> String;
+
+    /// Placeholder `n` (from 1) of a statement.
+    fn placeholder(n: usize) -> String;
+
+    /// The column definition of an id the server assigns, and primary key.
+    const ID_COLUMN: &'static str;
+
+    /// What an `INSERT` appends to select the new row's id, or `""` when
+    /// [`INSERTED_ID`](Self::INSERTED_ID) reads it after.
+    const RETURNING_ID: &'static str;
+
+    /// Selects the id of the row the connection inserted last (`BIGINT`), when the `INSERT`
+    /// selects none.
+    const INSERTED_ID: &'static str;
+
+    /// Selects the connection's id on the server (`BIGINT`).
+    const CONNECTION_ID: &'static str;
+
+    /// Ends connection `id` from another connection; a row, if any, is 1 when it did.
+    fn kill(id: i64) -> String;
+}
+
+/// The charges table of the tests: an id the server assigns, a key and cents, beside the
+/// store's records table (named after it, so that the tests' clean-up of old tables takes it).
+pub struct Charges<D>(PhantomData<fn() -> D>);
+
+impl<D> Charges<D> {
+    /// The charges of dialect `D`.
+    #[must_use]
+    pub fn new() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<D> std::fmt::Debug for Charges<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Charges")
+    }
+}
+
+impl<D> Default for Charges<D> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<D> Clone for Charges<D> {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl<D: Dialect> Charges<D> {
+    /// Creates the charges table beside `store`'s records; its name.
+    ///
+    /// # Panics
+    ///
+    /// When the server refuses it.
+    pub async fn create(store: &D::Store) -> Arc<str> {
+        let table = format!("{}_charges", D::records_table(store));
+        let create = format!(
+            "CREATE TABLE {table} (id {}, idem_key VARCHAR(255) NOT NULL, cents INT NOT NULL)",
+            D::ID_COLUMN
+        );
+        let mut connection = D::pool(store).acquire().await.expect("a connection");
+        D::Database::execute(&mut *connection, create.into(), &[], &[])
+            .await
+            .unwrap_or_else(|e| panic!("create {table}: {e}"));
+        table.into()
+    }
+
+    /// Inserts a charge of `cents` for `key` into `table` through `tx`; its id.
+    ///
+    /// # Errors
+    ///
+    /// The server's.
+    pub async fn insert_charge(
+        tx: &mut sqlx::Transaction<'static, D::Database>,
+        table: &str,
+        key: &Key,
+        cents: i32,
+    ) -> Result<i64, BoxError> {
+        let insert = format!(
+            "INSERT INTO {table} (idem_key, cents) VALUES ({}, {}){}",
+            D::placeholder(1),
+            D::placeholder(2),
+            D::RETURNING_ID
+        );
+        let params = [
+            Param::Text(Some(key.as_str())),
+            Param::Int(Some(i64::from(cents))),
+        ];
+        let row = match D::Database::fetch_optional(&mut **tx, insert.into(), &params, &[0, 1]).await? {
+            Some(row) => row,
+            None => D::Database::fetch_optional(&mut **tx, D::INSERTED_ID.into(), &[], &[])
+                .await?
+                .ok_or("the server gave no inserted id")?,
+        };
+        Ok(D::Database::int(&row, 0)?)
+    }
+
+    /// The charges of `table` by key, read outside any transaction.
+    ///
+    /// # Panics
+    ///
+    /// When the server refuses the read.
+    pub async fn by_key(store: &D::Store, table: &str) -> Vec<(String, i64)> {
+        let count = format!("SELECT idem_key, COUNT(*) FROM {table} GROUP BY idem_key");
+        let mut connection = D::pool(store).acquire().await.expect("a connection");
+        let rows = D::Database::fetch_all(&mut *connection, count.into(), &[], &[])
+            .await
+            .unwrap_or_else(|e| panic!("count {table}: {e}"));
+        rows.iter()
+            .map(|row| {
+                (
+                    D::Database::text(row, 0).unwrap(),
+                    D::Database::int(row, 1).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// Writes a charge of 1,000 cents for the attempt's key into `table` through `tx`: an
+    /// [`outage::WriteRow`].
+    pub fn write_row<'t>(
+        tx: &'t mut sqlx::Transaction<'static, D::Database>,
+        attempt: Attempt,
+        table: Arc<str>,
+    ) -> TxFuture<'t, Result<(), BoxError>> {
+        Box::pin(async move {
+            Self::insert_charge(tx, &table, attempt.key(), 1000)
+                .await
+                .map(drop)
+        })
+    }
+}
+
+impl<D: Dialect> Business<D::Store> for Charges<D> {
+    async fn create_table(&self, store: &D::Store) -> Arc<str> {
+        Self::create(store).await
+    }
+
+    fn insert<'t>(
+        &self,
+        tx: &'t mut sqlx::Transaction<'static, D::Database>,
+        table: Arc<str>,
+        key: Key,
+        cents: i32,
+    ) -> TxFuture<'t, Result<i64, BoxError>> {
+        Box::pin(async move { Self::insert_charge(tx, &table, &key, cents).await })
+    }
+
+    async fn rows(&self, store: &D::Store, table: &str, key: &Key) -> i64 {
+        let count = format!(
+            "SELECT COUNT(*) FROM {table} WHERE idem_key = {}",
+            D::placeholder(1)
+        );
+        let mut connection = D::pool(store).acquire().await.expect("a connection");
+        let row = D::Database::fetch_optional(
+            &mut *connection,
+            count.into(),
+            &[Param::Text(Some(key.as_str()))],
+            &[0],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("count {table}: {e}"))
+        .expect("a count");
+        D::Database::int(&row, 0).unwrap()
+    }
+
+    fn kill<'t>(
+        &self,
+        tx: &'t mut sqlx::Transaction<'static, D::Database>,
+    ) -> TxFuture<'t, Result<(), BoxError>> {
+        Box::pin(async move {
+            let row = D::Database::fetch_optional(&mut **tx, D::CONNECTION_ID.into(), &[], &[])
+                .await?
+                .ok_or("the server gave no connection id")?;
+            let id = D::Database::int(&row, 0)?;
+            let mut killer = <<D::Database as Database>::Connection as Connection>::connect(&D::url())
+                .await
+                .unwrap_or_else(|e| panic!("a second connection to the server: {e}"));
+            let killed = D::Database::fetch_optional(&mut killer, D::kill(id).into(), &[], &[])
+                .await
+                .unwrap_or_else(|e| panic!("kill connection {id}: {e}"));
+            if let Some(row) = killed {
+                assert_eq!(
+                    D::Database::int(&row, 0).unwrap(),
+                    1,
+                    "connection {id} was not killed"
+                );
+            }
+            killer.close().await.ok();
+            Ok(())
+        })
+    }
+}
+
+/// [`outage::transactional_run`] on a charges table beside `store`'s records: every key's
+/// charge written once although the server behind `proxy` went away mid-run.
+pub async fn outage_in_same_transaction<D: Dialect>(store: D::Store, proxy: &TcpProxy) {
+    let table = Charges::<D>::create(&store).await;
+    let rows = async || Charges::<D>::by_key(&store, &table).await;
+    outage::transactional_run(store.clone(), proxy, &table, Charges::<D>::write_row, rows).await;
+}
+
+/// The two outage tests of a sqlx-based store ([`outage::guarded_run`] and
+/// [`outage_in_same_transaction`]), given its [`Dialect`], a function that starts a loopback
+/// proxy in front of its server and one that connects a store on a table of its own through
+/// that proxy.
+///
+/// ```ignore
+/// idempotency_testkit::sql_outage_suite!(common::Postgres, common::start_proxy, proxied_store);
+/// ```
+#[macro_export]
+macro_rules! sql_outage_suite {
+    ($dialect:ty, $start_proxy:path, $proxied_store:path) => {
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_outage_gives_errors_then_correct_results_and_no_duplicates() {
+            let proxy = $start_proxy().await;
+            $crate::outage::guarded_run($proxied_store(&proxy).await, &proxy).await;
+        }
+
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_outage_in_same_transaction_mode_writes_each_row_once() {
+            let proxy = $start_proxy().await;
+            let store = $proxied_store(&proxy).await;
+            $crate::sql::outage_in_same_transaction::<$dialect>(store, &proxy).await;
+        }
+    };
+}
