@@ -147,8 +147,8 @@ fn main() -> ExitCode {
         let result = match target {
             Target::Memory => memory::run(window, rounds),
             Target::Sqlite => sqlite::run(window, rounds),
-            Target::Postgres => postgres::run(window, rounds),
-            Target::Mysql => mysql::run(window, rounds),
+            Target::Postgres => sql_store::run::<postgres::Postgres>(window, rounds),
+            Target::Mysql => sql_store::run::<mysql::Mysql>(window, rounds),
             Target::Redis => redis::run(window, rounds),
             Target::Batches => batches::run(window, rounds),
             Target::Http => http::run(window, rounds),

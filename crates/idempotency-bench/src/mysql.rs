@@ -7,37 +7,24 @@
 //! tables of its own (`bench_records_<pid>`, `bench_charges_<pid>`), dropped at the end.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection};
 use idempotency_mysql::{MysqlOptions, MysqlStore, Operation};
 
-use crate::measure::{RawConnections, runtime};
+use crate::measure::RawConnections;
 use crate::sql_store::Engine;
 
-/// Connections for the store's operations, and as many for the raw statements; with the
-/// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
-/// server's default limit (151 on MariaDB; PostgreSQL's bench keeps the same numbers under 100).
-const POOL: u32 = 30;
+/// MySQL/MariaDB: 30 connections a side, under the server's default limit (151 on MariaDB).
+pub(crate) struct Mysql;
 
-pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    runtime()?.block_on(crate::sql_store::run::<Target>(POOL, window, rounds))
-}
-
-/// The store, and connections like its own for the raw statements.
-#[derive(Clone)]
-struct Target {
-    store: MysqlStore,
-    raw: RawConnections<MySqlConnection>,
-}
-
-impl Engine for Target {
+impl Engine for Mysql {
     type Store = MysqlStore;
     type Database = MySql;
 
     const NAME: &'static str = "MySQL";
     const URL: (&'static str, &'static str) = ("MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
+    const POOL: u32 = 30;
     const SETTINGS: &'static str =
         "SELECT CAST(VARIABLE_NAME AS CHAR), CAST(VARIABLE_VALUE AS CHAR) FROM information_schema.GLOBAL_VARIABLES
          WHERE VARIABLE_NAME IN ('VERSION', 'INNODB_FLUSH_LOG_AT_TRX_COMMIT', 'SYNC_BINLOG', 'LOG_BIN',
@@ -58,39 +45,37 @@ impl Engine for Target {
         format!("bench_charges_{}", std::process::id())
     }
 
-    async fn connect(url: &str, pool: u32) -> Result<Self, String> {
+    async fn connect(url: &str) -> Result<MysqlStore, String> {
         let options = MysqlOptions::from_url(url)
             .and_then(|o| o.table(&format!("bench_records_{}", std::process::id())))
             .map_err(|e| e.to_string())?
-            .max_connections(pool);
-        let store = MysqlStore::connect_with(options)
+            .max_connections(Self::POOL);
+        MysqlStore::connect_with(options)
             .await
-            .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(url)))?;
-        let raw = RawConnections::new(store.pool().connect_options(), pool);
-        Ok(Self { store, raw })
+            .map_err(|e| format!("MySQL at {}: {e}", idempotency_core::redact_url(url)))
     }
 
-    fn store(&self) -> &MysqlStore {
-        &self.store
+    fn records_table(store: &MysqlStore) -> String {
+        store.table().to_owned()
     }
 
-    fn records_table(&self) -> String {
-        self.store.table().to_owned()
+    fn pool(store: &MysqlStore) -> &sqlx::MySqlPool {
+        store.pool()
     }
 
-    fn raw(&self) -> &RawConnections<MySqlConnection> {
-        &self.raw
-    }
-
-    fn get_statement(&self) -> Arc<str> {
-        self.store.sql(Operation::Get).into()
+    fn get_statement(store: &MysqlStore) -> Arc<str> {
+        store.sql(Operation::Get).into()
     }
 
     /// The store's three statements for a new key (the first look and the insert on one connection
     /// of `raw`, the completing update on another, as the store runs `begin` and `complete`),
     /// bound with the same values.
-    async fn raw_cycle(&self, scope: &Scope, key: &Key) -> Result<(), String> {
-        let (store, raw) = (&self.store, &self.raw);
+    async fn raw_cycle(
+        store: &MysqlStore,
+        raw: &RawConnections<MySqlConnection>,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<(), String> {
         let token = Token::random().to_bytes();
         let fingerprint = Fingerprint::of_bytes(b"payload");
         let (peek, insert) = (

@@ -8,39 +8,26 @@
 //! dropped at the end.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_postgres::{Operation, PostgresOptions, PostgresStore};
-use sqlx::{AssertSqlSafe, PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, PgConnection};
 
-use crate::measure::{RawConnections, runtime};
+use crate::measure::RawConnections;
 use crate::sql_store::Engine;
 
 const SCHEMA: &str = "idempotency_bench";
 
-/// Connections for the store's operations, and as many for the raw statements; with the
-/// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
-/// server's default limit (100 on PostgreSQL).
-const POOL: u32 = 30;
+/// PostgreSQL: 30 connections a side, under the server's default limit (100).
+pub(crate) struct Postgres;
 
-pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
-    runtime()?.block_on(crate::sql_store::run::<Target>(POOL, window, rounds))
-}
-
-/// The store, and connections like its own for the raw statements.
-#[derive(Clone)]
-struct Target {
-    store: PostgresStore,
-    raw: RawConnections<PgConnection>,
-}
-
-impl Engine for Target {
+impl Engine for Postgres {
     type Store = PostgresStore;
-    type Database = Postgres;
+    type Database = sqlx::Postgres;
 
     const NAME: &'static str = "PostgreSQL";
     const URL: (&'static str, &'static str) = ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    const POOL: u32 = 30;
     const SETTINGS: &'static str = "SELECT name, setting FROM pg_settings WHERE name IN
          ('server_version', 'synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', 'wal_level')
          ORDER BY name";
@@ -57,39 +44,37 @@ impl Engine for Target {
         format!("{SCHEMA}.charges_{}", std::process::id())
     }
 
-    async fn connect(url: &str, pool: u32) -> Result<Self, String> {
+    async fn connect(url: &str) -> Result<PostgresStore, String> {
         let options = PostgresOptions::from_url(url)
             .and_then(|o| o.schema(SCHEMA))
             .and_then(|o| o.table(&format!("records_{}", std::process::id())))
             .map_err(|e| e.to_string())?
-            .max_connections(pool);
-        let store = PostgresStore::connect_with(options)
+            .max_connections(Self::POOL);
+        PostgresStore::connect_with(options)
             .await
-            .map_err(|e| format!("PostgreSQL at {}: {e}", idempotency_core::redact_url(url)))?;
-        let raw = RawConnections::new(store.pool().connect_options(), pool);
-        Ok(Self { store, raw })
+            .map_err(|e| format!("PostgreSQL at {}: {e}", idempotency_core::redact_url(url)))
     }
 
-    fn store(&self) -> &PostgresStore {
-        &self.store
+    fn records_table(store: &PostgresStore) -> String {
+        store.table()
     }
 
-    fn records_table(&self) -> String {
-        self.store.table()
+    fn pool(store: &PostgresStore) -> &sqlx::PgPool {
+        store.pool()
     }
 
-    fn raw(&self) -> &RawConnections<PgConnection> {
-        &self.raw
-    }
-
-    fn get_statement(&self) -> Arc<str> {
-        self.store.sql(Operation::Get).into()
+    fn get_statement(store: &PostgresStore) -> Arc<str> {
+        store.sql(Operation::Get).into()
     }
 
     /// The store's two statements, bound with the same values, each on a connection of `raw` (as
     /// the store takes one for `begin` and one for `complete`).
-    async fn raw_cycle(&self, scope: &Scope, key: &Key) -> Result<(), String> {
-        let (store, raw) = (&self.store, &self.raw);
+    async fn raw_cycle(
+        store: &PostgresStore,
+        raw: &RawConnections<PgConnection>,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<(), String> {
         let token = Token::random().to_bytes();
         let fingerprint = Fingerprint::of_bytes(b"payload");
         let begin = store.sql(Operation::Begin).to_owned();

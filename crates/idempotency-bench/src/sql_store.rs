@@ -20,7 +20,7 @@ use crate::measure::{RawConnections, alternate_async, cycle_key, cycles_per_seco
 
 /// What a SQL engine gives the comparison: its store, its server's SQL for the business table
 /// and the settings, and the store's statements run beside it.
-pub(crate) trait Engine: Clone + Send + Sync + 'static {
+pub(crate) trait Engine: Send + Sync + 'static {
     /// The store, whose transactions are the database's.
     type Store: TransactionalStore<Transaction = sqlx::Transaction<'static, Self::Database>>
         + Clone
@@ -37,6 +37,11 @@ pub(crate) trait Engine: Clone + Send + Sync + 'static {
     /// The variable that names the server, and the server when it is not set.
     const URL: (&'static str, &'static str);
 
+    /// Connections for the store's operations, and as many for the raw statements; with the
+    /// same-transaction rows' connections (the store's sqlx pool, one per caller), under the
+    /// server's default limit.
+    const POOL: u32;
+
     /// Selects the server's settings worth printing: (name, value) text rows.
     const SETTINGS: &'static str;
 
@@ -50,52 +55,74 @@ pub(crate) trait Engine: Clone + Send + Sync + 'static {
     /// The business table's name for this run.
     fn business_table() -> String;
 
-    /// Connects the store on a records table of this run's own with `pool` connections, and as
-    /// many raw connections like the store's.
-    fn connect(url: &str, pool: u32) -> impl Future<Output = Result<Self, String>> + Send;
+    /// Connects the store on a records table of this run's own with [`POOL`](Self::POOL)
+    /// connections.
+    fn connect(url: &str) -> impl Future<Output = Result<Self::Store, String>> + Send;
 
-    /// The store under test.
-    fn store(&self) -> &Self::Store;
+    /// The store's pool.
+    fn pool(store: &Self::Store) -> &sqlx::Pool<Self::Database>;
 
     /// The store's records table, as its SQL names it.
-    fn records_table(&self) -> String;
-
-    /// The raw connections.
-    fn raw(&self) -> &RawConnections<<Self::Database as Database>::Connection>;
+    fn records_table(store: &Self::Store) -> String;
 
     /// The store's statement for `get` (parameters scope, key).
-    fn get_statement(&self) -> Arc<str>;
+    fn get_statement(store: &Self::Store) -> Arc<str>;
 
     /// The store's statements for a new key, bound with the same values, on connections of
     /// the raw pool as the store takes them for `begin` and `complete`.
-    fn raw_cycle(&self, scope: &Scope, key: &Key) -> impl Future<Output = Result<(), String>> + Send;
+    fn raw_cycle(
+        store: &Self::Store,
+        raw: &RawConnections<<Self::Database as Database>::Connection>,
+        scope: &Scope,
+        key: &Key,
+    ) -> impl Future<Output = Result<(), String>> + Send;
+}
 
-    /// The store's `get` statement for `(scope, key)` on a connection of the raw pool.
-    fn raw_select(&self, scope: &Scope, key: &Key) -> impl Future<Output = Result<(), String>> + Send {
-        async move {
-            let get = self.get_statement();
-            let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
-            self.raw()
-                .run(async |connection| {
-                    Self::Database::fetch_optional(connection, get, &params, &[0, 1])
-                        .await
-                        .map(drop)
-                })
-                .await
+/// The store under test, and as many raw connections like its own.
+struct Target<E: Engine> {
+    store: E::Store,
+    raw: RawConnections<<E::Database as Database>::Connection>,
+}
+
+impl<E: Engine> Clone for Target<E> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            raw: self.raw.clone(),
         }
+    }
+}
+
+impl<E: Engine> Target<E> {
+    /// Runs `sql` without parameters on a raw connection.
+    async fn execute(&self, sql: String) -> Result<(), String> {
+        self.raw
+            .run(async |connection| E::Database::execute(connection, sql.into(), &[], &[]).await)
+            .await
+            .map(drop)
+    }
+
+    /// The store's `get` statement for `(scope, key)` on a raw connection.
+    async fn raw_select(&self, scope: &Scope, key: &Key) -> Result<(), String> {
+        let get = E::get_statement(&self.store);
+        let params = [Param::Text(Some(scope.as_str())), Param::Text(Some(key.as_str()))];
+        self.raw
+            .run(async |connection| {
+                E::Database::fetch_optional(connection, get, &params, &[0, 1])
+                    .await
+                    .map(drop)
+            })
+            .await
     }
 
     /// The business transaction alone: BEGIN, the same insert, COMMIT, through the store's
     /// own transactions (its pool).
-    fn business_cycle(&self, table: &Arc<str>, key: &Key) -> impl Future<Output = Result<(), String>> + Send {
-        async move {
-            let store = self.store();
-            let mut tx = store.begin_transaction().await.map_err(|e| e.to_string())?;
-            insert::<Self>(&mut tx, Arc::clone(table), key.clone())
-                .await
-                .map_err(|e| e.to_string())?;
-            store.commit(tx).await.map_err(|e| e.to_string())
-        }
+    async fn business_cycle(&self, table: &Arc<str>, key: &Key) -> Result<(), String> {
+        let mut tx = self.store.begin_transaction().await.map_err(|e| e.to_string())?;
+        insert::<E>(&mut tx, Arc::clone(table), key.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        self.store.commit(tx).await.map_err(|e| e.to_string())
     }
 }
 
@@ -115,30 +142,29 @@ fn insert<'t, E: Engine>(
 
 /// Runs the comparison on `E`'s server (its variable, or the default): a records table and a
 /// business table of the run's own, dropped at the end.
-pub(crate) async fn run<E: Engine>(pool: u32, window: Duration, rounds: usize) -> Result<(), String> {
-    let url = std::env::var(E::URL.0).unwrap_or_else(|_| E::URL.1.into());
-    let engine = E::connect(&url, pool).await?;
-    let business = E::business_table();
-    let execute = async |sql: String| {
-        engine
-            .raw()
-            .run(async |connection| E::Database::execute(connection, sql.into(), &[], &[]).await)
+pub(crate) fn run<E: Engine>(window: Duration, rounds: usize) -> Result<(), String> {
+    crate::measure::runtime()?.block_on(async {
+        let url = std::env::var(E::URL.0).unwrap_or_else(|_| E::URL.1.into());
+        let store = E::connect(&url).await?;
+        let raw = RawConnections::new(E::pool(&store).connect_options(), E::POOL);
+        let target = Target::<E> { store, raw };
+        let business = E::business_table();
+        target.execute(E::create_business(&business)).await?;
+        let rows = target
+            .raw
+            .run(async |connection| E::Database::fetch_all(connection, E::SETTINGS.into(), &[], &[]).await)
+            .await?;
+        let settings = rows
+            .iter()
+            .map(|row| Ok((E::Database::text(row, 0)?, E::Database::text(row, 1)?)))
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map_err(|e| e.to_string())?;
+        compare(&target, &settings, &business, window, rounds).await?;
+        target.execute(format!("DROP TABLE {business}")).await?;
+        target
+            .execute(format!("DROP TABLE {}", E::records_table(&target.store)))
             .await
-    };
-    execute(E::create_business(&business)).await?;
-    let rows = engine
-        .raw()
-        .run(async |connection| E::Database::fetch_all(connection, E::SETTINGS.into(), &[], &[]).await)
-        .await?;
-    let settings = rows
-        .iter()
-        .map(|row| Ok((E::Database::text(row, 0)?, E::Database::text(row, 1)?)))
-        .collect::<Result<Vec<_>, StoreError>>()
-        .map_err(|e| e.to_string())?;
-    compare(&engine, &settings, pool, &business, window, rounds).await?;
-    execute(format!("DROP TABLE {business}")).await?;
-    execute(format!("DROP TABLE {}", engine.records_table())).await?;
-    Ok(())
+    })
 }
 
 #[derive(Clone)]
@@ -154,16 +180,15 @@ enum Cycle {
 }
 
 /// Runs the three comparisons and prints their tables. `settings` are the server's (name,
-/// value), `pool` is the connections on each side, `business` the business table.
-pub(crate) async fn compare<E: Engine>(
-    engine: &E,
+/// value), `business` the business table.
+async fn compare<E: Engine>(
+    engine: &Target<E>,
     settings: &[(String, String)],
-    pool: u32,
     business: &str,
     window: Duration,
     rounds: usize,
 ) -> Result<(), String> {
-    let name = E::NAME;
+    let (name, pool) = (E::NAME, E::POOL);
     let settings = settings
         .iter()
         .map(|(n, v)| format!("{n}={v}"))
@@ -189,7 +214,7 @@ pub(crate) async fn compare<E: Engine>(
     );
     println!("| callers | store begin (replay) | raw SELECT | store / raw | store min–max | raw min–max |");
     println!("|---:|---:|---:|---:|---:|---:|");
-    let completed = completed_keys(engine.store(), 64 * 16).await?;
+    let completed = completed_keys(&engine.store, 64 * 16).await?;
     for callers in [1usize, 16, 64] {
         let rates = alternate_async(rounds, 2, |variant| {
             let cycle = if variant == 0 {
@@ -244,7 +269,7 @@ async fn completed_keys<S: Store>(store: &S, count: usize) -> Result<Arc<Vec<(Sc
 }
 
 async fn measure<E: Engine>(
-    engine: &E,
+    engine: &Target<E>,
     callers: usize,
     cycle: Cycle,
     window: Duration,
@@ -262,7 +287,7 @@ async fn measure<E: Engine>(
                     let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
                     let request =
                         BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"payload"));
-                    match engine.store().begin(&request).await.map_err(|e| e.to_string())? {
+                    match engine.store.begin(&request).await.map_err(|e| e.to_string())? {
                         Claim::Replay(_) => Ok(()),
                         other => Err(format!("not a replay: {other:?}")),
                     }
@@ -271,10 +296,10 @@ async fn measure<E: Engine>(
                     let (scope, key) = &completed[(caller * 16 + n) % completed.len()];
                     engine.raw_select(scope, key).await
                 }
-                Cycle::Store => store_cycle(engine.store(), scope, key).await,
-                Cycle::RawSql => engine.raw_cycle(&scope, &key).await,
+                Cycle::Store => store_cycle(&engine.store, scope, key).await,
+                Cycle::RawSql => E::raw_cycle(&engine.store, &engine.raw, &scope, &key).await,
                 Cycle::SameTransaction(table) => {
-                    same_transaction_cycle::<E>(engine.store(), table, &scope, &key).await
+                    same_transaction_cycle::<E>(&engine.store, table, &scope, &key).await
                 }
                 Cycle::BusinessOnly(table) => engine.business_cycle(table, &key).await,
             }
