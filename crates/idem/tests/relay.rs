@@ -1315,9 +1315,9 @@ struct Guarded {
     calls: Calls,
 }
 
-/// `idem consume --from FROM` (handling one message at a time, records in SQLite; `prefetch`
-/// messages fetched at once) feeding a handler that notes each call.
-async fn guarded_consumer(from: &str, env: &[(&'static str, String)], prefetch: &str) -> Guarded {
+/// `idem consume --from FROM` (records in SQLite; `at_once` messages fetched and handled at once:
+/// 1 where only one at a time keeps the broker's order) feeding a handler that notes each call.
+async fn guarded_consumer(from: &str, env: &[(&'static str, String)], at_once: &str) -> Guarded {
     use axum::extract::State;
     use axum::http::HeaderMap;
 
@@ -1349,9 +1349,9 @@ async fn guarded_consumer(from: &str, env: &[(&'static str, String)], prefetch: 
             "--admin-listen",
             &admin_text,
             "--prefetch",
-            prefetch,
+            at_once,
             "--concurrency",
-            "1",
+            at_once,
             "--batch",
             "1",
         ],
@@ -1468,8 +1468,10 @@ async fn sqs_fifo(db: Db) {
         "AWS_ENDPOINT_URL",
         std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into()),
     ));
-    let from = format!("sqs://?queue_url={url}&wait=1s&visibility=30s");
-    // Ten a receive (SQS's most): the local AWS server answers a few hundred requests a second.
+    let from = format!("sqs://?queue_url={url}&wait=0s&visibility=30s");
+    // Ten a receive (SQS's most), ten groups handled at once: the worker keeps each group's
+    // order whatever its concurrency. Short polling: the local AWS server answers one request at
+    // a time, and a long poll would hold up the relay's sends and the consumer's deletes.
     let consumer = guarded_consumer(&from, &env, "10").await;
     handled_exactly_once_in_order(&consumer.calls, 900, 100).await;
     table.drop().await;
