@@ -189,9 +189,13 @@ pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Wo
     Ok((postgres, table, pairs))
 }
 
-/// Drops the table rows were inserted into.
+/// Drops the table rows were inserted into, and the records table of the run.
 pub(crate) async fn drop_rows(postgres: &PostgresStore, table: &str) {
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+    let drop = format!(
+        "DROP TABLE IF EXISTS {table}; DROP TABLE IF EXISTS {}",
+        postgres.table()
+    );
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
         .execute(postgres.pool())
         .await;
 }

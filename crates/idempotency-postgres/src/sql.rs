@@ -189,12 +189,20 @@ impl Statements {
             // starts with the key's position in the arrays (from 1). A key with no row was
             // committed by a concurrent transaction after this statement's snapshot: the
             // client asks again for it alone.
+            //
+            // Each key is looked up through the primary key whatever the table's statistics:
+            // a join of the arrays with the table is planned, on a new table, as a hash join
+            // over a scan of the whole table, and the plan a connection caches for the
+            // statement keeps doing so as the table grows (every batch read every record).
+            // `OFFSET 0` keeps the lookup a subquery run once per key.
             begin_many: format!(
                 "WITH q AS (
                      SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::int8[], $6::int8[])
                          WITH ORDINALITY AS q(scope, key, fingerprint, token, lease, retention, ord)
                  ), existing AS (
-                     SELECT q.ord, r.* FROM q JOIN {t} r ON r.scope = q.scope AND r.key = q.key
+                     SELECT q.ord, r.* FROM q CROSS JOIN LATERAL (
+                         SELECT * FROM {t} r WHERE r.scope = q.scope AND r.key = q.key OFFSET 0
+                     ) r
                  ), claimed AS (
                      INSERT INTO {t} AS r (scope, key, fingerprint, attempt, created_at, expires_at, token,
                                            completed, acquired_at, lease_until, completed_at, outcome)
@@ -218,7 +226,9 @@ impl Statements {
             //
             // `complete` for a batch: a row (the key's position from 1, the new expiry) for
             // each key completed now or already completed by the same token; no row for a key
-            // the token no longer holds.
+            // the token no longer holds. The update finds its rows through the primary key
+            // (`= ANY` on both columns) and the read through a subquery per key, whatever the
+            // statistics, as `begin_many` does.
             complete_many: format!(
                 "WITH q AS (
                      SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::int8[])
@@ -228,13 +238,16 @@ impl Statements {
                          expires_at = now() + q.retention * interval '1 millisecond',
                          outcome = q.outcome, acquired_at = NULL, lease_until = NULL
                      FROM q
-                     WHERE r.scope = q.scope AND r.key = q.key AND r.token = q.token
+                     WHERE r.scope = ANY($1::text[]) AND r.key = ANY($2::text[])
+                       AND r.scope = q.scope AND r.key = q.key AND r.token = q.token
                        AND NOT r.completed AND r.expires_at > now()
                      RETURNING q.ord, r.expires_at
                  )
                  SELECT ord, {done} FROM done
                  UNION ALL
-                 SELECT q.ord, {kept} FROM q JOIN {t} r ON r.scope = q.scope AND r.key = q.key
+                 SELECT q.ord, {kept} FROM q CROSS JOIN LATERAL (
+                     SELECT * FROM {t} r WHERE r.scope = q.scope AND r.key = q.key OFFSET 0
+                 ) r
                  WHERE r.token = q.token AND r.completed AND r.expires_at > now()
                    AND NOT EXISTS (SELECT 1 FROM done d WHERE d.ord = q.ord)",
                 done = ms("done.expires_at"),

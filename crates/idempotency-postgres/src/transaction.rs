@@ -117,7 +117,9 @@ impl TransactionalStore for PostgresStore {
         tx: &mut PgTransaction,
         requests: &[BeginRequest],
     ) -> Vec<Result<Claim, StoreError>> {
-        batch::begin_batch(tx, self.statements(), requests).await
+        let answers = batch::begin_batch(tx, self.statements(), requests).await;
+        self.batched(requests.len()).await;
+        answers
     }
 
     /// One statement for the batch, as [`Store::complete_many`](idempotency_core::Store::complete_many).
