@@ -415,9 +415,10 @@ pub use async_trait::async_trait as __async_trait;
 
 /// Implements [`StoreAdmin`](crate::StoreAdmin) for a store that implements [`SqlActions`], with
 /// this module's functions. (A blanket `impl<S: SqlActions> StoreAdmin for S` would conflict
-/// with the forwarding impls for `Box<S>` and `Arc<S>`, hence a macro.)
+/// with the forwarding impls for `Box<S>` and `Arc<S>`, hence a macro.) As the PostgreSQL and
+/// MySQL stores expand it:
 ///
-/// ```ignore
+/// ```text
 /// idempotency_core::sql_store_admin!(PostgresStore);
 /// ```
 #[macro_export]

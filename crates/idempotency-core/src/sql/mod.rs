@@ -310,9 +310,9 @@ where
 /// `max_connections`, `lease_connections`, `acquire_timeout`, `access` and `migrate`, for a
 /// struct with the fields `table: Identifier`, `max_connections: u32`, `lease_connections: u32`,
 /// `acquire_timeout: Duration`, `access: Access` and `migrate: bool`. Expanded inside the
-/// options' `impl` block:
+/// options' `impl` block, as `idempotency-postgres` and `idempotency-mysql` do:
 ///
-/// ```ignore
+/// ```text
 /// impl PostgresOptions {
 ///     idempotency_core::sql_pool_options!();
 /// }
