@@ -157,7 +157,7 @@ impl PostgresStore {
     async fn check_table(&self) -> Result<(), StoreError> {
         let table = self.table();
         let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(format!("\"{}\".\"{}\"", self.sql.schema, self.sql.table))
+            .bind(self.quoted_table())
             .fetch_one(&self.pool)
             .await
             .map_err(|e| map_error("look for the records table", e))?;
@@ -477,7 +477,7 @@ impl Store for PostgresStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        let _lane = match self.lanes.new_work().await {
+        let lane = match self.lanes.new_work().await {
             Ok(lane) => lane,
             Err(error) => return failed_batch(&error, requests.len()),
         };
@@ -486,6 +486,8 @@ impl Store for PostgresStore {
                 batch::begin_batch(connection, &self.sql, requests).await
             })
             .await;
+        // The one `ANALYZE` (on the sqlx pool) does not hold a place of new work.
+        drop(lane);
         self.batched(requests.len()).await;
         answers
     }
@@ -515,34 +517,15 @@ impl PostgresStore {
         }
     }
 
-    /// Runs `ANALYZE` on the table if it has never been analyzed (see [`Statistics`]). A
-    /// failure is logged: the store works without it, only slower until autovacuum analyzes.
+    /// Runs `ANALYZE` on the table if it has never been analyzed (see [`Statistics`]), and logs
+    /// what came of it: the store works without it, only slower until autovacuum analyzes.
     async fn analyze_if_never_analyzed(&self) {
-        let table = format!("\"{}\".\"{}\"", self.sql.schema, self.sql.table);
-        let never = async || -> Result<bool, sqlx::Error> {
-            let never: Option<bool> =
-                sqlx::query_scalar("SELECT reltuples < 0 FROM pg_class WHERE oid = to_regclass($1)")
-                    .bind(&table)
-                    .fetch_optional(&self.pool)
-                    .await?;
-            Ok(never == Some(true))
-        };
-        let analyzed = async || -> Result<bool, sqlx::Error> {
-            if !never().await? {
-                return Ok(false);
-            }
-            // A role that does not own the table gets a warning and no statistics.
-            sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {table}")))
-                .execute(&self.pool)
-                .await?;
-            Ok(true)
-        };
-        match analyzed().await {
-            Ok(false) => {}
-            Ok(true) if !never().await.unwrap_or(true) => {
+        match self.analyze_once().await {
+            Ok(None) => {}
+            Ok(Some(true)) => {
                 tracing::info!(table = %self.table(), "analyzed the records table for its first planner statistics");
             }
-            Ok(true) => tracing::warn!(
+            Ok(Some(false)) => tracing::warn!(
                 table = %self.table(),
                 "could not analyze the records table (a role that does not own it may not); autovacuum will"
             ),
@@ -550,6 +533,33 @@ impl PostgresStore {
                 tracing::warn!(table = %self.table(), %error, "could not analyze the records table");
             }
         }
+    }
+
+    /// `None` when the table has statistics already; otherwise runs `ANALYZE` and answers
+    /// whether the table has them now (a role that does not own it only gets a warning).
+    async fn analyze_once(&self) -> Result<Option<bool>, sqlx::Error> {
+        if !self.never_analyzed().await? {
+            return Ok(None);
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {}", self.quoted_table())))
+            .execute(&self.pool)
+            .await?;
+        Ok(Some(!self.never_analyzed().await?))
+    }
+
+    /// Whether the table has never been analyzed.
+    async fn never_analyzed(&self) -> Result<bool, sqlx::Error> {
+        let never: Option<bool> =
+            sqlx::query_scalar("SELECT reltuples < 0 FROM pg_class WHERE oid = to_regclass($1)")
+                .bind(self.quoted_table())
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(never == Some(true))
+    }
+
+    /// The records table with its schema, each name quoted.
+    fn quoted_table(&self) -> String {
+        format!("\"{}\".\"{}\"", self.sql.schema, self.sql.table)
     }
 
     /// Runs a batch on one connection: its answers, or, when no connection could be had,
