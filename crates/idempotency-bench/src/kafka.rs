@@ -8,7 +8,10 @@
 //! Each measurement publishes `MESSAGES` (100,000) events with distinct keys to a topic of its own with 8
 //! or 32 partitions (not timed), then times one worker from its first message to its last: every
 //! partition at once, each in order, offsets committed in batches. "Without" is the same worker
-//! whose processor acks (or inserts its row and acks) with no record.
+//! whose processor acks (or inserts its row and acks) with no record. The PostgreSQL tables are
+//! vacuumed and analyzed before each measurement (not timed), as in `consumers.rs`. `--prefetch N` sets every
+//! variant's `Worker::prefetch` (how many fetched messages a partition queues before its fetching
+//! is paused); without it the worker's default.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,7 +24,7 @@ use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
-use crate::consumers::{Work, consumer_free_handle, drop_rows, insert_row, pairs};
+use crate::consumers::{Work, consumer_free_handle, drop_rows, insert_row, pairs, vacuum};
 use crate::measure::runtime;
 use crate::measure::{Samples, per_second};
 
@@ -90,11 +93,13 @@ impl Measured {
     }
 }
 
-pub(crate) fn run(rounds: usize) -> Result<(), String> {
+pub(crate) fn run(rounds: usize, prefetch: Option<u32>) -> Result<(), String> {
     let runtime = runtime()?;
+    let prefetch = prefetch.map(|n| n as usize);
     runtime.block_on(async {
+        let queued = prefetch.map_or_else(|| "the worker's default prefetch".to_owned(), |n| format!("prefetch {n}"));
         println!(
-            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, the guard deciding batches vs each message alone vs no guard ({MESSAGES} messages per measurement)\n"
+            "\n## Kafka (librdkafka's MockCluster): messages/s consumed and committed by one worker, the guard deciding batches vs each message alone vs no guard ({MESSAGES} messages per measurement, {queued})\n"
         );
         println!(
             "| store | partitions | batched msg/s | per message msg/s | batched / per message | without msg/s | batched / without | per message / without | batched min–max | per message min–max |"
@@ -113,8 +118,13 @@ pub(crate) fn run(rounds: usize) -> Result<(), String> {
                         (&with_work, 1, &mut single),
                         (&without_work, idempotency_kafka::DEFAULT_BATCH, &mut without),
                     ] {
+                        if store_name.starts_with("postgres") {
+                            // As in the RabbitMQ and NATS figures: what autovacuum would do between
+                            // measurements, on a server that may run without it.
+                            vacuum(&postgres, &table).await?;
+                        }
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
-                        rates.push(measure(&cluster, &producer, work, &tag, partitions, batch).await?);
+                        rates.push(measure(&cluster, &producer, work, &tag, partitions, batch, prefetch).await?);
                     }
                 }
                 let (batched, single, without) =
@@ -145,6 +155,7 @@ async fn measure(
     tag: &str,
     partitions: i32,
     batch: usize,
+    prefetch: Option<usize>,
 ) -> Result<f64, String> {
     let topic = format!("bench-{tag}");
     cluster
@@ -179,6 +190,10 @@ async fn measure(
     let worker = Worker::new(config, topic, Arc::clone(&measured))
         .concurrency(partitions.unsigned_abs() as usize)
         .batch(batch);
+    let worker = match prefetch {
+        Some(messages) => worker.prefetch(messages),
+        None => worker,
+    };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     let started = Instant::now();

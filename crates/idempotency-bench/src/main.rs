@@ -62,6 +62,10 @@ struct Settings {
     /// `gateway-memory`: how many requests to send.
     #[arg(long, default_value_t = 200_000)]
     requests: u64,
+    /// `kafka`: the worker's prefetch (messages queued per partition before its fetching is
+    /// paused); the worker's default when absent.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
+    prefetch: Option<u32>,
     /// `upstream`: where the upstream listens.
     #[arg(long, default_value = "127.0.0.1:9000")]
     listen: String,
@@ -164,7 +168,7 @@ fn main() -> ExitCode {
             Target::Upstream => Ok(()),
             Target::Consume => consume::run(rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
-            Target::Kafka => kafka::run(rounds),
+            Target::Kafka => kafka::run(rounds, settings.prefetch),
             Target::Inbox => boxes::run_inbox(rounds),
             Target::Outbox => boxes::run_outbox(rounds),
             Target::Relay => relay::run_relay(rounds),
