@@ -121,9 +121,7 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
                         (with_work, None, &mut single),
                         (without_work, None, &mut without),
                     ] {
-                        if store_name.starts_with("postgres") {
-                            vacuum(&postgres, &table).await?;
-                        }
+                        vacuum(store_name, &postgres, &table).await?;
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
                         rates.push(match broker {
                             "rabbitmq" => rabbitmq(work, &tag, batches).await?,
@@ -197,7 +195,11 @@ pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Wo
 /// row version each) and the previous ones' rows, and a server without autovacuum (the shared
 /// one here runs without) would otherwise give each measurement a table more bloated than the
 /// last, whatever the variant.
-pub(crate) async fn vacuum(postgres: &PostgresStore, table: &str) -> Result<(), String> {
+/// Does nothing for a pair of another store than PostgreSQL (`store_name`).
+pub(crate) async fn vacuum(store_name: &str, postgres: &PostgresStore, table: &str) -> Result<(), String> {
+    if !store_name.starts_with("postgres") {
+        return Ok(());
+    }
     for table in [postgres.table(), table.to_owned()] {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
             .execute(postgres.pool())

@@ -93,9 +93,8 @@ impl Measured {
     }
 }
 
-pub(crate) fn run(rounds: usize, prefetch: Option<u32>) -> Result<(), String> {
+pub(crate) fn run(rounds: usize, prefetch: Option<usize>) -> Result<(), String> {
     let runtime = runtime()?;
-    let prefetch = prefetch.map(|n| n as usize);
     runtime.block_on(async {
         let queued = prefetch.map_or_else(|| "the worker's default prefetch".to_owned(), |n| format!("prefetch {n}"));
         println!(
@@ -118,11 +117,7 @@ pub(crate) fn run(rounds: usize, prefetch: Option<u32>) -> Result<(), String> {
                         (&with_work, 1, &mut single),
                         (&without_work, idempotency_kafka::DEFAULT_BATCH, &mut without),
                     ] {
-                        if store_name.starts_with("postgres") {
-                            // As in the RabbitMQ and NATS figures: what autovacuum would do between
-                            // measurements, on a server that may run without it.
-                            vacuum(&postgres, &table).await?;
-                        }
+                        vacuum(store_name, &postgres, &table).await?;
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
                         rates.push(measure(&cluster, &producer, work, &tag, partitions, batch, prefetch).await?);
                     }

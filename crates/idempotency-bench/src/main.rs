@@ -168,7 +168,7 @@ fn main() -> ExitCode {
             Target::Upstream => Ok(()),
             Target::Consume => consume::run(rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
-            Target::Kafka => kafka::run(rounds, settings.prefetch),
+            Target::Kafka => kafka::run(rounds, settings.prefetch.map(|n| n as usize)),
             Target::Inbox => boxes::run_inbox(rounds),
             Target::Outbox => boxes::run_outbox(rounds),
             Target::Relay => relay::run_relay(rounds),
