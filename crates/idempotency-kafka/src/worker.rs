@@ -35,6 +35,10 @@ pub use idempotency_consumer::DEFAULT_LINGER;
 /// How often the poll thread paces partitions (pause and resume) and considers a commit.
 const HOUSEKEEPING: Duration = Duration::from_millis(20);
 
+/// How long the poll thread waits for the consumer to take the seek that restarts a resumed
+/// partition's fetching (see [`Shared::refetch`]).
+const SEEK_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Client settings the dead-letter producer shares with the consumer: where the brokers are
 /// and how to reach them.
 const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "ssl.", "client."];
@@ -63,7 +67,8 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// - **Polling**: a thread of the runtime's blocking pool polls the consumer all the time (it
 ///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
 ///   partition with more than [`prefetch`](Self::prefetch) fetched messages waiting is
-///   paused at the broker until it has drained half of them. A partition assigned to the
+///   paused at the broker until it has drained half of them, and then fetched again at once
+///   from the message after the last one it took. A partition assigned to the
 ///   worker is always fetched from the start, whatever state an earlier assignment left it in
 ///   (librdkafka keeps a pause across a revocation).
 ///
@@ -92,7 +97,8 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// `idempotency_kafka_commit_lag` (messages settled and not yet committed),
 /// `idempotency_kafka_paused_partitions` (partitions held on a message being retried) and
 /// `idempotency_kafka_fetch_paused_partitions` (partitions whose fetching is paused at the
-/// broker because [`prefetch`](Self::prefetch) messages wait).
+/// broker because [`prefetch`](Self::prefetch) messages wait), and the counter
+/// `idempotency_kafka_fetch_pauses_total` (how many times a partition was paused so).
 pub struct Worker<P> {
     config: ClientConfig,
     topic: String,
@@ -603,6 +609,9 @@ struct Partition {
     /// Whether fetching is paused at the broker (its queue was full), as the broker last
     /// accepted it.
     paused: bool,
+    /// The offset after the last message handed to the task (the consumer's position in the
+    /// partition), or -1 before the first.
+    next: i64,
 }
 
 /// What a partition's task reports to the poll thread.
@@ -639,6 +648,7 @@ struct Metrics {
     commit_lag: metrics::Gauge,
     paused: metrics::Gauge,
     fetch_paused: metrics::Gauge,
+    fetch_pauses: metrics::Counter,
 }
 
 impl Metrics {
@@ -670,6 +680,7 @@ impl Metrics {
             commit_lag: metrics::gauge!("idempotency_kafka_commit_lag", &labels),
             paused: metrics::gauge!("idempotency_kafka_paused_partitions", &labels),
             fetch_paused: metrics::gauge!("idempotency_kafka_fetch_paused_partitions", &labels),
+            fetch_pauses: metrics::counter!("idempotency_kafka_fetch_pauses_total", &labels),
         }
     }
 }
@@ -716,6 +727,7 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                     stop,
                     task: Some(task),
                     paused: false,
+                    next: -1,
                 },
             );
         }
@@ -735,9 +747,10 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
 
     /// Hands a fetched message to its partition's task.
     fn route(&self, message: OwnedMessage) {
-        let partitions = self.lock();
-        match partitions.get(&message.partition()) {
+        let mut partitions = self.lock();
+        match partitions.get_mut(&message.partition()) {
             Some(state) if message.topic() == self.topic => {
+                state.next = message.offset() + 1;
                 state.progress.queued.fetch_add(1, Ordering::SeqCst);
                 if state.messages.send(message).is_err() {
                     state.progress.queued.fetch_sub(1, Ordering::SeqCst);
@@ -781,6 +794,13 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                             state.paused = paused;
                         }
                     }
+                    if paused {
+                        self.metrics
+                            .fetch_pauses
+                            .increment(u64::try_from(list.count()).unwrap_or(u64::MAX));
+                    } else {
+                        self.refetch(consumer, &partitions, list);
+                    }
                 }
                 Err(error) => {
                     let what = if paused { "pause" } else { "resume" };
@@ -799,6 +819,57 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
             *last_commit = Instant::now();
         }
         self.show_lag(&partitions);
+    }
+
+    /// Starts fetching the `resumed` partitions again now, from where the worker stands in
+    /// each.
+    ///
+    /// A resume alone does not wake librdkafka's fetcher: when every partition it fetches for
+    /// was paused, it sleeps until its next periodic wake-up (up to a second) before it fetches
+    /// again, and a worker whose partitions all fill up (a backlog) would wait that long after
+    /// every pause. A seek to the position the resume would fetch from anyway (the offset after
+    /// the last message handed to the partition's task; the pause dropped what was fetched
+    /// ahead) restarts the fetch at once. The seek waits for the consumer to take it, so that
+    /// nothing fetched before it is handed out after it and no message reaches a task twice;
+    /// should the consumer not take it within [`SEEK_TIMEOUT`], a message may reach its task
+    /// a second time and is answered from the record (its offset only ever moves the commit
+    /// forward).
+    fn refetch(
+        &self,
+        consumer: &BaseConsumer<WorkerContext<P>>,
+        partitions: &HashMap<i32, Partition>,
+        resumed: &TopicPartitionList,
+    ) {
+        let mut seek = TopicPartitionList::new();
+        for element in resumed.elements() {
+            let next = partitions
+                .get(&element.partition())
+                .map_or(-1, |state| state.next);
+            // Before the first message, the fetch starts from the committed offset: nothing
+            // to restart.
+            if next >= 0
+                && let Err(error) =
+                    seek.add_partition_offset(&self.topic, element.partition(), Offset::Offset(next))
+            {
+                tracing::warn!(consumer = %self.name, %error, "could not list a partition to fetch again");
+            }
+        }
+        if seek.count() == 0 {
+            return;
+        }
+        match consumer.seek_partitions(seek, SEEK_TIMEOUT) {
+            Ok(sought) => {
+                for element in sought.elements() {
+                    if let Err(error) = element.error() {
+                        // Resumed all the same: librdkafka fetches it after its next wake-up.
+                        tracing::debug!(consumer = %self.name, partition = element.partition(), %error, "a resumed partition was not fetched again at once");
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(consumer = %self.name, %error, "resumed partitions were not fetched again at once");
+            }
+        }
     }
 
     /// Sets the commit-lag gauge from the partitions held.

@@ -12,6 +12,7 @@ use common::{Cluster, Ledger, eventually};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Handler, HandlerError};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
 use idempotency_kafka::{KafkaMessage, Worker};
+use rdkafka::Message;
 use tokio::sync::Notify;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -171,7 +172,7 @@ fn start(cluster: &Cluster, group: &str, topic: &str, name: &str, processor: Arc
 }
 
 /// Starts `worker`, committing every 200 ms or 100 messages.
-fn start_worker(worker: Worker<Processor>) -> Running {
+fn start_worker<P: idempotency_consumer::Processor<KafkaMessage> + 'static>(worker: Worker<P>) -> Running {
     // The process-wide recorder is installed before any worker creates its metrics.
     let _ = idempotency_testkit::recorded::global();
     let worker = worker.commit_every(Duration::from_millis(200), 100);
@@ -319,6 +320,92 @@ async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them()
     assert_eq!(all.len(), 180);
     assert!(all.values().all(|count| *count == 1), "a key ran twice");
     assert_eq!(drained(&a).len(), 6, "the first member drained {:?}", drained(&a));
+}
+
+/// Records the offsets it runs, per partition, in the order it runs them.
+#[derive(Default)]
+struct Recorder {
+    ran: std::sync::Mutex<std::collections::HashMap<i32, Vec<i64>>>,
+}
+
+impl Handler<KafkaMessage> for Recorder {
+    async fn handle(&self, message: &KafkaMessage, _: &Attempt) -> Result<Outcome, HandlerError> {
+        self.ran
+            .lock()
+            .unwrap()
+            .entry(message.message().partition())
+            .or_default()
+            .push(message.message().offset());
+        // Slower than the fetches: the partitions' queues fill up and are paused again and again.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        Ok(Outcome::new(Vec::new()))
+    }
+}
+
+/// A backlog on every partition, small fetches, a handler slower than them and a prefetch of
+/// 2: every partition is paused at the broker and resumed again and again. Each resume starts
+/// fetching again at once from the message after the last one handed out (a seek, since
+/// librdkafka leaves a fetcher whose partitions were all paused asleep until its next periodic
+/// wake-up), and the test shows what that must not cost: each message reaches its partition's
+/// task once, in order, none skipped, none handed out twice. (What the seek saves is
+/// throughput, measured in BENCHMARKS.md, Kafka, "Partitions paused and resumed".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_paused_after_every_fetch_runs_each_message_once_in_order() {
+    const PARTITIONS: i32 = 4;
+    const EACH: i64 = 500;
+    let cluster = Cluster::new(1, &[("refetch", PARTITIONS), ("refetch.dead", 1)]);
+    for n in 0..EACH {
+        let keys: Vec<String> = (0..PARTITIONS)
+            .map(|partition| format!("p{partition}-{n}"))
+            .collect();
+        futures_util::future::join_all(
+            (0..PARTITIONS)
+                .zip(&keys)
+                .map(|(partition, key)| cluster.publish_to("refetch", partition, key)),
+        )
+        .await;
+    }
+    let recorder = Arc::new(Recorder::default());
+    let processor = Arc::new(Consumer::new(
+        "kafka-refetch-tests",
+        MemoryStore::new(),
+        Arc::clone(&recorder),
+    ));
+    let mut config = cluster.config("refetch");
+    // Small fetches (librdkafka's smallest message limit): many pauses and resumes.
+    config
+        .set("max.partition.fetch.bytes", "300")
+        .set("fetch.max.bytes", "1200")
+        .set("message.max.bytes", "1200");
+    let worker = start_worker(
+        Worker::new(config, "refetch", processor)
+            .name("refetch")
+            .prefetch(2),
+    );
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("refetch", "refetch", PARTITIONS) == (EACH * 4, EACH * 4)
+    })
+    .await;
+    stop_all(vec![worker]).await;
+    let ran = recorder.ran.lock().unwrap();
+    for partition in 0..PARTITIONS {
+        let expected: Vec<i64> = (0..EACH).collect();
+        assert_eq!(ran.get(&partition), Some(&expected), "partition {partition}");
+    }
+    let acked = idempotency_testkit::recorded::global().counter(
+        "idempotency_kafka_messages_total",
+        &[("consumer", "refetch"), ("topic", "refetch"), ("result", "acked")],
+    );
+    // A message handed to its task twice would be answered from the record and acked twice.
+    assert_eq!(acked, 4 * EACH.unsigned_abs());
+    let pauses = idempotency_testkit::recorded::global().counter(
+        "idempotency_kafka_fetch_pauses_total",
+        &[("consumer", "refetch"), ("topic", "refetch")],
+    );
+    assert!(
+        pauses >= 8,
+        "paused {pauses} times: not the many pauses this test is about"
+    );
 }
 
 /// Each of three brokers goes down and comes back while events flow: no event is lost and
