@@ -34,13 +34,13 @@ const PREFETCH: u16 = 64;
 
 /// The handler: counts calls and notes when the first and the last came.
 #[derive(Default)]
-struct Calls {
+pub(crate) struct Calls {
     count: AtomicU64,
     span: Mutex<(Option<Instant>, Option<Instant>)>,
 }
 
 impl Calls {
-    fn reset(&self) {
+    pub(crate) fn reset(&self) {
         self.count.store(0, Ordering::SeqCst);
         *self
             .span
@@ -60,7 +60,7 @@ impl Calls {
     }
 
     /// Messages per second between the first call and the last.
-    fn rate(&self) -> f64 {
+    pub(crate) fn rate(&self) -> f64 {
         let span = *self
             .span
             .lock()
@@ -74,7 +74,7 @@ impl Calls {
     }
 }
 
-async fn start_handler(calls: Arc<Calls>) -> Result<SocketAddr, String> {
+pub(crate) async fn start_handler(calls: Arc<Calls>) -> Result<SocketAddr, String> {
     let app = axum::Router::new()
         .route(
             "/messages",
@@ -118,11 +118,16 @@ async fn filled_queue(channel: &Channel, round: usize, variant: usize) -> Result
 
 /// Waits until the handler has had every message (at most a minute).
 async fn drained(calls: &Calls) -> Result<(), String> {
+    drained_all(calls, MESSAGES).await
+}
+
+/// Waits until the handler has had `messages` calls (at most a minute).
+pub(crate) async fn drained_all(calls: &Calls, messages: u64) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while calls.count.load(Ordering::SeqCst) < MESSAGES {
+    while calls.count.load(Ordering::SeqCst) < messages {
         if Instant::now() > deadline {
             return Err(format!(
-                "only {} of {MESSAGES} messages reached the handler in a minute",
+                "only {} of {messages} messages reached the handler in a minute",
                 calls.count.load(Ordering::SeqCst)
             ));
         }
@@ -131,21 +136,27 @@ async fn drained(calls: &Calls) -> Result<(), String> {
     Ok(())
 }
 
-/// `idem consume` on `queue` with `store`, until dropped.
-fn idem_consume(queue: &str, handler: SocketAddr, store: &str) -> Result<Process, String> {
+/// `idem consume` from the source URL `from` to `handler` with `store` and `--prefetch
+/// prefetch`, until dropped.
+pub(crate) fn idem_consume(
+    from: &str,
+    handler: SocketAddr,
+    store: &str,
+    prefetch: u16,
+) -> Result<Process, String> {
     Process::spawn(
         "idem consume",
         Command::new(sibling("idem")?)
             .args([
                 "consume",
                 "--from",
-                &format!("{}?queue={queue}", amqp_url()),
+                from,
                 "--to",
                 &format!("http://{handler}/messages"),
                 "--store",
                 store,
                 "--prefetch",
-                &PREFETCH.to_string(),
+                &prefetch.to_string(),
                 "--name",
                 &format!("bench-{}", Key::generate()),
             ])
@@ -231,7 +242,8 @@ async fn run_async(rounds: usize) -> Result<(), String> {
                     } else {
                         sqlite.as_str()
                     };
-                    let _consume = idem_consume(&queue, handler, store)?;
+                    let from = format!("{}?queue={queue}", amqp_url());
+                    let _consume = idem_consume(&from, handler, store, PREFETCH)?;
                     drained(&calls).await?;
                 }
                 _ => plain(&connection, &queue, handler, &calls).await?,
@@ -244,20 +256,31 @@ async fn run_async(rounds: usize) -> Result<(), String> {
             }
         }
     }
-    let samples: Vec<Samples> = rates.into_iter().map(Samples::of).collect();
-    let plain = samples[2].median;
     println!(
         "\n## idem consume vs a plain consumer: RabbitMQ to an HTTP handler, {MESSAGES} messages, {PREFETCH} in process, {rounds} alternating rounds, medians\n"
     );
-    println!("| variant | messages/s | / plain | min–max |");
+    print_rates(("variant", "plain"), &variants, rates, 2);
+    Ok(())
+}
+
+/// Prints one row per variant (`columns`: what names a variant, and the variant the others
+/// are divided by, whose index is `base`): its median rate, the ratio, the spread.
+pub(crate) fn print_rates(
+    columns: (&str, &str),
+    variants: &[impl std::fmt::Display],
+    rates: Vec<Vec<f64>>,
+    base: usize,
+) {
+    let samples: Vec<Samples> = rates.into_iter().map(Samples::of).collect();
+    let base_rate = samples[base].median;
+    println!("| {} | messages/s | / {} | min–max |", columns.0, columns.1);
     println!("|---|---:|---:|---:|");
     for (name, sample) in variants.iter().zip(&samples) {
         println!(
             "| {name} | {} | {:.2} | {} |",
             per_second(sample.median),
-            sample.median / plain,
+            sample.median / base_rate,
             sample.spread()
         );
     }
-    Ok(())
 }

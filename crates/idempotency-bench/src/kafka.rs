@@ -93,6 +93,24 @@ impl Measured {
     }
 }
 
+/// Publishes one event per key to `topic`, all at once, each with its key as the record key.
+pub(crate) async fn publish_all(producer: &FutureProducer, topic: &str, keys: &[Key]) -> Result<(), String> {
+    let sent = futures_util::future::join_all(keys.iter().map(|key| {
+        publish(
+            producer,
+            topic,
+            key,
+            Some(key.as_str().as_bytes()),
+            b"{\"amount\":1000}",
+        )
+    }))
+    .await;
+    sent.into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("publishing to {topic}: {e}"))?;
+    Ok(())
+}
+
 pub(crate) fn run(rounds: usize, prefetch: Option<usize>) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
@@ -159,19 +177,7 @@ async fn measure(
     let keys = (0..MESSAGES)
         .map(|i| Key::new(format!("m-{tag}-{i}")).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
-    let sent = futures_util::future::join_all(keys.iter().map(|key| {
-        publish(
-            producer,
-            &topic,
-            key,
-            Some(key.as_str().as_bytes()),
-            b"{\"amount\":1000}",
-        )
-    }))
-    .await;
-    sent.into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
+    publish_all(producer, &topic, &keys).await?;
     let measured = Arc::new(Measured {
         work: Arc::clone(work),
         done: AtomicU64::new(0),

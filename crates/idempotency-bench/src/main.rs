@@ -6,7 +6,7 @@
 //! Nothing here asserts a number: `docs/BENCHMARKS.md` records what was measured and how.
 //!
 //! ```text
-//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|mysql|redis|batches|http|consumers|kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
+//! cargo run --release -p idempotency-bench -- [memory|sqlite|postgres|mysql|redis|batches|http|consumers|kafka|consume-kafka|inbox|outbox|dynamodb|sqs|all] [--seconds S] [--rounds R]
 //! scripts/bench-gateway          # gateway: idem serve on each store vs nginx vs the upstream (wrk)
 //! ```
 #![allow(clippy::print_stdout)] // printing the report is this program's job
@@ -15,6 +15,7 @@ mod aws;
 mod batches;
 mod boxes;
 mod consume;
+mod consume_kafka;
 mod consumers;
 mod gateway;
 mod http;
@@ -93,6 +94,9 @@ enum Target {
     /// `idem consume` (memory and SQLite stores) vs a plain consumer feeding the same HTTP
     /// handler from RabbitMQ (needs `target/release/idem`).
     Consume,
+    /// `idem consume` from Kafka at several `--prefetch` settings (needs `target/release/idem`
+    /// built with `--features kafka`).
+    ConsumeKafka,
     Consumers,
     Kafka,
     Inbox,
@@ -124,7 +128,12 @@ fn main() -> ExitCode {
         .filter(|t| {
             !matches!(
                 t,
-                Target::All | Target::Gateway | Target::GatewayMemory | Target::Upstream | Target::Consume
+                Target::All
+                    | Target::Gateway
+                    | Target::GatewayMemory
+                    | Target::Upstream
+                    | Target::Consume
+                    | Target::ConsumeKafka
             )
         });
     let targets: Vec<Target> = if settings.targets.is_empty() || settings.targets.contains(&Target::All) {
@@ -167,6 +176,7 @@ fn main() -> ExitCode {
             }
             Target::Upstream => Ok(()),
             Target::Consume => consume::run(rounds),
+            Target::ConsumeKafka => consume_kafka::run(rounds),
             Target::Consumers | Target::All => consumers::run(window, rounds),
             Target::Kafka => kafka::run(rounds, settings.prefetch.map(|n| n as usize)),
             Target::Inbox => boxes::run_inbox(rounds),
