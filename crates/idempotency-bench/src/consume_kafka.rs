@@ -46,9 +46,7 @@ async fn filled_topic(
         .map(|i| Key::new(format!("bench-{round}-{variant}-{i}")))
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
-    for chunk in keys.chunks(1000) {
-        publish_all(producer, &topic, chunk).await?;
-    }
+    publish_all(producer, &topic, &keys).await?;
     Ok(topic)
 }
 
@@ -77,6 +75,5 @@ async fn run_async(rounds: usize) -> Result<(), String> {
         "\n## idem consume from Kafka (librdkafka's MockCluster, {PARTITIONS} partitions) to an HTTP handler, memory store, by --prefetch: {MESSAGES} messages, {rounds} alternating rounds, medians\n"
     );
     print_rates(("--prefetch", "default (16)"), &PREFETCH, rates, 0);
-    drop(producer);
     Ok(())
 }
