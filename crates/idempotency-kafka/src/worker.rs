@@ -609,9 +609,6 @@ struct Partition {
     /// Whether fetching is paused at the broker (its queue was full), as the broker last
     /// accepted it.
     paused: bool,
-    /// The offset after the last message handed to the task (the consumer's position in the
-    /// partition), or -1 before the first.
-    next: i64,
 }
 
 /// What a partition's task reports to the poll thread.
@@ -727,7 +724,6 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                     stop,
                     task: Some(task),
                     paused: false,
-                    next: -1,
                 },
             );
         }
@@ -747,10 +743,9 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
 
     /// Hands a fetched message to its partition's task.
     fn route(&self, message: OwnedMessage) {
-        let mut partitions = self.lock();
-        match partitions.get_mut(&message.partition()) {
+        let partitions = self.lock();
+        match partitions.get(&message.partition()) {
             Some(state) if message.topic() == self.topic => {
-                state.next = message.offset() + 1;
                 state.progress.queued.fetch_add(1, Ordering::SeqCst);
                 if state.messages.send(message).is_err() {
                     state.progress.queued.fetch_sub(1, Ordering::SeqCst);
@@ -799,7 +794,7 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
                             .fetch_pauses
                             .increment(u64::try_from(list.count()).unwrap_or(u64::MAX));
                     } else {
-                        self.refetch(consumer, &partitions, list);
+                        self.refetch(consumer, list);
                     }
                 }
                 Err(error) => {
@@ -827,27 +822,30 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
     /// A resume alone does not wake librdkafka's fetcher: when every partition it fetches for
     /// was paused, it sleeps until its next periodic wake-up (up to a second) before it fetches
     /// again, and a worker whose partitions all fill up (a backlog) would wait that long after
-    /// every pause. A seek to the position the resume would fetch from anyway (the offset after
-    /// the last message handed to the partition's task; the pause dropped what was fetched
-    /// ahead) restarts the fetch at once. The seek waits for the consumer to take it, so that
+    /// every pause. A seek to the position the resume would fetch from anyway (the consumer's
+    /// position: the offset after the last message it handed out; the pause dropped what was
+    /// fetched ahead) restarts the fetch at once. The seek waits for the consumer to take it, so that
     /// nothing fetched before it is handed out after it and no message reaches a task twice;
     /// should the consumer not take it within [`SEEK_TIMEOUT`], a message may reach its task
     /// a second time and is answered from the record (its offset only ever moves the commit
     /// forward).
-    fn refetch(
-        &self,
-        consumer: &BaseConsumer<WorkerContext<P>>,
-        partitions: &HashMap<i32, Partition>,
-        resumed: &TopicPartitionList,
-    ) {
+    fn refetch(&self, consumer: &BaseConsumer<WorkerContext<P>>, resumed: &TopicPartitionList) {
+        // The consumer's position: the offset after the last message it handed out, which is
+        // what a pause kept to fetch from. It is unknown (and the fetch starts from the
+        // committed offset) before the partition's first message.
+        let position = match consumer.position() {
+            Ok(position) => position,
+            Err(error) => {
+                tracing::debug!(consumer = %self.name, %error, "resumed partitions were not fetched again at once");
+                return;
+            }
+        };
         let mut seek = TopicPartitionList::new();
         for element in resumed.elements() {
-            let next = partitions
-                .get(&element.partition())
-                .map_or(-1, |state| state.next);
-            // Before the first message, the fetch starts from the committed offset: nothing
-            // to restart.
-            if next >= 0
+            let next = position
+                .find_partition(&self.topic, element.partition())
+                .map(|found| found.offset());
+            if let Some(Offset::Offset(next)) = next
                 && let Err(error) =
                     seek.add_partition_offset(&self.topic, element.partition(), Offset::Offset(next))
             {
