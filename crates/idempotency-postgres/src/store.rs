@@ -80,27 +80,37 @@ pub struct PostgresStore {
     /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
     /// connections left for it.
     lanes: Lanes,
-    /// Whether the table has had its first statistics (see [`Statistics`]).
+    /// Keys claimed, and whether the table's statistics were checked (see [`Statistics`]).
     statistics: Arc<Statistics>,
 }
 
-/// How many keys the store sends through `begin_many` before it makes sure its table has
-/// planner statistics.
+/// How many keys the store claims (`begin`, `begin_many`) before it makes sure its table's
+/// planner statistics describe it.
 const ANALYZE_AFTER: u64 = 1_000;
 
-/// A table the store created has no planner statistics until autovacuum first analyzes it (up
-/// to a minute, or never where autovacuum is off). Meanwhile PostgreSQL plans a statement for a
-/// table of about ten pages, and each connection keeps the plan it made for the batch
-/// statements: one planned on the new table read the table through its expiry index, every
-/// record of it for every batch, while the table grew (a guarded consumer on a new table fell
-/// from 13,000 to 2,000 messages/s within 160,000 messages). After [`ANALYZE_AFTER`] keys the
-/// store (batched consumers, in their own transactions or the caller's) runs `ANALYZE` once if
-/// the table was never analyzed; that also makes every connection plan its statements again. A
-/// role that does not own the table is only warned, by the server, and the store logs it.
+/// How many times its size at the last `VACUUM` or `ANALYZE` a table must have outgrown for its
+/// statistics to count as out of date.
+const STALE_GROWTH: i64 = 4;
+
+/// The size, in pages, below which a table's statistics never count as out of date by growth.
+const STALE_FLOOR_PAGES: i64 = 8;
+
+/// A table the store has just created has no planner statistics until autovacuum first analyzes
+/// it (up to a minute, or never where autovacuum is off), and a table vacuumed or analyzed while
+/// empty has statistics that say so while it grows. Meanwhile PostgreSQL plans for the table it
+/// believes in, and each connection keeps the plan it made for a statement: planned on a new
+/// table, the batch statements read the table through its expiry index, every record of it for
+/// every batch, while the table grew (a guarded consumer on a new table fell from 13,000 to
+/// 2,000 messages/s within 160,000 messages); planned on a table analyzed while empty, every
+/// statement that finds a record by key scans the whole table. After [`ANALYZE_AFTER`] keys
+/// claimed the store (in its own transactions or the caller's) runs `ANALYZE` once if the table
+/// was never analyzed or has grown past [`STALE_GROWTH`] times the size its statistics describe;
+/// that also makes every connection plan its statements again. A role that does not own the
+/// table is only warned, by the server, and the store logs it.
 #[derive(Debug, Default)]
 struct Statistics {
-    /// Keys sent through `begin_many` by this store.
-    batched: AtomicU64,
+    /// Keys claimed through this store (`begin`, `begin_many`, and their same-transaction forms).
+    claimed: AtomicU64,
     /// Whether the check ran.
     checked: AtomicBool,
 }
@@ -416,10 +426,15 @@ pub(crate) async fn release_on(
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        self.connections
-            .run(async |connection| begin_on(connection, &self.sql, request).await)
-            .await
+        let claim = {
+            let _lane = self.lanes.new_work().await?;
+            self.connections
+                .run(async |connection| begin_on(connection, &self.sql, request).await)
+                .await
+        };
+        // As in `begin_many`: the one `ANALYZE` does not hold a place of new work.
+        self.claimed(1).await;
+        claim
     }
 
     async fn complete(
@@ -488,7 +503,7 @@ impl Store for PostgresStore {
             .await;
         // The one `ANALYZE` (on the sqlx pool) does not hold a place of new work.
         drop(lane);
-        self.batched(requests.len()).await;
+        self.claimed(requests.len()).await;
         answers
     }
 
@@ -506,24 +521,24 @@ impl Store for PostgresStore {
 }
 
 impl PostgresStore {
-    /// Counts `keys` sent through a batch statement; once [`ANALYZE_AFTER`] have been, makes
-    /// sure the table has statistics (see [`Statistics`]).
-    pub(crate) async fn batched(&self, keys: usize) {
+    /// Counts `keys` claimed; once [`ANALYZE_AFTER`] have been, makes sure the table's
+    /// statistics describe it (see [`Statistics`]).
+    pub(crate) async fn claimed(&self, keys: usize) {
         let keys = u64::try_from(keys).unwrap_or(u64::MAX);
-        if self.statistics.batched.fetch_add(keys, Ordering::Relaxed) + keys >= ANALYZE_AFTER
+        if self.statistics.claimed.fetch_add(keys, Ordering::Relaxed) + keys >= ANALYZE_AFTER
             && !self.statistics.checked.swap(true, Ordering::Relaxed)
         {
-            self.analyze_if_never_analyzed().await;
+            self.analyze_if_out_of_date().await;
         }
     }
 
-    /// Runs `ANALYZE` on the table if it has never been analyzed (see [`Statistics`]), and logs
-    /// what came of it: the store works without it, only slower until autovacuum analyzes.
-    async fn analyze_if_never_analyzed(&self) {
+    /// Runs `ANALYZE` on the table if its statistics are out of date (see [`Statistics`]), and
+    /// logs what came of it: the store works without it, only slower until autovacuum analyzes.
+    async fn analyze_if_out_of_date(&self) {
         match self.analyze_once().await {
             Ok(None) => {}
             Ok(Some(true)) => {
-                tracing::info!(table = %self.table(), "analyzed the records table for its first planner statistics");
+                tracing::info!(table = %self.table(), "analyzed the records table: its planner statistics were missing or out of date");
             }
             Ok(Some(false)) => tracing::warn!(
                 table = %self.table(),
@@ -535,26 +550,33 @@ impl PostgresStore {
         }
     }
 
-    /// `None` when the table has statistics already; otherwise runs `ANALYZE` and answers
-    /// whether the table has them now (a role that does not own it only gets a warning).
+    /// `None` when the table's statistics describe it; otherwise runs `ANALYZE` and answers
+    /// whether they do now (a role that does not own the table only gets a warning).
     async fn analyze_once(&self) -> Result<Option<bool>, sqlx::Error> {
-        if !self.never_analyzed().await? {
+        if !self.statistics_out_of_date().await? {
             return Ok(None);
         }
         sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {}", self.quoted_table())))
             .execute(&self.pool)
             .await?;
-        Ok(Some(!self.never_analyzed().await?))
+        Ok(Some(!self.statistics_out_of_date().await?))
     }
 
-    /// Whether the table has never been analyzed.
-    async fn never_analyzed(&self) -> Result<bool, sqlx::Error> {
-        let never: Option<bool> =
-            sqlx::query_scalar("SELECT reltuples < 0 FROM pg_class WHERE oid = to_regclass($1)")
-                .bind(self.quoted_table())
-                .fetch_optional(&self.pool)
-                .await?;
-        Ok(never == Some(true))
+    /// Whether the table was never analyzed, or has at least [`STALE_FLOOR_PAGES`] pages and
+    /// more than [`STALE_GROWTH`] times the pages its statistics counted (`relpages`, as of its
+    /// last `VACUUM` or `ANALYZE`).
+    async fn statistics_out_of_date(&self) -> Result<bool, sqlx::Error> {
+        let stale: Option<bool> = sqlx::query_scalar(
+            "SELECT reltuples < 0 OR (pages >= $3 AND pages > $2 * relpages::int8)
+             FROM (SELECT reltuples, relpages, pg_relation_size(oid) / current_setting('block_size')::int8 AS pages
+                   FROM pg_class WHERE oid = to_regclass($1)) AS t",
+        )
+        .bind(self.quoted_table())
+        .bind(STALE_GROWTH)
+        .bind(STALE_FLOOR_PAGES)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(stale == Some(true))
     }
 
     /// The records table with its schema, each name quoted.

@@ -75,7 +75,9 @@ impl TransactionalStore for PostgresStore {
     }
 
     async fn begin_in(&self, tx: &mut PgTransaction, request: &BeginRequest) -> Result<Claim, StoreError> {
-        begin_on(tx, self.statements(), request).await
+        let claim = begin_on(tx, self.statements(), request).await;
+        self.claimed(1).await;
+        claim
     }
 
     async fn complete_in(
@@ -118,7 +120,7 @@ impl TransactionalStore for PostgresStore {
         requests: &[BeginRequest],
     ) -> Vec<Result<Claim, StoreError>> {
         let answers = batch::begin_batch(tx, self.statements(), requests).await;
-        self.batched(requests.len()).await;
+        self.claimed(requests.len()).await;
         answers
     }
 

@@ -87,12 +87,7 @@ async fn generic_plans(
 
 /// Whether `store`'s table has planner statistics.
 async fn analyzed(store: &PostgresStore) -> bool {
-    let reltuples: f32 = sqlx::query_scalar("SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)")
-        .bind(store.table())
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    reltuples >= 0.0
+    counted_rows(store).await >= 0.0
 }
 
 #[tokio::test]
@@ -134,9 +129,74 @@ async fn a_new_table_is_analyzed_once_a_thousand_keys_went_through_batches() {
         // 1,000 keys are reached within the 32nd batch: not before it.
         assert_eq!(analyzed(&store).await, batch == 31, "after batch {batch}");
     }
+    assert_found_through_the_key(&store).await;
+}
+
+#[tokio::test]
+async fn a_table_analyzed_while_empty_is_analyzed_again_once_a_thousand_keys_were_claimed() {
+    let store = common::fresh_store().await;
+    let table = store.table();
+    let quiet = format!("ALTER TABLE {table} SET (autovacuum_enabled = false)");
+    sqlx::raw_sql(AssertSqlSafe(quiet))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    // Statistics that say the table is empty, as a VACUUM or ANALYZE of a new or emptied table
+    // leaves them: PostgreSQL then plans every lookup by key as a scan of the whole table.
+    sqlx::raw_sql(AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(counted_rows(&store).await, 0.0);
+    let scope = Scope::new("plans").unwrap();
+    for i in 1..=1_000 {
+        let request = BeginRequest::new(
+            scope.clone(),
+            Key::new(format!("k-{i}")).unwrap(),
+            Fingerprint::of_bytes(b""),
+        );
+        let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
+            panic!("a new key is acquired");
+        };
+        // Every tenth one stays in flight, as a busy table's records do.
+        if i % 10 != 0 {
+            let done = store
+                .complete(&held, Outcome::new("done"), Duration::from_secs(600))
+                .await
+                .unwrap();
+            assert!(matches!(done, Fenced::Accepted(_)));
+        }
+        if i == 999 {
+            assert_eq!(
+                counted_rows(&store).await,
+                0.0,
+                "analyzed before 1,000 keys were claimed"
+            );
+        }
+    }
+    let counted = counted_rows(&store).await;
+    assert!(
+        counted >= 900.0,
+        "the statistics count {counted} records of 1,000"
+    );
+    assert_found_through_the_key(&store).await;
+}
+
+/// The records `store`'s table statistics count (`reltuples`; -1 when never analyzed).
+async fn counted_rows(store: &PostgresStore) -> f32 {
+    sqlx::query_scalar("SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)")
+        .bind(store.table())
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+/// Every statement that takes a key finds its record through the primary key, in the plan a
+/// connection would keep for it now, and none scans the table or its expiry index.
+async fn assert_found_through_the_key(store: &PostgresStore) {
     let name = store.table();
     let name = name.rsplit('.').next().unwrap();
-    for (operation, plan) in generic_plans(STATEMENTS, &store).await {
+    for (operation, plan) in generic_plans(STATEMENTS, store).await {
         assert!(
             plan.iter().any(|line| line.contains(&format!("{name}_pkey")))
                 && !plan
