@@ -258,6 +258,31 @@ pub fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
+/// A loopback port held without listening on it: a connection to it is refused, as to a port
+/// nothing holds, and no other test can take it meanwhile (the socket does not allow its
+/// address to be reused). [`HeldPort::free`] lets it go, for a server to bind it at once.
+pub struct HeldPort {
+    socket: tokio::net::TcpSocket,
+    /// The port's address.
+    pub addr: SocketAddr,
+}
+
+impl HeldPort {
+    /// A free loopback port, held.
+    pub fn new() -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        let addr = socket.local_addr().unwrap();
+        Self { socket, addr }
+    }
+
+    /// Lets the port go; its address, to bind.
+    pub fn free(self) -> SocketAddr {
+        drop(self.socket);
+        self.addr
+    }
+}
+
 /// `n` distinct free loopback ports below the kernel's range for outgoing connections
 /// (32768 and up here), so that no client connection of another test takes one between the
 /// choice and the bind; each is held until all are chosen.
