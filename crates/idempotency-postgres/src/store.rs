@@ -524,6 +524,10 @@ impl PostgresStore {
     /// Counts `keys` claimed; once [`ANALYZE_AFTER`] have been, makes sure the table's
     /// statistics describe it (see [`Statistics`]).
     pub(crate) async fn claimed(&self, keys: usize) {
+        // Once checked, a claim reads one flag: no write to a shared counter on every `begin`.
+        if self.statistics.checked.load(Ordering::Relaxed) {
+            return;
+        }
         let keys = u64::try_from(keys).unwrap_or(u64::MAX);
         if self.statistics.claimed.fetch_add(keys, Ordering::Relaxed) + keys >= ANALYZE_AFTER
             && !self.statistics.checked.swap(true, Ordering::Relaxed)
