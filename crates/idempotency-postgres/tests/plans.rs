@@ -85,6 +85,18 @@ async fn generic_plans(
     plans
 }
 
+/// A store on a new table that only the store analyzes: autovacuum (where it runs) could
+/// otherwise do it in the middle of a test.
+async fn quiet_store() -> PostgresStore {
+    let store = common::fresh_store().await;
+    let quiet = format!("ALTER TABLE {} SET (autovacuum_enabled = false)", store.table());
+    sqlx::raw_sql(AssertSqlSafe(quiet))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store
+}
+
 /// Whether `store`'s table has planner statistics.
 async fn analyzed(store: &PostgresStore) -> bool {
     counted_rows(store).await >= 0.0
@@ -92,14 +104,7 @@ async fn analyzed(store: &PostgresStore) -> bool {
 
 #[tokio::test]
 async fn a_new_table_is_analyzed_once_a_thousand_keys_went_through_batches() {
-    let store = common::fresh_store().await;
-    // Only the store analyzes this table: autovacuum (where it runs) could otherwise do it
-    // in the middle of the test.
-    let quiet = format!("ALTER TABLE {} SET (autovacuum_enabled = false)", store.table());
-    sqlx::raw_sql(AssertSqlSafe(quiet))
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let store = quiet_store().await;
     assert!(!analyzed(&store).await, "a new table has no statistics");
     let scope = Scope::new("plans").unwrap();
     for batch in 0..32 {
@@ -134,13 +139,8 @@ async fn a_new_table_is_analyzed_once_a_thousand_keys_went_through_batches() {
 
 #[tokio::test]
 async fn a_table_analyzed_while_empty_is_analyzed_again_once_a_thousand_keys_were_claimed() {
-    let store = common::fresh_store().await;
+    let store = quiet_store().await;
     let table = store.table();
-    let quiet = format!("ALTER TABLE {table} SET (autovacuum_enabled = false)");
-    sqlx::raw_sql(AssertSqlSafe(quiet))
-        .execute(store.pool())
-        .await
-        .unwrap();
     // Statistics that say the table is empty, as a VACUUM or ANALYZE of a new or emptied table
     // leaves them: PostgreSQL then plans every lookup by key as a scan of the whole table.
     sqlx::raw_sql(AssertSqlSafe(format!("VACUUM ANALYZE {table}")))
