@@ -1,6 +1,7 @@
 //! The broker suite (`idempotency_testkit::adapter_suite!`) on the real RabbitMQ server
 //! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`), each case on queues of its own
-//! that expire ten minutes after the case.
+//! that expire ten minutes after the case. Workers reach the server through a proxy of their
+//! case's own, which stalls when the case says so.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use idempotency_amqp::{AmqpMessage, Topology};
 use idempotency_consumer::Delivery;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::Key;
+use idempotency_testkit::TcpProxy;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -23,6 +25,10 @@ const EXPIRES: Duration = Duration::from_secs(600);
 struct RabbitMq;
 
 struct Queue {
+    /// The workers' way to the server.
+    proxy: TcpProxy,
+    /// [`amqp_url`] through `proxy`.
+    proxied: String,
     _connection: Connection,
     channel: Channel,
     topology: Topology,
@@ -40,7 +46,10 @@ impl BrokerHarness for RabbitMq {
         let channel = connection.create_channel().await.unwrap();
         let topology = Topology::for_queue(&format!("suite-{case}-{}", Key::generate())).expires(EXPIRES);
         topology.declare(&channel).await.unwrap();
+        let (proxy, proxied) = TcpProxy::in_front_of(&amqp_url()).await.unwrap();
         Queue {
+            proxy,
+            proxied,
             _connection: connection,
             channel,
             topology,
@@ -70,7 +79,7 @@ impl BrokerSource for Queue {
     }
 
     fn url(&self) -> String {
-        let url = amqp_url();
+        let url = &self.proxied;
         let joint = if url.contains('?') { '&' } else { '?' };
         format!(
             "{url}{joint}queue={}&expires={}s",
@@ -141,6 +150,10 @@ impl BrokerSource for Queue {
         } else {
             self.topology.declare(&self.channel).await.unwrap();
         }
+    }
+
+    async fn stall(&self, stalled: bool) {
+        self.proxy.stall(stalled);
     }
 }
 

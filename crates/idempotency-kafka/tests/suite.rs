@@ -1,23 +1,36 @@
 //! The broker suite (`idempotency_testkit::adapter_suite!`) on librdkafka's in-process
 //! cluster, each case on a cluster of its own: a three-partition topic, its dead-letter topic,
-//! and a group whose dead members are noticed within seconds.
+//! and a group whose dead members are noticed within seconds. The cluster has two brokers: the
+//! first leads the topic and coordinates the group, the second leads the dead-letter topic, so
+//! that a case can stall the dead-letter copies alone.
 
 mod common;
 
 use std::time::Duration;
 
 use common::committed_and_end;
+use idempotency_consumer::adapter::DEFAULT_SETTLE_TIMEOUT;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::IDEMPOTENCY_KEY_HEADER;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter, LIMIT};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::mocking::MockCluster;
+use rdkafka::mocking::{MockCluster, MockCoordinator};
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 const PARTITIONS: i32 = 3;
+
+/// The broker that leads the topic and coordinates the group.
+const WORK_BROKER: i32 = 1;
+
+/// The broker that leads the dead-letter topic.
+const DEAD_LETTER_BROKER: i32 = 2;
+
+/// How late the dead-letter broker answers while stalled: well past the pipeline's settle
+/// timeout, and then it answers.
+const STALL: Duration = DEFAULT_SETTLE_TIMEOUT.saturating_mul(2);
 
 struct Kafka;
 
@@ -31,9 +44,20 @@ impl BrokerHarness for Kafka {
     type Source = Topic;
 
     async fn source(&self, _case: &str) -> Topic {
-        let cluster = MockCluster::new(1).expect("librdkafka's mock cluster");
+        let cluster = MockCluster::new(2).expect("librdkafka's mock cluster");
         cluster.create_topic("work", PARTITIONS, 1).unwrap();
         cluster.create_topic("work.dead", 1, 1).unwrap();
+        for partition in 0..PARTITIONS {
+            cluster
+                .partition_leader("work", partition, Some(WORK_BROKER))
+                .unwrap();
+        }
+        cluster
+            .partition_leader("work.dead", 0, Some(DEAD_LETTER_BROKER))
+            .unwrap();
+        cluster
+            .coordinator(MockCoordinator::Group("suite".into()), WORK_BROKER)
+            .unwrap();
         let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
         Topic { producer, cluster }
     }
@@ -124,6 +148,15 @@ impl BrokerSource for Topic {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR
         };
         self.cluster.topic_error("work.dead", error).unwrap();
+    }
+
+    /// The dead-letter topic's broker answers [`STALL`] late, or at once again. (A worker
+    /// settles an ack in its own memory: what it commits, the poll thread commits later.)
+    async fn stall(&self, stalled: bool) {
+        let delay = if stalled { STALL } else { Duration::ZERO };
+        self.cluster
+            .broker_round_trip_time(DEAD_LETTER_BROKER, delay)
+            .unwrap();
     }
 }
 

@@ -1,6 +1,7 @@
 //! The broker suite (`idempotency_testkit::adapter_suite!`) on the real NATS JetStream server
 //! (`NATS_URL`, default `nats://127.0.0.1:4222`), each case on a stream of its own with a
-//! durable consumer whose ack wait is one second.
+//! durable consumer whose ack wait is one second. Workers reach the server through a proxy of
+//! their case's own, which stalls when the case says so.
 
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use idempotency_consumer::source::SourceKind;
+use idempotency_testkit::TcpProxy;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 
 use idempotency_testkit::nats::{TestStream, nats_url};
@@ -18,6 +20,10 @@ const ACK_WAIT: Duration = Duration::from_secs(1);
 struct JetStream;
 
 struct Stream {
+    /// The workers' way to the server.
+    proxy: TcpProxy,
+    /// [`nats_url`] through `proxy`.
+    proxied: String,
     js: jetstream::Context,
     stream: String,
     work: String,
@@ -48,7 +54,10 @@ impl BrokerHarness for JetStream {
             })
             .await
             .unwrap();
+        let (proxy, proxied) = TcpProxy::in_front_of(&nats_url()).await.unwrap();
         Stream {
+            proxy,
+            proxied,
             js,
             stream,
             work,
@@ -66,7 +75,7 @@ impl BrokerSource for Stream {
     fn url(&self) -> String {
         format!(
             "{}?stream={}&consumer=workers&subject={}&dead_letter={}&ack_wait={}s",
-            nats_url(),
+            self.proxied,
             self.stream,
             self.work,
             self.dead,
@@ -141,6 +150,10 @@ impl BrokerSource for Stream {
             vec![self.work.clone(), self.dead.clone()]
         };
         self.js.update_stream(config).await.unwrap();
+    }
+
+    async fn stall(&self, stalled: bool) {
+        self.proxy.stall(stalled);
     }
 }
 

@@ -3,7 +3,8 @@
 //! its dead-letter queue and a two-second visibility timeout. Short polling (`wait=0s`): the
 //! local server answers one request at a time, and a long poll would hold it for every other
 //! test. Credentials come from the environment, as for any AWS tool (`scripts/test` sets
-//! placeholders).
+//! placeholders). Workers reach the server through a proxy of their case's own
+//! (`endpoint=`), which stalls when the case says so.
 
 mod common;
 
@@ -12,8 +13,9 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageAttributeValue;
-use common::{client, depth, drain, queues};
+use common::{client, depth, drain, endpoint, queues};
 use idempotency_consumer::source::SourceKind;
+use idempotency_testkit::TcpProxy;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
 
 /// The visibility timeout: a handler three times as long needs extensions.
@@ -22,6 +24,10 @@ const VISIBILITY: Duration = Duration::from_secs(2);
 struct Sqs;
 
 struct Queue {
+    /// The workers' way to the server.
+    proxy: TcpProxy,
+    /// The server's origin through `proxy`.
+    endpoint: String,
     client: Client,
     url: String,
     dead_url: String,
@@ -35,7 +41,10 @@ impl BrokerHarness for Sqs {
     async fn source(&self, case: &str) -> Queue {
         let client = client();
         let (url, dead_url) = queues(&client, &format!("suite-{case}")).await;
+        let (proxy, endpoint) = TcpProxy::in_front_of(&endpoint()).await.unwrap();
         Queue {
+            proxy,
+            endpoint,
             client,
             url,
             dead_url,
@@ -51,9 +60,10 @@ impl BrokerSource for Queue {
 
     fn url(&self) -> String {
         format!(
-            "sqs://?queue_url={}&dead_letter_url={}&visibility={}s&wait=0s",
+            "sqs://?queue_url={}&dead_letter_url={}&endpoint={}&visibility={}s&wait=0s",
             self.url,
             self.dead_url,
+            self.endpoint,
             VISIBILITY.as_secs()
         )
     }
@@ -106,6 +116,10 @@ impl BrokerSource for Queue {
             let name = self.dead_url.rsplit('/').next().unwrap();
             self.client.create_queue().queue_name(name).send().await.unwrap();
         }
+    }
+
+    async fn stall(&self, stalled: bool) {
+        self.proxy.stall(stalled);
     }
 }
 

@@ -64,6 +64,13 @@ pub trait BrokerSource {
     /// stream stores, a topic the client may not write to) or take them again (`false`). The
     /// suite reads no dead letters while it refuses.
     async fn refuse_dead_letters(&self, refuse: bool);
+
+    /// Makes the broker stop answering the worker, its connections kept open (`true`: as a
+    /// network that drops every packet, or a hung broker, would), or answer again (`false`).
+    /// At least the confirmations of dead-letter copies must be held back while it stalls
+    /// (a proxy that forwards nothing, a cluster whose dead-letter broker answers late); what
+    /// was held arrives once it answers again, or later in the broker's own time.
+    async fn stall(&self, stalled: bool);
 }
 
 /// A dead letter as the broker holds it: its headers (message attributes on SQS), as text.
@@ -590,6 +597,57 @@ pub async fn a_shutdown_lets_the_running_call_finish_and_settles_it(harness: &im
     until_settled(&source).await;
 }
 
+/// The broker stops answering just as a message is dead-lettered (a reused key): the copy's
+/// confirmation does not come. The settlement is given up after the pipeline's settle timeout
+/// and counted as failed, rather than holding the message's task for ever; once the broker
+/// answers again, the message, never acknowledged, comes back and is dead-lettered. The key's
+/// first use ran once and nothing is left outstanding. A broker adapter that waited for the
+/// confirmation without a bound never counts the failure, and the case fails waiting for it.
+pub async fn a_settlement_the_broker_never_answers_is_given_up_and_the_message_comes_back(
+    harness: &impl BrokerHarness,
+) {
+    let source = harness.source("stall").await;
+    let name = name(&source, "stall");
+    let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+    let worker = Running::start(
+        &source,
+        &name,
+        AnyProcessor::new(consumer(&name, &store, &charger)),
+    );
+    source.publish(Some("stalled"), b"ok").await;
+    eventually(LIMIT, "the first use acked", async || {
+        settled(&name, "acked") >= 1
+    })
+    .await;
+    // The reused key's claim is held at the store until the broker stalls: its dead-letter
+    // copy is the first thing the worker sends after that.
+    let claims = store.calls(crate::faults::Op::Begin);
+    let gate = store.hold_next(crate::faults::Op::Begin);
+    source.publish(Some("stalled"), b"other").await;
+    eventually(LIMIT, "the reused key's claim at the store", async || {
+        store.calls(crate::faults::Op::Begin) > claims
+    })
+    .await;
+    source.stall(true).await;
+    gate.open();
+    eventually(LIMIT, "the unanswered settlement given up", async || {
+        settled(&name, "failed") >= 1
+    })
+    .await;
+    source.stall(false).await;
+    let dead = wait_for_dead_letters(&source, 1).await;
+    until_settled(&source).await;
+    worker.stop().await.expect("the worker stops cleanly");
+    // At least once: the copy sent while the broker stalled may land as well as the next one.
+    assert!(
+        dead.iter()
+            .all(|d| d.key() == "stalled" && d.reason().contains("was first used with a different payload")),
+        "{dead:?}"
+    );
+    assert_eq!(charger.0.calls("stalled"), [1]);
+    assert_eq!(charger.0.effects("stalled"), 1);
+}
+
 /// Not in the suite (Kafka decides a partition's messages in order, one batch at a time; SQS
 /// one receive at a time): on a broker of independent messages (RabbitMQ, JetStream), a batch
 /// whose claims wait for the store does not hold the next batch back. The first message's
@@ -795,6 +853,7 @@ macro_rules! __with_adapter_cases {
             failing_every_time_is_dead_lettered_after_the_limit_with_the_reason,
             a_storm_of_duplicates_across_four_workers_has_one_effect_per_key,
             a_dead_letter_copy_refused_leaves_the_message_on_its_source,
+            a_settlement_the_broker_never_answers_is_given_up_and_the_message_comes_back,
             the_store_unreachable_nacks_and_loses_nothing,
             a_shutdown_lets_the_running_call_finish_and_settles_it,
         }

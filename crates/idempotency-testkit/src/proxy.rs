@@ -6,7 +6,10 @@
 //! open connection (the client sees its socket closed mid-conversation); [`TcpProxy::set_down`]
 //! also refuses new connections until it is brought back up, as a stopped server would;
 //! [`TcpProxy::set_latency`] delays every byte by a one-way latency in each direction, as a
-//! server in another zone would (the bytes are pipelined, not serialised: throughput stays).
+//! server in another zone would (the bytes are pipelined, not serialised: throughput stays);
+//! [`TcpProxy::stall`] holds every byte in both directions, connections kept open, until it is
+//! lifted, as a network that drops every packet (or a server that hangs) would: a client waits
+//! for answers that do not come, then gets them all, in order.
 //! [`TcpProxy::sent`] counts the bytes clients sent the server: what a client costs the server
 //! on the wire, exactly, whatever the timing; [`TcpProxy::round_trips`] counts the times a
 //! client spoke after the server had answered (a request-response protocol's round trips).
@@ -26,6 +29,8 @@ struct State {
     upstream: SocketAddr,
     down: AtomicBool,
     cuts: watch::Sender<u64>,
+    /// Whether bytes are held rather than forwarded.
+    stalled: watch::Sender<bool>,
     accepted: AtomicU64,
     /// The one-way latency, in microseconds.
     latency_us: AtomicU64,
@@ -57,6 +62,7 @@ impl TcpProxy {
             upstream,
             down: AtomicBool::new(false),
             cuts: watch::channel(0).0,
+            stalled: watch::channel(false).0,
             accepted: AtomicU64::new(0),
             latency_us: AtomicU64::new(0),
             sent: AtomicU64::new(0),
@@ -75,6 +81,39 @@ impl TcpProxy {
     /// Drops every open connection; new ones are still accepted.
     pub fn cut(&self) {
         self.state.cuts.send_modify(|generation| *generation += 1);
+    }
+
+    /// Starts a proxy in front of the server of `url` (`scheme://[user[:password]@]host:port…`,
+    /// the host an IP address or a name that resolves) and returns it with `url` pointed at it.
+    ///
+    /// # Errors
+    ///
+    /// If the URL names no `host:port`, the name does not resolve, or the socket cannot be
+    /// bound.
+    pub async fn in_front_of(url: &str) -> io::Result<(Self, String)> {
+        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{why}: {url}"));
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| invalid("no scheme"))?;
+        let end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, path) = rest.split_at(end);
+        let (user, server) = match authority.rsplit_once('@') {
+            Some((user, server)) => (Some(user), server),
+            None => (None, authority),
+        };
+        let upstream = tokio::net::lookup_host(server)
+            .await
+            .map_err(|error| io::Error::new(error.kind(), format!("{error}: {url}")))?
+            .next()
+            .ok_or_else(|| invalid("no address"))?;
+        let proxy = Self::start(upstream).await?;
+        let user = user.map(|user| format!("{user}@")).unwrap_or_default();
+        let url = format!("{scheme}://{user}{}{path}", proxy.addr());
+        Ok((proxy, url))
+    }
+
+    /// Holds every byte, in both directions and on every connection, until called again with
+    /// `false`; connections stay open meanwhile and what was held is then delivered in order.
+    pub fn stall(&self, stalled: bool) {
+        self.state.stalled.send_replace(stalled);
     }
 
     /// While down, every open connection is dropped and new ones are closed at once.
@@ -136,6 +175,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
         let upstream = state.upstream;
         let latency = Duration::from_micros(state.latency_us.load(Ordering::SeqCst));
         let counts = Arc::clone(&state);
+        let stalled = state.stalled.subscribe();
         tokio::spawn(async move {
             let Ok(mut server) = TcpStream::connect(upstream).await else {
                 return;
@@ -151,8 +191,8 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
                 answered: &answered,
             };
             tokio::select! {
-                () = delayed_copy(client_read, server_write, latency, from_client) => {}
-                () = delayed_copy(server_read, client_write, latency, Direction::FromServer(&answered)) => {}
+                () = delayed_copy(client_read, server_write, latency, stalled.clone(), from_client) => {}
+                () = delayed_copy(server_read, client_write, latency, stalled, Direction::FromServer(&answered)) => {}
                 _ = cuts.changed() => {}
             }
             // Dropping both sockets closes them: the client sees the server go away.
@@ -193,11 +233,13 @@ impl Direction<'_> {
 
 /// Copies `from` to `to`, each chunk written `latency` after it was read (at once when zero);
 /// chunks read meanwhile queue behind it, so the delay adds to every byte once and throughput
-/// is kept. Counts what it reads as `direction` says. Ends when either side closes or fails.
+/// is kept. Nothing is written while `stalled` says so. Counts what it reads as `direction`
+/// says. Ends when either side closes or fails.
 async fn delayed_copy(
     mut from: impl AsyncRead + Unpin,
     mut to: impl AsyncWrite + Unpin,
     latency: Duration,
+    mut stalled: watch::Receiver<bool>,
     direction: Direction<'_>,
 ) {
     let (queue, mut due) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
@@ -221,6 +263,9 @@ async fn delayed_copy(
             if !latency.is_zero() {
                 tokio::time::sleep_until(at).await;
             }
+            if stalled.wait_for(|stalled| !stalled).await.is_err() {
+                return;
+            }
             if to.write_all(&bytes).await.is_err() {
                 return;
             }
@@ -229,4 +274,65 @@ async fn delayed_copy(
     };
     // The writer outlives the reader until what was read is delivered.
     let ((), ()) = tokio::join!(read, write);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_stall_holds_bytes_both_ways_until_it_is_lifted() {
+        let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (proxy, url) = TcpProxy::in_front_of(&format!("tcp://{}", server.local_addr().unwrap()))
+            .await
+            .unwrap();
+        assert_eq!(url, format!("tcp://{}", proxy.addr()));
+        let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut server, _) = server.accept().await.unwrap();
+
+        proxy.stall(true);
+        client.write_all(b"ping").await.unwrap();
+        crate::eventually(Duration::from_secs(10), "the proxy read the bytes", async || {
+            proxy.sent() == 4
+        })
+        .await;
+        // Read by the proxy, held there: nothing reached the server.
+        let mut buffer = [0_u8; 4];
+        assert_eq!(
+            server.try_read(&mut buffer).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
+        proxy.stall(false);
+        server.read_exact(&mut buffer).await.unwrap();
+        assert_eq!(&buffer, b"ping");
+
+        proxy.stall(true);
+        server.write_all(b"pong").await.unwrap();
+        proxy.stall(false);
+        client.read_exact(&mut buffer).await.unwrap();
+        assert_eq!(&buffer, b"pong");
+    }
+
+    #[tokio::test]
+    async fn a_url_is_pointed_at_the_proxy_with_its_credentials_path_and_query() {
+        let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let (proxy, url) =
+            TcpProxy::in_front_of(&format!("amqp://guest:guest@localhost:{port}/%2f?heartbeat=5"))
+                .await
+                .unwrap();
+        assert_eq!(
+            url,
+            format!("amqp://guest:guest@{}/%2f?heartbeat=5", proxy.addr())
+        );
+        let (_, url) = TcpProxy::in_front_of(&format!("http://127.0.0.1:{port}?a=b"))
+            .await
+            .unwrap();
+        assert!(url.ends_with("?a=b"), "{url}");
+
+        for bad in ["127.0.0.1:5672", "amqp://", "amqp://host-without-port/x"] {
+            let error = TcpProxy::in_front_of(bad).await.unwrap_err();
+            assert!(error.to_string().contains(bad), "{bad}: {error}");
+        }
+    }
 }
