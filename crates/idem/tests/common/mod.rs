@@ -250,12 +250,11 @@ pub fn start_upstream_at(addr: Option<SocketAddr>) -> (Process, SocketAddr) {
     panic!("the upstream process exited before listening");
 }
 
-/// A free loopback port (bound, then released for the gateway to take).
+/// A free loopback port (bound, then released for the gateway to take), chosen as
+/// [`free_addrs`] chooses: a port the kernel hands out for `127.0.0.1:0` may be handed to
+/// another test's server, or be taken by a client connection, before the gateway binds it.
 pub fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    free_addrs(1)[0]
 }
 
 /// A loopback port held without listening on it: a connection to it is refused, as to a port
