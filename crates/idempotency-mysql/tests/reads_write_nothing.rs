@@ -4,67 +4,14 @@
 
 mod common;
 
-use std::time::Duration;
-
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
-use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection, Row};
+use idempotency_mysql::sqlx::{self, Row};
 use idempotency_mysql::{MysqlOptions, MysqlStore};
-
-fn request(key: &str, payload: &[u8]) -> BeginRequest {
-    BeginRequest::new(
-        Scope::new("reads").unwrap(),
-        Key::new(key).unwrap(),
-        Fingerprint::of_bytes(payload),
-    )
-    .lease(Duration::from_secs(600))
-}
-
-/// A record completed as `done` and one in flight as `running`.
-async fn setup(store: &MysqlStore) {
-    idempotency_testkit::completed(store, &request("done", b"a"), "charged").await;
-    assert!(matches!(
-        store.begin(&request("running", b"a")).await.unwrap(),
-        Claim::Acquired(_)
-    ));
-}
-
-async fn ask_all(store: &MysqlStore) -> (Claim, Claim, Claim) {
-    (
-        store.begin(&request("done", b"a")).await.unwrap(),
-        store.begin(&request("running", b"a")).await.unwrap(),
-        store.begin(&request("done", b"other")).await.unwrap(),
-    )
-}
-
-fn check((replay, in_flight, mismatch): &(Claim, Claim, Claim)) {
-    assert!(matches!(replay, Claim::Replay(_)), "{replay:?}");
-    assert!(matches!(in_flight, Claim::InFlight { .. }), "{in_flight:?}");
-    assert_eq!(*mismatch, Claim::Mismatch);
-}
+use idempotency_testkit::sql::{ask_without_writing, record_done_and_running};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_conflicts_and_mismatches_answer_while_the_row_is_locked() {
     let store = common::fresh_store().await;
-    setup(&store).await;
-
-    // Another session locks both rows, as a long transaction would.
-    let mut locker = sqlx::MySqlConnection::connect(&common::database_url())
-        .await
-        .unwrap();
-    sqlx::raw_sql("BEGIN").execute(&mut locker).await.unwrap();
-    let lock = format!(
-        "SELECT 1 FROM {} WHERE scope = 'reads' AND `key` IN ('done', 'running') FOR UPDATE",
-        store.table()
-    );
-    let locked = sqlx::query(AssertSqlSafe(lock))
-        .fetch_all(&mut locker)
-        .await
-        .unwrap();
-    assert_eq!(locked.len(), 2);
-
-    let answers = tokio::time::timeout(Duration::from_secs(10), ask_all(&store)).await;
-    sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
-    check(&answers.expect("a begin that changes nothing waited for another transaction's row lock"));
+    idempotency_testkit::sql::reads_answer_while_the_rows_are_locked::<common::Sql>(&store).await;
 }
 
 /// The session's counters of rows updated and deleted and of writing statements and
@@ -96,10 +43,10 @@ async fn a_thousand_replays_write_nothing() {
         .max_connections(1)
         .lease_connections(0);
     let store = MysqlStore::connect_with(options).await.unwrap();
-    setup(&store).await;
+    record_done_and_running(&store).await;
     let before = write_counters(&store).await;
     for _ in 0..333 {
-        check(&ask_all(&store).await);
+        ask_without_writing(&store).await;
     }
     let after = write_counters(&store).await;
     assert_eq!(before.len(), 6, "{before:?}");

@@ -8,7 +8,9 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use idempotency_core::sql::admin::{Engine, Param};
-use idempotency_core::{Attempt, Key, TransactionalStore, TxFuture};
+use idempotency_core::{
+    Attempt, BeginRequest, Claim, Fingerprint, Key, Scope, Store, TransactionalStore, TxFuture,
+};
 use sqlx::{Connection, Database, Pool};
 
 use crate::TcpProxy;
@@ -55,6 +57,82 @@ pub trait Dialect: Send + Sync + 'static {
 
     /// Ends connection `id` from another connection; a row, if any, is 1 when it did.
     fn kill(id: i64) -> String;
+
+    /// The records table's `key` column as a statement names it (quoted where the word is
+    /// reserved).
+    const KEY_COLUMN: &'static str;
+}
+
+/// A `begin` of scope `reads` and `key`, leased for ten minutes.
+fn read_request(key: &str, payload: &[u8]) -> BeginRequest {
+    BeginRequest::new(
+        Scope::new("reads").expect("a scope"),
+        Key::new(key).expect("a key"),
+        Fingerprint::of_bytes(payload),
+    )
+    .lease(std::time::Duration::from_secs(600))
+}
+
+/// Records `done` (completed) and `running` (in flight) in scope `reads` of `store`, for
+/// [`reads_answer_while_the_rows_are_locked`] and a store's own checks of what its reads
+/// write.
+///
+/// # Panics
+///
+/// When the store fails.
+pub async fn record_done_and_running(store: &impl Store) {
+    crate::completed(store, &read_request("done", b"a"), "charged").await;
+    assert!(matches!(
+        store.begin(&read_request("running", b"a")).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+}
+
+/// The three `begin`s that change nothing, on the records of [`record_done_and_running`]: a
+/// replay, a key in flight and another payload; checks each answer.
+///
+/// # Panics
+///
+/// When the store fails or an answer is another.
+pub async fn ask_without_writing(store: &impl Store) {
+    let replay = store.begin(&read_request("done", b"a")).await.unwrap();
+    let in_flight = store.begin(&read_request("running", b"a")).await.unwrap();
+    let mismatch = store.begin(&read_request("done", b"other")).await.unwrap();
+    assert!(matches!(replay, Claim::Replay(_)), "{replay:?}");
+    assert!(matches!(in_flight, Claim::InFlight { .. }), "{in_flight:?}");
+    assert_eq!(mismatch, Claim::Mismatch);
+}
+
+/// A `begin` that finds a completed record, a live in-flight one or another payload reads and
+/// writes nothing: it answers while another transaction holds both rows locked (`FOR
+/// UPDATE`), as a long transaction or a claiming upsert would. A store whose `begin` wrote (or
+/// locked) first would wait for the lock; the case gives it ten seconds.
+///
+/// # Panics
+///
+/// When the server is unreachable, or a `begin` waited for the lock.
+pub async fn reads_answer_while_the_rows_are_locked<D: Dialect>(store: &D::Store) {
+    record_done_and_running(store).await;
+    let mut locker = <D::Database as Database>::Connection::connect(&D::url())
+        .await
+        .unwrap_or_else(|e| panic!("the server at {} is needed for this test: {e}", D::url()));
+    D::Database::execute(&mut locker, "BEGIN".into(), &[], &[])
+        .await
+        .unwrap();
+    let lock = format!(
+        "SELECT 1 FROM {} WHERE scope = 'reads' AND {} IN ('done', 'running') FOR UPDATE",
+        D::records_table(store),
+        D::KEY_COLUMN
+    );
+    let locked = D::Database::fetch_all(&mut locker, lock.into(), &[], &[])
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 2);
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(10), ask_without_writing(store)).await;
+    D::Database::execute(&mut locker, "ROLLBACK".into(), &[], &[])
+        .await
+        .unwrap();
+    answered.expect("a begin that changes nothing waited for another transaction's row lock");
 }
 
 /// The charges table of the tests: an id the server assigns, a key and cents, beside the

@@ -120,6 +120,7 @@ impl idempotency_testkit::sql::Dialect for Sql {
     const RETURNING_ID: &'static str = "";
     const INSERTED_ID: &'static str = "SELECT CAST(LAST_INSERT_ID() AS SIGNED)";
     const CONNECTION_ID: &'static str = "SELECT CAST(CONNECTION_ID() AS SIGNED)";
+    const KEY_COLUMN: &'static str = "`key`";
 
     fn url() -> String {
         database_url()

@@ -125,6 +125,7 @@ impl idempotency_testkit::sql::Dialect for Sql {
     const RETURNING_ID: &'static str = " RETURNING id";
     const INSERTED_ID: &'static str = "SELECT lastval()";
     const CONNECTION_ID: &'static str = "SELECT pg_backend_pid()::int8";
+    const KEY_COLUMN: &'static str = "key";
 
     fn url() -> String {
         database_url()
