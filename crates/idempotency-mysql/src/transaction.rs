@@ -64,7 +64,6 @@ use sqlx::mysql::MySql;
 use std::sync::Arc;
 
 use idempotency_core::sql::{self, Savepoint};
-use sqlx::AssertSqlSafe;
 
 use crate::error::map_error;
 use crate::store::{MysqlStore, Within, begin_on, complete_on, release_on};
@@ -100,14 +99,7 @@ impl TransactionalStore for MysqlStore {
         if held.attempt != 1 {
             return release_on(tx, self.statements(), held).await;
         }
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().withdraw)))
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .execute(&mut **tx)
-            .await
-            .map_err(|e| map_error("withdraw a claim", e))?;
-        Ok(sql::fenced_by_rows(done.rows_affected()))
+        sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
     }
 
     /// `SAVEPOINT`: MySQL replaces a savepoint of the same name, so a batch's savepoints do

@@ -55,7 +55,6 @@ use sqlx::postgres::Postgres;
 use std::sync::Arc;
 
 use idempotency_core::sql::{self, Savepoint};
-use sqlx::AssertSqlSafe;
 
 use crate::batch;
 use crate::error::map_error;
@@ -94,14 +93,7 @@ impl TransactionalStore for PostgresStore {
         if held.attempt != 1 {
             return release_on(tx, self.statements(), held).await;
         }
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().withdraw)))
-            .bind(held.scope.as_str())
-            .bind(held.key.as_str())
-            .bind(&held.token.to_bytes()[..])
-            .execute(&mut **tx)
-            .await
-            .map_err(|e| map_error("withdraw a claim", e))?;
-        Ok(sql::fenced_by_rows(done.rows_affected()))
+        sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
     }
 
     async fn savepoint(&self, tx: &mut PgTransaction) -> Result<(), StoreError> {

@@ -286,14 +286,7 @@ where
 {
     let table = business.create_table(&store).await;
     let key = Key::generate();
-    let mut tx = store.begin_transaction().await.unwrap();
-    let Claim::Acquired(held) = store.begin_in(&mut tx, &request(&key)).await.unwrap() else {
-        panic!("acquire")
-    };
-    business
-        .insert(&mut tx, Arc::clone(&table), key.clone(), 500)
-        .await
-        .unwrap();
+    let (mut tx, held) = claimed_with_a_row(&store, &business, &table, &key, &key).await;
     let scope = request(&key).scope;
     let done = store
         .complete_in(&mut tx, &held, &Outcome::new("ok"), Duration::from_secs(3600))
@@ -325,6 +318,59 @@ where
         store.begin(&request(&other)).await.unwrap(),
         Claim::Acquired(Held { attempt: 1, .. })
     ));
+}
+
+/// A new transaction in which `claimed` is acquired and a business row of 500 cents is written
+/// for `row`.
+async fn claimed_with_a_row<S, B>(
+    store: &S,
+    business: &B,
+    table: &Arc<str>,
+    claimed: &Key,
+    row: &Key,
+) -> (S::Transaction, Held)
+where
+    S: TransactionalStore,
+    B: Business<S>,
+{
+    let mut tx = store.begin_transaction().await.unwrap();
+    let Claim::Acquired(held) = store.begin_in(&mut tx, &request(claimed)).await.unwrap() else {
+        panic!("acquire")
+    };
+    business
+        .insert(&mut tx, Arc::clone(table), row.clone(), 500)
+        .await
+        .unwrap();
+    (tx, held)
+}
+
+/// A first attempt's claim withdrawn inside a transaction (a batch's message whose operation
+/// failed): the record is gone once the transaction commits, with the transaction's other rows
+/// kept; the key is free for a new first attempt; withdrawing it again is a lost lease. A store
+/// whose `withdraw_in` answered without removing the record would leave the key in flight.
+pub async fn a_claim_withdrawn_in_a_transaction_frees_the_key_and_the_rest_commits<S, B>(
+    store: S,
+    business: B,
+) where
+    S: TransactionalStore + Clone + Send + Sync + 'static,
+    B: Business<S>,
+{
+    let table = business.create_table(&store).await;
+    let (withdrawn, kept) = (Key::generate(), Key::generate());
+    let (mut tx, held) = claimed_with_a_row(&store, &business, &table, &withdrawn, &kept).await;
+    let undone = store.withdraw_in(&mut tx, &held).await.unwrap();
+    assert!(!undone.is_lease_lost(), "{undone:?}");
+    let again = store.withdraw_in(&mut tx, &held).await.unwrap();
+    assert!(again.is_lease_lost(), "withdrawn twice: {again:?}");
+    store.commit(tx).await.unwrap();
+
+    let scope = request(&withdrawn).scope;
+    assert_eq!(store.get(&scope, &withdrawn).await.unwrap(), None);
+    assert!(matches!(
+        store.begin(&request(&withdrawn)).await.unwrap(),
+        Claim::Acquired(Held { attempt: 1, .. })
+    ));
+    assert_eq!(business.rows(&store, &table, &kept).await, 1);
 }
 
 /// A key held outside any transaction: a same-transaction run answers in flight and writes
@@ -369,6 +415,7 @@ macro_rules! same_transaction_suite {
             an_operation_error_leaves_neither_record_nor_row_and_the_retry_runs,
             a_connection_killed_mid_transaction_leaves_nothing_and_the_retry_succeeds,
             a_transaction_the_caller_holds_commits_the_record_with_its_rows,
+            a_claim_withdrawn_in_a_transaction_frees_the_key_and_the_rest_commits,
             a_key_held_outside_a_transaction_is_respected,
         );
     };

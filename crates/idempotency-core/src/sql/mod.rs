@@ -148,6 +148,33 @@ pub fn fenced_by_rows(rows_affected: u64) -> Fenced<()> {
     Fenced::accepted_if(rows_affected == 1)
 }
 
+/// Removes the record of a first attempt's claim made in the transaction `connection` is in
+/// ([`TransactionalStore::withdraw_in`](crate::TransactionalStore::withdraw_in) with
+/// `held.attempt == 1`): `statement` deletes the record of `held`'s scope and key while it
+/// holds `held`'s token and is not completed, its placeholders taking scope, key and token in
+/// that order. Withdrawn when it deleted the row; [`Fenced::LeaseLost`] when the token no longer
+/// held it.
+///
+/// # Errors
+///
+/// The server's, as the store's [`map_error`](admin::SqlActions::map_error) classifies them.
+pub async fn withdraw<S: admin::SqlActions>(
+    connection: &mut <S::Engine as sqlx::Database>::Connection,
+    statement: std::sync::Arc<str>,
+    held: &crate::Held,
+) -> Result<Fenced<()>, StoreError> {
+    let token = held.token.to_bytes();
+    let params = [
+        admin::Param::Text(Some(held.scope.as_str())),
+        admin::Param::Text(Some(held.key.as_str())),
+        admin::Param::Bytes(Some(&token[..])),
+    ];
+    let done = <S::Engine as admin::Engine>::execute(connection, statement, &params, &[0, 1, 2])
+        .await
+        .map_err(|e| S::map_error()("withdraw a claim", e))?;
+    Ok(fenced_by_rows(S::rows_affected(&done)))
+}
+
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
 /// `sslrootcert`): each must be a readable file holding a PEM block. The driver would otherwise
 /// find out only when it connects, and say "No such file or directory" without the file.
