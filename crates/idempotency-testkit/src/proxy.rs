@@ -83,31 +83,35 @@ impl TcpProxy {
         self.state.cuts.send_modify(|generation| *generation += 1);
     }
 
-    /// Starts a proxy in front of the server of `url` (`scheme://[user[:password]@]host:port…`,
-    /// the host an IP address or a name that resolves) and returns it with `url` pointed at it.
+    /// Starts a proxy in front of the server of `url` (`scheme://[user[:password]@]host[:port]…`,
+    /// the port the scheme's default where it has one, the host an IP address or a name that
+    /// resolves) and returns it with `url` pointed at it.
     ///
     /// # Errors
     ///
-    /// If the URL names no `host:port`, the name does not resolve, or the socket cannot be
-    /// bound.
+    /// If the URL does not parse or names no `host:port`, the name does not resolve, or the
+    /// socket cannot be bound. Errors show the URL without its password.
     pub async fn in_front_of(url: &str) -> io::Result<(Self, String)> {
-        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{why}: {url}"));
-        let (scheme, rest) = url.split_once("://").ok_or_else(|| invalid("no scheme"))?;
-        let end = rest.find(['/', '?']).unwrap_or(rest.len());
-        let (authority, path) = rest.split_at(end);
-        let (user, server) = match authority.rsplit_once('@') {
-            Some((user, server)) => (Some(user), server),
-            None => (None, authority),
+        let invalid = |why: &str| {
+            let shown = idempotency_core::redact_url(url);
+            io::Error::new(io::ErrorKind::InvalidInput, format!("{why}: {shown}"))
         };
-        let upstream = tokio::net::lookup_host(server)
+        let mut through = url::Url::parse(url).map_err(|e| invalid(&e.to_string()))?;
+        let host = through.host_str().ok_or_else(|| invalid("no host"))?.to_owned();
+        let port = through
+            .port_or_known_default()
+            .ok_or_else(|| invalid("no port"))?;
+        let upstream = tokio::net::lookup_host((host.as_str(), port))
             .await
-            .map_err(|error| io::Error::new(error.kind(), format!("{error}: {url}")))?
+            .map_err(|e| invalid(&e.to_string()))?
             .next()
             .ok_or_else(|| invalid("no address"))?;
         let proxy = Self::start(upstream).await?;
-        let user = user.map(|user| format!("{user}@")).unwrap_or_default();
-        let url = format!("{scheme}://{user}{}{path}", proxy.addr());
-        Ok((proxy, url))
+        through
+            .set_ip_host(proxy.addr().ip())
+            .and_then(|()| through.set_port(Some(proxy.addr().port())))
+            .map_err(|()| invalid("no host to replace"))?;
+        Ok((proxy, through.into()))
     }
 
     /// Holds every byte, in both directions and on every connection, until called again with
@@ -334,5 +338,9 @@ mod tests {
             let error = TcpProxy::in_front_of(bad).await.unwrap_err();
             assert!(error.to_string().contains(bad), "{bad}: {error}");
         }
+        let error = TcpProxy::in_front_of("amqp://app:s3cret@host-without-port/x")
+            .await
+            .unwrap_err();
+        assert!(!error.to_string().contains("s3cret"), "{error}");
     }
 }

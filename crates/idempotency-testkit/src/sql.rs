@@ -115,7 +115,10 @@ pub async fn reads_answer_while_the_rows_are_locked<D: Dialect>(store: &D::Store
     record_done_and_running(store).await;
     let mut locker = <D::Database as Database>::Connection::connect(&D::url())
         .await
-        .unwrap_or_else(|e| panic!("the server at {} is needed for this test: {e}", D::url()));
+        .unwrap_or_else(|e| {
+            let url = idempotency_core::redact_url(&D::url());
+            panic!("the server at {url} is needed for this test: {e}")
+        });
     D::Database::execute(&mut locker, "BEGIN".into(), &[], &[])
         .await
         .unwrap();
