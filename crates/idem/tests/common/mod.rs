@@ -267,12 +267,16 @@ pub struct HeldPort {
 }
 
 impl HeldPort {
-    /// A free loopback port, held.
+    /// A free loopback port, held, chosen as [`free_addrs`] chooses (once freed, a port of the
+    /// kernel's range could be taken by a client connection before the server binds it).
     pub fn new() -> Self {
-        let socket = tokio::net::TcpSocket::new_v4().unwrap();
-        socket.bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        let addr = socket.local_addr().unwrap();
-        Self { socket, addr }
+        loop {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            let addr = SocketAddr::from(([127, 0, 0, 1], unassigned_port()));
+            if socket.bind(addr).is_ok() {
+                return Self { socket, addr };
+            }
+        }
     }
 
     /// Lets the port go; its address, to bind.
@@ -282,14 +286,20 @@ impl HeldPort {
     }
 }
 
+/// A port below the kernel's range for ports it assigns (32768 and up here), where neither
+/// a bind to port 0 nor a client connection of another test lands: only another test's
+/// choice of the same port could, and the caller's bind tells.
+fn unassigned_port() -> u16 {
+    rand::random_range(20_000..32_000_u16)
+}
+
 /// `n` distinct free loopback ports below the kernel's range for outgoing connections
 /// (32768 and up here), so that no client connection of another test takes one between the
 /// choice and the bind; each is held until all are chosen.
 pub fn free_addrs(n: usize) -> Vec<SocketAddr> {
     let mut held = Vec::new();
     while held.len() < n {
-        let port = rand::random_range(20_000..32_000_u16);
-        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", unassigned_port())) {
             held.push(listener);
         }
     }
