@@ -22,6 +22,9 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 const PARTITIONS: i32 = 3;
 
+/// The workers' consumer group.
+const GROUP: &str = "suite";
+
 /// The broker that leads the topic and coordinates the group.
 const WORK_BROKER: i32 = 1;
 
@@ -56,7 +59,7 @@ impl BrokerHarness for Kafka {
             .partition_leader("work.dead", 0, Some(DEAD_LETTER_BROKER))
             .unwrap();
         cluster
-            .coordinator(MockCoordinator::Group("suite".into()), WORK_BROKER)
+            .coordinator(MockCoordinator::Group(GROUP.into()), WORK_BROKER)
             .unwrap();
         let producer = idempotency_kafka::idempotent_producer(&cluster.bootstrap_servers()).unwrap();
         Topic { producer, cluster }
@@ -82,7 +85,7 @@ impl BrokerSource for Topic {
 
     fn url(&self) -> String {
         format!(
-            "kafka://{}?topic=work&group=suite&session.timeout.ms=6000&heartbeat.interval.ms=500",
+            "kafka://{}?topic=work&group={GROUP}&session.timeout.ms=6000&heartbeat.interval.ms=500",
             self.cluster.bootstrap_servers()
         )
     }
@@ -131,7 +134,7 @@ impl BrokerSource for Topic {
 
     /// The group's committed offsets behind the partitions' ends.
     async fn outstanding(&self) -> u64 {
-        let reader: BaseConsumer = self.client("suite").create().unwrap();
+        let reader: BaseConsumer = self.client(GROUP).create().unwrap();
         tokio::task::spawn_blocking(move || {
             let (committed, end) = committed_and_end(&reader, "work", PARTITIONS);
             u64::try_from(end - committed).unwrap_or(0)
