@@ -26,15 +26,22 @@ end
 ";
 
 /// The function behind `begin`: the record key and the six arguments of [`begin`].
+///
+/// It asks `EXISTS` before it reads the record: a new key, the common case of a consumer or a
+/// gateway, then costs `EXISTS`, `HSET` and `PEXPIREAT`, where reading first cost an 8-field
+/// `HMGET` and the `EXISTS` that tells an absent key from a foreign hash (about 1.5 µs of
+/// Redis's time per new key less, 0.5 µs more per key that exists; `docs/BENCHMARKS.md`).
 const BEGIN: &str = r"
 local function begin_one(key, scope, k, fp, token, lease, retention)
 lease, retention = tonumber(lease), tonumber(retention)
-local r = redis.call('HMGET', key, 'fp', 'a', 'e', 't', 'st', 'l', 'done', 'o')
-if r[1] == false then
-  if redis.call('EXISTS', key) == 1 then return foreign(key) end
-elseif tonumber(r[3]) <= now then
-  redis.call('DEL', key)
-  r[1] = false
+local r = {false}
+if redis.call('EXISTS', key) == 1 then
+  r = redis.call('HMGET', key, 'fp', 'a', 'e', 't', 'st', 'l', 'done', 'o')
+  if r[1] == false then return foreign(key) end
+  if tonumber(r[3]) <= now then
+    redis.call('DEL', key)
+    r[1] = false
+  end
 end
 if r[1] == false then
   local lease_until = now + lease
