@@ -3,7 +3,9 @@
 
 mod common;
 
-use idempotency_core::{BeginRequest, ErrorKind, Fingerprint, Key, Outcome, Scope, Store, Token};
+use std::time::Duration;
+
+use idempotency_core::{BeginRequest, Claim, ErrorKind, Fingerprint, Key, Outcome, Scope, Store, Token};
 use idempotency_redis::RedisStore;
 
 #[tokio::test]
@@ -58,7 +60,7 @@ async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore
             .complete(
                 &idempotency_testkit::held(&scope, &key, Token::random()),
                 Outcome::empty(),
-                std::time::Duration::from_secs(1),
+                Duration::from_secs(1),
             )
             .await
             .unwrap_err(),
@@ -131,6 +133,77 @@ async fn a_foreign_value_at_the_record_key_is_refused_on_a_cluster() {
     assert_eq!(kept, "foreign");
     let _: () = redis::cmd("DEL")
         .arg(&record_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+}
+
+/// A batch of claims in which two keys hold something that is not a record (a string, another
+/// application's hash): those two keys answer their errors, the others their claims as single
+/// calls would (a new key acquired, a completed key replayed, a held key in flight), and the
+/// foreign values are kept. The batch script's `begin` asks whether a key exists before it
+/// reads it, so each kind of key goes down its own branch of it here.
+#[tokio::test]
+async fn a_batch_answers_each_foreign_value_as_that_keys_error_and_the_rest_as_claims() {
+    let store = common::single().await;
+    let raw = redis::Client::open(common::redis_url()).unwrap();
+    let mut connection = raw.get_multiplexed_async_connection().await.unwrap();
+    let scope = Scope::global();
+    let request = |key: &Key| BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"x"));
+    let [new, string, hash, completed, held] = std::array::from_fn(|_| Key::generate());
+    common::plant_foreign(&mut connection, &store.record_key(&scope, &string)).await;
+    let _: () = redis::cmd("HSET")
+        .arg(store.record_key(&scope, &hash))
+        .arg("owner")
+        .arg("billing")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    for key in [&completed, &held] {
+        let Claim::Acquired(claimed) = store.begin(&request(key)).await.unwrap() else {
+            panic!("a new key is acquired");
+        };
+        if key == &completed {
+            let completed = store
+                .complete(&claimed, Outcome::new(b"done".to_vec()), Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert!(completed.accepted().is_some(), "the holder completes");
+        }
+    }
+
+    let answers = store
+        .begin_many(&[new, string.clone(), hash.clone(), completed, held].map(|key| request(&key)))
+        .await;
+
+    let [new, string_answer, hash_answer, completed, held] =
+        <[_; 5]>::try_from(answers).expect("five answers");
+    assert!(
+        matches!(new, Ok(Claim::Acquired(ref h)) if h.attempt == 1),
+        "{new:?}"
+    );
+    let error = string_answer.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
+    assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+    let error = hash_answer.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
+    assert!(error.to_string().contains("not an idempotency record"), "{error}");
+    assert!(
+        matches!(completed, Ok(Claim::Replay(ref done)) if done.outcome.as_bytes() == b"done"),
+        "{completed:?}"
+    );
+    assert!(matches!(held, Ok(Claim::InFlight { attempt: 1, .. })), "{held:?}");
+    common::assert_foreign_kept(&mut connection, &store.record_key(&scope, &string)).await;
+    let owner: String = redis::cmd("HGET")
+        .arg(store.record_key(&scope, &hash))
+        .arg("owner")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(owner, "billing");
+    let _: () = redis::cmd("DEL")
+        .arg(store.record_key(&scope, &string))
+        .arg(store.record_key(&scope, &hash))
         .query_async(&mut connection)
         .await
         .unwrap();
