@@ -77,28 +77,11 @@ async fn a_foreign_value_at_the_record_key_is_refused_and_kept(store: RedisStore
         .query_async(&mut connection)
         .await
         .unwrap();
-    let _: () = redis::cmd("HSET")
-        .arg(&record_key)
-        .arg("owner")
-        .arg("billing")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    common::plant_foreign_hash(&mut connection, &record_key).await;
     let error = store.begin(&request).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Protocol, "{error}");
     assert!(error.to_string().contains("not an idempotency record"), "{error}");
-    let owner: String = redis::cmd("HGET")
-        .arg(&record_key)
-        .arg("owner")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(owner, "billing");
-    let _: () = redis::cmd("DEL")
-        .arg(&record_key)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    common::assert_foreign_hash_kept_then_delete(&mut connection, &record_key).await;
 }
 
 #[tokio::test]
@@ -152,13 +135,7 @@ async fn a_batch_answers_each_foreign_value_as_that_keys_error_and_the_rest_as_c
     let request = |key: &Key| BeginRequest::new(scope.clone(), key.clone(), Fingerprint::of_bytes(b"x"));
     let [new, string, hash, completed, held] = std::array::from_fn(|_| Key::generate());
     common::plant_foreign(&mut connection, &store.record_key(&scope, &string)).await;
-    let _: () = redis::cmd("HSET")
-        .arg(store.record_key(&scope, &hash))
-        .arg("owner")
-        .arg("billing")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    common::plant_foreign_hash(&mut connection, &store.record_key(&scope, &hash)).await;
     for key in [&completed, &held] {
         let Claim::Acquired(claimed) = store.begin(&request(key)).await.unwrap() else {
             panic!("a new key is acquired");
@@ -194,16 +171,9 @@ async fn a_batch_answers_each_foreign_value_as_that_keys_error_and_the_rest_as_c
     );
     assert!(matches!(held, Ok(Claim::InFlight { attempt: 1, .. })), "{held:?}");
     common::assert_foreign_kept(&mut connection, &store.record_key(&scope, &string)).await;
-    let owner: String = redis::cmd("HGET")
-        .arg(store.record_key(&scope, &hash))
-        .arg("owner")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(owner, "billing");
+    common::assert_foreign_hash_kept_then_delete(&mut connection, &store.record_key(&scope, &hash)).await;
     let _: () = redis::cmd("DEL")
         .arg(store.record_key(&scope, &string))
-        .arg(store.record_key(&scope, &hash))
         .query_async(&mut connection)
         .await
         .unwrap();

@@ -119,3 +119,29 @@ pub async fn assert_foreign_kept(connection: &mut redis::aio::MultiplexedConnect
     let kept: String = redis::cmd("GET").arg(key).query_async(connection).await.unwrap();
     assert_eq!(kept, FOREIGN, "the foreign value must not be overwritten");
 }
+
+/// Writes another application's hash at `key` (a hash without a record's fields).
+pub async fn plant_foreign_hash(connection: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let _: () = redis::cmd("HSET")
+        .arg(key)
+        .arg("owner")
+        .arg("billing")
+        .query_async(connection)
+        .await
+        .unwrap();
+}
+
+/// Asserts that the hash [`plant_foreign_hash`] wrote is still at `key`, then deletes it.
+pub async fn assert_foreign_hash_kept_then_delete(
+    connection: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) {
+    let owner: String = redis::cmd("HGET")
+        .arg(key)
+        .arg("owner")
+        .query_async(&mut *connection)
+        .await
+        .unwrap();
+    assert_eq!(owner, "billing", "the foreign hash must not be overwritten");
+    let _: () = redis::cmd("DEL").arg(key).query_async(connection).await.unwrap();
+}
