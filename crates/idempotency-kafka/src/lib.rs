@@ -51,7 +51,7 @@ mod dead_letters;
 mod source;
 mod worker;
 pub use source::{KafkaSource, SOURCE, producer_from_url, producer_from_url_with_defaults};
-pub use worker::{DEFAULT_BATCH, DEFAULT_LINGER, Worker};
+pub use worker::{DEFAULT_BATCH, DEFAULT_LINGER, DEFAULT_PREFETCH, DEFAULT_PREFETCH_BYTES, Worker};
 
 /// The Kafka client this crate is built on, for its settings ([`rdkafka::ClientConfig`]) and
 /// messages, at the version this crate uses.

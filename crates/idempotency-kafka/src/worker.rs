@@ -32,6 +32,18 @@ pub use idempotency_consumer::DEFAULT_BATCH;
 /// How long a [`Worker`]'s batch waits for more messages by default.
 pub use idempotency_consumer::DEFAULT_LINGER;
 
+/// How many fetched messages a [`Worker`]'s partition queues by default before its fetching is
+/// paused ([`Worker::prefetch`]). A pause costs librdkafka's fetched-ahead messages of the
+/// partition, fetched again on the resume: on a backlog, 1,000 paused each partition every 500
+/// messages and halved the batched worker's rate at 8 partitions (docs/BENCHMARKS.md, Kafka,
+/// "Fewer pauses"); [`DEFAULT_PREFETCH_BYTES`] bounds the memory instead.
+pub const DEFAULT_PREFETCH: usize = 10_000;
+
+/// How many bytes of fetched messages a [`Worker`]'s partition queues by default before its
+/// fetching is paused ([`Worker::prefetch_bytes`]): 4 MiB, so 16 partitions hold at most
+/// 64 MiB however large their messages.
+pub const DEFAULT_PREFETCH_BYTES: usize = 4 << 20;
+
 /// How often the poll thread paces partitions (pause and resume) and considers a commit.
 const HOUSEKEEPING: Duration = Duration::from_millis(20);
 
@@ -66,8 +78,9 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 ///   waits on the key and then replays its outcome.
 /// - **Polling**: a thread of the runtime's blocking pool polls the consumer all the time (it
 ///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
-///   partition with more than [`prefetch`](Self::prefetch) fetched messages waiting is
-///   paused at the broker until it has drained half of them, and then fetched again at once
+///   partition with more than [`prefetch`](Self::prefetch) fetched messages, or
+///   [`prefetch_bytes`](Self::prefetch_bytes) of them, waiting is paused at the broker until
+///   it has drained half of them, and then fetched again at once
 ///   from the message after the last one it took. A partition assigned to the
 ///   worker is always fetched from the start, whatever state an earlier assignment left it in
 ///   (librdkafka keeps a pause across a revocation).
@@ -97,7 +110,8 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// `idempotency_kafka_commit_lag` (messages settled and not yet committed),
 /// `idempotency_kafka_paused_partitions` (partitions held on a message being retried) and
 /// `idempotency_kafka_fetch_paused_partitions` (partitions whose fetching is paused at the
-/// broker because [`prefetch`](Self::prefetch) messages wait), and the counter
+/// broker because [`prefetch`](Self::prefetch) messages or
+/// [`prefetch_bytes`](Self::prefetch_bytes) wait), and the counter
 /// `idempotency_kafka_fetch_pauses_total` (how many times a partition was paused so).
 pub struct Worker<P> {
     config: ClientConfig,
@@ -116,6 +130,7 @@ struct Options {
     commit_count: u64,
     settle_timeout: Duration,
     prefetch: usize,
+    prefetch_bytes: usize,
     batch: usize,
     linger: Duration,
     dead_letter_backoff: Backoff,
@@ -141,8 +156,9 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     /// what is already in the topic rather than losing it.
     ///
     /// Defaults: 16 partitions at once, commits every second or every 500 settled messages,
-    /// 30 s for running handlers to settle on a revocation, 1000 fetched messages queued per
-    /// partition, dead-letter topic `<topic>.dead`, name = the group id.
+    /// 30 s for running handlers to settle on a revocation, up to [`DEFAULT_PREFETCH`] fetched
+    /// messages and [`DEFAULT_PREFETCH_BYTES`] of them queued per partition, dead-letter topic
+    /// `<topic>.dead`, name = the group id.
     pub fn new(config: ClientConfig, topic: impl Into<String>, processor: Arc<P>) -> Self {
         let topic = topic.into();
         Self {
@@ -156,7 +172,8 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
                 commit_interval: Duration::from_secs(1),
                 commit_count: 500,
                 settle_timeout: Duration::from_secs(30),
-                prefetch: 1000,
+                prefetch: DEFAULT_PREFETCH,
+                prefetch_bytes: DEFAULT_PREFETCH_BYTES,
                 batch: DEFAULT_BATCH,
                 linger: DEFAULT_LINGER,
                 dead_letter_backoff: Backoff {
@@ -206,10 +223,23 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
         self
     }
 
-    /// How many fetched messages may wait in one partition before it is paused at the broker.
+    /// How many fetched messages may wait in one partition before it is paused at the broker
+    /// (default [`DEFAULT_PREFETCH`]; see also [`prefetch_bytes`](Self::prefetch_bytes)).
     #[must_use]
     pub fn prefetch(mut self, messages: usize) -> Self {
         self.options.prefetch = messages.max(2);
+        self
+    }
+
+    /// How many bytes of fetched messages (keys and payloads) may wait in one partition before
+    /// it is paused at the broker (default [`DEFAULT_PREFETCH_BYTES`]), whatever their count:
+    /// the bound on the worker's memory when messages are large. A partition pauses at
+    /// whichever of the two bounds it reaches first, and resumes once it is below half of
+    /// both. A single message larger than the bound still runs: its partition pauses until
+    /// it is settled.
+    #[must_use]
+    pub fn prefetch_bytes(mut self, bytes: usize) -> Self {
+        self.options.prefetch_bytes = bytes.max(1);
         self
     }
 
@@ -614,8 +644,10 @@ struct Partition {
 /// What a partition's task reports to the poll thread.
 #[derive(Debug)]
 pub(crate) struct Progress {
-    /// Messages routed to the task and not yet taken up.
+    /// Messages routed to the task and not yet settled.
     queued: AtomicUsize,
+    /// Their bytes ([`queued_size`]).
+    queued_bytes: AtomicUsize,
     /// The offset after the last settled message (what to commit), or -1.
     settled: AtomicI64,
     /// Messages settled since the last commit.
@@ -706,6 +738,7 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
             let (stop, stopped) = watch::channel(false);
             let progress = Arc::new(Progress {
                 queued: AtomicUsize::new(0),
+                queued_bytes: AtomicUsize::new(0),
                 settled: AtomicI64::new(-1),
                 uncommitted: AtomicU64::new(0),
             });
@@ -746,9 +779,12 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         let partitions = self.lock();
         match partitions.get(&message.partition()) {
             Some(state) if message.topic() == self.topic => {
+                let size = queued_size(&message);
                 state.progress.queued.fetch_add(1, Ordering::SeqCst);
+                state.progress.queued_bytes.fetch_add(size, Ordering::SeqCst);
                 if state.messages.send(message).is_err() {
                     state.progress.queued.fetch_sub(1, Ordering::SeqCst);
+                    state.progress.queued_bytes.fetch_sub(size, Ordering::SeqCst);
                 }
             }
             // Not assigned here (any more): left uncommitted, for the partition's owner.
@@ -765,9 +801,11 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
         let (mut pause, mut resume) = (TopicPartitionList::new(), TopicPartitionList::new());
         for (&partition, state) in partitions.iter() {
             let queued = state.progress.queued.load(Ordering::SeqCst);
-            if !state.paused && queued >= self.options.prefetch {
+            let bytes = state.progress.queued_bytes.load(Ordering::SeqCst);
+            let (messages, most) = (self.options.prefetch, self.options.prefetch_bytes);
+            if !state.paused && (queued >= messages || bytes >= most) {
                 pause.add_partition(&self.topic, partition);
-            } else if state.paused && queued <= self.options.prefetch / 2 {
+            } else if state.paused && queued <= messages / 2 && bytes <= most / 2 {
                 resume.add_partition(&self.topic, partition);
             }
         }
@@ -1073,8 +1111,12 @@ impl<P: Processor<KafkaMessage> + 'static> Shared<P> {
             let settle = self.settle_decided(&messages, dispositions, &mut *stop, &mut held);
             let ((), settled) = tokio::join!(decide, settle);
             drop(messages);
-            batch.drain(..settled.count.min(batch.len()));
+            let settled_bytes: usize = batch
+                .drain(..settled.count.min(batch.len()))
+                .map(|message| queued_size(&message.message))
+                .sum();
             progress.queued.fetch_sub(settled.count, Ordering::SeqCst);
+            progress.queued_bytes.fetch_sub(settled_bytes, Ordering::SeqCst);
             if settled.stopped {
                 return None;
             }
@@ -1212,4 +1254,9 @@ async fn wait(after: Duration, stop: &mut watch::Receiver<bool>) -> Option<()> {
         () = stopped(stop) => None,
         () = tokio::time::sleep(after) => Some(()),
     }
+}
+
+/// What a fetched message counts for [`Worker::prefetch_bytes`]: its key and payload.
+fn queued_size(message: &OwnedMessage) -> usize {
+    message.key().map_or(0, <[u8]>::len) + message.payload().map_or(0, <[u8]>::len)
 }

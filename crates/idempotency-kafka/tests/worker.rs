@@ -235,6 +235,45 @@ async fn a_rebalance_storm_runs_every_key_once() {
     );
 }
 
+/// Large messages, a count bound they never reach (the default, 10,000) and a byte bound of
+/// 64 KiB: the partition is paused at the broker once two of its 32 KiB messages wait, its
+/// handlers held; released, it is resumed and drains to the end, each message run once. Without
+/// the byte bound a worker would keep fetching large messages into memory up to the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_is_paused_by_the_bytes_that_wait_not_only_by_their_count() {
+    let cluster = Cluster::new(1, &[("large", 1), ("large.dead", 1)]);
+    let documents = keys("document", 12);
+    for key in &documents {
+        cluster.publish("large", key, &[b'x'; 32 << 10]).await;
+    }
+    let (store, charger) = (MemoryStore::new(), Arc::new(Charger::default()));
+    // Every call waits: the fetched messages stay queued.
+    charger.closed.send_replace(true);
+    let worker = start_worker(
+        Worker::new(cluster.config("large"), "large", processor(&store, &charger))
+            .name("large")
+            .prefetch_bytes(64 << 10),
+    );
+    let metrics = idempotency_testkit::recorded::global;
+    let labels = [("consumer", "large"), ("topic", "large")];
+    eventually(LIMIT, "the partition paused at the broker by its bytes", || {
+        metrics().gauge("idempotency_kafka_fetch_paused_partitions", &labels) == 1.0
+    })
+    .await;
+    assert!(metrics().counter("idempotency_kafka_fetch_pauses_total", &labels) >= 1);
+    charger.closed.send_replace(false);
+    eventually(LIMIT, "the group's offsets at the end", || {
+        cluster.committed_and_end("large", "large", 1) == (12, 12)
+    })
+    .await;
+    eventually(LIMIT, "the partition fetched again", || {
+        metrics().gauge("idempotency_kafka_fetch_paused_partitions", &labels) == 0.0
+    })
+    .await;
+    stop_all(vec![worker]).await;
+    charger.ledger.assert_once_each(documents);
+}
+
 /// A member whose six partitions are all paused at the broker (more fetched messages wait
 /// than `prefetch`, its handlers held) when a second member joins: the rebalance hands
 /// three of them back to it and moves three to the newcomer. Both drain what they got to the
