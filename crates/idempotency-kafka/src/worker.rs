@@ -40,8 +40,9 @@ pub use idempotency_consumer::DEFAULT_LINGER;
 pub const DEFAULT_PREFETCH: usize = 10_000;
 
 /// How many bytes of fetched messages a [`Worker`]'s partition queues by default before its
-/// fetching is paused ([`Worker::prefetch_bytes`]): 4 MiB, so 16 partitions hold at most
-/// 64 MiB however large their messages.
+/// fetching is paused ([`Worker::prefetch_bytes`]): 4 MiB, so 16 partitions hold about 64 MiB
+/// at most however large their messages (a partition is paused within one housekeeping round,
+/// and a single message larger than the bound still runs).
 pub const DEFAULT_PREFETCH_BYTES: usize = 4 << 20;
 
 /// How often the poll thread paces partitions (pause and resume) and considers a commit.
@@ -80,7 +81,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 ///   never waits on a handler), so `max.poll.interval.ms` holds however long handlers run. A
 ///   partition with more than [`prefetch`](Self::prefetch) fetched messages, or
 ///   [`prefetch_bytes`](Self::prefetch_bytes) of them, waiting is paused at the broker until
-///   it has drained half of them, and then fetched again at once
+///   it is below half of both, and then fetched again at once
 ///   from the message after the last one it took. A partition assigned to the
 ///   worker is always fetched from the start, whatever state an earlier assignment left it in
 ///   (librdkafka keeps a pause across a revocation).
