@@ -94,7 +94,7 @@ pub(crate) enum Work {
     InTransaction(TxConsumer<PostgresStore, InsertRow>),
 }
 
-pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
+pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
         let plan = BatchPlan::new(BATCH, CONCURRENCY);
@@ -112,6 +112,9 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
         println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in &pairs {
+            if !Pair::wanted(wanted, store_name) {
+                continue;
+            }
             for broker in ["rabbitmq", "nats"] {
                 let (mut batched, mut one, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for round in 0..rounds {
@@ -160,6 +163,36 @@ pub(crate) fn run(_window: Duration, rounds: usize) -> Result<(), String> {
 
 /// The stores, the table rows are inserted into, and the three pairs measured: (what, with the
 /// record, without it).
+/// A pair of variants measured by `consumers` and `kafka` (`--pairs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Pair {
+    /// The guard on Redis vs no guard.
+    Redis,
+    /// The guard on PostgreSQL vs no guard.
+    Postgres,
+    /// Same-transaction mode on PostgreSQL vs the insert in its own transaction.
+    SameTransaction,
+}
+
+impl Pair {
+    /// The name [`pairs`] gives this pair's rows.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Redis => "redis",
+            Self::Postgres => "postgres",
+            Self::SameTransaction => SAME_TRANSACTION,
+        }
+    }
+
+    /// Whether the rows named `store_name` are among `wanted`.
+    pub(crate) fn wanted(wanted: &[Self], store_name: &str) -> bool {
+        wanted.iter().any(|pair| pair.name() == store_name)
+    }
+}
+
+/// The name of the same-transaction pair's rows.
+const SAME_TRANSACTION: &str = "postgres, insert a row: same transaction vs own transaction";
+
 pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Work, Work); 3]), String> {
     let (redis, postgres) = stores().await?;
     let table = format!("idempotency_bench.consumer_rows_{}", std::process::id());
@@ -180,7 +213,7 @@ pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Wo
         ("redis", guarded(&redis), Work::Ack),
         ("postgres", guarded(&postgres_dyn), Work::Ack),
         (
-            "postgres, insert a row: same transaction vs own transaction",
+            SAME_TRANSACTION,
             Work::InTransaction(
                 TxConsumer::new("bench", postgres.clone(), InsertRow(table.clone())).retention(RETENTION),
             ),

@@ -24,7 +24,7 @@ use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
-use crate::consumers::{Work, consumer_free_handle, drop_rows, insert_row, pairs, vacuum};
+use crate::consumers::{Pair, Work, consumer_free_handle, drop_rows, insert_row, pairs, vacuum};
 use crate::measure::runtime;
 use crate::measure::{Samples, per_second};
 
@@ -111,7 +111,7 @@ pub(crate) async fn publish_all(producer: &FutureProducer, topic: &str, keys: &[
     Ok(())
 }
 
-pub(crate) fn run(rounds: usize, prefetch: Option<usize>) -> Result<(), String> {
+pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Result<(), String> {
     let runtime = runtime()?;
     runtime.block_on(async {
         let queued = prefetch.map_or_else(|| "the worker's default prefetch".to_owned(), |n| format!("prefetch {n}"));
@@ -126,6 +126,9 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>) -> Result<(), String> 
         let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
         let (postgres, table, pairs) = pairs().await?;
         for (store_name, with_work, without_work) in pairs {
+            if !Pair::wanted(wanted, store_name) {
+                continue;
+            }
             let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
             for partitions in PARTITIONS {
                 let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());

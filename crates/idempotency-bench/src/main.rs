@@ -67,6 +67,14 @@ struct Settings {
     /// paused); the worker's default when absent.
     #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
     prefetch: Option<u32>,
+    /// `consumers`, `kafka`: the store pairs to measure, in their usual order (default: all).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "redis,postgres,same-transaction"
+    )]
+    pairs: Vec<consumers::Pair>,
     /// `upstream`: where the upstream listens.
     #[arg(long, default_value = "127.0.0.1:9000")]
     listen: String,
@@ -177,8 +185,8 @@ fn main() -> ExitCode {
             Target::Upstream => Ok(()),
             Target::Consume => consume::run(rounds),
             Target::ConsumeKafka => consume_kafka::run(rounds),
-            Target::Consumers | Target::All => consumers::run(window, rounds),
-            Target::Kafka => kafka::run(rounds, settings.prefetch.map(|n| n as usize)),
+            Target::Consumers | Target::All => consumers::run(window, rounds, &settings.pairs),
+            Target::Kafka => kafka::run(rounds, settings.prefetch.map(|n| n as usize), &settings.pairs),
             Target::Inbox => boxes::run_inbox(rounds),
             Target::Outbox => boxes::run_outbox(rounds),
             Target::Relay => relay::run_relay(rounds),
