@@ -111,10 +111,11 @@ pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(
         println!("| broker | store | batched msg/s | one batch at a time msg/s | per message msg/s | without msg/s | batched / without | one at a time / without | per message / without | batched / one at a time | batched / per message | batched min–max | one at a time min–max | per message min–max | without min–max |");
         println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let (postgres, table, pairs) = pairs().await?;
-        for (store_name, with_work, without_work) in &pairs {
-            if !Pair::wanted(wanted, store_name) {
+        for (pair, with_work, without_work) in &pairs {
+            if !wanted.contains(pair) {
                 continue;
             }
+            let store_name = pair.name();
             for broker in ["rabbitmq", "nats"] {
                 let (mut batched, mut one, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for round in 0..rounds {
@@ -161,8 +162,6 @@ pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(
     })
 }
 
-/// The stores, the table rows are inserted into, and the three pairs measured: (what, with the
-/// record, without it).
 /// A pair of variants measured by `consumers` and `kafka` (`--pairs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Pair {
@@ -175,25 +174,19 @@ pub(crate) enum Pair {
 }
 
 impl Pair {
-    /// The name [`pairs`] gives this pair's rows.
-    fn name(self) -> &'static str {
+    /// What the report's rows of this pair are named.
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Redis => "redis",
             Self::Postgres => "postgres",
-            Self::SameTransaction => SAME_TRANSACTION,
+            Self::SameTransaction => "postgres, insert a row: same transaction vs own transaction",
         }
-    }
-
-    /// Whether the rows named `store_name` are among `wanted`.
-    pub(crate) fn wanted(wanted: &[Self], store_name: &str) -> bool {
-        wanted.iter().any(|pair| pair.name() == store_name)
     }
 }
 
-/// The name of the same-transaction pair's rows.
-const SAME_TRANSACTION: &str = "postgres, insert a row: same transaction vs own transaction";
-
-pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Work, Work); 3]), String> {
+/// The stores, the table rows are inserted into, and the three pairs measured: (which, with the
+/// record, without it).
+pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(Pair, Work, Work); 3]), String> {
     let (redis, postgres) = stores().await?;
     let table = format!("idempotency_bench.consumer_rows_{}", std::process::id());
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -210,10 +203,10 @@ pub(crate) async fn pairs() -> Result<(PostgresStore, String, [(&'static str, Wo
     let redis: DynStore = Arc::new(redis);
     let postgres_dyn: DynStore = Arc::new(postgres.clone());
     let pairs = [
-        ("redis", guarded(&redis), Work::Ack),
-        ("postgres", guarded(&postgres_dyn), Work::Ack),
+        (Pair::Redis, guarded(&redis), Work::Ack),
+        (Pair::Postgres, guarded(&postgres_dyn), Work::Ack),
         (
-            SAME_TRANSACTION,
+            Pair::SameTransaction,
             Work::InTransaction(
                 TxConsumer::new("bench", postgres.clone(), InsertRow(table.clone())).retention(RETENTION),
             ),

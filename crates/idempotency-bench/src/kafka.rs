@@ -125,10 +125,11 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Re
         let cluster = MockCluster::new(1).map_err(|e| e.to_string())?;
         let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
         let (postgres, table, pairs) = pairs().await?;
-        for (store_name, with_work, without_work) in pairs {
-            if !Pair::wanted(wanted, store_name) {
+        for (pair, with_work, without_work) in pairs {
+            if !wanted.contains(&pair) {
                 continue;
             }
+            let store_name = pair.name();
             let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
             for partitions in PARTITIONS {
                 let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());
