@@ -23,6 +23,7 @@ use idempotency_postgres::{PgTransaction, PostgresStore};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
+use crate::cpu::{PerMessage, Usage};
 use crate::measure::{Samples, per_second, runtime};
 
 pub(crate) const MESSAGES: usize = 20_000;
@@ -111,34 +112,42 @@ pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(
         println!("| broker | store | batched msg/s | one batch at a time msg/s | per message msg/s | without msg/s | batched / without | one at a time / without | per message / without | batched / one at a time | batched / per message | batched min–max | one at a time min–max | per message min–max | without min–max |");
         println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let (postgres, table, pairs) = pairs().await?;
+        // Where the machine's time went, per measured broker, pair and variant.
+        let mut cpu_rows = Vec::new();
         for (pair, with_work, without_work) in &pairs {
             if !wanted.contains(pair) {
                 continue;
             }
             let store_name = pair.name();
             for broker in ["rabbitmq", "nats"] {
-                let (mut batched, mut one, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                let mut measured: [Vec<(f64, Usage)>; 4] = Default::default();
                 for round in 0..rounds {
-                    for (work, batches, rates) in [
-                        (with_work, Some(plan), &mut batched),
-                        (with_work, Some(one_at_a_time), &mut one),
-                        (with_work, None, &mut single),
-                        (without_work, None, &mut without),
-                    ] {
+                    for (variant, (work, batches)) in [
+                        (with_work, Some(plan)),
+                        (with_work, Some(one_at_a_time)),
+                        (with_work, None),
+                        (without_work, None),
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
                         vacuum(store_name, &postgres, &table).await?;
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
-                        rates.push(match broker {
+                        measured[variant].push(match broker {
                             "rabbitmq" => rabbitmq(work, &tag, batches).await?,
                             _ => nats(work, &tag, batches).await?,
                         });
                     }
                 }
-                let (batched, one, single, without) = (
-                    Samples::of(batched),
-                    Samples::of(one),
-                    Samples::of(single),
-                    Samples::of(without),
-                );
+                for (variant, name) in measured.iter().zip(VARIANTS) {
+                    let usages: Vec<Usage> = variant.iter().map(|(_, usage)| *usage).collect();
+                    cpu_rows.push(format!(
+                        "| {broker} | {store_name} | {name} | {} |",
+                        PerMessage::of(&usages, crate::cpu::cores()).cells()
+                    ));
+                }
+                let [batched, one, single, without] =
+                    measured.map(|m| Samples::of(m.into_iter().map(|(rate, _)| rate).collect()));
                 println!(
                     "| {broker} | {store_name} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
                     per_second(batched.median),
@@ -157,10 +166,14 @@ pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(
                 );
             }
         }
+        crate::cpu::print_table(&["broker", "store", "variant"], &cpu_rows);
         drop_rows(&postgres, &table).await;
         Ok(())
     })
 }
+
+/// The variants of each row, in the order they are measured.
+const VARIANTS: [&str; 4] = ["batched", "one batch at a time", "per message", "without"];
 
 /// A pair of variants measured by `consumers` and `kafka` (`--pairs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -264,7 +277,7 @@ pub(crate) async fn stores() -> Result<(idempotency_redis::RedisStore, PostgresS
     Ok((redis, postgres))
 }
 
-async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64, String> {
+async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<(f64, Usage), String> {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
         .await
@@ -292,6 +305,7 @@ async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<
         )
         .await
         .map_err(|e| e.to_string())?;
+    let cpu = crate::cpu::Snapshot::take();
     let started = Instant::now();
     if let Some(plan) = batches {
         drain_batches(deliveries, plan, |deliveries| {
@@ -355,12 +369,13 @@ async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<
         .await?;
     }
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
+    let usage = cpu.since(MESSAGES as u64);
     for queue in [&topology.queue, &topology.retry_queue, &topology.dead_queue] {
         let _ = channel
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
-    Ok(rate)
+    Ok((rate, usage))
 }
 
 /// Handles the first `MESSAGES` items of `stream`, `CONCURRENCY` at a time; the first error
@@ -450,7 +465,7 @@ pub(crate) fn consumer_free_handle(payload: &[u8]) -> usize {
     std::hint::black_box(payload.len())
 }
 
-async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64, String> {
+async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<(f64, Usage), String> {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let client = async_nats::connect(&url)
         .await
@@ -491,6 +506,7 @@ async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64,
         .await
         .map_err(|e| e.to_string())?;
     let messages = puller.messages().await.map_err(|e| e.to_string())?;
+    let cpu = crate::cpu::Snapshot::take();
     let started = Instant::now();
     if let Some(plan) = batches {
         drain_batches(messages, plan, |messages| {
@@ -550,6 +566,7 @@ async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<f64,
         .await?;
     }
     let rate = crate::measure::rate(MESSAGES as u64, started.elapsed());
+    let usage = cpu.since(MESSAGES as u64);
     let _ = js.delete_stream(&name).await;
-    Ok(rate)
+    Ok((rate, usage))
 }

@@ -25,6 +25,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
 use crate::consumers::{Pair, Work, consumer_free_handle, drop_rows, insert_row, pairs, vacuum};
+use crate::cpu::{PerMessage, Usage};
 use crate::measure::runtime;
 use crate::measure::{Samples, per_second};
 
@@ -125,6 +126,9 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Re
         let cluster = MockCluster::new(1).map_err(|e| e.to_string())?;
         let producer = idempotent_producer(&cluster.bootstrap_servers()).map_err(|e| e.to_string())?;
         let (postgres, table, pairs) = pairs().await?;
+        // Where the machine's time went (the brokers run inside the bench), per measured pair,
+        // partitions and variant.
+        let mut cpu_rows = Vec::new();
         for (pair, with_work, without_work) in pairs {
             if !wanted.contains(&pair) {
                 continue;
@@ -132,20 +136,31 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Re
             let store_name = pair.name();
             let (with_work, without_work) = (Arc::new(with_work), Arc::new(without_work));
             for partitions in PARTITIONS {
-                let (mut batched, mut single, mut without) = (Vec::new(), Vec::new(), Vec::new());
+                let mut measured: [Vec<(f64, Usage)>; 3] = Default::default();
                 for round in 0..rounds {
-                    for (work, batch, rates) in [
-                        (&with_work, idempotency_kafka::DEFAULT_BATCH, &mut batched),
-                        (&with_work, 1, &mut single),
-                        (&without_work, idempotency_kafka::DEFAULT_BATCH, &mut without),
-                    ] {
+                    for (variant, (work, batch)) in [
+                        (&with_work, idempotency_kafka::DEFAULT_BATCH),
+                        (&with_work, 1),
+                        (&without_work, idempotency_kafka::DEFAULT_BATCH),
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
                         vacuum(store_name, &postgres, &table).await?;
                         let tag = format!("{}-{round}-{}", std::process::id(), Key::generate());
-                        rates.push(measure(&cluster, &producer, work, &tag, partitions, batch, prefetch).await?);
+                        measured[variant]
+                            .push(measure(&cluster, &producer, work, &tag, partitions, batch, prefetch).await?);
                     }
                 }
-                let (batched, single, without) =
-                    (Samples::of(batched), Samples::of(single), Samples::of(without));
+                for (variant, name) in measured.iter().zip(["batched", "per message", "without"]) {
+                    let usages: Vec<Usage> = variant.iter().map(|(_, usage)| *usage).collect();
+                    cpu_rows.push(format!(
+                        "| {store_name} | {partitions} | {name} | {} |",
+                        PerMessage::of(&usages, crate::cpu::cores()).cells()
+                    ));
+                }
+                let [batched, single, without] =
+                    measured.map(|m| Samples::of(m.into_iter().map(|(rate, _)| rate).collect()));
                 println!(
                     "| {store_name} | {partitions} | {} | {} | {:.2} | {} | {:.2} | {:.2} | {} | {} |",
                     per_second(batched.median),
@@ -159,6 +174,7 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Re
                 );
             }
         }
+        crate::cpu::print_table(&["store", "partitions", "variant"], &cpu_rows);
         drop_rows(&postgres, &table).await;
         Ok(())
     })
@@ -173,7 +189,7 @@ async fn measure(
     partitions: i32,
     batch: usize,
     prefetch: Option<usize>,
-) -> Result<f64, String> {
+) -> Result<(f64, Usage), String> {
     let topic = format!("bench-{tag}");
     cluster
         .create_topic(&topic, partitions, 1)
@@ -202,7 +218,13 @@ async fn measure(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
     let started = Instant::now();
+    // From the first message handled (not the worker's start: joining the group takes
+    // seconds of idle machine), as the rate is.
+    let mut cpu = None;
     while measured.done.load(Ordering::SeqCst) < MESSAGES as u64 {
+        if cpu.is_none() && measured.first.get().is_some() {
+            cpu = Some((measured.done.load(Ordering::SeqCst), crate::cpu::Snapshot::take()));
+        }
         if started.elapsed() > Duration::from_secs(600) {
             return Err(format!(
                 "the Kafka worker did not drain {MESSAGES} messages in 10 minutes"
@@ -210,6 +232,10 @@ async fn measure(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let usage = cpu.map_or_else(
+        || crate::cpu::Snapshot::take().since(0),
+        |(done, cpu)| cpu.since(MESSAGES as u64 - done),
+    );
     let _ = stop.send(());
     running
         .await
@@ -221,5 +247,5 @@ async fn measure(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .ok_or("no message was processed")?;
-    Ok(crate::measure::rate(MESSAGES as u64 - 1, last - first))
+    Ok((crate::measure::rate(MESSAGES as u64 - 1, last - first), usage))
 }

@@ -17,6 +17,7 @@ mod boxes;
 mod consume;
 mod consume_kafka;
 mod consumers;
+mod cpu;
 mod gateway;
 mod http;
 mod kafka;
