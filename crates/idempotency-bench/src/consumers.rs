@@ -23,8 +23,8 @@ use idempotency_postgres::{PgTransaction, PostgresStore};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
-use crate::cpu::{PerMessage, Usage};
-use crate::measure::{Samples, per_second, runtime};
+use crate::cpu::Usage;
+use crate::measure::{per_second, runtime};
 
 pub(crate) const MESSAGES: usize = 20_000;
 /// How long the bench's records live.
@@ -139,15 +139,8 @@ pub(crate) fn run(_window: Duration, rounds: usize, wanted: &[Pair]) -> Result<(
                         });
                     }
                 }
-                for (variant, name) in measured.iter().zip(VARIANTS) {
-                    let usages: Vec<Usage> = variant.iter().map(|(_, usage)| *usage).collect();
-                    cpu_rows.push(format!(
-                        "| {broker} | {store_name} | {name} | {} |",
-                        PerMessage::of(&usages, crate::cpu::cores()).cells()
-                    ));
-                }
                 let [batched, one, single, without] =
-                    measured.map(|m| Samples::of(m.into_iter().map(|(rate, _)| rate).collect()));
+                    crate::cpu::split(measured, &format!("{broker} | {store_name}"), VARIANTS, &mut cpu_rows);
                 println!(
                     "| {broker} | {store_name} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
                     per_second(batched.median),

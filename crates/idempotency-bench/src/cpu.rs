@@ -17,6 +17,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::measure::Samples;
+
 /// Clock ticks per second of `/proc/<pid>/stat`'s times.
 const USER_HZ: f64 = 100.0;
 
@@ -158,6 +160,25 @@ impl PerMessage {
         let groups: Vec<String> = self.groups.iter().map(|g| format!("{g:.1}")).collect();
         format!("{:.1} | {} | {:.1}", self.machine, groups.join(" | "), self.rest)
     }
+}
+
+/// Splits each variant's measurements (a rate and a [`Usage`] per round) into the samples of its
+/// rates, returned in the variants' order, and its row of the CPU table, pushed to `rows`:
+/// `| {leading} | {name} | cells |`.
+pub(crate) fn split<const N: usize>(
+    measured: [Vec<(f64, Usage)>; N],
+    leading: &str,
+    names: [&str; N],
+    rows: &mut Vec<String>,
+) -> [Samples; N] {
+    for (variant, name) in measured.iter().zip(names) {
+        let usages: Vec<Usage> = variant.iter().map(|(_, usage)| *usage).collect();
+        rows.push(format!(
+            "| {leading} | {name} | {} |",
+            PerMessage::of(&usages, cores()).cells()
+        ));
+    }
+    measured.map(|m| Samples::of(m.into_iter().map(|(rate, _)| rate).collect()))
 }
 
 /// Prints the table of `rows` (each `| leading… | PerMessage::cells |`), headed by the

@@ -25,9 +25,9 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::FutureProducer;
 
 use crate::consumers::{Pair, Work, consumer_free_handle, drop_rows, insert_row, pairs, vacuum};
-use crate::cpu::{PerMessage, Usage};
+use crate::cpu::Usage;
+use crate::measure::per_second;
 use crate::measure::runtime;
-use crate::measure::{Samples, per_second};
 
 /// Messages per measurement: five times the other consumers' count, since a batched worker
 /// drains 20,000 in about the time its partitions take to start, which would then be most of
@@ -152,15 +152,12 @@ pub(crate) fn run(rounds: usize, prefetch: Option<usize>, wanted: &[Pair]) -> Re
                             .push(measure(&cluster, &producer, work, &tag, partitions, batch, prefetch).await?);
                     }
                 }
-                for (variant, name) in measured.iter().zip(["batched", "per message", "without"]) {
-                    let usages: Vec<Usage> = variant.iter().map(|(_, usage)| *usage).collect();
-                    cpu_rows.push(format!(
-                        "| {store_name} | {partitions} | {name} | {} |",
-                        PerMessage::of(&usages, crate::cpu::cores()).cells()
-                    ));
-                }
-                let [batched, single, without] =
-                    measured.map(|m| Samples::of(m.into_iter().map(|(rate, _)| rate).collect()));
+                let [batched, single, without] = crate::cpu::split(
+                    measured,
+                    &format!("{store_name} | {partitions}"),
+                    ["batched", "per message", "without"],
+                    &mut cpu_rows,
+                );
                 println!(
                     "| {store_name} | {partitions} | {} | {} | {:.2} | {} | {:.2} | {:.2} | {} | {} |",
                     per_second(batched.median),
