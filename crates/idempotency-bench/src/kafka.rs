@@ -229,10 +229,10 @@ async fn measure(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let usage = cpu.map_or_else(
-        || crate::cpu::Snapshot::take().since(0),
-        |(done, cpu)| cpu.since(MESSAGES as u64 - done),
-    );
+    // Seen at the latest by the poll after the first message: all of them handled within one
+    // 10 ms poll would leave nothing to measure.
+    let (done, cpu) = cpu.ok_or("the worker drained the topic before the CPU time could be read")?;
+    let usage = cpu.since(MESSAGES as u64 - done);
     let _ = stop.send(());
     running
         .await
