@@ -37,7 +37,7 @@ mod tls;
 mod worker;
 pub use source::{AmqpSource, SOURCE};
 pub use tls::{AmqpTls, connect_url};
-pub use worker::Worker;
+pub use worker::{DEFAULT_SET_UP_TIMEOUT, Worker};
 
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
 pub use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
@@ -81,6 +81,21 @@ pub const BROKER: &str = "rabbitmq";
 /// A client or broker error while doing `what`, as an error of `kind`.
 fn amqp(kind: AdapterErrorKind, what: &str) -> impl FnOnce(lapin::Error) -> AdapterError {
     move |error| AdapterError::new(kind, BROKER, format!("{what}: {error}")).with_source(error)
+}
+
+/// The error of declaring `queue`: [`AdapterErrorKind::Refused`] when the broker refused the
+/// declaration (a channel-level error: a queue that exists with other arguments, no
+/// permission), [`AdapterErrorKind::Lost`] otherwise (the connection went, say): only the
+/// first is a configuration error that retrying cannot mend.
+fn declaring(queue: &str) -> impl FnOnce(lapin::Error) -> AdapterError + '_ {
+    move |error| {
+        let kind = if error.is_amqp_soft_error() {
+            AdapterErrorKind::Refused
+        } else {
+            AdapterErrorKind::Lost
+        };
+        amqp(kind, &format!("declaring queue {queue}"))(error)
+    }
 }
 
 /// The queues of one consumer; see the [crate docs](crate).
@@ -141,10 +156,7 @@ impl Topology {
         channel
             .queue_declare(self.queue.as_str().into(), durable, common.clone())
             .await
-            .map_err(amqp(
-                AdapterErrorKind::Refused,
-                &format!("declaring queue {}", self.queue),
-            ))?;
+            .map_err(declaring(&self.queue))?;
         let mut retry = common.clone();
         retry.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
         retry.insert(
@@ -154,17 +166,11 @@ impl Topology {
         channel
             .queue_declare(self.retry_queue.as_str().into(), durable, retry)
             .await
-            .map_err(amqp(
-                AdapterErrorKind::Refused,
-                &format!("declaring queue {}", self.retry_queue),
-            ))?;
+            .map_err(declaring(&self.retry_queue))?;
         channel
             .queue_declare(self.dead_queue.as_str().into(), durable, common)
             .await
-            .map_err(amqp(
-                AdapterErrorKind::Refused,
-                &format!("declaring queue {}", self.dead_queue),
-            ))?;
+            .map_err(declaring(&self.dead_queue))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

@@ -18,6 +18,13 @@ use idempotency_consumer::adapter::{AdapterErrorKind, BatchPlan, Pipeline, batch
 
 use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
+/// How long a worker's connection set-up may take by default ([`Worker::set_up_timeout`]).
+pub const DEFAULT_SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long closing a channel or a connection may wait for the broker's answer, which a lost
+/// connection never sends.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Consumes a queue with a [`Processor`], `prefetch` deliveries handed out at a time and
 /// `concurrency` of them processed at once, and reconnects
 /// (with backoff) when the connection or the channel is lost.
@@ -47,6 +54,7 @@ pub struct Worker<P> {
     batch: usize,
     linger: Duration,
     reconnect: Backoff,
+    set_up_timeout: Duration,
     name: Option<String>,
     tls: AmqpTls,
 }
@@ -61,6 +69,7 @@ impl<P> fmt::Debug for Worker<P> {
             .field("batch", &self.batch)
             .field("linger", &self.linger)
             .field("reconnect", &self.reconnect)
+            .field("set_up_timeout", &self.set_up_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -68,7 +77,8 @@ impl<P> fmt::Debug for Worker<P> {
 impl<P: Processor<AmqpMessage>> Worker<P> {
     /// A worker on the broker at `url` (an `amqp://` URL) for `topology`. Defaults: prefetch 16,
     /// batches of up to [`DEFAULT_BATCH`] (at most the prefetch) lingering [`DEFAULT_LINGER`],
-    /// reconnection backoff from 100 ms doubling to 5 s.
+    /// reconnection backoff from 100 ms doubling to 5 s, set-up timeout
+    /// [`DEFAULT_SET_UP_TIMEOUT`].
     pub fn new(url: impl Into<String>, topology: Topology, processor: Arc<P>) -> Self {
         Self {
             url: url.into(),
@@ -84,6 +94,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 initial: Duration::from_millis(100),
                 max: Duration::from_secs(5),
             },
+            set_up_timeout: DEFAULT_SET_UP_TIMEOUT,
         }
     }
 
@@ -145,6 +156,16 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     #[must_use]
     pub fn reconnect(mut self, backoff: Backoff) -> Self {
         self.reconnect = backoff;
+        self
+    }
+
+    /// How long connecting, declaring the topology and starting to consume may take before the
+    /// attempt counts as failed and the worker reconnects (default
+    /// [`DEFAULT_SET_UP_TIMEOUT`]): it bounds a broker (or a load balancer in front of it)
+    /// that accepts the connection and then does not answer.
+    #[must_use]
+    pub fn set_up_timeout(mut self, timeout: Duration) -> Self {
+        self.set_up_timeout = timeout;
         self
     }
 
@@ -253,8 +274,8 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 .await;
         }
         let connected = connection.status().connected();
-        let _ = channel.close(200, "consumer stopping".into()).await;
-        let _ = connection.close(200, "consumer stopping".into()).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "consumer stopping".into())).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, connection.close(200, "consumer stopping".into())).await;
         match lost
             .into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -269,32 +290,70 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         }
     }
 
-    /// Connects, declares the topology and starts consuming.
+    /// Connects, declares the topology and starts consuming, within the
+    /// [set-up timeout](Self::set_up_timeout): a broker that accepts the connection and then
+    /// does not answer makes the attempt fail, and the worker tries again.
+    ///
+    /// Only a declaration the broker refused is [`Session::Refused`]; a connection lost
+    /// between two declarations is [`Session::Lost`], even on the first attempt.
     async fn set_up(&self) -> Result<(Connection, Channel, lapin::Consumer), Session> {
-        let lost = |what| move |e| Session::Lost(amqp(AdapterErrorKind::Lost, what)(e));
-        let connection = crate::tls::connect(&self.url, &self.tls).await.map_err(|e| {
-            let what = format!("connecting to {}", idempotency_core::redact_url(&self.url));
-            Session::Lost(amqp(AdapterErrorKind::Unreachable, &what)(e))
-        })?;
-        let channel = connection
-            .create_channel()
+        let deadline = tokio::time::Instant::now() + self.set_up_timeout;
+        let timed_out = || {
+            Session::Lost(AdapterError::new(
+                AdapterErrorKind::Unreachable,
+                BROKER,
+                format!(
+                    "connecting to {} and setting up took longer than {:?}",
+                    idempotency_core::redact_url(&self.url),
+                    self.set_up_timeout
+                ),
+            ))
+        };
+        let connection = tokio::time::timeout_at(deadline, crate::tls::connect(&self.url, &self.tls))
             .await
-            .map_err(lost("opening a channel"))?;
-        self.topology.declare(&channel).await.map_err(Session::Refused)?;
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions::default())
-            .await
-            .map_err(lost("setting the prefetch"))?;
-        let deliveries = channel
-            .basic_consume(
-                self.topology.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(lost("starting to consume"))?;
-        Ok((connection, channel, deliveries))
+            .map_err(|_| timed_out())?
+            .map_err(|e| {
+                let what = format!("connecting to {}", idempotency_core::redact_url(&self.url));
+                Session::Lost(amqp(AdapterErrorKind::Unreachable, &what)(e))
+            })?;
+        let steps = async {
+            let lost = |what| move |e| Session::Lost(amqp(AdapterErrorKind::Lost, what)(e));
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(lost("opening a channel"))?;
+            self.topology.declare(&channel).await.map_err(|error| {
+                if error.kind() == AdapterErrorKind::Refused {
+                    Session::Refused(error)
+                } else {
+                    Session::Lost(error)
+                }
+            })?;
+            channel
+                .basic_qos(self.prefetch, BasicQosOptions::default())
+                .await
+                .map_err(lost("setting the prefetch"))?;
+            let deliveries = channel
+                .basic_consume(
+                    self.topology.queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(lost("starting to consume"))?;
+            Ok((channel, deliveries))
+        };
+        let steps = tokio::time::timeout_at(deadline, steps).await;
+        match steps.unwrap_or_else(|_| Err(timed_out())) {
+            Ok((channel, deliveries)) => Ok((connection, channel, deliveries)),
+            Err(error) => {
+                // Dropped, a lapin connection stays open: one more on the broker per attempt.
+                let closing = connection.close(200, "set-up failed".into());
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
+                Err(error)
+            }
+        }
     }
 }
 

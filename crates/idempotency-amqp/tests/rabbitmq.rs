@@ -163,6 +163,16 @@ async fn until(mut done: impl FnMut() -> bool, limit: Duration) -> bool {
 
 /// Ready messages in `queue` (unacknowledged ones are not counted).
 async fn ready(channel: &Channel, queue: &str) -> u32 {
+    look_at(channel, queue).await.message_count()
+}
+
+/// Consumers registered on `queue`.
+async fn consumers(channel: &Channel, queue: &str) -> u32 {
+    look_at(channel, queue).await.consumer_count()
+}
+
+/// `queue` as a passive declaration sees it.
+async fn look_at(channel: &Channel, queue: &str) -> lapin::Queue {
     channel
         .queue_declare(
             queue.into(),
@@ -174,7 +184,18 @@ async fn ready(channel: &Channel, queue: &str) -> u32 {
         )
         .await
         .unwrap()
-        .message_count()
+}
+
+/// Waits until a consumer is registered on the setup's queue: a worker's set-up is complete.
+async fn until_consuming(setup: &Setup) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        if consumers(&setup.channel, &setup.topology.queue).await >= 1 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 /// Runs `worker` on a task of its own until the returned sender is used (or dropped).
@@ -385,8 +406,7 @@ fn reconnections_are_counted() {
         let store = FaultyStore::new(MemoryStore::new());
         let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store));
         let (stop, running) = spawn_worker(worker);
-        assert!(until(|| proxy.accepted() >= 1, Duration::from_secs(10)).await);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(until_consuming(&setup).await, "the worker never consumed");
         proxy.cut();
         assert!(
             until(|| proxy.accepted() >= 2, Duration::from_secs(10)).await,
@@ -400,4 +420,59 @@ fn reconnections_are_counted() {
         metrics.counter("idempotency_amqp_reconnects_total", &[("queue", queue.as_str())]) >= 1,
         "{metrics:?}"
     );
+}
+
+/// A connection lost at any step of the worker's set-up (the handshake, the channel, each
+/// declaration, the prefetch, the consume) is a lost connection, not a refused topology: the
+/// worker connects again and consumes, even when it was its first attempt. The proxy cuts at
+/// each of the set-up's requests in turn, whatever the timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_at_any_step_of_the_set_up_is_connected_again() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Charger::default(), FaultyStore::new(MemoryStore::new()));
+    let fast = Backoff {
+        initial: Duration::from_millis(10),
+        max: Duration::from_millis(50),
+    };
+    // A connection that lapin leaves waiting for the broker's answer (a cut while it opens,
+    // before `connection.open-ok`) is ended by the set-up timeout.
+    let worker = |proxied: String| {
+        Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store))
+            .reconnect(fast)
+            .set_up_timeout(Duration::from_secs(1))
+    };
+    // How many requests the set-up takes: counted on a worker left alone until it consumes
+    // (idle, it sends nothing more).
+    let steps = {
+        let (proxy, proxied) = broker_through_a_proxy().await;
+        let (stop, running) = spawn_worker(worker(proxied));
+        assert!(until_consuming(&setup).await, "the worker never consumed");
+        let steps = proxy.round_trips();
+        stop.send(()).unwrap();
+        running.await.unwrap().unwrap();
+        steps
+    };
+    assert!(
+        steps >= 8,
+        "a handshake, a channel, 3 declarations, confirms, prefetch, consume: {steps}"
+    );
+    for step in 1..=steps {
+        let key = format!("cut-at-{step}");
+        setup.publish_copy(Some(&key), "EUR 1").await;
+        let (proxy, proxied) = broker_through_a_proxy().await;
+        proxy.cut_at_round_trip(Some(step));
+        let (stop, running) = spawn_worker(worker(proxied));
+        assert!(
+            until(|| charger.0.effects(&key) == 1, Duration::from_secs(10)).await,
+            "cut at request {step} of {steps}: never consumed again (accepted {} connections)",
+            proxy.accepted()
+        );
+        assert!(proxy.accepted() >= 2, "request {step}: the cut happened");
+        stop.send(()).unwrap();
+        running
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("cut at request {step} of {steps}: {e}"));
+    }
+    setup.cleanup().await;
 }

@@ -12,7 +12,9 @@
 //! for answers that do not come, then gets them all, in order.
 //! [`TcpProxy::sent`] counts the bytes clients sent the server: what a client costs the server
 //! on the wire, exactly, whatever the timing; [`TcpProxy::round_trips`] counts the times a
-//! client spoke after the server had answered (a request-response protocol's round trips).
+//! client spoke after the server had answered (a request-response protocol's round trips);
+//! [`TcpProxy::cut_at_round_trip`] cuts every connection when a given round trip begins, its
+//! request never reaching the server: a loss at an exact step of a protocol.
 
 use std::io;
 use std::net::SocketAddr;
@@ -38,6 +40,8 @@ struct State {
     sent: AtomicU64,
     /// Times a client spoke first on its connection or after the server had answered.
     round_trips: AtomicU64,
+    /// The round trip at which every connection is cut (0: none).
+    cut_at_round_trip: AtomicU64,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -67,6 +71,7 @@ impl TcpProxy {
             latency_us: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             round_trips: AtomicU64::new(0),
+            cut_at_round_trip: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -112,6 +117,16 @@ impl TcpProxy {
             .and_then(|()| through.set_port(Some(proxy.addr().port())))
             .map_err(|()| invalid("no host to replace"))?;
         Ok((proxy, through.into()))
+    }
+
+    /// Cuts every connection (as [`cut`](Self::cut)) when a client begins round trip number
+    /// `round_trip` (counted as [`round_trips`](Self::round_trips) counts, over every connection
+    /// so far): that request is not forwarded. A protocol's set-up is a fixed sequence of
+    /// requests, so cutting at each of them in turn puts the loss at each step of it, whatever
+    /// the timing. `None` cuts nothing (the default).
+    pub fn cut_at_round_trip(&self, round_trip: Option<u64>) {
+        let at = round_trip.map_or(0, |n| n.max(1));
+        self.state.cut_at_round_trip.store(at, Ordering::SeqCst);
     }
 
     /// Holds every byte, in both directions and on every connection, until called again with
@@ -190,8 +205,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
             // Whether the server has spoken since the client last did.
             let answered = AtomicBool::new(true);
             let from_client = Direction::FromClient {
-                sent: &counts.sent,
-                round_trips: &counts.round_trips,
+                state: &counts,
                 answered: &answered,
             };
             tokio::select! {
@@ -209,8 +223,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
 enum Direction<'a> {
     /// Client to server: counts the bytes, and a round trip when the server had answered.
     FromClient {
-        sent: &'a AtomicU64,
-        round_trips: &'a AtomicU64,
+        state: &'a State,
         answered: &'a AtomicBool,
     },
     /// Server to client: marks that the server answered.
@@ -218,19 +231,25 @@ enum Direction<'a> {
 }
 
 impl Direction<'_> {
-    fn read(self, n: usize) {
+    /// Counts `n` bytes read; `false` when they must not be forwarded (every connection is
+    /// being cut).
+    fn read(self, n: usize) -> bool {
         match self {
-            Self::FromClient {
-                sent,
-                round_trips,
-                answered,
-            } => {
-                sent.fetch_add(n as u64, Ordering::SeqCst);
+            Self::FromClient { state, answered } => {
+                state.sent.fetch_add(n as u64, Ordering::SeqCst);
                 if answered.swap(false, Ordering::SeqCst) {
-                    round_trips.fetch_add(1, Ordering::SeqCst);
+                    let round_trip = state.round_trips.fetch_add(1, Ordering::SeqCst) + 1;
+                    if round_trip == state.cut_at_round_trip.load(Ordering::SeqCst) {
+                        state.cuts.send_modify(|generation| *generation += 1);
+                        return false;
+                    }
                 }
+                true
             }
-            Self::FromServer(answered) => answered.store(true, Ordering::SeqCst),
+            Self::FromServer(answered) => {
+                answered.store(true, Ordering::SeqCst);
+                true
+            }
         }
     }
 }
@@ -253,7 +272,9 @@ async fn delayed_copy(
             match from.read(&mut buffer).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
-                    direction.read(n);
+                    if !direction.read(n) {
+                        return;
+                    }
                     let at = tokio::time::Instant::now() + latency;
                     if queue.send((at, buffer[..n].to_vec())).is_err() {
                         return;
@@ -315,6 +336,36 @@ mod tests {
         proxy.stall(false);
         client.read_exact(&mut buffer).await.unwrap();
         assert_eq!(&buffer, b"pong");
+    }
+
+    #[tokio::test]
+    async fn a_cut_at_a_round_trip_drops_that_request_and_every_connection() {
+        let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = TcpProxy::start(server.local_addr().unwrap()).await.unwrap();
+        proxy.cut_at_round_trip(Some(2));
+        let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut server_side, _) = server.accept().await.unwrap();
+        let mut buffer = [0_u8; 4];
+
+        client.write_all(b"ping").await.unwrap();
+        server_side.read_exact(&mut buffer).await.unwrap();
+        server_side.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut buffer).await.unwrap();
+        assert_eq!(&buffer, b"pong");
+
+        // The second request begins the second round trip: cut, and never forwarded.
+        client.write_all(b"next").await.unwrap();
+        assert_eq!(
+            server_side.read(&mut buffer).await.unwrap(),
+            0,
+            "closed, nothing read"
+        );
+        assert_eq!(
+            client.read(&mut buffer).await.unwrap_or(0),
+            0,
+            "the client's side is closed too"
+        );
+        assert_eq!((proxy.round_trips(), proxy.sent()), (2, 8));
     }
 
     #[tokio::test]
