@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use idempotency_amqp::{AmqpMessage, Topology, Worker, process, replay_dead_letters};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition};
 use idempotency_core::{Key, MemoryStore};
-use idempotency_testkit::brokers::Charger;
+use idempotency_testkit::brokers::{Charger, spawn_until_stopped};
 use idempotency_testkit::{FaultyStore, TcpProxy};
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
@@ -205,15 +205,7 @@ fn spawn_worker(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<(), idempotency_amqp::AmqpError>>,
 ) {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    (stop, running)
+    spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
 }
 
 /// A proxy in front of the broker, and the broker's URL through it: amqp://user:pass@HOST:PORT/vhost

@@ -5,17 +5,20 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::stream::ConsumerErrorKind;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use futures_util::future::FutureExt;
-use idempotency_consumer::{DEFAULT_BATCH, DEFAULT_LINGER, Processor};
+use idempotency_consumer::{Backoff, DEFAULT_BATCH, DEFAULT_LINGER, Processor};
 
 use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, BatchPlan, Pipeline, batches};
 
 use crate::{BROKER, JetStream, NatsMessage};
 
-/// The durable consumer could not be found or created: the adapter error every broker shares
-/// ([`AdapterErrorKind::Refused`], naming the stream and the consumer).
+/// The durable consumer could not be found or created: the adapter error every broker shares,
+/// naming the stream and the consumer ([`AdapterErrorKind::Refused`] when JetStream refused,
+/// [`AdapterErrorKind::Unreachable`] when it did not answer or is unavailable for now).
 pub type WorkerError = AdapterError;
 
 /// Consumes a durable pull consumer with a [`Processor`], up to `concurrency` messages at a
@@ -163,11 +166,14 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`WorkerError`] when the stream does not exist or the consumer cannot be made.
+    /// [`WorkerError`] when the stream does not exist or the consumer cannot be made
+    /// ([`AdapterErrorKind::Refused`]), or when JetStream did not answer in time, the request
+    /// could not be sent or JetStream is unavailable for now (no leader, say):
+    /// [`AdapterErrorKind::Unreachable`], which may pass.
     pub async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
-        let fail = |why: String| {
+        let fail_as = |kind: AdapterErrorKind, why: String| {
             AdapterError::new(
-                AdapterErrorKind::Refused,
+                kind,
                 BROKER,
                 format!(
                     "JetStream consumer {:?} of stream {:?}: {why}",
@@ -175,11 +181,15 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                 ),
             )
         };
-        let stream = self
-            .jetstream
-            .get_stream(&self.stream)
-            .await
-            .map_err(|e| fail(format!("the stream cannot be found: {e}")))?;
+        let fail = |why: String| fail_as(AdapterErrorKind::Refused, why);
+        let stream = self.jetstream.get_stream(&self.stream).await.map_err(|e| {
+            let passing = match e.kind() {
+                GetStreamErrorKind::Request => true,
+                GetStreamErrorKind::JetStream(api) => unavailable(&api),
+                _ => false,
+            };
+            fail_as(set_up_kind(passing), format!("the stream cannot be found: {e}"))
+        })?;
         let stores_dead_letters = stream
             .cached_info()
             .config
@@ -198,7 +208,15 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                 },
             )
             .await
-            .map_err(|e| fail(format!("the consumer cannot be found or created: {e}")))?;
+            .map_err(|e| {
+                let passing = match e.kind() {
+                    ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request => true,
+                    ConsumerErrorKind::JetStream(api) => unavailable(&api),
+                    _ => false,
+                };
+                let why = format!("the consumer cannot be found or created: {e}");
+                fail_as(set_up_kind(passing), why)
+            })?;
         let config = &consumer.cached_info().config;
         let mut filters: Vec<&str> = config.filter_subjects.iter().map(String::as_str).collect();
         if !config.filter_subject.is_empty() {
@@ -219,16 +237,34 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     }
 
     /// Consumes until `shutdown` completes, then stops pulling, lets the running messages
-    /// settle and returns. A lost connection is waited for (the client reconnects by itself).
+    /// settle and returns. A lost connection is waited for (the client reconnects by itself),
+    /// also at the start: finding the consumer is tried again (with backoff, from 100 ms
+    /// doubling to 5 s) while JetStream does not answer or is unavailable.
     ///
     /// # Errors
     ///
-    /// [`WorkerError`] when the consumer cannot be found or created at the start.
+    /// [`WorkerError`] when JetStream refuses the consumer at the start: the stream does not
+    /// exist, the consumer cannot be made, or it would receive its own dead letters.
     pub async fn run_until<F>(&self, shutdown: F) -> Result<(), WorkerError>
     where
         F: Future<Output = ()> + Send,
     {
-        let consumer = self.consumer().await?;
+        let shutdown = Box::pin(shutdown).shared();
+        let mut attempts = 0_u32;
+        let consumer = loop {
+            match self.consumer().await {
+                Ok(consumer) => break consumer,
+                Err(error) if error.is_retryable() => {
+                    attempts = attempts.saturating_add(1);
+                    tracing::warn!(%error, attempts, "JetStream is not answering; trying again");
+                    tokio::select! {
+                        () = tokio::time::sleep(SET_UP_BACKOFF.delay(attempts)) => {}
+                        () = shutdown.clone() => return Ok(()),
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        };
         let progress_every = consumer.cached_info().config.ack_wait / 3;
         let broker = JetStream::new(
             self.jetstream.clone(),
@@ -236,7 +272,6 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             progress_every,
         );
         let pipeline = Pipeline::new(broker, self.name.clone().unwrap_or_else(|| self.consumer.clone()));
-        let shutdown = Box::pin(shutdown).shared();
         tracing::info!(stream = %self.stream, consumer = %self.consumer, "consuming");
         while shutdown.peek().is_none() {
             let messages = consumer
@@ -312,6 +347,27 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
         }
     }
     subject.next().is_none()
+}
+
+/// The wait between attempts to find the consumer while JetStream does not answer.
+const SET_UP_BACKOFF: Backoff = Backoff {
+    initial: Duration::from_millis(100),
+    max: Duration::from_secs(5),
+};
+
+/// Whether a JetStream API error says JetStream is unavailable for now (a 503: no leader, the
+/// system not ready), which passes, rather than a refusal.
+fn unavailable(api: &jetstream::Error) -> bool {
+    api.code() == 503
+}
+
+/// The kind of a set-up failure: one that may pass is [`AdapterErrorKind::Unreachable`].
+fn set_up_kind(passing: bool) -> AdapterErrorKind {
+    if passing {
+        AdapterErrorKind::Unreachable
+    } else {
+        AdapterErrorKind::Refused
+    }
 }
 
 #[cfg(test)]

@@ -14,8 +14,8 @@ use futures_util::StreamExt;
 use idempotency_consumer::{Backoff, Consumer};
 use idempotency_core::{Key, MemoryStore};
 use idempotency_nats::{DEAD_REASON_HEADER, process, publish, replay_dead_letters};
-use idempotency_testkit::FaultyStore;
-use idempotency_testkit::brokers::Charger;
+use idempotency_testkit::brokers::{Charger, spawn_until_stopped};
+use idempotency_testkit::{FaultyStore, TcpProxy};
 
 use idempotency_testkit::nats::TestStream;
 
@@ -256,5 +256,72 @@ async fn publishes_with_one_message_id_make_one_stream_message() {
     let mut stream = setup.js.get_stream(&setup.stream).await.unwrap();
     let info = stream.info().await.unwrap();
     assert_eq!(info.state.messages, 2, "{:?}", info.state);
+    setup.cleanup().await;
+}
+
+/// A connection lost while the worker finds its consumer (the stream's info, the consumer's
+/// creation, the first pull) is waited for, not taken for a refusal: the client connects
+/// again, the JetStream request that got no answer times out, and the worker tries again and
+/// consumes. The proxy cuts at each of the worker's first requests in turn, whatever the
+/// timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_while_the_worker_starts_is_waited_for() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Charger::default(), FaultyStore::new(MemoryStore::new()));
+    let (proxy, proxied) = TcpProxy::in_front_of(&idempotency_testkit::nats::nats_url())
+        .await
+        .unwrap();
+    let connect = async || {
+        let client = async_nats::connect(proxied.as_str()).await.unwrap();
+        // A request whose answer the cut lost times out after this, and is tried again.
+        let mut js = jetstream::new(client);
+        js.set_timeout(Duration::from_millis(500));
+        js
+    };
+    let start = |js: jetstream::Context, consumer_name: String| {
+        let worker = idempotency_nats::Worker::new(
+            js,
+            setup.stream.clone(),
+            consumer_name,
+            setup.dead.clone(),
+            consumer(&charger, &store),
+        )
+        .filter_subject(setup.work.clone());
+        spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
+    };
+    // The worker's requests until it consumes, counted on one left alone: at least the
+    // stream's info, the consumer's creation and a pull.
+    publish_copy(&setup.js, &setup.work, Some("probe"), "probe", "EUR 1").await;
+    let js = connect().await;
+    let before = proxy.round_trips();
+    let (stop, running) = start(js, "probe".into());
+    let counted = async || charger.0.effects("probe") == 1;
+    assert!(
+        until(counted, Duration::from_secs(10)).await,
+        "the worker never consumed"
+    );
+    let requests = proxy.round_trips() - before;
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(requests >= 3, "{requests} requests");
+    for step in 1..=3 {
+        let key = format!("cut-at-{step}");
+        publish_copy(&setup.js, &setup.work, Some(&key), &key, "EUR 1").await;
+        let js = connect().await;
+        let accepted = proxy.accepted();
+        proxy.cut_at_round_trip(Some(proxy.round_trips() + step));
+        let (stop, running) = start(js, key.clone());
+        let consumed = async || charger.0.effects(&key) == 1;
+        assert!(
+            until(consumed, Duration::from_secs(20)).await,
+            "cut at the worker's request {step}: never consumed"
+        );
+        assert!(proxy.accepted() > accepted, "request {step}: the cut happened");
+        stop.send(()).unwrap();
+        running
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("cut at the worker's request {step}: {e}"));
+    }
     setup.cleanup().await;
 }

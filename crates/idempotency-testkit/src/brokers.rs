@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency_consumer::adapter::AdapterError;
-use idempotency_consumer::source::{AnyProcessor, SourceKind, SourceSettings};
+use idempotency_consumer::source::{AnyProcessor, Shutdown, SourceKind, SourceSettings};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition, Handler, HandlerError, Processor};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
 use tokio::sync::Notify;
@@ -203,6 +203,22 @@ pub fn consumer(
         .max_deliveries(MAX_DELIVERIES)
 }
 
+/// Spawns `run` with a shutdown future, as a worker's `run_until` takes one, and returns the
+/// sender that completes it (as SIGTERM would; dropping it does too) with the task.
+pub fn spawn_until_stopped<T, F>(
+    run: impl FnOnce(Shutdown) -> F,
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<T>)
+where
+    F: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(Box::pin(async move {
+        let _ = stopped.await;
+    })));
+    (stop, task)
+}
+
 /// A worker consuming a source through its broker crate's URL and worker.
 #[derive(Debug)]
 pub struct Running {
@@ -215,23 +231,16 @@ impl Running {
     pub fn start(source: &impl BrokerSource, name: &str, processor: AnyProcessor) -> Self {
         // The process-wide recorder, installed before the worker registers its metrics.
         let _ = crate::recorded::global();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let settings = SourceSettings::new(name)
             .concurrency(8)
             .prefetch(8)
             .handler_timeout(Duration::from_secs(10))
             .start_check(Duration::from_secs(20));
-        let run = (source.kind().run)(
-            source.url(),
-            settings,
-            processor,
-            Box::pin(async move {
-                let _ = stopped.await;
-            }),
-        );
+        let (stop, task) =
+            spawn_until_stopped(|stopped| (source.kind().run)(source.url(), settings, processor, stopped));
         Self {
             stop: Some(stop),
-            task: tokio::spawn(run),
+            task,
         }
     }
 
