@@ -468,3 +468,43 @@ async fn a_connection_lost_at_any_step_of_the_set_up_is_connected_again() {
     }
     setup.cleanup().await;
 }
+
+/// A broker that accepts the connection and then does not answer (a network that drops every
+/// packet, a hung load balancer) costs the worker one set-up timeout per attempt, not the
+/// worker: it gives the connection up, connects again, and consumes once the broker answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_does_not_answer_the_set_up_is_given_up_and_connected_again() {
+    let setup = Setup::new().await;
+    let (charger, store) = (Charger::default(), FaultyStore::new(MemoryStore::new()));
+    setup.publish_copy(Some("after-the-stall"), "EUR 1").await;
+    let (proxy, proxied) = broker_through_a_proxy().await;
+    proxy.stall(true);
+    let worker = Worker::new(proxied, setup.topology.clone(), consumer(&charger, &store))
+        .reconnect(Backoff {
+            initial: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+        })
+        .set_up_timeout(Duration::from_millis(300));
+    let (stop, running) = spawn_worker(worker);
+    assert!(
+        until(|| proxy.accepted() >= 3, Duration::from_secs(10)).await,
+        "the worker kept waiting on a connection that never answered"
+    );
+    assert_eq!(
+        charger.0.effects("after-the-stall"),
+        0,
+        "nothing got through the stall"
+    );
+    proxy.stall(false);
+    assert!(
+        until(
+            || charger.0.effects("after-the-stall") == 1,
+            Duration::from_secs(10)
+        )
+        .await,
+        "never consumed once the broker answered"
+    );
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    setup.cleanup().await;
+}
