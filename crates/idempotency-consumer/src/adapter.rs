@@ -89,6 +89,10 @@ pub trait Broker: Send + Sync {
     /// otherwise keep it with this consumer (RabbitMQ keeps an unacknowledged delivery on its
     /// channel until the channel closes). The default does nothing: JetStream's ack wait, SQS's
     /// visibility and Kafka's uncommitted offset bring the message back on their own.
+    ///
+    /// The pipeline waits for it at most the settle timeout, then abandons it: a hand-back is
+    /// a courtesy (the broker brings the message back when the connection goes), and one that
+    /// waits on a broker that does not answer must not keep the worker from noticing the loss.
     fn give_back(&self, message: &Self::Message) -> impl Future<Output = ()> + Send {
         let _ = message;
         async {}
@@ -345,7 +349,14 @@ impl<B: Broker> Pipeline<B> {
                     %error,
                     "settlement failed; the message comes back, and the record answers it"
                 );
-                self.broker.give_back(message).await;
+                let given_back = tokio::time::timeout(self.settle_timeout, self.broker.give_back(message));
+                if given_back.await.is_err() {
+                    tracing::warn!(
+                        consumer = %self.consumer,
+                        broker = B::NAME,
+                        "handing the message back did not finish within the settle timeout; the broker brings it back when the connection goes"
+                    );
+                }
             }
         }
         settled.map_err(|error| error.into_kind(AdapterErrorKind::Settle))
@@ -591,6 +602,7 @@ mod tests {
         settled: Mutex<Vec<Disposition>>,
         settle_takes: Duration,
         refuse: bool,
+        give_back_takes: Duration,
         given_back: AtomicU32,
     }
 
@@ -628,6 +640,7 @@ mod tests {
         }
 
         async fn give_back(&self, _: &Message) {
+            tokio::time::sleep(self.give_back_takes).await;
             self.given_back.fetch_add(1, Ordering::SeqCst);
         }
     }
@@ -711,6 +724,29 @@ mod tests {
             2,
             "handed back"
         );
+    }
+
+    /// A broker that answers neither the settlement nor the hand-back after it (a connection
+    /// that hangs): both are given up within the settle timeout each, and the pipeline answers,
+    /// so that the worker goes on to notice the loss and connect again.
+    #[tokio::test(start_paused = true)]
+    async fn a_hand_back_that_hangs_is_abandoned_within_the_settle_timeout() {
+        let hangs = Pipeline::new(
+            Fake {
+                settle_takes: Duration::from_secs(3600),
+                give_back_takes: Duration::from_secs(3600),
+                ..Fake::default()
+            },
+            "tests",
+        )
+        .settle_timeout(Duration::from_secs(5));
+        let answered =
+            tokio::time::timeout(Duration::from_secs(60), hangs.settle(&Message, &Disposition::Ack)).await;
+        let error = answered
+            .expect("the pipeline answered while the broker hung")
+            .unwrap_err();
+        assert_eq!(error.kind(), AdapterErrorKind::Settle);
+        assert_eq!(hangs.broker().given_back.load(Ordering::SeqCst), 0, "abandoned");
     }
 
     /// Every pipeline metric, each provoked by its event: settlements by result and their
