@@ -152,7 +152,8 @@ impl AmqpSource {
                     idempotency_core::redact_url(&e.to_string())
                 ))
             })?;
-        let _ = connection.close(200, "checked".into()).await;
+        // The broker answered: its answer to the close does not matter, and may not come.
+        let _ = tokio::time::timeout(timeout, connection.close(200, "checked".into())).await;
         Ok(())
     }
 }

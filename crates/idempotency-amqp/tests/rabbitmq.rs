@@ -508,3 +508,22 @@ async fn a_broker_that_does_not_answer_the_set_up_is_given_up_and_connected_agai
     running.await.unwrap().unwrap();
     setup.cleanup().await;
 }
+
+/// The check at start (`idem consume`) connects and closes; a broker that answered the
+/// connection and then stops answering (its `close-ok` never comes) has answered: the check
+/// passes without waiting on the close for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_check_does_not_wait_for_good_on_a_close_never_answered() {
+    let (proxy, proxied) = broker_through_a_proxy().await;
+    // A probe check counts the connection's requests; the last one is the close.
+    let source = idempotency_amqp::AmqpSource::from_url(&format!("{proxied}?queue=checked")).unwrap();
+    source.check(Duration::from_secs(10)).await.unwrap();
+    let requests = proxy.round_trips();
+    proxy.stall_at_round_trip(Some(requests + requests));
+    let checked =
+        tokio::time::timeout(Duration::from_secs(60), source.check(Duration::from_millis(300))).await;
+    checked
+        .expect("the check waited for good on a close the broker never answered")
+        .unwrap();
+    assert_eq!(proxy.round_trips(), requests + requests, "the close was held");
+}

@@ -14,7 +14,9 @@
 //! on the wire, exactly, whatever the timing; [`TcpProxy::round_trips`] counts the times a
 //! client spoke after the server had answered (a request-response protocol's round trips);
 //! [`TcpProxy::cut_at_round_trip`] cuts every connection when a given round trip begins, its
-//! request never reaching the server: a loss at an exact step of a protocol.
+//! request never reaching the server: a loss at an exact step of a protocol;
+//! [`TcpProxy::stall_at_round_trip`] stalls there instead: a server that stops answering at
+//! that step.
 
 use std::io;
 use std::net::SocketAddr;
@@ -42,6 +44,8 @@ struct State {
     round_trips: AtomicU64,
     /// The round trip at which every connection is cut (0: none).
     cut_at_round_trip: AtomicU64,
+    /// The round trip from which every byte is held, as [`TcpProxy::stall`] does (0: none).
+    stall_at_round_trip: AtomicU64,
 }
 
 /// A loopback TCP proxy; see the [module docs](self). Dropping it stops accepting; connections
@@ -72,6 +76,7 @@ impl TcpProxy {
             sent: AtomicU64::new(0),
             round_trips: AtomicU64::new(0),
             cut_at_round_trip: AtomicU64::new(0),
+            stall_at_round_trip: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
         Ok(Self { addr, state, accept })
@@ -127,6 +132,15 @@ impl TcpProxy {
     pub fn cut_at_round_trip(&self, round_trip: Option<u64>) {
         let at = round_trip.map_or(0, |n| n.max(1));
         self.state.cut_at_round_trip.store(at, Ordering::SeqCst);
+    }
+
+    /// Stalls (as [`stall`](Self::stall)`(true)`) when a client begins round trip number
+    /// `round_trip`, counted as [`cut_at_round_trip`](Self::cut_at_round_trip) counts: that
+    /// request and everything after it is held until the stall is lifted. `None`: no such stall
+    /// (the default).
+    pub fn stall_at_round_trip(&self, round_trip: Option<u64>) {
+        let at = round_trip.map_or(0, |n| n.max(1));
+        self.state.stall_at_round_trip.store(at, Ordering::SeqCst);
     }
 
     /// Holds every byte, in both directions and on every connection, until called again with
@@ -243,6 +257,9 @@ impl Direction<'_> {
                         state.cuts.send_modify(|generation| *generation += 1);
                         return false;
                     }
+                    if round_trip == state.stall_at_round_trip.load(Ordering::SeqCst) {
+                        state.stalled.send_replace(true);
+                    }
                 }
                 true
             }
@@ -338,21 +355,28 @@ mod tests {
         assert_eq!(&buffer, b"pong");
     }
 
-    #[tokio::test]
-    async fn a_cut_at_a_round_trip_drops_that_request_and_every_connection() {
+    /// A proxy `configure`d before a client connects through it, after one request and its
+    /// answer: the proxy, the client's socket and the server's.
+    async fn after_one_round_trip(configure: impl FnOnce(&TcpProxy)) -> (TcpProxy, TcpStream, TcpStream) {
         let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let proxy = TcpProxy::start(server.local_addr().unwrap()).await.unwrap();
-        proxy.cut_at_round_trip(Some(2));
+        configure(&proxy);
         let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
         let (mut server_side, _) = server.accept().await.unwrap();
         let mut buffer = [0_u8; 4];
-
         client.write_all(b"ping").await.unwrap();
         server_side.read_exact(&mut buffer).await.unwrap();
         server_side.write_all(b"pong").await.unwrap();
         client.read_exact(&mut buffer).await.unwrap();
         assert_eq!(&buffer, b"pong");
+        (proxy, client, server_side)
+    }
 
+    #[tokio::test]
+    async fn a_cut_at_a_round_trip_drops_that_request_and_every_connection() {
+        let (proxy, mut client, mut server_side) =
+            after_one_round_trip(|proxy| proxy.cut_at_round_trip(Some(2))).await;
+        let mut buffer = [0_u8; 4];
         // The second request begins the second round trip: cut, and never forwarded.
         client.write_all(b"next").await.unwrap();
         assert_eq!(
@@ -366,6 +390,28 @@ mod tests {
             "the client's side is closed too"
         );
         assert_eq!((proxy.round_trips(), proxy.sent()), (2, 8));
+    }
+
+    #[tokio::test]
+    async fn a_stall_at_a_round_trip_holds_that_request_until_it_is_lifted() {
+        let (proxy, mut client, mut server_side) =
+            after_one_round_trip(|proxy| proxy.stall_at_round_trip(Some(2))).await;
+        let mut buffer = [0_u8; 4];
+        client.write_all(b"next").await.unwrap();
+        crate::eventually(
+            Duration::from_secs(10),
+            "the proxy read the request",
+            async || proxy.sent() == 8,
+        )
+        .await;
+        assert_eq!(
+            server_side.try_read(&mut buffer).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock,
+            "held"
+        );
+        proxy.stall(false);
+        server_side.read_exact(&mut buffer).await.unwrap();
+        assert_eq!(&buffer, b"next");
     }
 
     #[tokio::test]
