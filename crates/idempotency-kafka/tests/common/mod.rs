@@ -105,6 +105,27 @@ impl Cluster {
         let reader: BaseConsumer = self.config(group).create().unwrap();
         committed_and_end(&reader, topic, partitions)
     }
+
+    /// The group's committed offset of one partition of `topic` and its high watermark.
+    pub fn committed_and_end_of(&self, group: &str, topic: &str, partition: i32) -> (i64, i64) {
+        let reader: BaseConsumer = self.config(group).create().unwrap();
+        let mut list = TopicPartitionList::new();
+        list.add_partition(topic, partition);
+        let committed = match reader
+            .committed_offsets(list, Duration::from_secs(10))
+            .unwrap()
+            .elements()[0]
+            .offset()
+        {
+            Offset::Offset(n) => n,
+            _ => 0,
+        };
+        let end = reader
+            .fetch_watermarks(topic, partition, Duration::from_secs(10))
+            .unwrap()
+            .1;
+        (committed, end)
+    }
 }
 
 /// `consumer`'s group's committed offsets summed over the partitions of `topic`, and the sum
