@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use idempotency_amqp::{AmqpMessage, Topology, Worker, process, replay_dead_letters};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Disposition};
 use idempotency_core::{Key, MemoryStore};
-use idempotency_testkit::brokers::{Charger, spawn_until_stopped};
+use idempotency_testkit::brokers::{Charger, spawn_until_stopped, stop_and_wait};
 use idempotency_testkit::{FaultyStore, TcpProxy};
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
@@ -269,8 +269,7 @@ async fn a_worker_reconnects_after_losing_the_broker_and_charges_each_key_once()
         left = ready(&setup.channel, &setup.topology.queue).await
             + ready(&setup.channel, &setup.topology.retry_queue).await;
     }
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_and_wait(stop, running).await.unwrap();
     assert_eq!(left, 0, "messages left unsettled");
     assert!(proxy.accepted() >= 2, "the worker did not reconnect");
     let charges = charger.0.all_effects();
@@ -404,8 +403,7 @@ fn reconnections_are_counted() {
             until(|| proxy.accepted() >= 2, Duration::from_secs(10)).await,
             "no reconnection"
         );
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+        stop_and_wait(stop, running).await.unwrap();
         setup.cleanup().await;
     });
     assert!(
@@ -440,8 +438,7 @@ async fn a_connection_lost_at_any_step_of_the_set_up_is_connected_again() {
         let (stop, running) = spawn_worker(worker(proxied));
         assert!(until_consuming(&setup).await, "the worker never consumed");
         let steps = proxy.round_trips();
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+        stop_and_wait(stop, running).await.unwrap();
         steps
     };
     assert!(
@@ -460,10 +457,8 @@ async fn a_connection_lost_at_any_step_of_the_set_up_is_connected_again() {
             proxy.accepted()
         );
         assert!(proxy.accepted() >= 2, "request {step}: the cut happened");
-        stop.send(()).unwrap();
-        running
+        stop_and_wait(stop, running)
             .await
-            .unwrap()
             .unwrap_or_else(|e| panic!("cut at request {step} of {steps}: {e}"));
     }
     setup.cleanup().await;
@@ -504,8 +499,7 @@ async fn a_broker_that_does_not_answer_the_set_up_is_given_up_and_connected_agai
         .await,
         "never consumed once the broker answered"
     );
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_and_wait(stop, running).await.unwrap();
     setup.cleanup().await;
 }
 

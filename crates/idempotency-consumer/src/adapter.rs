@@ -569,6 +569,75 @@ impl std::error::Error for AdapterError {
     }
 }
 
+/// Runs a worker's set-up (finding its queue, stream or consumer) until it succeeds or fails
+/// for good; `None` when `shutdown` completes first.
+///
+/// A [retryable](AdapterError::is_retryable) failure (the broker not reachable yet, not
+/// answering, unavailable for a moment, a connection lost on the way) is logged, counted in
+/// `idempotency_consumer_set_up_failures_total{consumer, broker}` and tried again after
+/// `backoff`'s delay, doubling; any other failure (settings, a refusal) is returned at once:
+/// waiting cannot mend it. An attempt still running when `shutdown` completes is dropped: a
+/// set-up has nothing in flight.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_consumer::Backoff;
+/// use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, retry_set_up};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+/// let backoff = Backoff { initial: Duration::from_millis(1), max: Duration::from_millis(5) };
+/// let mut attempts = 0;
+/// let found = retry_set_up("orders", "nats", backoff, std::future::pending(), || {
+///     attempts += 1;
+///     let answer = if attempts < 3 {
+///         Err(AdapterError::new(AdapterErrorKind::Unreachable, "nats", "no answer"))
+///     } else {
+///         Ok("the consumer")
+///     };
+///     std::future::ready(answer)
+/// })
+/// .await;
+/// assert_eq!(found.unwrap().unwrap(), "the consumer");
+/// assert_eq!(attempts, 3);
+/// # });
+/// ```
+pub async fn retry_set_up<T, A>(
+    consumer: &str,
+    broker: &'static str,
+    backoff: crate::Backoff,
+    shutdown: impl Future<Output = ()>,
+    mut attempt: impl FnMut() -> A,
+) -> Option<Result<T, AdapterError>>
+where
+    A: Future<Output = Result<T, AdapterError>>,
+{
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut failures = 0_u32;
+    loop {
+        let answer = tokio::select! {
+            answer = attempt() => answer,
+            () = &mut shutdown => return None,
+        };
+        match answer {
+            Err(error) if error.is_retryable() => {
+                failures = failures.saturating_add(1);
+                metrics::counter!(
+                    "idempotency_consumer_set_up_failures_total",
+                    "consumer" => consumer.to_owned(),
+                    "broker" => broker,
+                )
+                .increment(1);
+                tracing::warn!(consumer, broker, %error, failures, "set-up failed; trying again");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff.delay(failures)) => {}
+                    () = &mut shutdown => return None,
+                }
+            }
+            answer => return Some(answer),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
@@ -834,5 +903,84 @@ mod tests {
             recorded.histogram_count("idempotency_consumer_settle_duration_seconds", &pipeline),
             6
         );
+    }
+
+    fn unreachable() -> AdapterError {
+        AdapterError::new(AdapterErrorKind::Unreachable, "fake", "no answer")
+    }
+
+    #[test]
+    fn a_set_up_is_tried_again_while_it_may_pass_and_the_failures_are_counted() {
+        let backoff = crate::Backoff {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(4),
+        };
+        let attempts = AtomicU32::new(0);
+        let recorded = idempotency_testkit::recorded::record_metrics_paused(async {
+            let started = tokio::time::Instant::now();
+            let found = retry_set_up("setting-up", "fake", backoff, std::future::pending(), || {
+                let n = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+                std::future::ready(if n < 4 { Err(unreachable()) } else { Ok(n) })
+            })
+            .await;
+            assert_eq!(found.unwrap().unwrap(), 4);
+            // 1 s, 2 s, then 4 s between the attempts.
+            assert_eq!(started.elapsed(), Duration::from_secs(7));
+        });
+        let labels = [("consumer", "setting-up"), ("broker", "fake")];
+        assert_eq!(
+            recorded.counter("idempotency_consumer_set_up_failures_total", &labels),
+            3
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_set_up_is_returned_at_once() {
+        let attempts = AtomicU32::new(0);
+        let found: Option<Result<(), _>> = retry_set_up(
+            "refused",
+            "fake",
+            crate::Backoff::default(),
+            std::future::pending(),
+            || {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Err(AdapterError::new(
+                    AdapterErrorKind::Refused,
+                    "fake",
+                    "no such stream",
+                )))
+            },
+        )
+        .await;
+        assert_eq!(found.unwrap().unwrap_err().kind(), AdapterErrorKind::Refused);
+        assert_eq!(attempts.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_ends_a_set_up_that_waits_or_hangs() {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        let attempts = AtomicU32::new(0);
+        let setting_up = retry_set_up("stopped", "fake", crate::Backoff::default(), shutdown, || {
+            // The first attempt fails, the second never answers.
+            let n = attempts.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Err(unreachable())
+                } else {
+                    std::future::pending::<Result<(), AdapterError>>().await
+                }
+            }
+        });
+        let stopping = async {
+            while attempts.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            stop.send(()).unwrap();
+        };
+        let (found, ()) = tokio::join!(setting_up, stopping);
+        assert!(found.is_none());
     }
 }

@@ -14,6 +14,7 @@ use idempotency_core::{Attempt, Outcome};
 use idempotency_kafka::{KafkaMessage, Worker, publish};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe};
 use idempotency_postgres::{PgTransaction, PostgresOptions, PostgresStore};
+use idempotency_testkit::brokers::{spawn_until_stopped, stop_and_wait};
 
 const SCHEMA: &str = "idempotency_kafka_tests";
 
@@ -121,9 +122,7 @@ async fn sixty_four_copies_make_one_row_and_a_failure_rolls_back() {
             )
             .name(format!("same-transaction-{n}"))
             .commit_every(Duration::from_millis(100), 10);
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
-            (stop, running)
+            spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
         })
         .collect();
     eventually(Duration::from_secs(120), "the group's offsets at the end", || {
@@ -131,8 +130,7 @@ async fn sixty_four_copies_make_one_row_and_a_failure_rolls_back() {
     })
     .await;
     for (stop, running) in workers {
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+        stop_and_wait(stop, running).await.unwrap();
     }
     let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT key, count(*) FROM {table} GROUP BY key ORDER BY key"

@@ -12,6 +12,7 @@ use common::{Cluster, Ledger, eventually};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Handler, HandlerError};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
 use idempotency_kafka::{KafkaMessage, Worker};
+use idempotency_testkit::brokers::{spawn_until_stopped, stop_and_wait};
 use rdkafka::Message;
 use tokio::sync::Notify;
 
@@ -176,16 +177,13 @@ fn start_worker<P: idempotency_consumer::Processor<KafkaMessage> + 'static>(work
     // The process-wide recorder is installed before any worker creates its metrics.
     let _ = idempotency_testkit::recorded::global();
     let worker = worker.commit_every(Duration::from_millis(200), 100);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { worker.run_until(async { drop(stopped.await) }).await });
-    (stop, running)
+    spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
 }
 
 /// Stops the workers, each settling and committing.
 async fn stop_all(workers: Vec<Running>) {
     for (stop, running) in workers {
-        stop.send(()).unwrap();
-        running.await.unwrap().unwrap();
+        stop_and_wait(stop, running).await.unwrap();
     }
 }
 
@@ -210,8 +208,7 @@ async fn a_rebalance_storm_runs_every_key_once() {
     eventually(LIMIT, "300 executed", || charger.ledger.keys() >= 300).await;
     // b leaves mid-stream: its partitions settle, commit, and move to a and c.
     let (stop, running) = workers.remove(1);
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_and_wait(stop, running).await.unwrap();
     cluster.publish_all("events", &events[700..1400]).await;
     // d joins mid-stream.
     workers.push(start(
@@ -344,8 +341,7 @@ async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them()
 
     // The newcomer leaves: the first member gets back the partitions it paused before.
     let (stop, running) = workers.remove(1);
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_and_wait(stop, running).await.unwrap();
     publish(20, 30).await;
     // A stall here is the bug this test exists for: say where each partition stands.
     let drained_again = async {

@@ -12,7 +12,9 @@ use futures_util::StreamExt;
 use futures_util::future::FutureExt;
 use idempotency_consumer::{Backoff, DEFAULT_BATCH, DEFAULT_LINGER, Processor};
 
-use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, BatchPlan, Pipeline, batches};
+use idempotency_consumer::adapter::{
+    AdapterError, AdapterErrorKind, BatchPlan, Pipeline, batches, retry_set_up,
+};
 
 use crate::{BROKER, JetStream, NatsMessage};
 
@@ -183,12 +185,12 @@ impl<P: Processor<NatsMessage>> Worker<P> {
         };
         let fail = |why: String| fail_as(AdapterErrorKind::Refused, why);
         let stream = self.jetstream.get_stream(&self.stream).await.map_err(|e| {
-            let passing = match e.kind() {
-                GetStreamErrorKind::Request => true,
-                GetStreamErrorKind::JetStream(api) => unavailable(&api),
-                _ => false,
+            let kind = match e.kind() {
+                GetStreamErrorKind::Request => AdapterErrorKind::Unreachable,
+                GetStreamErrorKind::JetStream(api) if unavailable(&api) => AdapterErrorKind::Unreachable,
+                _ => AdapterErrorKind::Refused,
             };
-            fail_as(set_up_kind(passing), format!("the stream cannot be found: {e}"))
+            fail_as(kind, format!("the stream cannot be found: {e}"))
         })?;
         let stores_dead_letters = stream
             .cached_info()
@@ -209,13 +211,13 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             )
             .await
             .map_err(|e| {
-                let passing = match e.kind() {
-                    ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request => true,
-                    ConsumerErrorKind::JetStream(api) => unavailable(&api),
-                    _ => false,
+                let kind = match e.kind() {
+                    ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request => AdapterErrorKind::Unreachable,
+                    ConsumerErrorKind::JetStream(api) if unavailable(&api) => AdapterErrorKind::Unreachable,
+                    _ => AdapterErrorKind::Refused,
                 };
                 let why = format!("the consumer cannot be found or created: {e}");
-                fail_as(set_up_kind(passing), why)
+                fail_as(kind, why)
             })?;
         let config = &consumer.cached_info().config;
         let mut filters: Vec<&str> = config.filter_subjects.iter().map(String::as_str).collect();
@@ -250,20 +252,14 @@ impl<P: Processor<NatsMessage>> Worker<P> {
         F: Future<Output = ()> + Send,
     {
         let shutdown = Box::pin(shutdown).shared();
-        let mut attempts = 0_u32;
-        let consumer = loop {
-            match self.consumer().await {
-                Ok(consumer) => break consumer,
-                Err(error) if error.is_retryable() => {
-                    attempts = attempts.saturating_add(1);
-                    tracing::warn!(%error, attempts, "JetStream is not answering; trying again");
-                    tokio::select! {
-                        () = tokio::time::sleep(SET_UP_BACKOFF.delay(attempts)) => {}
-                        () = shutdown.clone() => return Ok(()),
-                    }
-                }
-                Err(error) => return Err(error),
-            }
+        let name = self.name.clone().unwrap_or_else(|| self.consumer.clone());
+        let found = retry_set_up(&name, BROKER, SET_UP_BACKOFF, shutdown.clone(), || {
+            self.consumer()
+        })
+        .await;
+        let consumer = match found {
+            Some(found) => found?,
+            None => return Ok(()),
         };
         let progress_every = consumer.cached_info().config.ack_wait / 3;
         let broker = JetStream::new(
@@ -271,7 +267,7 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             self.dead_letter_subject.clone(),
             progress_every,
         );
-        let pipeline = Pipeline::new(broker, self.name.clone().unwrap_or_else(|| self.consumer.clone()));
+        let pipeline = Pipeline::new(broker, name);
         tracing::info!(stream = %self.stream, consumer = %self.consumer, "consuming");
         while shutdown.peek().is_none() {
             let messages = consumer
@@ -359,15 +355,6 @@ const SET_UP_BACKOFF: Backoff = Backoff {
 /// system not ready), which passes, rather than a refusal.
 fn unavailable(api: &jetstream::Error) -> bool {
     api.code() == 503
-}
-
-/// The kind of a set-up failure: one that may pass is [`AdapterErrorKind::Unreachable`].
-fn set_up_kind(passing: bool) -> AdapterErrorKind {
-    if passing {
-        AdapterErrorKind::Unreachable
-    } else {
-        AdapterErrorKind::Refused
-    }
 }
 
 #[cfg(test)]

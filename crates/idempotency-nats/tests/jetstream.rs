@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use idempotency_consumer::{Backoff, Consumer};
 use idempotency_core::{Key, MemoryStore};
 use idempotency_nats::{DEAD_REASON_HEADER, process, publish, replay_dead_letters};
-use idempotency_testkit::brokers::{Charger, spawn_until_stopped};
+use idempotency_testkit::brokers::{Charger, spawn_until_stopped, stop_and_wait};
 use idempotency_testkit::{FaultyStore, TcpProxy};
 
 use idempotency_testkit::nats::TestStream;
@@ -301,8 +301,7 @@ async fn a_connection_lost_while_the_worker_starts_is_waited_for() {
         "the worker never consumed"
     );
     let requests = proxy.round_trips() - before;
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    stop_and_wait(stop, running).await.unwrap();
     assert!(requests >= 3, "{requests} requests");
     for step in 1..=3 {
         let key = format!("cut-at-{step}");
@@ -317,10 +316,8 @@ async fn a_connection_lost_while_the_worker_starts_is_waited_for() {
             "cut at the worker's request {step}: never consumed"
         );
         assert!(proxy.accepted() > accepted, "request {step}: the cut happened");
-        stop.send(()).unwrap();
-        running
+        stop_and_wait(stop, running)
             .await
-            .unwrap()
             .unwrap_or_else(|e| panic!("cut at the worker's request {step}: {e}"));
     }
     setup.cleanup().await;

@@ -16,7 +16,7 @@ use idempotency_consumer::{
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Broker, Pipeline};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Broker, Pipeline, retry_set_up};
 
 use crate::{BROKER, SqsError, SqsMessage, config, queue_name, sdk};
 
@@ -205,7 +205,8 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         self
     }
 
-    /// The wait between receive attempts after errors.
+    /// The wait between receive attempts after errors, and between attempts to reach the
+    /// queues at the start.
     #[must_use]
     pub fn reconnect(mut self, backoff: Backoff) -> Self {
         self.reconnect = backoff;
@@ -231,14 +232,15 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         F: Future<Output = ()> + Send,
     {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
-        tokio::select! {
-            checked = self.wait_until_ready() => checked?,
-            () = &mut shutdown => return Ok(()),
+        let name = self.name.clone().unwrap_or_else(|| self.shared.queue.to_string());
+        // The queues are checked first, waiting while SQS cannot be reached.
+        match retry_set_up(&name, BROKER, self.reconnect, &mut shutdown, || self.check()).await {
+            Some(checked) => checked?,
+            None => return Ok(()),
         }
         let shared = Arc::new(self.shared.clone());
         let (deleter, batcher) = Deleter::start(Arc::clone(&shared));
         let batcher = AbortOnDrop(Some(batcher));
-        let name = self.name.clone().unwrap_or_else(|| self.shared.queue.to_string());
         let pipeline = Arc::new(Pipeline::new(
             SqsBroker {
                 shared: Arc::clone(&shared),
@@ -328,23 +330,6 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
             let _ = batcher.await;
         }
         Ok(())
-    }
-
-    /// Checks that the queues exist (and the redrive policy, when relied on), retrying while
-    /// the service cannot be reached.
-    async fn wait_until_ready(&self) -> Result<(), SqsError> {
-        let mut failures = 0_u32;
-        loop {
-            match self.check().await {
-                Ok(()) => return Ok(()),
-                Err(error) if error.is_retryable() => {
-                    failures = failures.saturating_add(1);
-                    tracing::warn!(queue = %self.shared.queue, %error, "cannot reach SQS yet");
-                    tokio::time::sleep(self.reconnect.delay(failures)).await;
-                }
-                Err(error) => return Err(error),
-            }
-        }
     }
 
     /// Checks once that the queue and the dead-letter queue exist (or that the queue has a

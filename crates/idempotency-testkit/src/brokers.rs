@@ -219,6 +219,28 @@ where
     (stop, task)
 }
 
+/// Stops a worker spawned by [`spawn_until_stopped`] (completes its shutdown, as SIGTERM
+/// would) and waits for it to end: what its `run_until` returned. A task that panicked panics
+/// here with the same message.
+///
+/// # Panics
+///
+/// If the task panicked or was aborted, or had already ended (its shutdown receiver gone)
+/// before it was told to stop.
+pub async fn stop_and_wait<T>(
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<T>,
+) -> T {
+    let told = stop.send(()).is_ok();
+    let ended = running.await;
+    match ended {
+        Ok(ended) if told => ended,
+        Ok(_) => panic!("the worker had ended before it was told to stop"),
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => panic!("the worker's task: {error}"),
+    }
+}
+
 /// A worker consuming a source through its broker crate's URL and worker.
 #[derive(Debug)]
 pub struct Running {

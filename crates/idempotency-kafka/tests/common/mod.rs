@@ -109,50 +109,36 @@ impl Cluster {
     /// The group's committed offset of one partition of `topic` and its high watermark.
     pub fn committed_and_end_of(&self, group: &str, topic: &str, partition: i32) -> (i64, i64) {
         let reader: BaseConsumer = self.config(group).create().unwrap();
-        let mut list = TopicPartitionList::new();
-        list.add_partition(topic, partition);
-        let committed = match reader
-            .committed_offsets(list, Duration::from_secs(10))
-            .unwrap()
-            .elements()[0]
-            .offset()
-        {
-            Offset::Offset(n) => n,
-            _ => 0,
-        };
-        let end = reader
-            .fetch_watermarks(topic, partition, Duration::from_secs(10))
-            .unwrap()
-            .1;
-        (committed, end)
+        partition_committed_and_end(&reader, topic, partition)
     }
 }
 
 /// `consumer`'s group's committed offsets summed over the partitions of `topic`, and the sum
 /// of their high watermarks.
 pub fn committed_and_end<C: Consumer>(consumer: &C, topic: &str, partitions: i32) -> (i64, i64) {
+    (0..partitions)
+        .map(|partition| partition_committed_and_end(consumer, topic, partition))
+        .fold((0, 0), |(committed, end), (c, e)| (committed + c, end + e))
+}
+
+/// `consumer`'s group's committed offset of one partition of `topic` (0 when none is
+/// committed) and its high watermark.
+fn partition_committed_and_end<C: Consumer>(consumer: &C, topic: &str, partition: i32) -> (i64, i64) {
     let mut list = TopicPartitionList::new();
-    for partition in 0..partitions {
-        list.add_partition(topic, partition);
-    }
-    let committed = consumer
+    list.add_partition(topic, partition);
+    let committed = match consumer
         .committed_offsets(list, Duration::from_secs(10))
         .unwrap()
-        .elements()
-        .iter()
-        .map(|element| match element.offset() {
-            Offset::Offset(n) => n,
-            _ => 0,
-        })
-        .sum();
-    let end = (0..partitions)
-        .map(|partition| {
-            consumer
-                .fetch_watermarks(topic, partition, Duration::from_secs(10))
-                .unwrap()
-                .1
-        })
-        .sum();
+        .elements()[0]
+        .offset()
+    {
+        Offset::Offset(n) => n,
+        _ => 0,
+    };
+    let end = consumer
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))
+        .unwrap()
+        .1;
     (committed, end)
 }
 
