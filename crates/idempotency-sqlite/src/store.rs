@@ -1,6 +1,7 @@
 //! The store: a writer thread that owns the write connection and commits transitions in groups,
 //! and a reader thread whose connection answers what needs no write.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -551,11 +552,12 @@ impl Store for SqliteStore {
         if self.inner.reader.is_some() {
             // A key that stands twice goes to the writer each time: its second request must
             // see what the first one wrote.
+            let mut stands: HashMap<_, usize> = HashMap::with_capacity(requests.len());
+            for request in requests {
+                *stands.entry(request.record_key()).or_default() += 1;
+            }
             let once: Vec<usize> = (0..requests.len())
-                .filter(|at| {
-                    let (scope, key) = requests[*at].record_key();
-                    requests.iter().filter(|r| r.record_key() == (scope, key)).count() == 1
-                })
+                .filter(|at| stands[&requests[*at].record_key()] == 1)
                 .collect();
             let reads: Vec<BeginRequest> = once.iter().map(|at| requests[*at].clone()).collect();
             let decided = self.decided_by_reading(reads).await;
