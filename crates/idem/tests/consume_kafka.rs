@@ -15,6 +15,7 @@ use idempotency_kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders
 use idempotency_kafka::rdkafka::mocking::MockCluster;
 use idempotency_kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use idempotency_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use idempotency_testkit::brokers::drained_partitions;
 
 /// The work topic's partitions.
 const PARTITIONS: i32 = 3;
@@ -358,17 +359,7 @@ async fn partitions_paused_before_a_rebalance_are_drained_after_it() {
         async || kafka.outstanding().await == 0,
     )
     .await;
-    let drained = |ledger: &consume::Ledger| {
-        let mut partitions: Vec<String> = ledger
-            .keys()
-            .into_iter()
-            .filter(|key| !key.ends_with("-0"))
-            .filter_map(|key| key.split('-').next().map(str::to_owned))
-            .collect();
-        partitions.sort();
-        partitions.dedup();
-        partitions
-    };
+    let drained = |ledger: &consume::Ledger| drained_partitions(ledger.keys());
     let (kept, moved) = (drained(&first), drained(&second));
     assert!(!kept.is_empty(), "the first member drained no partition");
     assert!(!moved.is_empty(), "the second member drained no partition");

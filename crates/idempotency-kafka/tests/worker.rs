@@ -12,7 +12,7 @@ use common::{Cluster, Ledger, eventually};
 use idempotency_consumer::{Backoff, Consumer, Delivery, Handler, HandlerError};
 use idempotency_core::{Attempt, MemoryStore, Outcome};
 use idempotency_kafka::{KafkaMessage, Worker};
-use idempotency_testkit::brokers::{spawn_until_stopped, stop_and_wait};
+use idempotency_testkit::brokers::{drained_partitions, spawn_until_stopped, stop_and_wait};
 use rdkafka::Message;
 use tokio::sync::Notify;
 
@@ -322,18 +322,7 @@ async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them()
     .await;
     // Each member ran the rest of the partitions it got (the first messages ran in the first
     // member before the rebalance).
-    let drained = |charger: &Charger| {
-        let mut partitions: Vec<String> = charger
-            .ledger
-            .effects()
-            .into_keys()
-            .filter(|key| !key.ends_with("-0"))
-            .filter_map(|key| key.split('-').next().map(str::to_owned))
-            .collect();
-        partitions.sort();
-        partitions.dedup();
-        partitions
-    };
+    let drained = |charger: &Charger| drained_partitions(charger.ledger.effects().into_keys());
     let (kept, moved) = (drained(&a), drained(&b));
     assert_eq!(kept.len(), 3, "the first member drained {kept:?}");
     assert_eq!(moved.len(), 3, "the newcomer drained {moved:?}");

@@ -241,6 +241,20 @@ pub async fn stop_and_wait<T>(
     }
 }
 
+/// The partitions (`p0`, `p1`, …) of which a message other than the first ran, sorted, from
+/// the keys run, named `p{partition}-{n}`: what a member of a group drained past the first
+/// messages it ran before a rebalance.
+pub fn drained_partitions(keys: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut partitions: Vec<String> = keys
+        .into_iter()
+        .filter(|key| !key.ends_with("-0"))
+        .filter_map(|key| key.split('-').next().map(str::to_owned))
+        .collect();
+    partitions.sort();
+    partitions.dedup();
+    partitions
+}
+
 /// A worker consuming a source through its broker crate's URL and worker.
 #[derive(Debug)]
 pub struct Running {
