@@ -64,7 +64,7 @@ pub use connections::{replaced_past_lifetime, replaced_when_abandoned_or_failed}
 pub use faults::FaultyStore;
 pub use harness::{Harness, TimeControl};
 pub use proxy::TcpProxy;
-pub use wait::eventually;
+pub use wait::{eventually, eventually_explained};
 
 /// Expands to the whole conformance suite for the harness expression `$harness` (evaluated once
 /// per test): one test per [`cases::Case`], the property test against the reference model, and

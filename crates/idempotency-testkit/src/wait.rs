@@ -24,10 +24,43 @@ use std::time::{Duration, Instant};
 /// # Panics
 ///
 /// When `done` has not answered `true` within `limit`.
-pub async fn eventually(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
+pub async fn eventually(limit: Duration, what: &str, done: impl AsyncFnMut() -> bool) {
+    eventually_explained(limit, done, || what.to_owned()).await;
+}
+
+/// [`eventually`], and when `limit` has passed, the panic says what `explain` finds then (where
+/// each partition stands, what each member ran): for a wait whose stall is the bug a test
+/// exists for.
+///
+/// # Panics
+///
+/// When `done` has not answered `true` within `limit`, with `explain`'s text.
+pub async fn eventually_explained(
+    limit: Duration,
+    mut done: impl AsyncFnMut() -> bool,
+    explain: impl FnOnce() -> String,
+) {
     let start = Instant::now();
     while !done().await {
-        assert!(start.elapsed() < limit, "not within {limit:?}: {what}");
+        if start.elapsed() >= limit {
+            panic!("not within {limit:?}: {}", explain());
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    #[should_panic(expected = "not within 200ms: p0 committed 3 of 9")]
+    async fn a_stall_is_explained_by_what_is_found_when_the_wait_gives_up() {
+        eventually_explained(
+            Duration::from_millis(200),
+            async || false,
+            || "p0 committed 3 of 9".to_owned(),
+        )
+        .await;
     }
 }
