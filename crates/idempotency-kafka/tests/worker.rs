@@ -333,37 +333,40 @@ async fn partitions_paused_before_a_rebalance_are_drained_by_whoever_gets_them()
     stop_and_wait(stop, running).await.unwrap();
     publish(20, 30).await;
     // A stall here is the bug this test exists for: say where each partition stands.
-    let drained_again = async {
-        while cluster.committed_and_end("paused", "backlog", PARTITIONS) != (180, 180) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    if tokio::time::timeout(LIMIT, drained_again).await.is_err() {
-        let stands: Vec<String> = (0..PARTITIONS)
-            .map(|partition| {
-                let ran = |charger: &Charger| {
-                    let prefix = format!("p{partition}-");
-                    charger
-                        .ledger
-                        .effects()
-                        .keys()
-                        .filter(|key| key.starts_with(&prefix))
-                        .count()
-                };
-                let (committed, end) = cluster.committed_and_end_of("paused", "backlog", partition);
+    let where_each_stands = || {
+        let ran = |charger: &Charger, partition: i32| {
+            let prefix = format!("p{partition}-");
+            charger
+                .ledger
+                .effects()
+                .keys()
+                .filter(|key| key.starts_with(&prefix))
+                .count()
+        };
+        let stands: Vec<String> = cluster
+            .committed_and_end_each("paused", "backlog", PARTITIONS)
+            .into_iter()
+            .zip(0..)
+            .map(|((committed, end), partition)| {
                 format!(
                     "p{partition}: committed {committed} of {end}, ran {} in a, {} in b",
-                    ran(&a),
-                    ran(&b)
+                    ran(&a, partition),
+                    ran(&b, partition)
                 )
             })
             .collect();
-        panic!(
-            "not within {LIMIT:?}: the group's offsets at the end again; {}; paused at the broker {}",
+        format!(
+            "the group's offsets at the end again; {}; paused at the broker {}",
             stands.join("; "),
             metrics().gauge("idempotency_kafka_fetch_paused_partitions", &labels("paused-a"))
-        );
-    }
+        )
+    };
+    idempotency_testkit::eventually_explained(
+        LIMIT,
+        async || cluster.committed_and_end("paused", "backlog", PARTITIONS) == (180, 180),
+        where_each_stands,
+    )
+    .await;
     stop_all(workers).await;
     let mut all = a.ledger.effects();
     for (key, count) in b.ledger.effects() {

@@ -106,40 +106,47 @@ impl Cluster {
         committed_and_end(&reader, topic, partitions)
     }
 
-    /// The group's committed offset of one partition of `topic` and its high watermark.
-    pub fn committed_and_end_of(&self, group: &str, topic: &str, partition: i32) -> (i64, i64) {
+    /// The group's committed offset (0 when none is committed) and the high watermark of each
+    /// of the first `partitions` partitions of `topic`, in partition order.
+    pub fn committed_and_end_each(&self, group: &str, topic: &str, partitions: i32) -> Vec<(i64, i64)> {
         let reader: BaseConsumer = self.config(group).create().unwrap();
-        partition_committed_and_end(&reader, topic, partition)
+        committed_and_end_each(&reader, topic, partitions)
     }
 }
 
 /// `consumer`'s group's committed offsets summed over the partitions of `topic`, and the sum
 /// of their high watermarks.
 pub fn committed_and_end<C: Consumer>(consumer: &C, topic: &str, partitions: i32) -> (i64, i64) {
-    (0..partitions)
-        .map(|partition| partition_committed_and_end(consumer, topic, partition))
+    committed_and_end_each(consumer, topic, partitions)
+        .into_iter()
         .fold((0, 0), |(committed, end), (c, e)| (committed + c, end + e))
 }
 
-/// `consumer`'s group's committed offset of one partition of `topic` (0 when none is
-/// committed) and its high watermark.
-fn partition_committed_and_end<C: Consumer>(consumer: &C, topic: &str, partition: i32) -> (i64, i64) {
+/// `consumer`'s group's committed offset (0 when none is committed) and the high watermark of
+/// each of the first `partitions` partitions of `topic`, in partition order: the offsets in
+/// one request, the watermarks one request each.
+fn committed_and_end_each<C: Consumer>(consumer: &C, topic: &str, partitions: i32) -> Vec<(i64, i64)> {
     let mut list = TopicPartitionList::new();
-    list.add_partition(topic, partition);
-    let committed = match consumer
-        .committed_offsets(list, Duration::from_secs(10))
-        .unwrap()
-        .elements()[0]
-        .offset()
-    {
-        Offset::Offset(n) => n,
-        _ => 0,
-    };
-    let end = consumer
-        .fetch_watermarks(topic, partition, Duration::from_secs(10))
-        .unwrap()
-        .1;
-    (committed, end)
+    for partition in 0..partitions {
+        list.add_partition(topic, partition);
+    }
+    let committed = consumer.committed_offsets(list, Duration::from_secs(10)).unwrap();
+    (0..partitions)
+        .map(|partition| {
+            let committed = match committed
+                .find_partition(topic, partition)
+                .map(|found| found.offset())
+            {
+                Some(Offset::Offset(n)) => n,
+                _ => 0,
+            };
+            let end = consumer
+                .fetch_watermarks(topic, partition, Duration::from_secs(10))
+                .unwrap()
+                .1;
+            (committed, end)
+        })
+        .collect()
 }
 
 /// Side effects by key, and handler calls.
