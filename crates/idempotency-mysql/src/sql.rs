@@ -67,7 +67,6 @@ pub(crate) struct Statements {
     pub(crate) update: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) completed_by: Arc<str>,
-    pub(crate) release: Arc<str>,
     pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
@@ -162,13 +161,6 @@ impl Statements {
                 expires = ms("expires_at"),
             )
             .into(),
-            // Parameters: the token of no attempt, scope, key, token. The record stays, its
-            // lease ended: the next begin takes it over as attempt + 1.
-            release: format!(
-                "UPDATE {t} SET token = ?, lease_until = UTC_TIMESTAMP(3)
-                 WHERE {record} AND token = ? AND NOT completed AND {live}"
-            )
-            .into(),
             // Parameters: scope, key, token. Removes a first attempt's in-flight record (one a
             // transaction's claim created), as if it had never been claimed.
             withdraw: format!("DELETE FROM {t} WHERE {record} AND token = ? AND NOT completed").into(),
@@ -225,6 +217,13 @@ impl Statements {
             .into(),
             // Parameters: scope, key, token.
             forget: format!("DELETE FROM {t} WHERE {record} AND token = ? AND {live}").into(),
+            // Parameters: the token of no attempt, scope, key, token. The record stays, its
+            // lease ended: the next begin takes it over as attempt + 1.
+            release: format!(
+                "UPDATE {t} SET token = ?, lease_until = UTC_TIMESTAMP(3)
+                 WHERE {record} AND token = ? AND NOT completed AND {live}"
+            )
+            .into(),
             // Parameters: limit. Oldest first along the expiry index, in a bounded batch.
             purge: format!(
                 "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(3) ORDER BY expires_at LIMIT ?"

@@ -301,7 +301,7 @@ impl MysqlStore {
             Operation::Lock => &sql.lock,
             Operation::Update => &sql.update,
             Operation::Complete => &sql.complete,
-            Operation::Release => &sql.release,
+            Operation::Release => &sql.admin.release,
             Operation::Extend => &sql.extend,
             Operation::Get => &sql.admin.get,
             Operation::Stats => &sql.admin.stats,
@@ -581,26 +581,6 @@ fn returned_time(millis: u64) -> Result<Timestamp, StoreError> {
         })
 }
 
-/// `release` on one connection.
-pub(crate) async fn release_on(
-    connection: &mut MySqlConnection,
-    sql: &Statements,
-    held: &Held,
-) -> Result<Fenced<()>, StoreError> {
-    if held.token == Token::NONE {
-        return Ok(Fenced::LeaseLost);
-    }
-    let done = sqlx::query(AssertSqlSafe(Arc::clone(&sql.release)))
-        .bind(&Token::NONE.to_bytes()[..])
-        .bind(held.scope.as_str())
-        .bind(held.key.as_str())
-        .bind(&held.token.to_bytes()[..])
-        .execute(connection)
-        .await
-        .map_err(|e| map_error("release", e))?;
-    Ok(sql_rows::fenced_by_rows(done.rows_affected()))
-}
-
 #[async_trait]
 impl Store for MysqlStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
@@ -624,12 +604,7 @@ impl Store for MysqlStore {
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
-        if held.token == Token::NONE {
-            return Ok(Fenced::LeaseLost);
-        }
-        self.connections
-            .run(async |connection| release_on(connection, self.statements(), held).await)
-            .await
+        admin::release(self, held).await
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
@@ -717,6 +692,7 @@ impl SqlActions for MysqlStore {
             Action::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
             Action::Purge => &[0],
             Action::Forget => &[0, 1, 2],
+            Action::Release => &[3, 0, 1, 2],
         }
     }
 

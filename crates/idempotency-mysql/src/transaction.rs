@@ -66,7 +66,7 @@ use std::sync::Arc;
 use idempotency_core::sql::{self, Savepoint};
 
 use crate::error::map_error;
-use crate::store::{MysqlStore, Within, begin_on, complete_on, release_on};
+use crate::store::{MysqlStore, Within, begin_on, complete_on};
 
 /// The transaction a same-transaction operation writes through.
 pub type MysqlTransaction = sqlx::Transaction<'static, MySql>;
@@ -97,7 +97,12 @@ impl TransactionalStore for MysqlStore {
 
     async fn withdraw_in(&self, tx: &mut MysqlTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
         if held.attempt != 1 {
-            return release_on(tx, self.statements(), held).await;
+            return sql::admin::release_on::<Self>(
+                &mut **tx,
+                Arc::clone(&self.statements().admin.release),
+                held,
+            )
+            .await;
         }
         sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
     }

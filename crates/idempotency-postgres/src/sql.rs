@@ -48,7 +48,6 @@ pub(crate) struct Statements {
     pub(crate) complete: Arc<str>,
     pub(crate) begin_many: Arc<str>,
     pub(crate) complete_many: Arc<str>,
-    pub(crate) release: Arc<str>,
     pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
@@ -254,13 +253,6 @@ impl Statements {
                 kept = ms("r.expires_at"),
             )
             .into(),
-            // $1 scope, $2 key, $3 token, $4 the token of no attempt. The record stays, its
-            // lease ended: the next begin takes it over as attempt + 1.
-            release: format!(
-                "UPDATE {t} SET token = $4, lease_until = now()
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()"
-            )
-            .into(),
             // $1 scope, $2 key, $3 token. Removes a first attempt's in-flight record (one a
             // transaction's claim created), as if it had never been claimed.
             withdraw: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed")
@@ -325,6 +317,13 @@ impl Statements {
             now: "SELECT (extract(epoch FROM now()) * 1000)::int8".into(),
             forget: format!(
                 "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND expires_at > now()"
+            )
+            .into(),
+            // $1 scope, $2 key, $3 token, $4 the token of no attempt. The record stays, its
+            // lease ended: the next begin takes it over as attempt + 1.
+            release: format!(
+                "UPDATE {t} SET token = $4, lease_until = now()
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed AND expires_at > now()"
             )
             .into(),
             },

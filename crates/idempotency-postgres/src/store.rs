@@ -289,7 +289,7 @@ impl PostgresStore {
             Operation::Complete => &self.sql.complete,
             Operation::BeginMany => &self.sql.begin_many,
             Operation::CompleteMany => &self.sql.complete_many,
-            Operation::Release => &self.sql.release,
+            Operation::Release => &self.sql.admin.release,
             Operation::Extend => &self.sql.extend,
             Operation::Get => &self.sql.admin.get,
             Operation::Stats => &self.sql.admin.stats,
@@ -403,26 +403,6 @@ pub(crate) async fn complete_on(
     }))
 }
 
-/// `release` on one connection.
-pub(crate) async fn release_on(
-    connection: &mut PgConnection,
-    sql: &Statements,
-    held: &Held,
-) -> Result<Fenced<()>, StoreError> {
-    if held.token == Token::NONE {
-        return Ok(Fenced::LeaseLost);
-    }
-    let done = sqlx::query(AssertSqlSafe(Arc::clone(&sql.release)))
-        .bind(held.scope.as_str())
-        .bind(held.key.as_str())
-        .bind(&held.token.to_bytes()[..])
-        .bind(&Token::NONE.to_bytes()[..])
-        .execute(connection)
-        .await
-        .map_err(|e| map_error("release", e))?;
-    Ok(sql_rows::fenced_by_rows(done.rows_affected()))
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
@@ -449,12 +429,7 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, held: &Held) -> Result<Fenced<()>, StoreError> {
-        if held.token == Token::NONE {
-            return Ok(Fenced::LeaseLost);
-        }
-        self.connections
-            .run(async |connection| release_on(connection, &self.sql, held).await)
-            .await
+        admin::release(self, held).await
     }
 
     async fn extend(&self, held: &Held, lease: Duration) -> Result<Fenced<Timestamp>, StoreError> {
@@ -638,6 +613,7 @@ impl SqlActions for PostgresStore {
             Action::Stats | Action::Purge => &[0],
             Action::List => &[0, 1, 2, 3, 4, 5],
             Action::Forget => &[0, 1, 2],
+            Action::Release => &[0, 1, 2, 3],
         }
     }
 

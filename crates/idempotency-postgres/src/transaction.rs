@@ -58,7 +58,7 @@ use idempotency_core::sql::{self, Savepoint};
 
 use crate::batch;
 use crate::error::map_error;
-use crate::store::{PostgresStore, begin_on, complete_on, release_on};
+use crate::store::{PostgresStore, begin_on, complete_on};
 
 /// The transaction a same-transaction operation writes through.
 pub type PgTransaction = sqlx::Transaction<'static, Postgres>;
@@ -91,7 +91,12 @@ impl TransactionalStore for PostgresStore {
 
     async fn withdraw_in(&self, tx: &mut PgTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
         if held.attempt != 1 {
-            return release_on(tx, self.statements(), held).await;
+            return sql::admin::release_on::<Self>(
+                &mut **tx,
+                Arc::clone(&self.statements().admin.release),
+                held,
+            )
+            .await;
         }
         sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
     }

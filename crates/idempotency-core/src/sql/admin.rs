@@ -1,7 +1,7 @@
-//! The reads and the operators' writes of a sqlx-based store, written once: [`get`], [`now`],
-//! [`stats`], [`list`], [`purge_expired`] and [`forget`] run a store's statement on one of its connections, bind the
-//! parameters in the order its placeholders take them and decode the rows (see the column
-//! table in [`crate::sql`]).
+//! The reads, the operators' writes and the release of a sqlx-based store, written once:
+//! [`get`], [`now`], [`stats`], [`list`], [`purge_expired`], [`forget`] and [`release`] run a
+//! store's statement on one of its connections, bind the parameters in the order its
+//! placeholders take them and decode the rows (see the column table in [`crate::sql`]).
 //!
 //! A store implements [`SqlActions`]: its connections, its lanes, its statements, and which
 //! parameter each placeholder takes ([`SqlActions::placeholders`]): PostgreSQL numbers its
@@ -15,8 +15,8 @@ use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Type}
 
 use crate::connections::{Connections, MapError};
 use crate::{
-    Fenced, Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
-    Token,
+    Fenced, Held, Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError,
+    Timestamp, Token,
 };
 
 /// A value bound to a placeholder.
@@ -49,6 +49,10 @@ pub enum Action {
     Purge,
     /// Deletes a live record if it holds a token: scope, key, token.
     Forget,
+    /// Ends the lease of a live, uncompleted record that holds a token, keeping the record
+    /// (the next `begin` takes it over as the next attempt): scope, key, token, the token of
+    /// no attempt ([`Token::NONE`]).
+    Release,
 }
 
 /// The statement of each [`Action`], built by the store from its table's name.
@@ -66,6 +70,8 @@ pub struct Statements {
     pub purge: Arc<str>,
     /// [`Action::Forget`].
     pub forget: Arc<str>,
+    /// [`Action::Release`].
+    pub release: Arc<str>,
 }
 
 impl Statements {
@@ -79,6 +85,7 @@ impl Statements {
             Action::List => &self.list,
             Action::Purge => &self.purge,
             Action::Forget => &self.forget,
+            Action::Release => &self.release,
         })
     }
 }
@@ -400,6 +407,50 @@ pub async fn forget<S: SqlActions>(
         S::Engine::execute,
     )
     .await?;
+    Ok(crate::sql::fenced_by_rows(S::rows_affected(&done)))
+}
+
+/// Ends the lease `held` holds, keeping the record ([`Store::release`](crate::Store::release)),
+/// on a connection of `store`'s without a lane: lease-keeping never waits behind new work.
+///
+/// # Errors
+///
+/// As [`purge_expired`].
+pub async fn release<S: SqlActions>(store: &S, held: &Held) -> Result<Fenced<()>, StoreError> {
+    if held.token == Token::NONE {
+        return Ok(Fenced::LeaseLost);
+    }
+    store
+        .connections()
+        .run(async |connection| release_on::<S>(connection, store.statement(Action::Release), held).await)
+        .await
+}
+
+/// [`release`] on `connection` (a transaction's, for
+/// [`TransactionalStore::withdraw_in`](crate::TransactionalStore::withdraw_in) of a later
+/// attempt), with the store's `statement` for [`Action::Release`].
+///
+/// # Errors
+///
+/// As [`purge_expired`].
+pub async fn release_on<S: SqlActions>(
+    connection: &mut <S::Engine as Database>::Connection,
+    statement: Arc<str>,
+    held: &Held,
+) -> Result<Fenced<()>, StoreError> {
+    if held.token == Token::NONE {
+        return Ok(Fenced::LeaseLost);
+    }
+    let (token, none) = (held.token.to_bytes(), Token::NONE.to_bytes());
+    let params = [
+        Param::Text(Some(held.scope.as_str())),
+        Param::Text(Some(held.key.as_str())),
+        Param::Bytes(Some(&token[..])),
+        Param::Bytes(Some(&none[..])),
+    ];
+    let done = S::Engine::execute(connection, statement, &params, S::placeholders(Action::Release))
+        .await
+        .map_err(|e| S::map_error()("release", e))?;
     Ok(crate::sql::fenced_by_rows(S::rows_affected(&done)))
 }
 
