@@ -7,12 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
+use idempotency_core::{BeginRequest, Fingerprint, Key, Scope};
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, Connection};
 use idempotency_mysql::{MysqlStore, Operation};
-
-const READS: u64 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
@@ -25,42 +23,21 @@ async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
     let proxy = common::start_proxy().await;
     // One connection: with a ping on release, each begin would wait for the previous one's.
     let through = common::proxied(&store, &proxy, 1).await;
-    // The first prepares the statement; the next ones are what every replay costs.
-    assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
-    let before = proxy.sent();
-    for _ in 0..READS {
-        assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
-    }
-    let replays = proxy.sent() - before;
-
     // The same read on a bare connection through the same proxy: no pool at all.
     let options: MySqlConnectOptions = common::database_url().parse().unwrap();
     let mut bare = MySqlConnection::connect_with(&options.host("127.0.0.1").port(proxy.addr().port()))
         .await
         .unwrap();
     let peek = store.sql(Operation::Peek);
-    read(&mut bare, peek, &scope, &key).await;
-    let before = proxy.sent();
-    for _ in 0..READS {
-        read(&mut bare, peek, &scope, &key).await;
-    }
-    let reads = proxy.sent() - before;
-
-    assert!(reads > 0);
-    assert_eq!(
-        replays, reads,
-        "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
-    );
-}
-
-/// The store's first look at a record, on `bare`.
-async fn read(bare: &mut MySqlConnection, peek: &str, scope: &Scope, key: &Key) {
-    sqlx::query(AssertSqlSafe(peek.to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .fetch_one(bare)
-        .await
-        .unwrap();
+    idempotency_testkit::a_replay_costs_its_read(&through, &request, &proxy, async || {
+        sqlx::query(AssertSqlSafe(peek.to_owned()))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_one(&mut bare)
+            .await
+            .unwrap();
+    })
+    .await;
 }
 
 /// A connection whose statement was abandoned mid-way (the caller's future dropped) is closed,

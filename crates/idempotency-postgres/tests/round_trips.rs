@@ -13,8 +13,6 @@ use idempotency_postgres::PostgresStore;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, Connection};
 
-const READS: u64 = 10;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
     let store = common::fresh_store().await;
@@ -26,32 +24,22 @@ async fn a_replay_sends_the_server_exactly_what_its_read_alone_sends() {
     let proxy = common::start_proxy().await;
     // One connection: with a ping on release, each begin would wait for the previous one's.
     let through = common::proxied(&store, &proxy, 1).await;
-    // The first prepares the statement; the next ones are what every replay costs.
-    assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
-    let before = proxy.sent();
-    for _ in 0..READS {
-        assert!(matches!(through.begin(&request).await.unwrap(), Claim::Replay(_)));
-    }
-    let replays = proxy.sent() - before;
-
     // The same read on a bare connection through the same proxy: no pool at all.
     let options: PgConnectOptions = common::database_url().parse().unwrap();
     let mut bare = PgConnection::connect_with(&options.host("127.0.0.1").port(proxy.addr().port()))
         .await
         .unwrap();
     let peek = store.sql(Operation::Peek);
-    assert!(read(&mut bare, peek, &scope, &key).await);
-    let before = proxy.sent();
-    for _ in 0..READS {
-        assert!(read(&mut bare, peek, &scope, &key).await);
-    }
-    let reads = proxy.sent() - before;
-
-    assert!(reads > 0);
-    assert_eq!(
-        replays, reads,
-        "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
-    );
+    idempotency_testkit::a_replay_costs_its_read(&through, &request, &proxy, async || {
+        let found = sqlx::query(AssertSqlSafe(peek.to_owned()))
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&mut bare)
+            .await
+            .unwrap();
+        assert!(found.is_some(), "the bare read found the record");
+    })
+    .await;
 }
 
 /// A batch of new keys is claimed in one round trip and completed in one more, however many
@@ -114,17 +102,6 @@ async fn claim_and_complete(store: &PostgresStore, requests: &[BeginRequest]) {
     for done in store.complete_many(&completions).await {
         assert!(matches!(done.unwrap(), Fenced::Accepted(_)));
     }
-}
-
-/// The store's first look at a record, on `bare`; whether it found one.
-async fn read(bare: &mut PgConnection, peek: &str, scope: &Scope, key: &Key) -> bool {
-    sqlx::query(AssertSqlSafe(peek.to_owned()))
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .fetch_optional(bare)
-        .await
-        .unwrap()
-        .is_some()
 }
 
 /// A connection whose statement was abandoned mid-way (the caller's future dropped) is closed,

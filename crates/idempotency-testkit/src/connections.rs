@@ -8,6 +8,48 @@ use idempotency_core::{BeginRequest, Claim, Fingerprint, Key, Scope, Store};
 use crate::TcpProxy;
 use crate::recorded::record_metrics;
 
+/// How many replays and bare reads [`a_replay_costs_its_read`] counts.
+const READS: u64 = 10;
+
+/// Checks that a replay through `through` sends the server exactly what the store's read alone
+/// sends: the store's connections go back to its pool without a ping (sqlx's pool pings every
+/// connection it takes back: a second round trip, and a second wakeup of the server, per
+/// statement). `request` is completed already; `through` reaches the server only through
+/// `proxy`, with one connection, and `read` sends the store's first look at `request`'s record
+/// (its `Peek` statement, bound with the scope and the key) on a bare connection through the
+/// same proxy. Counted in bytes on the wire, which no timing changes; panics otherwise.
+pub async fn a_replay_costs_its_read<S: Store + ?Sized>(
+    through: &S,
+    request: &BeginRequest,
+    proxy: &TcpProxy,
+    mut read: impl AsyncFnMut(),
+) {
+    let replay = async || {
+        let claim = through.begin(request).await.expect("begin");
+        assert!(matches!(claim, Claim::Replay(_)), "a replay, got {claim:?}");
+    };
+    // The first prepares the statement; the next ones are what every replay costs.
+    replay().await;
+    let before = proxy.sent();
+    for _ in 0..READS {
+        replay().await;
+    }
+    let replays = proxy.sent() - before;
+
+    read().await;
+    let before = proxy.sent();
+    for _ in 0..READS {
+        read().await;
+    }
+    let reads = proxy.sent() - before;
+
+    assert!(reads > 0, "the bare reads went through the proxy");
+    assert_eq!(
+        replays, reads,
+        "{READS} replays sent {replays} bytes, {READS} bare reads {reads}: the store sends more than its statement"
+    );
+}
+
 /// Checks that a store whose connections follow its pool's lifetime replaces one past it, and
 /// counts it under `idempotency_store_connections_closed_total{store=label, reason=lifetime}`.
 /// `setup` gets the lifetime and returns a store whose pool's connections live that long, that
