@@ -347,3 +347,71 @@ macro_rules! sql_outage_suite {
         }
     };
 }
+
+/// How old a test's table must be before another run drops it: older than any run.
+const OUTDATED_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// A fresh suffix for the names of a test's tables on a shared server: the Unix time in seconds
+/// and a random part, `{seconds}_{16 hex digits}`. The time lets a later run drop what a crashed
+/// run left behind ([`outdated`]); the random part keeps apart two tests that start in the same
+/// second (`cargo test` runs a file's tests as threads of one process).
+#[must_use]
+pub fn fresh_suffix() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let random = RandomState::new().hash_one(std::time::Instant::now());
+    format!("{}_{random:016x}", now.as_secs())
+}
+
+/// A fresh table name, `{prefix}_{fresh_suffix}` (`prefix` without `_`).
+#[must_use]
+pub fn fresh_table(prefix: &str) -> String {
+    format!("{prefix}_{}", fresh_suffix())
+}
+
+/// Whether `table`, named `{prefix}_{seconds}_…` as [`fresh_table`] names it, was created more
+/// than an hour ago. A name without a time is never outdated: it is not a test's.
+#[must_use]
+pub fn outdated(table: &str) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
+    created.is_some_and(|t| t.saturating_add(OUTDATED_AFTER.as_secs()) < now.as_secs())
+}
+
+/// Drops each of `tables` that is [`outdated`], as `qualified` names it in SQL (its schema, say).
+/// A failed drop is left alone: another run may be dropping the same table.
+pub async fn drop_outdated<DB>(pool: &Pool<DB>, tables: &[String], qualified: impl Fn(&str) -> String)
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    for table in tables.iter().filter(|table| outdated(table)) {
+        let drop = format!("DROP TABLE IF EXISTS {}", qualified(table));
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(pool).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fresh_names_carry_their_time_and_only_old_ones_are_outdated() {
+        let (a, b) = (fresh_table("t"), fresh_table("t"));
+        assert_ne!(a, b, "two names of the same instant differ");
+        assert!(a.starts_with("t_") && !outdated(&a), "{a}");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        assert!(outdated(&format!("t_{}_00", now - 3601)));
+        assert!(!outdated(&format!("t_{}_00", now - 3599)));
+        for not_a_test_table in ["users", "t_users", "idempotency_records", "t__1"] {
+            assert!(!outdated(not_a_test_table), "{not_a_test_table}");
+        }
+    }
+}

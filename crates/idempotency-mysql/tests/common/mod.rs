@@ -2,9 +2,9 @@
 
 #![allow(dead_code, unreachable_pub)] // each test crate uses a part
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use idempotency_mysql::sqlx::{self, AssertSqlSafe};
+use idempotency_mysql::sqlx;
 use idempotency_mysql::{MysqlOptions, MysqlStore};
 use idempotency_testkit::TcpProxy;
 
@@ -17,8 +17,7 @@ pub fn database_url() -> String {
 /// A fresh table name. Tables are named after their creation time; those of runs more than an
 /// hour old are dropped by [`fresh_store`], so a crashed run leaves nothing behind for long.
 pub fn fresh_table(prefix: &str) -> String {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    format!("{prefix}_{now}_{:016x}", rand_u64())
+    idempotency_testkit::sql::fresh_table(prefix)
 }
 
 /// A store on a table of its own. Panics when the server is unreachable: a test that cannot
@@ -41,26 +40,16 @@ pub async fn store_on(table: &str, max_connections: u32) -> MysqlStore {
     store
 }
 
+/// Drops the tests' tables (`t_…`, `b_…`: the database is shared) of runs more than an hour old.
 async fn drop_old_tables(pool: &sqlx::MySqlPool) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    let tables: Vec<String> = sqlx::query_scalar(
+    let mut tables: Vec<String> = sqlx::query_scalar(
         "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
     )
     .fetch_all(pool)
     .await
     .unwrap();
-    for table in tables {
-        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
-        if matches!(table.split('_').next(), Some("t" | "b")) && created.is_some_and(|t| t + 3600 < now) {
-            let drop = format!("DROP TABLE IF EXISTS {table}");
-            let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(pool).await;
-        }
-    }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    RandomState::new().hash_one(std::time::Instant::now())
+    tables.retain(|table| table.starts_with("t_") || table.starts_with("b_"));
+    idempotency_testkit::sql::drop_outdated(pool, &tables, str::to_owned).await;
 }
 
 /// A loopback proxy in front of the server, to cut its connections and take it away.

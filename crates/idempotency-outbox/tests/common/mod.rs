@@ -3,7 +3,6 @@
 #![allow(dead_code, unreachable_pub)] // each test crate uses a part
 
 use std::future::Future;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use idempotency_outbox::{InboxHandler, InboxMessage, Tables};
 use idempotency_postgres::PgTransaction;
@@ -30,11 +29,7 @@ pub async fn pool() -> PgPool {
 /// constraint: a double would show as two rows). Tables of runs more than an hour old are
 /// dropped here.
 pub async fn fresh(pool: &PgPool) -> (Tables, String) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    // The time orders runs (old tables are dropped by it); the random part keeps two tests of
-    // one process (`cargo test` runs them as threads) apart when they start in the same instant.
-    let random = idempotency_core::Key::generate().as_str().replace('-', "");
-    let suffix = format!("{}_{}", now.as_secs(), &random[20..]);
+    let suffix = idempotency_testkit::sql::fresh_suffix();
     let tables = Tables::default()
         .schema(SCHEMA)
         .unwrap()
@@ -50,24 +45,19 @@ pub async fn fresh(pool: &PgPool) -> (Tables, String) {
     .execute(pool)
     .await
     .unwrap();
-    drop_old_tables(pool, now.as_secs()).await;
+    drop_old_tables(pool).await;
     (tables, ledger)
 }
 
-async fn drop_old_tables(pool: &PgPool, now: u64) {
+/// Drops the tables of [`SCHEMA`] of runs more than an hour old.
+async fn drop_old_tables(pool: &PgPool) {
     let tables: Vec<String> =
         sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
             .bind(SCHEMA)
             .fetch_all(pool)
             .await
             .unwrap();
-    for table in tables {
-        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
-        if created.is_some_and(|t| t + 3600 < now) {
-            let drop = format!("DROP TABLE IF EXISTS {SCHEMA}.{table}");
-            let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(pool).await;
-        }
-    }
+    idempotency_testkit::sql::drop_outdated(pool, &tables, |table| format!("{SCHEMA}.{table}")).await;
 }
 
 /// Rows in the ledger, and distinct keys among them.

@@ -2,8 +2,6 @@
 
 #![allow(dead_code, unreachable_pub)] // each test crate uses a part
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresOptions, PostgresStore};
 use idempotency_testkit::TcpProxy;
@@ -21,8 +19,7 @@ pub const SCHEMA: &str = "idempotency_tests";
 /// more than an hour old are dropped here, so a crashed run leaves nothing behind for long.
 /// Panics when the server is unreachable: a test that cannot reach its server fails.
 pub async fn fresh_store() -> PostgresStore {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    let table = format!("t_{now}_{:016x}", rand_u64());
+    let table = idempotency_testkit::sql::fresh_table("t");
     let options = PostgresOptions::from_url(&database_url())
         .unwrap()
         .schema(SCHEMA)
@@ -33,29 +30,19 @@ pub async fn fresh_store() -> PostgresStore {
     let store = PostgresStore::connect_with(options)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
-    drop_old_tables(store.pool(), now).await;
+    drop_old_tables(store.pool()).await;
     store
 }
 
-async fn drop_old_tables(pool: &sqlx::PgPool, now: u64) {
+/// Drops the tables of [`SCHEMA`] of runs more than an hour old.
+async fn drop_old_tables(pool: &sqlx::PgPool) {
     let tables: Vec<String> =
         sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
             .bind(SCHEMA)
             .fetch_all(pool)
             .await
             .unwrap();
-    for table in tables {
-        let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
-        if created.is_some_and(|t| t + 3600 < now) {
-            let drop = format!("DROP TABLE IF EXISTS {SCHEMA}.{table}");
-            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(pool).await;
-        }
-    }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    RandomState::new().hash_one(std::time::Instant::now())
+    idempotency_testkit::sql::drop_outdated(pool, &tables, |table| format!("{SCHEMA}.{table}")).await;
 }
 
 /// A loopback proxy in front of the server, to cut its connections and take it away.
