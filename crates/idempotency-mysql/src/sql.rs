@@ -67,7 +67,6 @@ pub(crate) struct Statements {
     pub(crate) update: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) completed_by: Arc<str>,
-    pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
     pub(crate) admin: admin::Statements,
@@ -161,9 +160,6 @@ impl Statements {
                 expires = ms("expires_at"),
             )
             .into(),
-            // Parameters: scope, key, token. Removes a first attempt's in-flight record (one a
-            // transaction's claim created), as if it had never been claimed.
-            withdraw: format!("DELETE FROM {t} WHERE {record} AND token = ? AND NOT completed").into(),
             // Parameters: lease ms, lease ms, scope, key, token. The new end of the lease goes
             // back in the reply's insert id. (`expires_at` is assigned first: MySQL assigns
             // left to right, MariaDB at once unless told otherwise; both read the old value
@@ -217,6 +213,9 @@ impl Statements {
             .into(),
             // Parameters: scope, key, token.
             forget: format!("DELETE FROM {t} WHERE {record} AND token = ? AND {live}").into(),
+            // Parameters: scope, key, token. Removes a first attempt's in-flight record (one a
+            // transaction's claim created), as if it had never been claimed.
+            withdraw: format!("DELETE FROM {t} WHERE {record} AND token = ? AND NOT completed").into(),
             // Parameters: the token of no attempt, scope, key, token. The record stays, its
             // lease ended: the next begin takes it over as attempt + 1.
             release: format!(

@@ -693,6 +693,7 @@ impl SqlActions for MysqlStore {
             Action::Purge => &[0],
             Action::Forget => &[0, 1, 2],
             Action::Release => &[3, 0, 1, 2],
+            Action::Withdraw => &[0, 1, 2],
         }
     }
 

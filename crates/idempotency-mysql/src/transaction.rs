@@ -61,8 +61,6 @@ use idempotency_core::{
 };
 use sqlx::mysql::MySql;
 
-use std::sync::Arc;
-
 use idempotency_core::sql::{self, Savepoint};
 
 use crate::error::map_error;
@@ -96,15 +94,7 @@ impl TransactionalStore for MysqlStore {
     }
 
     async fn withdraw_in(&self, tx: &mut MysqlTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
-        if held.attempt != 1 {
-            return sql::admin::release_on::<Self>(
-                &mut **tx,
-                Arc::clone(&self.statements().admin.release),
-                held,
-            )
-            .await;
-        }
-        sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
+        sql::withdraw(self, &mut **tx, held).await
     }
 
     /// `SAVEPOINT`: MySQL replaces a savepoint of the same name, so a batch's savepoints do

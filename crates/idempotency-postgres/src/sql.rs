@@ -48,7 +48,6 @@ pub(crate) struct Statements {
     pub(crate) complete: Arc<str>,
     pub(crate) begin_many: Arc<str>,
     pub(crate) complete_many: Arc<str>,
-    pub(crate) withdraw: Arc<str>,
     pub(crate) extend: Arc<str>,
     /// The statements of the reads and the operators' writes (`idempotency_core::sql::admin`).
     pub(crate) admin: admin::Statements,
@@ -253,10 +252,6 @@ impl Statements {
                 kept = ms("r.expires_at"),
             )
             .into(),
-            // $1 scope, $2 key, $3 token. Removes a first attempt's in-flight record (one a
-            // transaction's claim created), as if it had never been claimed.
-            withdraw: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed")
-                .into(),
             // $1 scope, $2 key, $3 token, $4 lease ms.
             extend: format!(
                 "UPDATE {t} SET lease_until = now() + $4::int8 * interval '1 millisecond',
@@ -319,6 +314,10 @@ impl Statements {
                 "DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND expires_at > now()"
             )
             .into(),
+            // $1 scope, $2 key, $3 token. Removes a first attempt's in-flight record (one a
+            // transaction's claim created), as if it had never been claimed.
+            withdraw: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2 AND token = $3 AND NOT completed")
+                .into(),
             // $1 scope, $2 key, $3 token, $4 the token of no attempt. The record stays, its
             // lease ended: the next begin takes it over as attempt + 1.
             release: format!(

@@ -614,6 +614,7 @@ impl SqlActions for PostgresStore {
             Action::List => &[0, 1, 2, 3, 4, 5],
             Action::Forget => &[0, 1, 2],
             Action::Release => &[0, 1, 2, 3],
+            Action::Withdraw => &[0, 1, 2],
         }
     }
 

@@ -52,8 +52,6 @@ use idempotency_core::{
 };
 use sqlx::postgres::Postgres;
 
-use std::sync::Arc;
-
 use idempotency_core::sql::{self, Savepoint};
 
 use crate::batch;
@@ -90,15 +88,7 @@ impl TransactionalStore for PostgresStore {
     }
 
     async fn withdraw_in(&self, tx: &mut PgTransaction, held: &Held) -> Result<Fenced<()>, StoreError> {
-        if held.attempt != 1 {
-            return sql::admin::release_on::<Self>(
-                &mut **tx,
-                Arc::clone(&self.statements().admin.release),
-                held,
-            )
-            .await;
-        }
-        sql::withdraw::<Self>(&mut **tx, Arc::clone(&self.statements().withdraw), held).await
+        sql::withdraw(self, &mut **tx, held).await
     }
 
     async fn savepoint(&self, tx: &mut PgTransaction) -> Result<(), StoreError> {

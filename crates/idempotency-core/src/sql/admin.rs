@@ -53,6 +53,9 @@ pub enum Action {
     /// (the next `begin` takes it over as the next attempt): scope, key, token, the token of
     /// no attempt ([`Token::NONE`]).
     Release,
+    /// Deletes the record of a first attempt's claim made in a caller's transaction while it
+    /// holds a token and is not completed: scope, key, token.
+    Withdraw,
 }
 
 /// The statement of each [`Action`], built by the store from its table's name.
@@ -72,6 +75,8 @@ pub struct Statements {
     pub forget: Arc<str>,
     /// [`Action::Release`].
     pub release: Arc<str>,
+    /// [`Action::Withdraw`].
+    pub withdraw: Arc<str>,
 }
 
 impl Statements {
@@ -86,6 +91,7 @@ impl Statements {
             Action::Purge => &self.purge,
             Action::Forget => &self.forget,
             Action::Release => &self.release,
+            Action::Withdraw => &self.withdraw,
         })
     }
 }

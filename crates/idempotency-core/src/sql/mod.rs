@@ -148,28 +148,33 @@ pub fn fenced_by_rows(rows_affected: u64) -> Fenced<()> {
     Fenced::accepted_if(rows_affected == 1)
 }
 
-/// Removes the record of a first attempt's claim made in the transaction `connection` is in
-/// ([`TransactionalStore::withdraw_in`](crate::TransactionalStore::withdraw_in) with
-/// `held.attempt == 1`): `statement` deletes the record of `held`'s scope and key while it
-/// holds `held`'s token and is not completed, its placeholders taking scope, key and token in
-/// that order. Withdrawn when it deleted the row; [`Fenced::LeaseLost`] when the token no longer
-/// held it.
+/// Takes back a claim made in the transaction `connection` is in
+/// ([`TransactionalStore::withdraw_in`](crate::TransactionalStore::withdraw_in)): a first
+/// attempt's record is deleted ([`admin::Action::Withdraw`]), as if the key had never been
+/// claimed; a later attempt's is released ([`admin::release_on`]), since the record of the
+/// attempts before it must stay. Withdrawn when the token still held the record;
+/// [`Fenced::LeaseLost`] when it no longer did.
 ///
 /// # Errors
 ///
 /// The server's, as the store's [`map_error`](admin::SqlActions::map_error) classifies them.
 pub async fn withdraw<S: admin::SqlActions>(
+    store: &S,
     connection: &mut <S::Engine as sqlx::Database>::Connection,
-    statement: std::sync::Arc<str>,
     held: &crate::Held,
 ) -> Result<Fenced<()>, StoreError> {
+    if held.attempt != 1 {
+        return admin::release_on::<S>(connection, store.statement(admin::Action::Release), held).await;
+    }
     let token = held.token.to_bytes();
     let params = [
         admin::Param::Text(Some(held.scope.as_str())),
         admin::Param::Text(Some(held.key.as_str())),
         admin::Param::Bytes(Some(&token[..])),
     ];
-    let done = <S::Engine as admin::Engine>::execute(connection, statement, &params, &[0, 1, 2])
+    let statement = store.statement(admin::Action::Withdraw);
+    let order = S::placeholders(admin::Action::Withdraw);
+    let done = <S::Engine as admin::Engine>::execute(connection, statement, &params, order)
         .await
         .map_err(|e| S::map_error()("withdraw a claim", e))?;
     Ok(fenced_by_rows(S::rows_affected(&done)))
