@@ -428,20 +428,20 @@ pub async fn release<S: SqlActions>(store: &S, held: &Held) -> Result<Fenced<()>
     }
     store
         .connections()
-        .run(async |connection| release_on::<S>(connection, store.statement(Action::Release), held).await)
+        .run(async |connection| release_on(store, connection, held).await)
         .await
 }
 
 /// [`release`] on `connection` (a transaction's, for
 /// [`TransactionalStore::withdraw_in`](crate::TransactionalStore::withdraw_in) of a later
-/// attempt), with the store's `statement` for [`Action::Release`].
+/// attempt).
 ///
 /// # Errors
 ///
 /// As [`purge_expired`].
 pub async fn release_on<S: SqlActions>(
+    store: &S,
     connection: &mut <S::Engine as Database>::Connection,
-    statement: Arc<str>,
     held: &Held,
 ) -> Result<Fenced<()>, StoreError> {
     if held.token == Token::NONE {
@@ -454,9 +454,27 @@ pub async fn release_on<S: SqlActions>(
         Param::Bytes(Some(&token[..])),
         Param::Bytes(Some(&none[..])),
     ];
-    let done = S::Engine::execute(connection, statement, &params, S::placeholders(Action::Release))
-        .await
-        .map_err(|e| S::map_error()("release", e))?;
+    fenced_write(store, connection, Action::Release, "release", &params).await
+}
+
+/// Runs `store`'s statement for `action` on `connection` with `params` (in [`Action`]'s order,
+/// bound in the store's placeholder order): a write conditioned on a token, accepted when it
+/// wrote the one row ([`fenced_by_rows`](crate::sql::fenced_by_rows)).
+pub(crate) async fn fenced_write<S: SqlActions>(
+    store: &S,
+    connection: &mut <S::Engine as Database>::Connection,
+    action: Action,
+    doing: &str,
+    params: &[Param<'_>],
+) -> Result<Fenced<()>, StoreError> {
+    let done = S::Engine::execute(
+        connection,
+        store.statement(action),
+        params,
+        S::placeholders(action),
+    )
+    .await
+    .map_err(|e| S::map_error()(doing, e))?;
     Ok(crate::sql::fenced_by_rows(S::rows_affected(&done)))
 }
 

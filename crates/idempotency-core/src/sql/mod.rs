@@ -164,7 +164,7 @@ pub async fn withdraw<S: admin::SqlActions>(
     held: &crate::Held,
 ) -> Result<Fenced<()>, StoreError> {
     if held.attempt != 1 {
-        return admin::release_on::<S>(connection, store.statement(admin::Action::Release), held).await;
+        return admin::release_on(store, connection, held).await;
     }
     let token = held.token.to_bytes();
     let params = [
@@ -172,12 +172,14 @@ pub async fn withdraw<S: admin::SqlActions>(
         admin::Param::Text(Some(held.key.as_str())),
         admin::Param::Bytes(Some(&token[..])),
     ];
-    let statement = store.statement(admin::Action::Withdraw);
-    let order = S::placeholders(admin::Action::Withdraw);
-    let done = <S::Engine as admin::Engine>::execute(connection, statement, &params, order)
-        .await
-        .map_err(|e| S::map_error()("withdraw a claim", e))?;
-    Ok(fenced_by_rows(S::rows_affected(&done)))
+    admin::fenced_write(
+        store,
+        connection,
+        admin::Action::Withdraw,
+        "withdraw a claim",
+        &params,
+    )
+    .await
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
