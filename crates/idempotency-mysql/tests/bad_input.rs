@@ -129,7 +129,7 @@ async fn a_table_from_another_version_is_refused() {
 
 #[tokio::test]
 async fn a_foreign_table_under_the_configured_name_is_refused_and_left_alone() {
-    let table = common::fresh_table("t");
+    let table = idempotency_testkit::sql::fresh_table("t");
     let admin = common::fresh_store().await;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {table} (id INT PRIMARY KEY, name TEXT); INSERT INTO {table} VALUES (1, 'kept')"
@@ -156,7 +156,7 @@ async fn a_foreign_table_under_the_configured_name_is_refused_and_left_alone() {
 
 #[tokio::test]
 async fn a_missing_table_is_not_created_without_create_access() {
-    let table = common::fresh_table("t");
+    let table = idempotency_testkit::sql::fresh_table("t");
     for access in [Access::Existing, Access::ReadOnly] {
         let options = MysqlOptions::from_url(&common::database_url())
             .unwrap()

@@ -3,6 +3,9 @@
 //! and the [`outage`] runs write in the record's transaction, in each server's
 //! SQL. A store crate's tests implement [`Dialect`] on a type of their own (its placeholders,
 //! its id column, how it names and kills a connection) and use [`Charges`].
+//!
+//! Also the one rule for naming the tables tests create on a shared server and for dropping
+//! those a crashed run left behind: [`fresh_table`], [`outdated`], [`drop_outdated`].
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -358,11 +361,8 @@ const OUTDATED_AFTER: std::time::Duration = std::time::Duration::from_secs(3600)
 #[must_use]
 pub fn fresh_suffix() -> String {
     use std::hash::{BuildHasher, RandomState};
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
     let random = RandomState::new().hash_one(std::time::Instant::now());
-    format!("{}_{random:016x}", now.as_secs())
+    format!("{}_{random:016x}", unix_seconds())
 }
 
 /// A fresh table name, `{prefix}_{fresh_suffix}` (`prefix` without `_`).
@@ -375,11 +375,15 @@ pub fn fresh_table(prefix: &str) -> String {
 /// than an hour ago. A name without a time is never outdated: it is not a test's.
 #[must_use]
 pub fn outdated(table: &str) -> bool {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
     let created = table.split('_').nth(1).and_then(|t| t.parse::<u64>().ok());
-    created.is_some_and(|t| t.saturating_add(OUTDATED_AFTER.as_secs()) < now.as_secs())
+    created.is_some_and(|t| t.saturating_add(OUTDATED_AFTER.as_secs()) < unix_seconds())
+}
+
+/// The system clock in whole seconds since the Unix epoch, as the names carry it.
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs())
 }
 
 /// Drops each of `tables` that is [`outdated`], as `qualified` names it in SQL (its schema, say).
@@ -404,10 +408,7 @@ mod tests {
         let (a, b) = (fresh_table("t"), fresh_table("t"));
         assert_ne!(a, b, "two names of the same instant differ");
         assert!(a.starts_with("t_") && !outdated(&a), "{a}");
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
+        let now = unix_seconds();
         assert!(outdated(&format!("t_{}_00", now - 3601)));
         assert!(!outdated(&format!("t_{}_00", now - 3599)));
         for not_a_test_table in ["users", "t_users", "idempotency_records", "t__1"] {

@@ -208,14 +208,8 @@ pub async fn sqlite() -> DynStore {
 pub async fn postgres() -> DynStore {
     let url =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let table = format!(
-        "h_{}_{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs(),
-        rand_suffix()
-    );
+    // Named as the PostgreSQL store's tests name theirs, which drop it once it is an hour old.
+    let table = idempotency_testkit::sql::fresh_table("h");
     let options = idempotency_postgres::PostgresOptions::from_url(&url)
         .unwrap()
         .schema("idempotency_tests")
@@ -235,14 +229,12 @@ pub async fn redis() -> DynStore {
         idempotency_redis::RedisStore::connect(&url)
             .await
             .unwrap_or_else(|e| panic!("Redis at {url} is needed for this test: {e}"))
-            .prefix(&format!("idem-http-test:{}:", rand_suffix()))
+            .prefix(&format!(
+                "idem-http-test:{}:",
+                idempotency_testkit::sql::fresh_suffix()
+            ))
             .unwrap(),
     )
-}
-
-fn rand_suffix() -> String {
-    use std::hash::{BuildHasher, RandomState};
-    format!("{:016x}", RandomState::new().hash_one(std::time::Instant::now()))
 }
 
 /// Writes `head` and then `body` on a raw connection, ignoring write errors (the server may

@@ -14,16 +14,11 @@ pub fn database_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
-/// A fresh table name. Tables are named after their creation time; those of runs more than an
-/// hour old are dropped by [`fresh_store`], so a crashed run leaves nothing behind for long.
-pub fn fresh_table(prefix: &str) -> String {
-    idempotency_testkit::sql::fresh_table(prefix)
-}
-
-/// A store on a table of its own. Panics when the server is unreachable: a test that cannot
+/// A store on a table of its own (`t_…`, named by `idempotency_testkit::sql::fresh_table`:
+/// tables of runs more than an hour old are dropped here). Panics when the server is unreachable: a test that cannot
 /// reach its server fails.
 pub async fn fresh_store() -> MysqlStore {
-    store_on(&fresh_table("t"), 16).await
+    store_on(&idempotency_testkit::sql::fresh_table("t"), 16).await
 }
 
 /// A store on `table` (created if missing) with at most `max_connections`.
@@ -40,7 +35,7 @@ pub async fn store_on(table: &str, max_connections: u32) -> MysqlStore {
     store
 }
 
-/// Drops the tests' tables (`t_…`, `b_…`: the database is shared) of runs more than an hour old.
+/// Drops the tests' tables (`t_…`: the database is shared) of runs more than an hour old.
 async fn drop_old_tables(pool: &sqlx::MySqlPool) {
     let mut tables: Vec<String> = sqlx::query_scalar(
         "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
@@ -48,7 +43,7 @@ async fn drop_old_tables(pool: &sqlx::MySqlPool) {
     .fetch_all(pool)
     .await
     .unwrap();
-    tables.retain(|table| table.starts_with("t_") || table.starts_with("b_"));
+    tables.retain(|table| table.starts_with("t_"));
     idempotency_testkit::sql::drop_outdated(pool, &tables, str::to_owned).await;
 }
 
