@@ -75,23 +75,13 @@ impl MysqlOptions {
     /// [`ErrorKind::InvalidConfig`] for another scheme, a malformed URL or one without a
     /// database. The message never contains the password.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
-        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-        if !matches!(scheme, "mysql" | "mariadb") {
-            return Err(StoreError::new(
-                ErrorKind::InvalidConfig,
-                format!("`{}` is not a mysql:// or mariadb:// URL", redact_url(url)),
-            ));
-        }
-        let connect = MySqlConnectOptions::from_str(&format!("mysql://{rest}")).map_err(|error| {
-            StoreError::new(
-                ErrorKind::InvalidConfig,
-                format!(
-                    "malformed MySQL URL `{}`: {}",
-                    redact_url(url),
-                    redact_url(&error.to_string())
-                ),
-            )
-        })?;
+        let connect = idempotency_core::sql::parse_url(
+            url,
+            "MySQL",
+            &["mysql", "mariadb"],
+            &["ssl-ca", "sslca", "ssl-cert", "sslcert", "ssl-key", "sslkey"],
+            MySqlConnectOptions::from_str,
+        )?;
         if connect.get_database().is_none_or(str::is_empty) {
             return Err(StoreError::new(
                 ErrorKind::InvalidConfig,
@@ -101,10 +91,6 @@ impl MysqlOptions {
                 ),
             ));
         }
-        idempotency_core::sql::check_pem_files(
-            url,
-            &["ssl-ca", "sslca", "ssl-cert", "sslcert", "ssl-key", "sslkey"],
-        )?;
         Ok(Self::with(connect))
     }
 

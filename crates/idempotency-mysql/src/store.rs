@@ -13,9 +13,7 @@ use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, Outcome, Record,
     RecordColumns, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, stored_millis,
 };
-use sqlx::mysql::{
-    MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlQueryResult, MySqlRow,
-};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlQueryResult, MySqlRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
 use crate::error::{DEADLOCK, DUPLICATE_KEY, map_error, number};
@@ -110,13 +108,10 @@ impl MysqlStore {
     ///
     /// As [`MysqlStore::connect`].
     pub async fn connect_with(options: MysqlOptions) -> Result<Self, StoreError> {
-        let mut pool = MySqlPoolOptions::new()
-            // No ping before each statement: it doubles the round trips of a replay. A
-            // connection the server closed fails its next statement with a retryable error
-            // and is dropped from the pool (tests/connection_loss.rs).
-            .test_before_acquire(false)
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout);
+        let mut pool = idempotency_core::sql::pool_options::<sqlx::MySql>(
+            options.max_connections,
+            options.acquire_timeout,
+        );
         if options.access == Access::ReadOnly {
             pool = pool.after_connect(|connection, _| read_only_session(connection));
         }

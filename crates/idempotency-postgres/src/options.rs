@@ -4,7 +4,9 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{Access, DynStore, ErrorKind, Identifier, StoreError, StoreKind, redact_url};
+#[cfg(any(doc, test))]
+use idempotency_core::ErrorKind;
+use idempotency_core::{Access, DynStore, Identifier, StoreError, StoreKind};
 use sqlx::postgres::PgConnectOptions;
 
 /// How to connect a [`crate::PostgresStore`].
@@ -78,21 +80,10 @@ impl PostgresOptions {
     /// [`ErrorKind::InvalidConfig`] for another scheme or a malformed URL. The message never
     /// contains the password.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
-        let scheme = url.split_once("://").map(|(scheme, _)| scheme);
-        if !matches!(scheme, Some("postgres" | "postgresql")) {
-            return Err(StoreError::new(
-                ErrorKind::InvalidConfig,
-                format!("`{}` is not a postgres:// URL", redact_url(url)),
-            ));
-        }
-        let connect = PgConnectOptions::from_str(url).map_err(|error| {
-            StoreError::new(
-                ErrorKind::InvalidConfig,
-                format!("malformed PostgreSQL URL `{}`: {error}", redact_url(url)),
-            )
-        })?;
-        idempotency_core::sql::check_pem_files(
+        let connect = idempotency_core::sql::parse_url(
             url,
+            "PostgreSQL",
+            &["postgres", "postgresql"],
             &[
                 "sslrootcert",
                 "ssl-root-cert",
@@ -102,6 +93,7 @@ impl PostgresOptions {
                 "sslkey",
                 "ssl-key",
             ],
+            PgConnectOptions::from_str,
         )?;
         Ok(Self::with(connect))
     }

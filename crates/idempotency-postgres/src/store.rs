@@ -14,7 +14,7 @@ use idempotency_core::{
     RecordState, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, failed_batch,
     stored_millis,
 };
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgQueryResult, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::batch;
@@ -144,16 +144,13 @@ impl PostgresStore {
         if options.access == Access::ReadOnly {
             connect = connect.options([("default_transaction_read_only", "on")]);
         }
-        let pool = PgPoolOptions::new()
-            // No ping before each statement: it doubled the round trips of a replay. A
-            // connection the server closed fails its next statement with a retryable error
-            // and is dropped from the pool (tests/connection_loss.rs).
-            .test_before_acquire(false)
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(connect)
-            .await
-            .map_err(|e| map_error("connect to PostgreSQL", e))?;
+        let pool = idempotency_core::sql::pool_options::<sqlx::Postgres>(
+            options.max_connections,
+            options.acquire_timeout,
+        )
+        .connect_with(connect)
+        .await
+        .map_err(|e| map_error("connect to PostgreSQL", e))?;
         let store = Self::from_pool(pool, &options);
         if options.access != Access::Create {
             store.check_table().await?;

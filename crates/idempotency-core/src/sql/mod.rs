@@ -29,7 +29,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::{
     ErrorKind, Fenced, Fingerprint, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError,
-    Timestamp, Token,
+    Timestamp, Token, redact_url,
 };
 
 /// Classifies `error`; `doing` says what the store was doing, `server` classifies the server's
@@ -180,6 +180,59 @@ pub async fn withdraw<S: admin::SqlActions>(
         &params,
     )
     .await
+}
+
+/// The options of an SQL store's pool: at most `max_connections`, waiting at most
+/// `acquire_timeout` for one, and no ping before each statement: it doubles the round trips
+/// of a replay. A connection the server closed fails its next statement with a retryable
+/// error and is dropped from the pool (each store's `tests/connection_loss.rs`).
+#[must_use]
+pub fn pool_options<DB: sqlx::Database>(
+    max_connections: u32,
+    acquire_timeout: std::time::Duration,
+) -> sqlx::pool::PoolOptions<DB> {
+    sqlx::pool::PoolOptions::new()
+        .test_before_acquire(false)
+        .max_connections(max_connections)
+        .acquire_timeout(acquire_timeout)
+}
+
+/// A store URL's connection options, as the SQL stores read them: the scheme must be one of
+/// `schemes`, and the driver (`parse`) is handed the URL under the first of them (so
+/// `mariadb://` reads as `mysql://`); then the PEM files its `pem_parameters` name are checked
+/// ([`check_pem_files`]). `engine` names the server in errors.
+///
+/// # Errors
+///
+/// [`ErrorKind::InvalidConfig`] for another scheme, a URL the driver refuses or a PEM file
+/// that cannot be read. No message contains the password.
+pub fn parse_url<O>(
+    url: &str,
+    engine: &str,
+    schemes: &[&str],
+    pem_parameters: &[&str],
+    parse: impl FnOnce(&str) -> Result<O, sqlx::Error>,
+) -> Result<O, StoreError> {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    if !schemes.contains(&scheme) {
+        let schemes: Vec<String> = schemes.iter().map(|scheme| format!("{scheme}://")).collect();
+        return Err(StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!("`{}` is not a {} URL", redact_url(url), schemes.join(" or ")),
+        ));
+    }
+    let options = parse(&format!("{}://{rest}", schemes[0])).map_err(|error| {
+        StoreError::new(
+            ErrorKind::InvalidConfig,
+            format!(
+                "malformed {engine} URL `{}`: {}",
+                redact_url(url),
+                redact_url(&error.to_string())
+            ),
+        )
+    })?;
+    check_pem_files(url, pem_parameters)?;
+    Ok(options)
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
@@ -410,6 +463,45 @@ mod tests {
 
     fn kind(error: sqlx::Error) -> ErrorKind {
         map_error("test", error, |_| unreachable!("not a server error")).kind()
+    }
+
+    #[test]
+    fn store_urls_are_checked_before_the_driver_sees_them_and_never_echo_passwords() {
+        const SCHEMES: [&str; 2] = ["mysql", "mariadb"];
+        let seen = parse_url("mariadb://app:s3cret@db/x", "MySQL", &SCHEMES, &[], |url| {
+            Ok(url.to_owned())
+        });
+        assert_eq!(
+            seen.unwrap(),
+            "mysql://app:s3cret@db/x",
+            "the driver gets the first scheme"
+        );
+
+        // The message of a refused URL: always a configuration error, never the password.
+        let refused = |url: &str, pem: &[&str], driver: fn(&str) -> Result<(), sqlx::Error>| {
+            let error = parse_url(url, "MySQL", &SCHEMES, pem, driver).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(!error.to_string().contains("s3cret"), "{url}: {error}");
+            error.to_string()
+        };
+        let foreign = refused("postgres://app:s3cret@db/x", &[], |_| {
+            unreachable!("a foreign scheme never reaches the driver")
+        });
+        assert!(
+            foreign.contains("is not a mysql:// or mariadb:// URL"),
+            "{foreign}"
+        );
+        let malformed = refused("mysql://app:s3cret@db:port/x", &[], |_| {
+            Err(sqlx::Error::Configuration(
+                "bad port in mysql://app:s3cret@db:port/x".into(),
+            ))
+        });
+        assert!(
+            malformed.contains("malformed MySQL URL `mysql://app:***@db:port/x`"),
+            "{malformed}"
+        );
+        let missing = refused("mysql://db/x?ssl-ca=/nonexistent/ca.pem", &["ssl-ca"], |_| Ok(()));
+        assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
     }
 
     #[test]
