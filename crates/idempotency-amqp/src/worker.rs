@@ -9,12 +9,12 @@ use std::pin::Pin;
 
 use futures_util::StreamExt;
 use futures_util::future::{FutureExt, Shared};
-use idempotency_consumer::{Backoff, DEFAULT_BATCH, DEFAULT_LINGER, Processor};
+use idempotency_consumer::{Backoff, Processor};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use idempotency_consumer::adapter::{AdapterErrorKind, BatchPlan, Pipeline, batches};
+use idempotency_consumer::adapter::{AdapterErrorKind, Flow, Pipeline};
 
 use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
@@ -49,13 +49,9 @@ pub struct Worker<P> {
     url: String,
     topology: Topology,
     processor: Arc<P>,
-    prefetch: u16,
-    concurrency: Option<usize>,
-    batch: usize,
-    linger: Duration,
+    flow: Flow,
     reconnect: Backoff,
     set_up_timeout: Duration,
-    name: Option<String>,
     tls: AmqpTls,
 }
 
@@ -64,10 +60,7 @@ impl<P> fmt::Debug for Worker<P> {
         f.debug_struct("Worker")
             .field("url", &idempotency_core::redact_url(&self.url))
             .field("topology", &self.topology)
-            .field("prefetch", &self.prefetch)
-            .field("concurrency", &self.concurrency)
-            .field("batch", &self.batch)
-            .field("linger", &self.linger)
+            .field("flow", &self.flow)
             .field("reconnect", &self.reconnect)
             .field("set_up_timeout", &self.set_up_timeout)
             .finish_non_exhaustive()
@@ -76,7 +69,8 @@ impl<P> fmt::Debug for Worker<P> {
 
 impl<P: Processor<AmqpMessage>> Worker<P> {
     /// A worker on the broker at `url` (an `amqp://` URL) for `topology`. Defaults: prefetch 16,
-    /// batches of up to [`DEFAULT_BATCH`] (at most the prefetch) lingering [`DEFAULT_LINGER`],
+    /// batches of up to [`DEFAULT_BATCH`](idempotency_consumer::DEFAULT_BATCH) (at most the
+    /// prefetch) lingering [`DEFAULT_LINGER`](idempotency_consumer::DEFAULT_LINGER),
     /// reconnection backoff from 100 ms doubling to 5 s, set-up timeout
     /// [`DEFAULT_SET_UP_TIMEOUT`].
     pub fn new(url: impl Into<String>, topology: Topology, processor: Arc<P>) -> Self {
@@ -84,11 +78,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             url: url.into(),
             topology,
             processor,
-            prefetch: 16,
-            concurrency: None,
-            batch: DEFAULT_BATCH,
-            linger: DEFAULT_LINGER,
-            name: None,
+            flow: Flow::default(),
             tls: AmqpTls::default(),
             reconnect: Backoff {
                 initial: Duration::from_millis(100),
@@ -98,49 +88,13 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         }
     }
 
-    /// How many unacknowledged deliveries the broker hands out at once (the channel's QoS,
-    /// at most 65,535): fetched ahead of processing.
-    #[must_use]
-    pub fn prefetch(mut self, prefetch: usize) -> Self {
-        self.prefetch = u16::try_from(prefetch).unwrap_or(u16::MAX).max(1);
-        self
-    }
-
-    /// How many deliveries are processed at the same time (by default, the prefetch: more
-    /// could never be running, since the broker hands out no more).
-    #[must_use]
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = Some(concurrency.max(1));
-        self
-    }
-
-    /// How many deliveries are decided together (default [`DEFAULT_BATCH`], at most the
-    /// prefetch): the processor claims their keys in one store round trip and records their
-    /// outcomes in one more ([`Processor::process_many`]), each delivery acked once its own
-    /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
-    /// `1` decides each delivery on its own. [`concurrency`](Self::concurrency) deliveries are
-    /// processed at once, in batches of this size and of at most half the concurrency, so that
-    /// two batches overlap ([`BatchPlan`]: one waits for the store while the other's handlers
-    /// and acks run).
-    #[must_use]
-    pub fn batch(mut self, deliveries: usize) -> Self {
-        self.batch = deliveries.max(1);
-        self
-    }
-
-    /// How long a batch waits for more deliveries when fewer than [`batch`](Self::batch)
-    /// arrived (default [`DEFAULT_LINGER`]): a lone delivery is not delayed longer than this.
-    #[must_use]
-    pub fn linger(mut self, linger: Duration) -> Self {
-        self.linger = linger;
-        self
-    }
-
-    /// The name the metrics and logs carry (`consumer`); the queue's name by default.
-    #[must_use]
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
-        self
+    idempotency_consumer::flow_setters! {
+        messages: "deliveries",
+        name: "the queue's name",
+        concurrency: "How many deliveries are processed at the same time (by default, the \
+                      prefetch: more could never be running, since the broker hands out no more).",
+        prefetch: "How many unacknowledged deliveries the broker hands out at once (the \
+                   channel's QoS, at most 65,535; default 16): fetched ahead of processing.",
     }
 
     /// The TLS files of an `amqps://` URL (a private CA, a client certificate); without them
@@ -169,9 +123,16 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
         self
     }
 
+    /// The channel's QoS: the prefetch set, at most 65,535, or 16.
+    fn qos(&self) -> u16 {
+        self.flow
+            .prefetch
+            .map_or(16, |prefetch| u16::try_from(prefetch).unwrap_or(u16::MAX))
+    }
+
     /// The worker's name: set with [`name`](Self::name), or the queue's.
     fn consumer_name(&self) -> String {
-        self.name.clone().unwrap_or_else(|| self.topology.queue.clone())
+        self.flow.name_or(&self.topology.queue)
     }
 
     /// Consumes until `shutdown` completes, then stops taking deliveries, lets the running ones
@@ -228,7 +189,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             () = shutdown.clone() => return Ok(()),
         };
         let (connection, channel, deliveries) = set_up;
-        tracing::info!(queue = %self.topology.queue, prefetch = self.prefetch, "consuming");
+        tracing::info!(queue = %self.topology.queue, prefetch = self.qos(), "consuming");
         let pipeline = Pipeline::new(
             RabbitMq::new(channel.clone(), self.topology.clone()),
             self.consumer_name(),
@@ -249,30 +210,14 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             // Boxed: the combinators' closures otherwise keep the future from being proved
             // `Send` for every lifetime.
             .boxed();
-        let concurrency = self.concurrency.unwrap_or(usize::from(self.prefetch));
-        let plan = BatchPlan::new(self.batch.min(usize::from(self.prefetch)), concurrency);
+        let prefetch = usize::from(self.qos());
+        let concurrency = self.flow.concurrency.unwrap_or(prefetch);
+        let plan = self.flow.plan(prefetch, concurrency);
         // A failed settlement is logged, counted and handed back by the pipeline; the broker
         // delivers it again, and the record decides again.
-        if plan.size <= 1 {
-            deliveries
-                .for_each_concurrent(concurrency, |message| {
-                    let pipeline = &pipeline;
-                    async move {
-                        let _ = pipeline.process(&*self.processor, &message).await;
-                    }
-                })
-                .await;
-        } else {
-            batches(deliveries, plan.size, self.linger)
-                .for_each_concurrent(plan.in_flight, |messages| {
-                    let pipeline = &pipeline;
-                    async move {
-                        let messages: Vec<&AmqpMessage> = messages.iter().collect();
-                        pipeline.process_batch(&*self.processor, &messages).await;
-                    }
-                })
-                .await;
-        }
+        pipeline
+            .run(&*self.processor, deliveries, concurrency, plan, self.flow.linger)
+            .await;
         let connected = connection.status().connected();
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "consumer stopping".into())).await;
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, connection.close(200, "consumer stopping".into())).await;
@@ -330,7 +275,7 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
                 }
             })?;
             channel
-                .basic_qos(self.prefetch, BasicQosOptions::default())
+                .basic_qos(self.qos(), BasicQosOptions::default())
                 .await
                 .map_err(lost("setting the prefetch"))?;
             let deliveries = channel

@@ -145,6 +145,142 @@ impl BatchPlan {
     }
 }
 
+/// How a worker takes messages in: the knobs every broker's worker is tuned by, under one
+/// vocabulary (`docs/CONSUMERS.md`). A worker keeps its `Flow` in a field named `flow` and gets
+/// its setters from [`flow_setters!`](crate::flow_setters), so that the knobs read and behave
+/// alike on every broker; what `None` means (the broker's default) is the worker's to say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Flow {
+    /// The name the metrics and logs carry (`consumer`); the worker's default when `None`.
+    pub name: Option<String>,
+    /// How many messages are processed at once.
+    pub concurrency: Option<usize>,
+    /// How many fetched messages may wait ahead of processing.
+    pub prefetch: Option<usize>,
+    /// How many messages are decided together (at least 1).
+    pub batch: usize,
+    /// How long a batch waits for more messages when fewer than `batch` arrived.
+    pub linger: Duration,
+}
+
+impl Default for Flow {
+    /// No name, concurrency or prefetch of its own; batches of up to
+    /// [`DEFAULT_BATCH`](crate::DEFAULT_BATCH) lingering [`DEFAULT_LINGER`](crate::DEFAULT_LINGER).
+    fn default() -> Self {
+        Self {
+            name: None,
+            concurrency: None,
+            prefetch: None,
+            batch: crate::DEFAULT_BATCH,
+            linger: crate::DEFAULT_LINGER,
+        }
+    }
+}
+
+impl Flow {
+    /// The worker's name: the one set, or `default`.
+    #[must_use]
+    pub fn name_or(&self, default: &str) -> String {
+        self.name.clone().unwrap_or_else(|| default.to_owned())
+    }
+
+    /// The [`BatchPlan`] for `concurrency` messages at once when `prefetch` are fetched ahead:
+    /// a batch never waits for more than one fetch can hand out.
+    #[must_use]
+    pub fn plan(&self, prefetch: usize, concurrency: usize) -> BatchPlan {
+        BatchPlan::new(self.batch.min(prefetch), concurrency)
+    }
+}
+
+/// Writes the [`Flow`] setters of a worker whose `flow` field holds them: `name`,
+/// `concurrency`, `prefetch`, `batch` and `linger`, documented once for every broker that
+/// decides its messages in overlapping batches ([`BatchPlan`]). The worker says what its
+/// messages are called, whose name it carries by default and what concurrency and prefetch
+/// mean on its broker.
+///
+/// ```
+/// use idempotency_consumer::adapter::Flow;
+///
+/// /// A worker.
+/// pub struct Worker {
+///     flow: Flow,
+/// }
+///
+/// impl Worker {
+///     idempotency_consumer::flow_setters! {
+///         messages: "messages",
+///         name: "the queue's name",
+///         concurrency: "How many messages are handled at once (default 16).",
+///         prefetch: "How many messages are fetched ahead (default: the concurrency).",
+///     }
+/// }
+///
+/// let worker = Worker { flow: Flow::default() }.name("orders").concurrency(0).batch(8);
+/// assert_eq!(worker.flow.name.as_deref(), Some("orders"));
+/// assert_eq!(worker.flow.concurrency, Some(1));
+/// assert_eq!(worker.flow.plan(16, 32).size, 8);
+/// ```
+#[macro_export]
+macro_rules! flow_setters {
+    (
+        messages: $messages:literal,
+        name: $name:literal,
+        concurrency: $concurrency:literal,
+        prefetch: $prefetch:literal $(,)?
+    ) => {
+        #[doc = concat!("The name the metrics and logs carry (`consumer`); ", $name, " by default.")]
+        #[must_use]
+        pub fn name(mut self, name: impl Into<String>) -> Self {
+            self.flow.name = Some(name.into());
+            self
+        }
+
+        #[doc = $concurrency]
+        #[must_use]
+        pub fn concurrency(mut self, concurrency: usize) -> Self {
+            self.flow.concurrency = Some(concurrency.max(1));
+            self
+        }
+
+        #[doc = $prefetch]
+        #[must_use]
+        pub fn prefetch(mut self, prefetch: usize) -> Self {
+            self.flow.prefetch = Some(prefetch.max(1));
+            self
+        }
+
+        #[doc = concat!(
+                    "How many ", $messages, " are decided together (default [`DEFAULT_BATCH`](",
+                    "idempotency_consumer::DEFAULT_BATCH), at most the prefetch): the processor claims ",
+                    "their keys in one store round trip and records their outcomes in one more ",
+                    "([`Processor::process_many`](idempotency_consumer::Processor::process_many)), each ",
+                    "acked once its own outcome is recorded. A nack, a dead letter or a panic of one ",
+                    "never changes another's. `1` decides each on its own. ",
+                    "[`concurrency`](Self::concurrency) ", $messages, " are processed at once, in ",
+                    "batches of this size and of at most half the concurrency, so that two batches ",
+                    "overlap ([`BatchPlan`](idempotency_consumer::adapter::BatchPlan): one waits for the ",
+                    "store while the other's handlers and acks run)."
+                )]
+        #[must_use]
+        pub fn batch(mut self, size: usize) -> Self {
+            self.flow.batch = size.max(1);
+            self
+        }
+
+        #[doc = concat!(
+                    "How long a batch waits for more ", $messages, " when fewer than ",
+                    "[`batch`](Self::batch) arrived (default [`DEFAULT_LINGER`](",
+                    "idempotency_consumer::DEFAULT_LINGER)): a lone one is not delayed longer than this."
+                )]
+        #[must_use]
+        pub fn linger(mut self, linger: ::std::time::Duration) -> Self {
+            self.flow.linger = linger;
+            self
+        }
+    };
+}
+
 /// The per-message pipeline of one worker; see the [module docs](self).
 pub struct Pipeline<B> {
     broker: B,
@@ -421,6 +557,39 @@ impl<B: Broker> Pipeline<B> {
         let disposition = self.decide(processor, message).await;
         self.settle(message, &disposition).await?;
         Ok(disposition)
+    }
+
+    /// Runs every message of `messages` through the pipeline until the stream ends, as a worker
+    /// of independent messages (RabbitMQ, JetStream) does: `concurrency` at once, each on its
+    /// own ([`process`](Self::process)) when `plan`'s batches hold one, otherwise in batches
+    /// gathered for at most `linger` ([`batches`]) with `plan.in_flight` of them decided at the
+    /// same time ([`process_batch`](Self::process_batch)). A failed settlement is logged and
+    /// counted here; the message comes back, and the record answers it.
+    pub async fn run<P, S>(
+        &self,
+        processor: &P,
+        messages: S,
+        concurrency: usize,
+        plan: BatchPlan,
+        linger: Duration,
+    ) where
+        P: Processor<B::Message>,
+        S: futures_util::Stream<Item = B::Message> + Send,
+    {
+        if plan.size <= 1 {
+            messages
+                .for_each_concurrent(concurrency, |message| async move {
+                    let _ = self.process(processor, &message).await;
+                })
+                .await;
+        } else {
+            batches(messages, plan.size, linger)
+                .for_each_concurrent(plan.in_flight, |messages| async move {
+                    let messages: Vec<&B::Message> = messages.iter().collect();
+                    self.process_batch(processor, &messages).await;
+                })
+                .await;
+        }
     }
 }
 

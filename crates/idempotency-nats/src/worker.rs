@@ -10,11 +10,9 @@ use async_nats::jetstream::stream::ConsumerErrorKind;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use futures_util::future::FutureExt;
-use idempotency_consumer::{Backoff, DEFAULT_BATCH, DEFAULT_LINGER, Processor};
+use idempotency_consumer::{Backoff, Processor};
 
-use idempotency_consumer::adapter::{
-    AdapterError, AdapterErrorKind, BatchPlan, Pipeline, batches, retry_set_up,
-};
+use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Flow, Pipeline, retry_set_up};
 
 use crate::{BROKER, JetStream, NatsMessage};
 
@@ -49,13 +47,9 @@ pub struct Worker<P> {
     consumer: String,
     dead_letter_subject: String,
     processor: Arc<P>,
-    concurrency: usize,
-    prefetch: Option<usize>,
-    batch: usize,
-    linger: Duration,
+    flow: Flow,
     ack_wait: Duration,
     filter_subject: Option<String>,
-    name: Option<String>,
 }
 
 impl<P> fmt::Debug for Worker<P> {
@@ -64,9 +58,7 @@ impl<P> fmt::Debug for Worker<P> {
             .field("stream", &self.stream)
             .field("consumer", &self.consumer)
             .field("dead_letter_subject", &self.dead_letter_subject)
-            .field("concurrency", &self.concurrency)
-            .field("batch", &self.batch)
-            .field("linger", &self.linger)
+            .field("flow", &self.flow)
             .field("ack_wait", &self.ack_wait)
             .field("filter_subject", &self.filter_subject)
             .finish_non_exhaustive()
@@ -76,8 +68,9 @@ impl<P> fmt::Debug for Worker<P> {
 impl<P: Processor<NatsMessage>> Worker<P> {
     /// A worker on the durable pull consumer `consumer` of `stream` (created with explicit
     /// acks if it does not exist), dead-lettering to `dead_letter_subject`. Defaults:
-    /// concurrency 16, batches of up to [`DEFAULT_BATCH`] (at most the prefetch) lingering
-    /// [`DEFAULT_LINGER`], an ack wait of 30 s for a consumer it creates.
+    /// concurrency 16, batches of up to [`DEFAULT_BATCH`](idempotency_consumer::DEFAULT_BATCH)
+    /// (at most the prefetch) lingering [`DEFAULT_LINGER`](idempotency_consumer::DEFAULT_LINGER),
+    /// an ack wait of 30 s for a consumer it creates.
     pub fn new(
         jetstream: jetstream::Context,
         stream: impl Into<String>,
@@ -91,59 +84,19 @@ impl<P: Processor<NatsMessage>> Worker<P> {
             consumer: consumer.into(),
             dead_letter_subject: dead_letter_subject.into(),
             processor,
-            concurrency: 16,
-            prefetch: None,
-            batch: DEFAULT_BATCH,
-            linger: DEFAULT_LINGER,
+            flow: Flow::default(),
             ack_wait: Duration::from_secs(30),
             filter_subject: None,
-            name: None,
         }
     }
 
-    /// The name the metrics and logs carry (`consumer`); the durable consumer's by default.
-    #[must_use]
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
-        self
-    }
-
-    /// How many messages are handled at once.
-    #[must_use]
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
-        self
-    }
-
-    /// How many messages one pull asks for (by default the concurrency). More than the
-    /// concurrency makes messages wait in the client, their ack wait running; progress acks
-    /// start only once a message is handled.
-    #[must_use]
-    pub fn prefetch(mut self, prefetch: usize) -> Self {
-        self.prefetch = Some(prefetch.max(1));
-        self
-    }
-
-    /// How many pulled messages are decided together (default [`DEFAULT_BATCH`], at most the
-    /// prefetch): the processor claims their keys in one store round trip and records their
-    /// outcomes in one more ([`Processor::process_many`]), each message acked once its own
-    /// outcome is recorded. A nack, a dead letter or a panic of one never changes another's.
-    /// `1` decides each message on its own. [`concurrency`](Self::concurrency) messages are
-    /// processed at once, in batches of this size and of at most half the concurrency, so that
-    /// two batches overlap ([`BatchPlan`]: one waits for the store while the other's handlers
-    /// and acks run).
-    #[must_use]
-    pub fn batch(mut self, messages: usize) -> Self {
-        self.batch = messages.max(1);
-        self
-    }
-
-    /// How long a batch waits for more messages when fewer than [`batch`](Self::batch) arrived
-    /// (default [`DEFAULT_LINGER`]): a lone message is not delayed longer than this.
-    #[must_use]
-    pub fn linger(mut self, linger: Duration) -> Self {
-        self.linger = linger;
-        self
+    idempotency_consumer::flow_setters! {
+        messages: "messages",
+        name: "the durable consumer's",
+        concurrency: "How many messages are handled at once (default 16).",
+        prefetch: "How many messages one pull asks for (by default the concurrency). More than \
+                   the concurrency makes messages wait in the client, their ack wait running; \
+                   progress acks start only once a message is handled.",
     }
 
     /// The ack wait of a consumer the worker creates (an existing one keeps its own); progress
@@ -252,7 +205,9 @@ impl<P: Processor<NatsMessage>> Worker<P> {
         F: Future<Output = ()> + Send,
     {
         let shutdown = Box::pin(shutdown).shared();
-        let name = self.name.clone().unwrap_or_else(|| self.consumer.clone());
+        let name = self.flow.name_or(&self.consumer);
+        let concurrency = self.flow.concurrency.unwrap_or(16);
+        let prefetch = self.flow.prefetch.unwrap_or(concurrency);
         let found = retry_set_up(&name, BROKER, SET_UP_BACKOFF, shutdown.clone(), || {
             self.consumer()
         })
@@ -272,7 +227,7 @@ impl<P: Processor<NatsMessage>> Worker<P> {
         while shutdown.peek().is_none() {
             let messages = consumer
                 .stream()
-                .max_messages_per_batch(self.prefetch.unwrap_or(self.concurrency))
+                .max_messages_per_batch(prefetch)
                 .messages()
                 .await;
             let messages = match messages {
@@ -301,30 +256,10 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                 .boxed();
             // A failed settlement is logged and counted by the pipeline: unsettled, the message
             // comes back after its ack wait and the record answers it.
-            let plan = BatchPlan::new(
-                self.batch.min(self.prefetch.unwrap_or(self.concurrency)),
-                self.concurrency,
-            );
-            if plan.size <= 1 {
-                messages
-                    .for_each_concurrent(self.concurrency, |message| {
-                        let pipeline = &pipeline;
-                        async move {
-                            let _ = pipeline.process(&*self.processor, &message).await;
-                        }
-                    })
-                    .await;
-            } else {
-                batches(messages, plan.size, self.linger)
-                    .for_each_concurrent(plan.in_flight, |messages| {
-                        let pipeline = &pipeline;
-                        async move {
-                            let messages: Vec<&NatsMessage> = messages.iter().collect();
-                            pipeline.process_batch(&*self.processor, &messages).await;
-                        }
-                    })
-                    .await;
-            }
+            let plan = self.flow.plan(prefetch, concurrency);
+            pipeline
+                .run(&*self.processor, messages, concurrency, plan, self.flow.linger)
+                .await;
         }
         Ok(())
     }
