@@ -7,39 +7,21 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use common::consume::{self, Broker};
-use futures_util::StreamExt;
 
-use idempotency_testkit::nats::{TestStream, nats_url};
+use idempotency_testkit::nats::{TestStream, header, nats_url};
 
 /// A stream of the test's own with a work subject and a dead-letter subject.
-struct Nats {
-    js: jetstream::Context,
-    stream: String,
-    work: String,
-    dead: String,
-}
+struct Nats(TestStream);
 
 impl Nats {
     async fn new() -> Self {
-        let TestStream {
-            js,
-            stream,
-            work,
-            dead,
-            ..
-        } = TestStream::new("idemconsume", |_| {}).await;
-        Self {
-            js,
-            stream,
-            work,
-            dead,
-        }
+        Self(TestStream::new("idemconsume", |_| {}).await)
     }
 }
 
 impl Broker for Nats {
     fn source_name(&self) -> String {
-        format!("{}/idem", self.stream)
+        format!("{}/idem", self.0.stream)
     }
 
     /// The durable consumer `idem` on the work subject, with a 2 s ack wait.
@@ -47,56 +29,30 @@ impl Broker for Nats {
         format!(
             "{}?stream={}&consumer=idem&subject={}&dead_letter={}&ack_wait=2s",
             nats_url(),
-            self.stream,
-            self.work,
-            self.dead
+            self.0.stream,
+            self.0.work,
+            self.0.dead
         )
     }
 
     async fn publish(&self, key: &str, payload: &[u8]) {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Idempotency-Key", key);
-        self.js
-            .publish_with_headers(self.work.clone(), headers, payload.to_vec().into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        self.0.publish(Some(key), payload).await;
     }
 
     async fn dead_letters(&self) -> Vec<(String, String)> {
-        let stream = self.js.get_stream(&self.stream).await.unwrap();
-        let reader: jetstream::consumer::PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config {
-                filter_subject: self.dead.clone(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut batch = reader
-            .fetch()
-            .max_messages(100)
-            .expires(Duration::from_secs(2))
-            .messages()
-            .await
-            .unwrap();
-        let mut found = Vec::new();
-        while let Some(Ok(message)) = batch.next().await {
-            let headers = message.headers.clone().unwrap_or_default();
-            let header = |name: &str| {
-                headers
-                    .get(name)
-                    .map(|v| v.as_str().to_owned())
-                    .unwrap_or_default()
-            };
-            found.push((header("Idempotency-Key"), header("Idempotency-Dead-Reason")));
-        }
-        found
+        let dead = self.0.dead_letters().await;
+        let pair = |headers| {
+            (
+                header(headers, "Idempotency-Key"),
+                header(headers, "Idempotency-Dead-Reason"),
+            )
+        };
+        dead.iter().map(pair).collect()
     }
 
     /// The durable consumer's messages not yet delivered, and delivered but not acked.
     async fn outstanding(&self) -> u64 {
-        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let stream = self.0.js.get_stream(&self.0.stream).await.unwrap();
         let info = stream.consumer_info("idem").await.unwrap();
         info.num_pending + u64::try_from(info.num_ack_pending).unwrap()
     }
@@ -104,10 +60,10 @@ impl Broker for Nats {
     /// The dead-letter subject's messages in the stream, counted by a consumer that reads
     /// nothing.
     async fn dead_depth(&self) -> u64 {
-        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let stream = self.0.js.get_stream(&self.0.stream).await.unwrap();
         let mut counter: jetstream::consumer::PullConsumer = stream
             .create_consumer(jetstream::consumer::pull::Config {
-                filter_subject: self.dead.clone(),
+                filter_subject: self.0.dead.clone(),
                 ..Default::default()
             })
             .await
@@ -262,7 +218,7 @@ async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
             format!(
                 "{}?stream=NO_SUCH_STREAM_IDEM&consumer=c&dead_letter={}",
                 nats_url(),
-                setup.dead
+                setup.0.dead
             ),
             "the stream cannot be found",
         ),
@@ -270,7 +226,7 @@ async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
             format!(
                 "{}?stream={}&consumer=c&dead_letter=nowhere.idem",
                 nats_url(),
-                setup.stream
+                setup.0.stream
             ),
             "which no stream stores",
         ),
@@ -278,8 +234,8 @@ async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
             format!(
                 "{}?stream={}&consumer=whole&dead_letter={}",
                 nats_url(),
-                setup.stream,
-                setup.dead
+                setup.0.stream,
+                setup.0.dead
             ),
             "would receive its own dead letters",
         ),

@@ -1111,15 +1111,9 @@ async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
             .unwrap()
             .unwrap();
         let headers = message.headers.clone().unwrap_or_default();
-        let header = |name: &str| {
-            headers
-                .get(name)
-                .map(|v| v.as_str().to_owned())
-                .unwrap_or_default()
-        };
         got.push((
-            header("Idempotency-Key"),
-            header("Nats-Msg-Id"),
+            idempotency_testkit::nats::header(&headers, "Idempotency-Key"),
+            idempotency_testkit::nats::header(&headers, "Nats-Msg-Id"),
             String::from_utf8_lossy(&message.payload).into_owned(),
         ));
         message.ack().await.unwrap();

@@ -17,79 +17,42 @@ use idempotency_nats::{DEAD_REASON_HEADER, process, publish, replay_dead_letters
 use idempotency_testkit::brokers::{Charger, spawn_until_stopped, stop_and_wait};
 use idempotency_testkit::{FaultyStore, TcpProxy};
 
-use idempotency_testkit::nats::TestStream;
+use idempotency_testkit::nats::{TestStream, header};
 
 struct Setup {
-    js: jetstream::Context,
-    stream: String,
-    work: String,
-    dead: String,
+    test: TestStream,
     workers: PullConsumer,
 }
 
 impl Setup {
     async fn new() -> Self {
-        let TestStream {
-            js,
-            created,
-            stream,
-            work,
-            dead,
-        } = TestStream::new("idem", |config| config.duplicate_window = Duration::from_secs(60)).await;
-        let workers = created
+        let test = TestStream::new("idem", |config| config.duplicate_window = Duration::from_secs(60)).await;
+        let workers = test
+            .created
             .create_consumer(jetstream::consumer::pull::Config {
                 durable_name: Some("workers".into()),
-                filter_subject: work.clone(),
+                filter_subject: test.work.clone(),
                 ack_wait: Duration::from_secs(1),
                 ..Default::default()
             })
             .await
             .unwrap();
-        Self {
-            js,
-            stream,
-            work,
-            dead,
-            workers,
-        }
+        Self { test, workers }
     }
 
     /// Dead-lettered messages: (key, reason, source, deliveries, when).
-    async fn dead_letters(&self, expected: usize) -> Vec<(String, String, String, String, String)> {
-        let stream = self.js.get_stream(&self.stream).await.unwrap();
-        let reader: PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config {
-                filter_subject: self.dead.clone(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut found = Vec::new();
-        let mut batch = reader
-            .fetch()
-            .max_messages(expected.max(1))
-            .expires(Duration::from_secs(2))
-            .messages()
-            .await
-            .unwrap();
-        while let Some(Ok(message)) = batch.next().await {
-            let headers = message.headers.clone().unwrap_or_default();
-            let header = |name: &str| {
-                headers
-                    .get(name)
-                    .map(|v| v.as_str().to_owned())
-                    .unwrap_or_default()
-            };
-            found.push((
-                header("Idempotency-Key"),
-                header(DEAD_REASON_HEADER),
-                header("Idempotency-Dead-Source"),
-                header("Idempotency-Dead-Deliveries"),
-                header("Idempotency-Dead-At"),
-            ));
-            message.ack().await.unwrap();
-        }
-        found
+    async fn dead_letters(&self) -> Vec<(String, String, String, String, String)> {
+        let dead = self.test.dead_letters().await;
+        let fields = |headers: &HeaderMap| {
+            (
+                header(headers, "Idempotency-Key"),
+                header(headers, DEAD_REASON_HEADER),
+                header(headers, "Idempotency-Dead-Source"),
+                header(headers, "Idempotency-Dead-Deliveries"),
+                header(headers, "Idempotency-Dead-At"),
+            )
+        };
+        dead.iter().map(fields).collect()
     }
 
     /// Whether every work message has been settled.
@@ -100,7 +63,7 @@ impl Setup {
     }
 
     async fn cleanup(self) {
-        let _ = self.js.delete_stream(&self.stream).await;
+        let _ = self.test.js.delete_stream(&self.test.stream).await;
     }
 }
 
@@ -119,7 +82,11 @@ fn consumer(charger: &Charger, store: &FaultyStore<MemoryStore>) -> Arc<TestCons
 
 /// Runs a worker on the durable consumer until `stop`.
 fn worker(setup: &Setup, consumer: Arc<TestConsumer>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
-    let (workers, js, dead) = (setup.workers.clone(), setup.js.clone(), setup.dead.clone());
+    let (workers, js, dead) = (
+        setup.workers.clone(),
+        setup.test.js.clone(),
+        setup.test.dead.clone(),
+    );
     tokio::spawn(async move {
         let mut messages = workers.messages().await.unwrap();
         while !stop.load(Ordering::SeqCst) {
@@ -177,7 +144,14 @@ async fn a_dead_letter_copy_has_its_own_message_id_and_is_replayed_after_the_fix
     let stop = Arc::new(AtomicBool::new(false));
     let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
     // Fails its first four calls: dead-lettered after the fourth delivery, run by the fifth.
-    publish_copy(&setup.js, &setup.work, Some("poison"), "poison", "fail:4").await;
+    publish_copy(
+        &setup.test.js,
+        &setup.test.work,
+        Some("poison"),
+        "poison",
+        "fail:4",
+    )
+    .await;
     assert!(until(async || setup.drained().await, Duration::from_secs(20)).await);
     stop.store(true, Ordering::SeqCst);
     running.await.unwrap();
@@ -186,14 +160,14 @@ async fn a_dead_letter_copy_has_its_own_message_id_and_is_replayed_after_the_fix
         4,
         "exactly max_deliveries attempts"
     );
-    let dead = setup.dead_letters(1).await;
+    let dead = setup.dead_letters().await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].0, "poison");
     assert!(dead[0].1.starts_with("failed 4 deliveries"), "{dead:?}");
     // What an operator needs to look at it and replay it: where from, how often, when.
     assert_eq!(
         (dead[0].2.as_str(), dead[0].3.as_str()),
-        (setup.work.as_str(), "4"),
+        (setup.test.work.as_str(), "4"),
         "{dead:?}"
     );
     assert!(httpdate::parse_http_date(&dead[0].4).is_ok(), "{dead:?}");
@@ -201,14 +175,14 @@ async fn a_dead_letter_copy_has_its_own_message_id_and_is_replayed_after_the_fix
     // The cause is fixed (its next call succeeds): replayed, charged once.
     let stop = Arc::new(AtomicBool::new(false));
     let running = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
-    let moved = replay_dead_letters(&setup.js, &setup.stream, &setup.dead, 10)
+    let moved = replay_dead_letters(&setup.test.js, &setup.test.stream, &setup.test.dead, 10)
         .await
         .unwrap();
     assert_eq!(moved, 1);
     assert!(until(async || charger.0.effects("poison") == 1, Duration::from_secs(10)).await);
     stop.store(true, Ordering::SeqCst);
     running.await.unwrap();
-    assert!(setup.dead_letters(1).await.is_empty());
+    assert!(setup.dead_letters().await.is_empty());
     setup.cleanup().await;
 }
 
@@ -223,7 +197,14 @@ async fn a_handler_longer_than_ack_wait_runs_once_thanks_to_progress_acks() {
     // Two workers: a redelivery would go to the idle one at once.
     let first = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
     let second = worker(&setup, consumer(&charger, &store), Arc::clone(&stop));
-    publish_copy(&setup.js, &setup.work, Some("slow"), "slow", "sleep:2500").await;
+    publish_copy(
+        &setup.test.js,
+        &setup.test.work,
+        Some("slow"),
+        "slow",
+        "sleep:2500",
+    )
+    .await;
     assert!(until(async || setup.drained().await, Duration::from_secs(15)).await);
     stop.store(true, Ordering::SeqCst);
     first.await.unwrap();
@@ -248,12 +229,17 @@ async fn publishes_with_one_message_id_make_one_stream_message() {
     let setup = Setup::new().await;
     let key = Key::new("publish-once").unwrap();
     for _ in 0..3 {
-        publish(&setup.js, setup.work.clone(), &key, Bytes::from_static(b"EUR 10"))
-            .await
-            .unwrap();
+        publish(
+            &setup.test.js,
+            setup.test.work.clone(),
+            &key,
+            Bytes::from_static(b"EUR 10"),
+        )
+        .await
+        .unwrap();
     }
-    publish_copy(&setup.js, &setup.work, Some("other"), "other", "EUR 20").await;
-    let mut stream = setup.js.get_stream(&setup.stream).await.unwrap();
+    publish_copy(&setup.test.js, &setup.test.work, Some("other"), "other", "EUR 20").await;
+    let mut stream = setup.test.js.get_stream(&setup.test.stream).await.unwrap();
     let info = stream.info().await.unwrap();
     assert_eq!(info.state.messages, 2, "{:?}", info.state);
     setup.cleanup().await;
@@ -281,17 +267,17 @@ async fn a_connection_lost_while_the_worker_starts_is_waited_for() {
     let start = |js: jetstream::Context, consumer_name: String| {
         let worker = idempotency_nats::Worker::new(
             js,
-            setup.stream.clone(),
+            setup.test.stream.clone(),
             consumer_name,
-            setup.dead.clone(),
+            setup.test.dead.clone(),
             consumer(&charger, &store),
         )
-        .filter_subject(setup.work.clone());
+        .filter_subject(setup.test.work.clone());
         spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
     };
     // The worker's requests until it consumes, counted on one left alone: at least the
     // stream's info, the consumer's creation and a pull.
-    publish_copy(&setup.js, &setup.work, Some("probe"), "probe", "EUR 1").await;
+    publish_copy(&setup.test.js, &setup.test.work, Some("probe"), "probe", "EUR 1").await;
     let js = connect().await;
     let before = proxy.round_trips();
     let (stop, running) = start(js, "probe".into());
@@ -305,7 +291,7 @@ async fn a_connection_lost_while_the_worker_starts_is_waited_for() {
     assert!(requests >= 3, "{requests} requests");
     for step in 1..=3 {
         let key = format!("cut-at-{step}");
-        publish_copy(&setup.js, &setup.work, Some(&key), &key, "EUR 1").await;
+        publish_copy(&setup.test.js, &setup.test.work, Some(&key), &key, "EUR 1").await;
         let js = connect().await;
         let accepted = proxy.accepted();
         proxy.cut_at_round_trip(Some(proxy.round_trips() + step));

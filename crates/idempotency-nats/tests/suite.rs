@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use futures_util::StreamExt;
 use idempotency_consumer::source::SourceKind;
 use idempotency_testkit::TcpProxy;
 use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
@@ -24,10 +23,7 @@ struct Stream {
     proxy: TcpProxy,
     /// [`nats_url`] through `proxy`.
     proxied: String,
-    js: jetstream::Context,
-    stream: String,
-    work: String,
-    dead: String,
+    test: TestStream,
     workers: PullConsumer,
 }
 
@@ -35,20 +31,15 @@ impl BrokerHarness for JetStream {
     type Source = Stream;
 
     async fn source(&self, case: &str) -> Stream {
-        let TestStream {
-            js,
-            created,
-            stream,
-            work,
-            dead,
-        } = TestStream::new(&format!("suite_{case}"), |_| {}).await;
+        let test = TestStream::new(&format!("suite_{case}"), |_| {}).await;
         // The durable consumer as the worker would create it, made here so that it counts what
         // is published before the worker starts.
-        let workers = created
+        let workers = test
+            .created
             .create_consumer(jetstream::consumer::pull::Config {
                 durable_name: Some("workers".into()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                filter_subject: work.clone(),
+                filter_subject: test.work.clone(),
                 ack_wait: ACK_WAIT,
                 ..Default::default()
             })
@@ -58,10 +49,7 @@ impl BrokerHarness for JetStream {
         Stream {
             proxy,
             proxied,
-            js,
-            stream,
-            work,
-            dead,
+            test,
             workers,
         }
     }
@@ -76,9 +64,9 @@ impl BrokerSource for Stream {
         format!(
             "{}?stream={}&consumer=workers&subject={}&dead_letter={}&ack_wait={}s",
             self.proxied,
-            self.stream,
-            self.work,
-            self.dead,
+            self.test.stream,
+            self.test.work,
+            self.test.dead,
             ACK_WAIT.as_secs()
         )
     }
@@ -88,49 +76,18 @@ impl BrokerSource for Stream {
     }
 
     async fn publish(&self, key: Option<&str>, payload: &[u8]) {
-        let mut headers = HeaderMap::new();
-        if let Some(key) = key {
-            headers.insert("Idempotency-Key", key);
-        }
-        self.js
-            .publish_with_headers(self.work.clone(), headers, payload.to_vec().into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        self.test.publish(key, payload).await;
     }
 
-    /// Every dead letter from the start, read by a consumer of its own each time (nothing is
-    /// taken away).
     async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let stream = self.js.get_stream(&self.stream).await.unwrap();
-        let reader: PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config {
-                filter_subject: self.dead.clone(),
-                inactive_threshold: Duration::from_secs(30),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let pending = reader.cached_info().num_pending;
-        let mut found = Vec::new();
-        if pending == 0 {
-            return found;
-        }
-        let mut batch = reader
-            .fetch()
-            .max_messages(usize::try_from(pending).unwrap())
-            .expires(Duration::from_secs(2))
-            .messages()
-            .await
-            .unwrap();
-        while let Some(Ok(message)) = batch.next().await {
-            let headers = message.headers.clone().unwrap_or_default();
-            found.push(DeadLetter::new(headers.iter().filter_map(|(name, values)| {
-                Some((name.to_string(), values.first()?.as_str().to_owned()))
-            })));
-        }
-        found
+        let dead = self.test.dead_letters().await;
+        let letter =
+            |headers: &HeaderMap| {
+                DeadLetter::new(headers.iter().filter_map(|(name, values)| {
+                    Some((name.to_string(), values.first()?.as_str().to_owned()))
+                }))
+            };
+        dead.iter().map(letter).collect()
     }
 
     async fn outstanding(&self) -> u64 {
@@ -142,14 +99,14 @@ impl BrokerSource for Stream {
     /// The stream stops (or starts again) storing the dead-letter subject: a publish to it then
     /// has no stream to answer it.
     async fn refuse_dead_letters(&self, refuse: bool) {
-        let mut stream = self.js.get_stream(&self.stream).await.unwrap();
+        let mut stream = self.test.js.get_stream(&self.test.stream).await.unwrap();
         let mut config = stream.info().await.unwrap().config.clone();
         config.subjects = if refuse {
-            vec![self.work.clone()]
+            vec![self.test.work.clone()]
         } else {
-            vec![self.work.clone(), self.dead.clone()]
+            vec![self.test.work.clone(), self.test.dead.clone()]
         };
-        self.js.update_stream(config).await.unwrap();
+        self.test.js.update_stream(config).await.unwrap();
     }
 
     async fn stall(&self, stalled: bool) {

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
+use async_nats::HeaderMap;
 use async_nats::jetstream;
+use futures_util::StreamExt;
 use idempotency_core::Key;
 
 /// The server the tests use: `NATS_URL`, or the loopback default.
@@ -67,4 +69,58 @@ impl TestStream {
             dead,
         }
     }
+
+    /// Publishes `payload` on the work subject with `key` as its `Idempotency-Key` (none when
+    /// `None`), and waits for the stream to store it.
+    pub async fn publish(&self, key: Option<&str>, payload: &[u8]) {
+        let mut headers = HeaderMap::new();
+        if let Some(key) = key {
+            headers.insert("Idempotency-Key", key);
+        }
+        self.js
+            .publish_with_headers(self.work.clone(), headers, payload.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// The headers of every dead letter stored so far, oldest first, read from the start by a
+    /// consumer of their own each time (nothing is taken away).
+    pub async fn dead_letters(&self) -> Vec<HeaderMap> {
+        let reader: jetstream::consumer::PullConsumer = self
+            .created
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: self.dead.clone(),
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let pending = usize::try_from(reader.cached_info().num_pending).unwrap();
+        let mut found = Vec::with_capacity(pending);
+        if pending == 0 {
+            return found;
+        }
+        let mut batch = reader
+            .fetch()
+            .max_messages(pending)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(message)) = batch.next().await {
+            found.push(message.headers.clone().unwrap_or_default());
+        }
+        found
+    }
+}
+
+/// The first value of header `name`, or `""` when there is none.
+#[must_use]
+pub fn header(headers: &HeaderMap, name: &str) -> String {
+    headers
+        .get(name)
+        .map(|value| value.as_str().to_owned())
+        .unwrap_or_default()
 }
