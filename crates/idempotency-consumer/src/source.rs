@@ -25,6 +25,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency_core::registry::{NoKind, Schemes, UrlKind};
+
 use crate::adapter::{AdapterError, AdapterErrorKind};
 use crate::{Decisions, Delivery, Disposition, Processor};
 
@@ -164,18 +166,20 @@ impl fmt::Debug for SourceKind {
     }
 }
 
-/// Schemes a registry knows but cannot consume from, and why.
-#[derive(Debug, Clone, Copy)]
-struct Unavailable {
-    schemes: &'static [&'static str],
-    why: &'static str,
+impl UrlKind for SourceKind {
+    fn schemes(&self) -> &'static [&'static str] {
+        self.schemes
+    }
+
+    fn example(&self) -> &'static str {
+        self.example
+    }
 }
 
 /// The source kinds a program can consume from; see the [module docs](self).
 #[derive(Debug, Clone, Default)]
 pub struct Sources {
-    kinds: Vec<SourceKind>,
-    unavailable: Vec<Unavailable>,
+    schemes: Schemes<SourceKind>,
 }
 
 impl Sources {
@@ -188,27 +192,27 @@ impl Sources {
     /// Adds a kind of source.
     #[must_use]
     pub fn with(mut self, kind: SourceKind) -> Self {
-        self.kinds.push(kind);
+        self.schemes = self.schemes.with(kind);
         self
     }
 
     /// Names `schemes` this program cannot consume from, with the reason to give.
     #[must_use]
     pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
-        self.unavailable.push(Unavailable { schemes, why });
+        self.schemes = self.schemes.unavailable(schemes, why);
         self
     }
 
     /// The kinds, in the order they were added.
     #[must_use]
     pub fn kinds(&self) -> &[SourceKind] {
-        &self.kinds
+        self.schemes.kinds()
     }
 
     /// The kind named `name` (`kafka`), if this registry has it.
     #[must_use]
     pub fn named(&self, name: &str) -> Option<&SourceKind> {
-        self.kinds
+        self.kinds()
             .iter()
             .find(|kind| kind.name.eq_ignore_ascii_case(name))
     }
@@ -224,24 +228,12 @@ impl Sources {
             .split_once("://")
             .map(|(scheme, _)| scheme)
             .unwrap_or_default();
-        if let Some(kind) = self
-            .kinds
-            .iter()
-            .find(|kind| kind.schemes.iter().any(|s| s.eq_ignore_ascii_case(scheme)))
-        {
-            return Ok(kind);
-        }
-        let expected = self.expected();
-        let message = if !idempotency_core::is_scheme(scheme) {
-            format!("not a source URL; expected {expected}")
-        } else if let Some(unavailable) = self
-            .unavailable
-            .iter()
-            .find(|u| u.schemes.iter().any(|s| s.eq_ignore_ascii_case(scheme)))
-        {
-            unavailable.why.to_owned()
-        } else {
-            format!("unknown scheme `{scheme}`; expected {expected}")
+        let expected = || self.schemes.expected("nothing: no source is built in");
+        let message = match self.schemes.find(scheme) {
+            Ok(kind) => return Ok(kind),
+            Err(NoKind::NotAScheme) => format!("not a source URL; expected {}", expected()),
+            Err(NoKind::Unavailable(why)) => why.to_owned(),
+            Err(NoKind::Unknown(scheme)) => format!("unknown scheme `{scheme}`; expected {}", expected()),
         };
         Err(AdapterError::new(AdapterErrorKind::Config, "source", message))
     }
@@ -258,16 +250,7 @@ impl Sources {
     /// One line per kind: its example URL.
     #[must_use]
     pub fn examples(&self) -> Vec<&'static str> {
-        self.kinds.iter().map(|kind| kind.example).collect()
-    }
-
-    fn expected(&self) -> String {
-        let examples = self.examples();
-        match examples.split_last() {
-            Some((last, [])) => (*last).to_owned(),
-            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
-            None => "nothing: no source is built in".to_owned(),
-        }
+        self.kinds().iter().map(|kind| kind.example).collect()
     }
 }
 

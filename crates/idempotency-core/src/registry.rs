@@ -75,18 +75,123 @@ impl fmt::Debug for StoreKind {
     }
 }
 
-/// Schemes a registry knows but cannot open, and why.
-#[derive(Debug, Clone, Copy)]
-struct Unavailable {
-    schemes: &'static [&'static str],
-    why: &'static str,
+/// A kind of thing URLs name by their scheme: a store kind, a consumer's source kind.
+pub trait UrlKind {
+    /// The URL schemes it answers to, without `:`.
+    fn schemes(&self) -> &'static [&'static str];
+
+    /// What a URL of it looks like, for error messages.
+    fn example(&self) -> &'static str;
+}
+
+impl UrlKind for StoreKind {
+    fn schemes(&self) -> &'static [&'static str] {
+        self.schemes
+    }
+
+    fn example(&self) -> &'static str {
+        self.example
+    }
+}
+
+/// Why no kind of a [`Schemes`] answers a URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoKind<'a> {
+    /// What comes before the `:` is not an RFC 3986 scheme (it may hold a password or a
+    /// query: never echo it).
+    NotAScheme,
+    /// A scheme the program knows and cannot serve, with the reason to give.
+    Unavailable(&'static str),
+    /// A scheme of no kind the program knows.
+    Unknown(&'a str),
+}
+
+/// The kinds a program was built with, found by a URL's scheme (ASCII case ignored, as
+/// RFC 3986 has it), and the schemes it knows but cannot serve: the part a store [`Registry`]
+/// and a consumer's registry of sources share.
+#[derive(Debug, Clone)]
+pub struct Schemes<K> {
+    kinds: Vec<K>,
+    unavailable: Vec<(&'static [&'static str], &'static str)>,
+}
+
+impl<K> Default for Schemes<K> {
+    fn default() -> Self {
+        Self {
+            kinds: Vec::new(),
+            unavailable: Vec::new(),
+        }
+    }
+}
+
+impl<K: UrlKind> Schemes<K> {
+    /// Adds a kind.
+    #[must_use]
+    pub fn with(mut self, kind: K) -> Self {
+        self.kinds.push(kind);
+        self
+    }
+
+    /// Names `schemes` this program cannot serve, with the reason to give.
+    #[must_use]
+    pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
+        self.unavailable.push((schemes, why));
+        self
+    }
+
+    /// The kinds, in the order they were added.
+    #[must_use]
+    pub fn kinds(&self) -> &[K] {
+        &self.kinds
+    }
+
+    /// The kind of `scheme` (without `:`), or why there is none.
+    ///
+    /// ```
+    /// use idempotency_core::registry::{NoKind, Schemes};
+    /// use idempotency_core::MemoryStore;
+    ///
+    /// let schemes = Schemes::default().with(MemoryStore::KIND).unavailable(&["redis"], "no redis here");
+    /// assert_eq!(schemes.find("MEMORY").unwrap().name, "memory");
+    /// assert_eq!(schemes.find("redis").unwrap_err(), NoKind::Unavailable("no redis here"));
+    /// assert_eq!(schemes.find("ftp").unwrap_err(), NoKind::Unknown("ftp"));
+    /// assert_eq!(schemes.find("user@host").unwrap_err(), NoKind::NotAScheme);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The [`NoKind`] that says why no kind answers `scheme`.
+    pub fn find<'a>(&self, scheme: &'a str) -> Result<&K, NoKind<'a>> {
+        let named = |schemes: &[&str]| schemes.iter().any(|known| known.eq_ignore_ascii_case(scheme));
+        if let Some(kind) = self.kinds.iter().find(|kind| named(kind.schemes())) {
+            return Ok(kind);
+        }
+        if !crate::is_scheme(scheme) {
+            return Err(NoKind::NotAScheme);
+        }
+        match self.unavailable.iter().find(|(schemes, _)| named(schemes)) {
+            Some((_, why)) => Err(NoKind::Unavailable(why)),
+            None => Err(NoKind::Unknown(scheme)),
+        }
+    }
+
+    /// The kinds' example URLs as a list for a message (`a, b or c`), or `none` when there
+    /// is no kind.
+    #[must_use]
+    pub fn expected(&self, none: &str) -> String {
+        let examples: Vec<&str> = self.kinds.iter().map(UrlKind::example).collect();
+        match examples.split_last() {
+            Some((last, [])) => (*last).to_owned(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => none.to_owned(),
+        }
+    }
 }
 
 /// The store kinds a program can open by URL; see the [module docs](self).
 #[derive(Debug, Clone, Default)]
 pub struct Registry {
-    kinds: Vec<StoreKind>,
-    unavailable: Vec<Unavailable>,
+    schemes: Schemes<StoreKind>,
 }
 
 impl Registry {
@@ -99,7 +204,7 @@ impl Registry {
     /// Adds a kind of store.
     #[must_use]
     pub fn with(mut self, kind: StoreKind) -> Self {
-        self.kinds.push(kind);
+        self.schemes = self.schemes.with(kind);
         self
     }
 
@@ -108,15 +213,14 @@ impl Registry {
     /// scheme".
     #[must_use]
     pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
-        self.unavailable.push(Unavailable { schemes, why });
+        self.schemes = self.schemes.unavailable(schemes, why);
         self
     }
 
     /// The kind of store `url` names, if this registry opens it (by the URL's scheme).
     #[must_use]
     pub fn kind(&self, url: &str) -> Option<&StoreKind> {
-        let scheme = scheme(url);
-        self.kinds.iter().find(|kind| kind.schemes.contains(&scheme))
+        self.schemes.find(scheme(url)).ok()
     }
 
     /// Checks `url` as [`Registry::open`] would, without opening anything: its scheme, and
@@ -135,10 +239,7 @@ impl Registry {
     ///
     /// As [`Registry::open`], for what can be known without opening.
     pub fn check(&self, url: &str) -> Result<(), StoreError> {
-        match self.kind(url) {
-            Some(kind) => (kind.check)(url),
-            None => Err(self.not_openable(url)),
-        }
+        (self.kind_of(url)?.check)(url)
     }
 
     /// Opens the store `url` names.
@@ -158,36 +259,28 @@ impl Registry {
     /// As [`Registry::open`]; with [`Access::Existing`] or [`Access::ReadOnly`] also a
     /// missing store, or one that is not an idempotency store.
     pub async fn open_with(&self, url: &str, access: Access) -> Result<DynStore, StoreError> {
-        if let Some(kind) = self.kind(url) {
-            return (kind.open)(url.to_owned(), access).await;
-        }
-        Err(self.not_openable(url))
+        (self.kind_of(url)?.open)(url.to_owned(), access).await
     }
 
-    /// Why `url` names no store this registry opens.
-    fn not_openable(&self, url: &str) -> StoreError {
-        let scheme = scheme(url);
-        let expected = self.expected();
-        // Anything before the first `:` that is not an RFC 3986 scheme may hold a password or
-        // a query.
-        let message = if !crate::is_scheme(scheme) {
+    /// The kind of store `url` names, or why it names none this registry opens.
+    fn kind_of(&self, url: &str) -> Result<&StoreKind, StoreError> {
+        let expected = || self.schemes.expected("nothing: no store is built in");
+        let message = match self.schemes.find(scheme(url)) {
+            Ok(kind) => return Ok(kind),
             // Without a scheme a password may still be in there (`user:pass@host`).
-            format!("`{}` is not a store URL (expected {expected})", redact_url(url))
-        } else if let Some(unavailable) = self.unavailable.iter().find(|u| u.schemes.contains(&scheme)) {
-            format!("{} (available: {expected})", unavailable.why)
-        } else {
-            format!("unknown store URL scheme `{scheme}` (expected {expected})")
+            Err(NoKind::NotAScheme) => {
+                format!(
+                    "`{}` is not a store URL (expected {})",
+                    redact_url(url),
+                    expected()
+                )
+            }
+            Err(NoKind::Unavailable(why)) => format!("{why} (available: {})", expected()),
+            Err(NoKind::Unknown(scheme)) => {
+                format!("unknown store URL scheme `{scheme}` (expected {})", expected())
+            }
         };
-        StoreError::new(ErrorKind::InvalidConfig, message)
-    }
-
-    fn expected(&self) -> String {
-        let examples: Vec<&str> = self.kinds.iter().map(|kind| kind.example).collect();
-        match examples.split_last() {
-            Some((last, [])) => (*last).to_owned(),
-            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
-            None => "nothing: no store is built in".to_owned(),
-        }
+        Err(StoreError::new(ErrorKind::InvalidConfig, message))
     }
 }
 
