@@ -9,7 +9,7 @@ use common::consume::{self, Broker, Ledger, start, start_handler, until};
 use idempotency::Key;
 use idempotency_amqp::{Topology, publish};
 use lapin::BasicProperties;
-use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties};
 
@@ -41,18 +41,7 @@ impl Rabbit {
 
     /// The messages waiting in `queue` (a passive declare counts the ready ones).
     async fn waiting(&self, queue: &str) -> u32 {
-        self.channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap()
-            .message_count()
+        idempotency_amqp::queue_depth(&self.channel, queue).await.unwrap()
     }
 }
 
