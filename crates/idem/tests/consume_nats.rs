@@ -240,16 +240,6 @@ async fn a_missing_stream_or_dead_letter_subject_is_a_clear_error() {
             "would receive its own dead letters",
         ),
     ] {
-        let (code, _, err) = common::idem(&[
-            "consume",
-            "--from",
-            &from,
-            "--to",
-            "http://127.0.0.1:1/m",
-            "--store",
-            "memory://",
-        ]);
-        assert_eq!(code, 1, "{from}: {err}");
-        assert!(err.contains(why), "{from}: {err}");
+        consume::refused_at_start(&setup, &from, &[], &[why], &[]);
     }
 }

@@ -279,23 +279,7 @@ async fn missing_queues_and_an_unreachable_service_are_clear_errors() {
             "cannot reach SQS",
         ),
     ] {
-        stops_at_start(&sqs, &from, &[why]);
-    }
-}
-
-/// `idem consume --from FROM` exits with 1 before calling any handler, its error naming each
-/// of `causes`.
-fn stops_at_start(sqs: &Sqs, from: &str, causes: &[&str]) {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["consume", "--from", from, "--to", "http://127.0.0.1:1/m"])
-        .args(["--store", "memory://"])
-        .envs(sqs.env())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{from}: {err}");
-    for cause in causes {
-        assert!(err.contains(cause), "{from}: {err}");
+        consume::refused_at_start(&sqs, &from, &[], &[why], &[]);
     }
 }
 
@@ -322,6 +306,6 @@ async fn an_https_queue_of_another_ca_or_name_stops_the_consumer_at_start() {
         ),
         (sqs.source_over_tls(&by_address, Some(&ca)), "not valid for name"),
     ] {
-        stops_at_start(&sqs, &from, &["cannot reach SQS", why]);
+        consume::refused_at_start(&sqs, &from, &[], &["cannot reach SQS", why], &[]);
     }
 }

@@ -192,6 +192,27 @@ pub trait Broker {
     fn missing_source(&self) -> String;
 }
 
+/// `idem consume --from FROM` (and `more`), with the broker's environment, a handler nothing
+/// listens on and an in-memory store, stops at start with exit code 1, its error naming each of
+/// `causes` and holding none of `secrets`.
+pub fn refused_at_start<B: Broker>(broker: &B, from: &str, more: &[&str], causes: &[&str], secrets: &[&str]) {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["consume", "--from", from, "--to", "http://127.0.0.1:1/m"])
+        .args(["--store", "memory://"])
+        .args(more)
+        .envs(broker.env())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{from}: {err}");
+    for cause in causes {
+        assert!(err.contains(cause), "{from}: {err}");
+    }
+    for secret in secrets {
+        assert!(!err.contains(secret), "{from}: a secret leaked: {err}");
+    }
+}
+
 /// `idem dlq` with `args` and the broker's environment: (exit code, stdout, stderr).
 pub fn dlq<B: Broker>(broker: &B, args: &[&str]) -> (i32, String, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_idem"))
