@@ -1,7 +1,6 @@
 //! The ack rules of `docs/CONSUMERS.md`, on the reference store with injected faults (Tokio's paused clock
 //! makes leases and backoff instant).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,47 +11,9 @@ use idempotency_consumer::{
 use idempotency_core::{Attempt, Key, MemoryStore, Outcome};
 use idempotency_testkit::FaultyStore;
 use idempotency_testkit::faults::Op;
+use idempotency_testkit::message::TestMessage;
 
-#[derive(Debug, Clone, Default)]
-struct Message {
-    headers: HashMap<String, Vec<u8>>,
-    id: Option<String>,
-    payload: Vec<u8>,
-    deliveries: u32,
-}
-
-impl Message {
-    fn keyed(key: &str, payload: &str) -> Self {
-        Self {
-            headers: HashMap::from([("Idempotency-Key".to_string(), key.as_bytes().to_vec())]),
-            payload: payload.as_bytes().to_vec(),
-            deliveries: 1,
-            ..Self::default()
-        }
-    }
-
-    fn redelivered(&self) -> Self {
-        Self {
-            deliveries: self.deliveries + 1,
-            ..self.clone()
-        }
-    }
-}
-
-impl Delivery for Message {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers.get(name).map(Vec::as_slice)
-    }
-    fn message_id(&self) -> Option<&str> {
-        self.id.as_deref()
-    }
-    fn payload(&self) -> &[u8] {
-        &self.payload
-    }
-    fn delivery_count(&self) -> u32 {
-        self.deliveries
-    }
-}
+type Message = TestMessage;
 
 /// Charges once per call; fails the first `fail_first` calls with `Retry` (or always with
 /// `Fatal` when `fatal`); can be made slow.
@@ -116,11 +77,7 @@ async fn the_first_delivery_executes_and_redeliveries_are_acked_without_side_eff
 #[tokio::test(start_paused = true)]
 async fn a_message_without_a_key_is_dead_lettered_unless_keyed_by_content() {
     let (consumer, charger, _) = consumer(Charger::default());
-    let keyless = Message {
-        payload: b"EUR 10".to_vec(),
-        deliveries: 1,
-        ..Message::default()
-    };
+    let keyless = Message::keyless("EUR 10");
     let Disposition::DeadLetter { reason } = consumer.process(&keyless).await else {
         panic!("dead-letter")
     };
@@ -147,9 +104,7 @@ async fn the_message_id_can_be_the_key() {
     let consumer = consumer.keys(KeySource::MessageId);
     let message = Message {
         id: Some("msg-42".into()),
-        payload: b"EUR 10".to_vec(),
-        deliveries: 1,
-        ..Message::default()
+        ..Message::keyless("EUR 10")
     };
     assert_eq!(consumer.process(&message).await, Disposition::Ack);
     assert_eq!(consumer.process(&message.redelivered()).await, Disposition::Ack);

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{LedgerHandler, Running, fresh, ledger_counts, pool};
-use idempotency_consumer::{Backoff, Delivery, Disposition, HandlerError, Processor};
+use idempotency_consumer::{Backoff, Disposition, HandlerError, Processor};
 use idempotency_core::Key;
 use idempotency_outbox::{
     Inbox, InboxHandler, InboxMessage, InboxReceiver, InboxState, InboxWorker, Received, RetryPolicy, Tables,
@@ -17,40 +17,18 @@ use idempotency_outbox::{
 use idempotency_postgres::PgTransaction;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe};
 use idempotency_testkit::eventually;
+use idempotency_testkit::message::TestMessage;
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// A broker message for the receiver: an optional key header and a payload.
-struct Message {
-    key: Option<Vec<u8>>,
-    payload: Vec<u8>,
-}
-
-impl Delivery for Message {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        (name == "Idempotency-Key").then_some(self.key.as_deref()?)
-    }
-    fn message_id(&self) -> Option<&str> {
-        None
-    }
-    fn payload(&self) -> &[u8] {
-        &self.payload
-    }
-    fn delivery_count(&self) -> u32 {
-        1
-    }
-    fn headers(&self) -> Vec<(String, Vec<u8>)> {
-        let mut headers = vec![("trace".to_owned(), vec![0xff, 0x01])];
-        headers.extend(self.key.clone().map(|key| ("Idempotency-Key".to_owned(), key)));
-        headers
-    }
-}
-
-fn message(key: &str, payload: &str) -> Message {
-    Message {
-        key: Some(key.as_bytes().to_vec()),
-        payload: payload.as_bytes().to_vec(),
-    }
+/// A broker message for the receiver: a `trace` header of raw bytes, then the key header.
+fn message(key: &str, payload: &str) -> TestMessage {
+    let mut message = TestMessage::keyless(payload);
+    message.headers = vec![
+        ("trace".to_owned(), vec![0xff, 0x01]),
+        ("Idempotency-Key".to_owned(), key.as_bytes().to_vec()),
+    ];
+    message
 }
 
 /// A stored key answers a copy as a duplicate and another payload as a mismatch; the receiver
@@ -95,12 +73,7 @@ async fn the_door_stores_once_and_turns_away_what_it_cannot_key() {
         matches!(&reused, Disposition::DeadLetter { reason } if reason.contains("different payload")),
         "{reused:?}"
     );
-    let keyless = receiver
-        .process(&Message {
-            key: None,
-            payload: b"x".to_vec(),
-        })
-        .await;
+    let keyless = receiver.process(&TestMessage::keyless("x")).await;
     assert!(
         matches!(&keyless, Disposition::DeadLetter { reason } if reason == "no Idempotency-Key header"),
         "{keyless:?}"

@@ -9,52 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency_consumer::{
-    Backoff, Decisions, Delivery, Disposition, HandlerError, Processor, TxConsumer, TxHandler,
-};
+use idempotency_consumer::{Backoff, Decisions, Disposition, HandlerError, Processor, TxConsumer, TxHandler};
 use idempotency_core::{Attempt, Key, Outcome, RecordState, Scope, Store};
 use idempotency_postgres::{PgTransaction, PostgresStore};
+use idempotency_testkit::message::TestMessage;
 use sqlx::AssertSqlSafe;
 
 /// A delivered message: the key header, the amount in cents as text, the delivery count.
-#[derive(Debug, Clone)]
-struct Message {
-    key: Option<String>,
-    payload: String,
-    deliveries: u32,
-}
-
-impl Message {
-    fn keyed(key: &str, payload: &str) -> Self {
-        Self {
-            key: Some(key.into()),
-            payload: payload.into(),
-            deliveries: 1,
-        }
-    }
-
-    fn redelivered(&self) -> Self {
-        Self {
-            deliveries: self.deliveries + 1,
-            ..self.clone()
-        }
-    }
-}
-
-impl Delivery for Message {
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        (name == "Idempotency-Key").then_some(self.key.as_deref()?.as_bytes())
-    }
-    fn message_id(&self) -> Option<&str> {
-        None
-    }
-    fn payload(&self) -> &[u8] {
-        self.payload.as_bytes()
-    }
-    fn delivery_count(&self) -> u32 {
-        self.deliveries
-    }
-}
+type Message = TestMessage;
 
 /// Writes a charge row from the borrowed message; fails on demand, after writing.
 #[derive(Default)]
@@ -77,9 +39,9 @@ impl TxHandler<Message, PostgresStore> for Charger {
         attempt: &Attempt,
     ) -> Result<Outcome, HandlerError> {
         let cents: i64 = message
-            .payload
+            .text()
             .parse()
-            .map_err(|_| HandlerError::fatal(format!("not an amount: {:?}", message.payload)))?;
+            .map_err(|_| HandlerError::fatal(format!("not an amount: {:?}", message.text())))?;
         let id: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {} (key, cents) VALUES ($1, $2) RETURNING id",
             self.table
@@ -254,10 +216,7 @@ async fn bad_messages_are_dead_lettered_with_the_reason() {
     let setup = Setup::new().await;
     let consumer = setup.consumer(setup.store.clone(), setup.charger());
 
-    let keyless = Message {
-        key: None,
-        ..Message::keyed("unused", "1000")
-    };
+    let keyless = Message::keyless("1000");
     let Disposition::DeadLetter { reason } = consumer.process(&keyless).await else {
         panic!("expected a dead letter");
     };

@@ -45,6 +45,7 @@ pub mod connections;
 pub mod faults;
 pub mod history;
 pub mod linearizability;
+pub mod message;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod outage;
