@@ -212,11 +212,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
             .boxed();
         let prefetch = usize::from(self.qos());
         let concurrency = self.flow.concurrency.unwrap_or(prefetch);
-        let plan = self.flow.plan(prefetch, concurrency);
         // A failed settlement is logged, counted and handed back by the pipeline; the broker
         // delivers it again, and the record decides again.
         pipeline
-            .run(&*self.processor, deliveries, concurrency, plan, self.flow.linger)
+            .run(&*self.processor, deliveries, &self.flow, prefetch, concurrency)
             .await;
         let connected = connection.status().connected();
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "consumer stopping".into())).await;

@@ -560,22 +560,24 @@ impl<B: Broker> Pipeline<B> {
     }
 
     /// Runs every message of `messages` through the pipeline until the stream ends, as a worker
-    /// of independent messages (RabbitMQ, JetStream) does: `concurrency` at once, each on its
-    /// own ([`process`](Self::process)) when `plan`'s batches hold one, otherwise in batches
-    /// gathered for at most `linger` ([`batches`]) with `plan.in_flight` of them decided at the
-    /// same time ([`process_batch`](Self::process_batch)). A failed settlement is logged and
-    /// counted here; the message comes back, and the record answers it.
+    /// of independent messages (RabbitMQ, JetStream) does: `concurrency` at once with `prefetch`
+    /// fetched ahead, each on its own ([`process`](Self::process)) when `flow`'s
+    /// [`plan`](Flow::plan) has batches of one, otherwise in batches gathered for at most
+    /// `flow.linger` ([`batches`]) with `plan.in_flight` of them decided at the same time
+    /// ([`process_batch`](Self::process_batch)). A failed settlement is logged and counted
+    /// here; the message comes back, and the record answers it.
     pub async fn run<P, S>(
         &self,
         processor: &P,
         messages: S,
+        flow: &Flow,
+        prefetch: usize,
         concurrency: usize,
-        plan: BatchPlan,
-        linger: Duration,
     ) where
         P: Processor<B::Message>,
         S: futures_util::Stream<Item = B::Message> + Send,
     {
+        let plan = flow.plan(prefetch, concurrency);
         if plan.size <= 1 {
             messages
                 .for_each_concurrent(concurrency, |message| async move {
@@ -583,7 +585,7 @@ impl<B: Broker> Pipeline<B> {
                 })
                 .await;
         } else {
-            batches(messages, plan.size, linger)
+            batches(messages, plan.size, flow.linger)
                 .for_each_concurrent(plan.in_flight, |messages| async move {
                     let messages: Vec<&B::Message> = messages.iter().collect();
                     self.process_batch(processor, &messages).await;

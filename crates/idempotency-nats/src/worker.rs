@@ -256,9 +256,8 @@ impl<P: Processor<NatsMessage>> Worker<P> {
                 .boxed();
             // A failed settlement is logged and counted by the pipeline: unsettled, the message
             // comes back after its ack wait and the record answers it.
-            let plan = self.flow.plan(prefetch, concurrency);
             pipeline
-                .run(&*self.processor, messages, concurrency, plan, self.flow.linger)
+                .run(&*self.processor, messages, &self.flow, prefetch, concurrency)
                 .await;
         }
         Ok(())
