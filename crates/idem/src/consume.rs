@@ -638,6 +638,12 @@ pub async fn consume(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
+    // Bound before the store is opened: an address already taken is reported before anything
+    // touches the store, and the address is held from the moment the process starts.
+    let admin_listener = match config.admin_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
     let store = idempotency::open_with(&config.store, idempotency::Access::Create)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
@@ -658,8 +664,7 @@ pub async fn consume(
     tokio::spawn(shutdown.clone());
     // The admin listener answers probes until the worker has settled its last call.
     let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let Some(addr) = config.admin_listen {
-        let listener = bind(addr).await?;
+    if let Some(listener) = admin_listener {
         let router = admin_router(admin.clone(), ADMIN_PREFIX);
         let process = crate::ui::Process::Consumer { from: from.clone() };
         let admin = config.dashboard.serve_beside(router, admin, process)?;

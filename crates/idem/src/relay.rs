@@ -477,15 +477,21 @@ pub async fn relay(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     let admin_listen = config.admin_listen;
+    let configs = configs(config, command)?;
+    // Bound before any database is reached: an address already taken is reported first, and
+    // the address is held from the moment the process starts.
+    let admin_listener = match admin_listen {
+        Some(addr) => Some(crate::server::bind(addr).await?),
+        None => None,
+    };
     let mut relays = Vec::new();
-    for config in configs(config, command)? {
+    for config in configs {
         relays.push(prepare(&config).await?);
     }
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
-    if let Some(addr) = admin_listen {
-        let listener = crate::server::bind(addr).await?;
+    if let Some(listener) = admin_listener {
         let router = axum::Router::new()
             .route("/_idem/livez", axum::routing::get(|| async { "ok\n" }))
             .route(

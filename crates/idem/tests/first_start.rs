@@ -240,3 +240,85 @@ async fn mysql_new_database_many_first_starts() {
     };
     on_new_databases(&mysql_url(), run, tables, "idempotency_records", "").await;
 }
+
+/// A process whose address is taken says so and exits before it touches its store or its
+/// database: no SQLite file is created by a gateway or a consumer that could not serve, and a
+/// relay names the address, not the database it never reached. So a port chosen for a process
+/// is also held from its very start, not only once its store is open.
+#[test]
+fn an_address_already_taken_is_refused_before_the_store_is_touched() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = held.local_addr().unwrap().to_string();
+    let free = common::free_addr().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let store = format!("sqlite://{}", path.display());
+    let upstream = "http://127.0.0.1:1";
+    let cases: [(&str, Vec<&str>); 4] = [
+        (
+            "serve --listen",
+            vec![
+                "serve",
+                "--listen",
+                &taken,
+                "--upstream",
+                upstream,
+                "--store",
+                &store,
+            ],
+        ),
+        (
+            "serve --admin-listen",
+            vec![
+                "serve",
+                "--listen",
+                &free,
+                "--admin-listen",
+                &taken,
+                "--upstream",
+                upstream,
+                "--store",
+                &store,
+            ],
+        ),
+        (
+            "consume --admin-listen",
+            vec![
+                "consume",
+                "--from",
+                "amqp://127.0.0.1:1/%2f?queue=orders",
+                "--to",
+                upstream,
+                "--store",
+                &store,
+                "--admin-listen",
+                &taken,
+            ],
+        ),
+        (
+            "relay --admin-listen",
+            vec![
+                "relay",
+                "--database",
+                "postgres://relay:s3cret@127.0.0.1:1/orders",
+                "--to",
+                upstream,
+                "--admin-listen",
+                &taken,
+            ],
+        ),
+    ];
+    for (what, args) in cases {
+        let (code, out, err) = idem(&args);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        assert!(
+            err.contains(&format!("cannot listen on {taken}")),
+            "{what}: {err}"
+        );
+        assert!(!err.contains("s3cret"), "{what}: {err}");
+        assert!(
+            !path.exists(),
+            "{what}: the store was created by a process that could not serve"
+        );
+    }
+}

@@ -357,6 +357,15 @@ pub async fn serve(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
+    // The listeners are bound before the store is opened: an address already taken is
+    // reported before anything touches the store (no migration by a process that cannot
+    // serve), and the address is held from the moment the process starts.
+    let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
+    let listener = bind(config.listen).await?;
+    let admin_listener = match config.admin_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
     let access = if config.no_migrate {
         idempotency::Access::Existing
     } else {
@@ -371,8 +380,6 @@ pub async fn serve(
             .map_err(|e| Error::open(&config.store, e))?;
         config.scope_secret = Some(secret);
     }
-    let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
-    let listener = bind(config.listen).await?;
     // Expired records are deleted in the background, so the table does not grow without bound.
     let purging = config.purge_every.0.map(|every| {
         tokio::spawn(
@@ -409,8 +416,7 @@ pub async fn serve(
     };
     // The admin listener answers probes until the main listener has drained.
     let (drained, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let (Some(addr), Some(admin)) = (config.admin_listen, admin) {
-        let admin_listener = bind(addr).await?;
+    if let (Some(admin_listener), Some(admin)) = (admin_listener, admin) {
         let stop = async move {
             let _ = admin_stop.await;
         };
