@@ -9,6 +9,7 @@ use std::time::Duration;
 use idempotency_core::{Access, BeginRequest, ErrorKind, Fingerprint, Key, Scope, Store, StoreError};
 use idempotency_mysql::sqlx::{self, AssertSqlSafe};
 use idempotency_mysql::{MysqlOptions, MysqlStore};
+use idempotency_testkit::refusals;
 
 async fn connect_err(options: MysqlOptions) -> StoreError {
     MysqlStore::connect_with(options.acquire_timeout(Duration::from_secs(3)))
@@ -32,7 +33,7 @@ fn url_with(user: &str, password: Option<&str>, database: &str) -> String {
 
 #[tokio::test]
 async fn malformed_urls_are_invalid_config_and_never_echo_the_password() {
-    for url in [
+    let urls = [
         "",
         "mysql//127.0.0.1/test",
         "postgres://app:s3cretpw@127.0.0.1/test",
@@ -40,19 +41,8 @@ async fn malformed_urls_are_invalid_config_and_never_echo_the_password() {
         "mysql://app:s3cretpw@127.0.0.1:3306",
         "mysql://app:s3cretpw@127.0.0.1/test?ssl-mode=sometimes",
         "mysql://app:s3cretpw@[::1/test",
-    ] {
-        let error = MysqlStore::connect(url).await.expect_err(url);
-        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}: {error}");
-        assert!(!error.is_retryable(), "{url}");
-        assert!(
-            !error.to_string().contains("s3cretpw"),
-            "password echoed: {error}"
-        );
-        assert!(
-            !format!("{error:?}").contains("s3cretpw"),
-            "password echoed: {error:?}"
-        );
-    }
+    ];
+    refusals::malformed_urls(&urls, "s3cretpw", MysqlStore::connect).await;
 }
 
 #[tokio::test]
@@ -84,47 +74,29 @@ async fn a_wrong_password_is_rejected_and_not_echoed() {
 #[tokio::test]
 async fn an_unreachable_server_is_retryable() {
     // Port 1 on loopback: nothing listens there.
-    let error = connect_err(MysqlOptions::from_url("mysql://root@127.0.0.1:1/test").unwrap()).await;
-    assert!(error.is_retryable(), "{error}");
-    assert!(
-        matches!(error.kind(), ErrorKind::Unavailable | ErrorKind::Timeout),
-        "{error}"
+    refusals::unreachable(
+        &connect_err(MysqlOptions::from_url("mysql://root@127.0.0.1:1/test").unwrap()).await,
     );
 }
 
 #[tokio::test]
 async fn unsafe_table_names_are_refused_before_any_sql() {
     let options = MysqlOptions::from_url(&common::database_url()).unwrap();
-    for bad in [
-        "records; DROP TABLE users",
-        "Records",
-        "1records",
-        "",
-        "test.records",
-        "r`ecords",
-    ] {
-        let error = options.clone().table(bad).map(|_| ()).unwrap_err();
-        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{bad:?}");
-        assert!(
-            error.to_string().contains("unsafe SQL identifier"),
-            "{bad:?}: {error}"
-        );
-    }
+    refusals::unsafe_identifiers("test.records", '`', |bad| options.clone().table(bad).map(drop));
 }
 
 #[tokio::test]
 async fn a_table_from_another_version_is_refused() {
     let store = common::fresh_store().await;
-    sqlx::raw_sql(AssertSqlSafe(format!(
+    let mark = format!(
         "ALTER TABLE {} COMMENT = 'idempotency records v99'",
         store.table()
-    )))
-    .execute(store.pool())
-    .await
-    .unwrap();
-    let error = store.migrate().await.unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
-    assert!(error.to_string().contains("v99"), "{error}");
+    );
+    sqlx::raw_sql(AssertSqlSafe(mark))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    refusals::newer_version(&store.migrate().await.unwrap_err(), "v99");
 }
 
 #[tokio::test]
@@ -174,14 +146,7 @@ async fn a_missing_table_is_not_created_without_create_access() {
         .unwrap()
         .migrate(false);
     let store = MysqlStore::connect_with(options).await.unwrap();
-    let request = BeginRequest::new(
-        Scope::global(),
-        Key::new("k").unwrap(),
-        Fingerprint::of_bytes(b""),
-    );
-    let error = store.begin(&request).await.unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
-    assert!(error.to_string().contains(&table), "{error}");
+    refusals::missing_table(&store, &table).await;
 }
 
 #[tokio::test]

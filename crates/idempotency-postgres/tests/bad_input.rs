@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use idempotency_core::ErrorKind;
 use idempotency_postgres::{PostgresOptions, PostgresStore};
+use idempotency_testkit::refusals;
 
 async fn connect_err(options: PostgresOptions) -> idempotency_core::StoreError {
     PostgresStore::connect_with(options.acquire_timeout(Duration::from_secs(3)))
@@ -27,18 +28,14 @@ fn url_with(user: &str, database: &str) -> String {
 
 #[tokio::test]
 async fn malformed_urls_are_invalid_config() {
-    for url in [
+    let urls = [
         "",
         "postgres//127.0.0.1/test",
         "redis://127.0.0.1:6379",
-        "postgres://user:pw@127.0.0.1:port/test",
+        "postgres://user:s3cretpw@127.0.0.1:port/test",
         "postgres://127.0.0.1/test?sslmode=sometimes",
-    ] {
-        let error = PostgresStore::connect(url).await.expect_err(url);
-        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}: {error}");
-        assert!(!error.is_retryable(), "{url}");
-        assert!(!error.to_string().contains("pw@"), "password echoed: {error}");
-    }
+    ];
+    refusals::malformed_urls(&urls, "s3cretpw", PostgresStore::connect).await;
 }
 
 #[tokio::test]
@@ -61,49 +58,27 @@ async fn unknown_credentials_are_rejected() {
 #[tokio::test]
 async fn an_unreachable_server_is_retryable() {
     // Port 1 on loopback: nothing listens there.
-    let error = connect_err(PostgresOptions::from_url("postgres://postgres@127.0.0.1:1/test").unwrap()).await;
-    assert!(error.is_retryable(), "{error}");
-    assert!(
-        matches!(error.kind(), ErrorKind::Unavailable | ErrorKind::Timeout),
-        "{error}"
-    );
+    let options = PostgresOptions::from_url("postgres://postgres@127.0.0.1:1/test").unwrap();
+    refusals::unreachable(&connect_err(options).await);
 }
 
 #[tokio::test]
 async fn unsafe_table_and_schema_names_are_refused_before_any_sql() {
     let options = PostgresOptions::from_url(&common::database_url()).unwrap();
-    for bad in [
-        "records; DROP TABLE users",
-        "Records",
-        "1records",
-        "",
-        "public.records",
-        "r\"ecords",
-    ] {
-        let error = options.clone().table(bad).map(|_| ()).unwrap_err();
-        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{bad:?}");
-        assert!(
-            error.to_string().contains("unsafe SQL identifier"),
-            "{bad:?}: {error}"
-        );
-        let error = options.clone().schema(bad).map(|_| ()).unwrap_err();
-        assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{bad:?}");
-    }
+    refusals::unsafe_identifiers("public.records", '"', |bad| options.clone().table(bad).map(drop));
+    refusals::unsafe_identifiers("public.records", '"', |bad| options.clone().schema(bad).map(drop));
 }
 
 #[tokio::test]
 async fn a_table_from_another_version_is_refused() {
     let store = common::fresh_store().await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "COMMENT ON TABLE {} IS 'idempotency records v99'",
-        store.table()
-    )))
-    .execute(store.pool())
-    .await
-    .unwrap();
+    let mark = format!("COMMENT ON TABLE {} IS 'idempotency records v99'", store.table());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(mark))
+        .execute(store.pool())
+        .await
+        .unwrap();
     let error = store.migrate().await.unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
-    assert!(error.to_string().contains("v99"), "{error}");
+    refusals::newer_version(&error, "v99");
 }
 
 #[tokio::test]
@@ -116,14 +91,5 @@ async fn a_missing_table_without_migration_is_a_schema_error() {
         .unwrap()
         .migrate(false);
     let store = PostgresStore::connect_with(options).await.unwrap();
-    let request = idempotency_core::BeginRequest::new(
-        idempotency_core::Scope::global(),
-        idempotency_core::Key::new("k").unwrap(),
-        idempotency_core::Fingerprint::of_bytes(b""),
-    );
-    let error = idempotency_core::Store::begin(&store, &request)
-        .await
-        .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
-    assert!(error.to_string().contains("never_created_idem"), "{error}");
+    refusals::missing_table(&store, "never_created_idem").await;
 }

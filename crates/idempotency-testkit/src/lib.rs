@@ -51,6 +51,7 @@ pub mod nats;
 pub mod outage;
 pub mod proxy;
 pub mod recorded;
+pub mod refusals;
 pub mod same_transaction;
 #[cfg(feature = "sql")]
 pub mod sql;
