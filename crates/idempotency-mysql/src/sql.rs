@@ -13,15 +13,10 @@
 use std::sync::Arc;
 
 use idempotency_core::Identifier;
-use idempotency_core::sql::admin;
+use idempotency_core::sql::{self as sql_rows, admin};
 
 /// The schema version this crate writes; recorded as the table's comment.
 pub const SCHEMA_VERSION: u32 = 1;
-
-/// The table comment that marks a records table of [`SCHEMA_VERSION`].
-pub(crate) fn version_comment(version: u32) -> String {
-    format!("idempotency records v{version}")
-}
 
 /// The origin `DATETIME` values are counted from.
 const EPOCH: &str = "'1970-01-01 00:00:00'";
@@ -39,20 +34,6 @@ fn at(parameter: &str) -> String {
 /// The server's time when the statement started, in Unix milliseconds.
 fn now() -> String {
     ms("UTC_TIMESTAMP(3)")
-}
-
-/// The columns of a record, in the order the store decodes them (prefix `r.`): scope, key,
-/// fingerprint, attempt, created, expires, token, completed, acquired, lease, completed_at,
-/// outcome.
-fn record_columns() -> String {
-    format!(
-        "r.scope, r.`key`, r.fingerprint, r.attempt, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
-        ms("r.created_at"),
-        ms("r.expires_at"),
-        ms("r.acquired_at"),
-        ms("r.lease_until"),
-        ms("r.completed_at"),
-    )
 }
 
 /// All the statements of one store.
@@ -75,7 +56,7 @@ pub(crate) struct Statements {
 impl Statements {
     pub(crate) fn new(table: &Identifier) -> Self {
         let t = table.as_str();
-        let columns = record_columns();
+        let columns = sql_rows::record_columns("r.`key`", "r.attempt", ms);
         let live = "expires_at > UTC_TIMESTAMP(3)";
         let record = "scope = ? AND `key` = ?";
         Self {
@@ -99,7 +80,7 @@ impl Statements {
                      KEY expiry (expires_at),
                      KEY in_flight (completed, acquired_at)
                  ) ENGINE = InnoDB DEFAULT CHARSET = ascii COLLATE = ascii_bin COMMENT = '{comment}'",
-                comment = version_comment(SCHEMA_VERSION),
+                comment = sql_rows::version_comment(SCHEMA_VERSION),
             )
             .into(),
             // Parameters: scope, key. `begin`'s first look: one row with the server's time and

@@ -5,13 +5,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::{AfterConnect, Connections, MapError};
+use idempotency_core::connections::{AfterConnect, MapError};
 use idempotency_core::machine::{self, Effect};
-use idempotency_core::sql as sql_rows;
 use idempotency_core::sql::admin::{self, Action, SqlActions};
+use idempotency_core::sql::{self as sql_rows, Pools};
 use idempotency_core::{
-    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, Outcome, Record,
-    RecordColumns, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, stored_millis,
+    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Outcome, Record, RecordColumns,
+    Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, stored_millis,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlQueryResult, MySqlRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
@@ -78,14 +78,8 @@ struct Shared {
 /// `UPDATE` each. [`MysqlStore::sql`] shows every statement.
 #[derive(Debug, Clone)]
 pub struct MysqlStore {
-    /// The application's transactions and the schema's creation run here.
-    pool: MySqlPool,
-    /// The store's own operations run here: connections that go back without a ping.
-    connections: Connections<MySqlConnection>,
+    pools: Pools<sqlx::MySql>,
     shared: Arc<Shared>,
-    /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
-    /// connections left for it.
-    lanes: Lanes,
 }
 
 impl MysqlStore {
@@ -120,11 +114,7 @@ impl MysqlStore {
             .await
             .map_err(|e| map_error("connect to MySQL", e))?;
         let store = Self::from_pool(pool, &options);
-        if options.access != Access::Create {
-            store.check_table().await?;
-        } else if options.migrate {
-            store.migrate().await?;
-        }
+        options.prepare(store.check_table(), store.migrate()).await?;
         Ok(store)
     }
 
@@ -132,39 +122,24 @@ impl MysqlStore {
     /// [`MysqlStore::migrate`]).
     #[must_use]
     pub fn from_pool(pool: MySqlPool, options: &MysqlOptions) -> Self {
-        let lanes = Lanes::new(
-            options.max_connections,
-            options.lease_connections,
-            options.acquire_timeout,
-        );
         // The store's own connections: in UTC whatever the application's pool says, and read-only
         // when the store was opened to read.
         let after_connect: Option<AfterConnect<MySqlConnection>> = (options.access == Access::ReadOnly)
             .then(|| -> AfterConnect<MySqlConnection> { Arc::new(read_only_session) });
-        let connections = Connections::new(
-            "mysql",
-            Arc::new(in_utc((*pool.connect_options()).clone())),
-            after_connect,
-            usize::try_from(options.max_connections).unwrap_or(usize::MAX),
-            options.acquire_timeout,
-            pool.options().get_max_lifetime(),
-            map_error,
-        );
+        let utc = Arc::new(in_utc((*pool.connect_options()).clone()));
         Self {
-            pool,
-            connections,
+            pools: Pools::new("mysql", pool, utc, after_connect, options.sizes(), map_error),
             shared: Arc::new(Shared {
                 sql: Statements::new(&options.table),
                 deadlock_retries: AtomicU64::new(0),
             }),
-            lanes,
         }
     }
 
     /// The pool, for the application's own queries and for same-transaction operations.
     #[must_use]
     pub fn pool(&self) -> &MySqlPool {
-        &self.pool
+        &self.pools.pool
     }
 
     /// The records table's name.
@@ -192,6 +167,7 @@ impl MysqlStore {
     /// without `CREATE`) otherwise.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut connection = self
+            .pools
             .pool
             .acquire()
             .await
@@ -244,7 +220,7 @@ impl MysqlStore {
     }
 
     fn check_comment(&self, comment: &str) -> Result<(), StoreError> {
-        let current = sql::version_comment(sql::SCHEMA_VERSION);
+        let current = sql_rows::version_comment(sql::SCHEMA_VERSION);
         if comment == current {
             return Ok(());
         }
@@ -260,6 +236,7 @@ impl MysqlStore {
     /// Refuses a database without the records table, reading only.
     async fn check_table(&self) -> Result<(), StoreError> {
         let mut connection = self
+            .pools
             .pool
             .acquire()
             .await
@@ -579,8 +556,9 @@ fn returned_time(millis: u64) -> Result<Timestamp, StoreError> {
 #[async_trait]
 impl Store for MysqlStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
-        let _lane = self.lanes.new_work().await?;
-        self.connections
+        let _lane = self.pools.lanes.new_work().await?;
+        self.pools
+            .connections
             .run(async |connection| begin_on(connection, self, request, Within::Autocommit).await)
             .await
     }
@@ -591,7 +569,8 @@ impl Store for MysqlStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.connections
+        self.pools
+            .connections
             .run(async |connection| {
                 complete_on(connection, self.statements(), held, &outcome, retention).await
             })
@@ -608,6 +587,7 @@ impl Store for MysqlStore {
         }
         let lease = stored_millis(lease);
         let done = self
+            .pools
             .connections
             .run(async |connection| {
                 sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().extend)))
@@ -640,8 +620,9 @@ impl Store for MysqlStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        self.connections
-            .batch(Some(&self.lanes), self, requests, |tx, store, request| {
+        self.pools
+            .connections
+            .batch(Some(&self.pools.lanes), self, requests, |tx, store, request| {
                 Box::pin(begin_on(tx, store, request, Within::Transaction))
             })
             .await
@@ -652,7 +633,8 @@ impl Store for MysqlStore {
         if completions.len() < 2 {
             return complete_each(self, completions).await;
         }
-        self.connections
+        self.pools
+            .connections
             .batch(None, self.statements(), completions, |tx, sql, c| {
                 Box::pin(complete_on(tx, sql, &c.held, &c.outcome, c.retention))
             })
@@ -667,12 +649,8 @@ idempotency_core::sql_store_admin!(MysqlStore);
 impl SqlActions for MysqlStore {
     type Engine = sqlx::MySql;
 
-    fn connections(&self) -> &Connections<MySqlConnection> {
-        &self.connections
-    }
-
-    fn lanes(&self) -> &Lanes {
-        &self.lanes
+    fn pools(&self) -> &Pools<sqlx::MySql> {
+        &self.pools
     }
 
     fn statement(&self, action: Action) -> Arc<str> {
@@ -701,7 +679,7 @@ impl SqlActions for MysqlStore {
     }
 }
 
-/// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
+/// Decodes the record columns (see `idempotency_core::sql::record_columns`) starting at column `at`.
 fn decode_record(row: &MySqlRow, at: usize) -> Result<Record, StoreError> {
     sql_rows::record(row, at)
 }

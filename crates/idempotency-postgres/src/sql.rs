@@ -7,33 +7,14 @@
 use std::sync::Arc;
 
 use idempotency_core::Identifier;
-use idempotency_core::sql::admin;
+use idempotency_core::sql::{self as sql_rows, admin};
 
 /// The schema version this crate writes; recorded as the table's comment.
 pub const SCHEMA_VERSION: u32 = 1;
 
-/// The table comment that marks a records table of [`SCHEMA_VERSION`].
-pub(crate) fn version_comment(version: u32) -> String {
-    format!("idempotency records v{version}")
-}
-
 /// Milliseconds since the Unix epoch of a `timestamptz` expression, rounded down.
 fn ms(expression: &str) -> String {
     format!("floor(extract(epoch FROM {expression}) * 1000)::int8")
-}
-
-/// The columns of a record, as every statement that returns one selects them (prefix `r.`):
-/// scope, key, fingerprint, attempt, created, expires, token, completed, acquired, lease,
-/// completed_at, outcome.
-fn record_columns() -> String {
-    format!(
-        "r.scope, r.key, r.fingerprint, r.attempt::int8, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
-        ms("r.created_at"),
-        ms("r.expires_at"),
-        ms("r.acquired_at"),
-        ms("r.lease_until"),
-        ms("r.completed_at"),
-    )
 }
 
 /// All the statements of one store.
@@ -56,7 +37,7 @@ pub(crate) struct Statements {
 impl Statements {
     pub(crate) fn new(schema: &Identifier, table: &Identifier) -> Self {
         let t = format!("{schema}.{table}");
-        let columns = record_columns();
+        let columns = sql_rows::record_columns("r.key", "r.attempt::int8", ms);
         let lease = "$5::int8 * interval '1 millisecond'";
         let retention = "$6::int8 * interval '1 millisecond'";
         Self {
@@ -80,7 +61,7 @@ impl Statements {
                  CREATE INDEX IF NOT EXISTS {table}_expiry ON {t} (expires_at);
                  CREATE INDEX IF NOT EXISTS {table}_in_flight ON {t} (acquired_at) WHERE NOT completed;
                  COMMENT ON TABLE {t} IS '{comment}';",
-                comment = version_comment(SCHEMA_VERSION),
+                comment = sql_rows::version_comment(SCHEMA_VERSION),
             )
             .into(),
             // $1 scope, $2 key.

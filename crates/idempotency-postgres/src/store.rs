@@ -5,14 +5,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::{Connections, MapError};
+use idempotency_core::connections::MapError;
 use idempotency_core::machine::{self, Effect};
-use idempotency_core::sql as sql_rows;
 use idempotency_core::sql::admin::{self, Action, SqlActions};
+use idempotency_core::sql::{self as sql_rows, Pools, Sizes};
 use idempotency_core::{
-    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Lanes, Outcome, Record,
-    RecordState, Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, failed_batch,
-    stored_millis,
+    Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Outcome, Record, RecordState,
+    Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, failed_batch, stored_millis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -72,14 +71,8 @@ const BEGIN_TRIES: u32 = 8;
 /// a lock or a write; only a takeover or an expired record takes a second statement.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
-    /// The application's transactions and the schema's creation run here.
-    pool: PgPool,
-    /// The store's own operations run here: connections that go back without a ping.
-    connections: Connections<PgConnection>,
+    pools: Pools<sqlx::Postgres>,
     sql: Arc<Statements>,
-    /// `begin` and the reads take a place here; lease-keeping does not, so the pool always has
-    /// connections left for it.
-    lanes: Lanes,
     /// Keys claimed, and whether the table's statistics were checked (see [`Statistics`]).
     statistics: Arc<Statistics>,
 }
@@ -152,11 +145,7 @@ impl PostgresStore {
         .await
         .map_err(|e| map_error("connect to PostgreSQL", e))?;
         let store = Self::from_pool(pool, &options);
-        if options.access != Access::Create {
-            store.check_table().await?;
-        } else if options.migrate {
-            store.migrate().await?;
-        }
+        options.prepare(store.check_table(), store.migrate()).await?;
         Ok(store)
     }
 
@@ -165,14 +154,14 @@ impl PostgresStore {
         let table = self.table();
         let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
             .bind(self.quoted_table())
-            .fetch_one(&self.pool)
+            .fetch_one(&self.pools.pool)
             .await
             .map_err(|e| map_error("look for the records table", e))?;
         if exists {
             return Ok(());
         }
         let database: Option<String> = sqlx::query_scalar("SELECT current_database()::text")
-            .fetch_one(&self.pool)
+            .fetch_one(&self.pools.pool)
             .await
             .ok();
         Err(StoreError::new(
@@ -188,21 +177,15 @@ impl PostgresStore {
     /// created: call [`PostgresStore::migrate`] if needed).
     #[must_use]
     pub fn from_pool(pool: PgPool, options: &PostgresOptions) -> Self {
-        let max = pool.options().get_max_connections();
-        let connections = Connections::new(
-            "postgres",
-            pool.connect_options(),
-            None,
-            usize::try_from(max).unwrap_or(usize::MAX),
-            options.acquire_timeout,
-            pool.options().get_max_lifetime(),
-            map_error,
-        );
+        // As many connections of its own as the pool has.
+        let sizes = Sizes {
+            max: pool.options().get_max_connections(),
+            ..options.sizes()
+        };
+        let connect = pool.connect_options();
         Self {
-            pool,
-            connections,
+            pools: Pools::new("postgres", pool, connect, None, sizes, map_error),
             sql: Arc::new(Statements::new(&options.schema, &options.table)),
-            lanes: Lanes::new(max, options.lease_connections, options.acquire_timeout),
             statistics: Arc::default(),
         }
     }
@@ -211,7 +194,7 @@ impl PostgresStore {
     /// transactions here).
     #[must_use]
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.pools.pool
     }
 
     /// `schema.table` of the records table.
@@ -230,6 +213,7 @@ impl PostgresStore {
     /// (for example a role without `CREATE`) otherwise.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut tx = self
+            .pools
             .pool
             .begin()
             .await
@@ -248,7 +232,7 @@ impl PostgresStore {
                 .await
                 .map_err(|e| map_error("read the schema version", e))?;
         if let Some(comment) = comment.as_deref() {
-            let current = sql::version_comment(sql::SCHEMA_VERSION);
+            let current = sql_rows::version_comment(sql::SCHEMA_VERSION);
             if comment != current {
                 return Err(StoreError::new(
                     ErrorKind::Schema,
@@ -404,8 +388,9 @@ pub(crate) async fn complete_on(
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let claim = {
-            let _lane = self.lanes.new_work().await?;
-            self.connections
+            let _lane = self.pools.lanes.new_work().await?;
+            self.pools
+                .connections
                 .run(async |connection| begin_on(connection, &self.sql, request).await)
                 .await
         };
@@ -420,7 +405,8 @@ impl Store for PostgresStore {
         outcome: Outcome,
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
-        self.connections
+        self.pools
+            .connections
             .run(async |connection| complete_on(connection, &self.sql, held, &outcome, retention).await)
             .await
     }
@@ -434,6 +420,7 @@ impl Store for PostgresStore {
             return Ok(Fenced::LeaseLost);
         }
         let lease_until: Option<i64> = self
+            .pools
             .connections
             .run(async |connection| {
                 sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
@@ -464,7 +451,7 @@ impl Store for PostgresStore {
         if requests.len() < 2 {
             return begin_each(self, requests).await;
         }
-        let lane = match self.lanes.new_work().await {
+        let lane = match self.pools.lanes.new_work().await {
             Ok(lane) => lane,
             Err(error) => return failed_batch(&error, requests.len()),
         };
@@ -533,7 +520,7 @@ impl PostgresStore {
             return Ok(None);
         }
         sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {}", self.quoted_table())))
-            .execute(&self.pool)
+            .execute(&self.pools.pool)
             .await?;
         Ok(Some(!self.statistics_out_of_date().await?))
     }
@@ -550,7 +537,7 @@ impl PostgresStore {
         .bind(self.quoted_table())
         .bind(STALE_GROWTH)
         .bind(STALE_FLOOR_PAGES)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.pools.pool)
         .await?;
         Ok(stale == Some(true))
     }
@@ -569,6 +556,7 @@ impl PostgresStore {
     ) -> Vec<Result<R, StoreError>> {
         let mut answered = None;
         let run = self
+            .pools
             .connections
             .run(async |connection| {
                 let answers = batch(connection).await;
@@ -591,12 +579,8 @@ idempotency_core::sql_store_admin!(PostgresStore);
 impl SqlActions for PostgresStore {
     type Engine = sqlx::Postgres;
 
-    fn connections(&self) -> &Connections<PgConnection> {
-        &self.connections
-    }
-
-    fn lanes(&self) -> &Lanes {
-        &self.lanes
+    fn pools(&self) -> &Pools<sqlx::Postgres> {
+        &self.pools
     }
 
     fn statement(&self, action: Action) -> Arc<str> {
@@ -624,7 +608,7 @@ impl SqlActions for PostgresStore {
     }
 }
 
-/// Decodes the record columns (see `sql::record_columns`) starting at column `at`.
+/// Decodes the record columns (see `idempotency_core::sql::record_columns`) starting at column `at`.
 pub(crate) fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
     sql_rows::record(row, at)
 }

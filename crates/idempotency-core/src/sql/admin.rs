@@ -13,10 +13,11 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Type};
 
-use crate::connections::{Connections, MapError};
+use super::Pools;
+use crate::connections::MapError;
 use crate::{
-    Fenced, Held, Key, Lanes, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError,
-    Timestamp, Token,
+    Fenced, Held, Key, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
+    Token,
 };
 
 /// A value bound to a placeholder.
@@ -255,11 +256,9 @@ pub trait SqlActions: Send + Sync {
     /// The store's database.
     type Engine: Engine;
 
-    /// The connections the store's operations run on.
-    fn connections(&self) -> &Connections<<Self::Engine as Database>::Connection>;
-
-    /// The lanes new work waits for ([`Lanes::new_work`]).
-    fn lanes(&self) -> &Lanes;
+    /// What the store runs on: its operations run on [`Pools::connections`], and new work
+    /// waits for its lane ([`Lanes::new_work`](crate::Lanes::new_work)) in [`Pools::lanes`].
+    fn pools(&self) -> &Pools<Self::Engine>;
 
     /// The statement for `action`.
     fn statement(&self, action: Action) -> Arc<str>;
@@ -293,11 +292,12 @@ async fn run<S: SqlActions, T>(
     params: &[Param<'_>],
     call: Call<S, T>,
 ) -> Result<T, StoreError> {
-    let _lane = store.lanes().new_work().await?;
+    let _lane = store.pools().lanes.new_work().await?;
     let statement = store.statement(action);
     let map_error = S::map_error();
     store
-        .connections()
+        .pools()
+        .connections
         .run(async |connection| {
             call(connection, statement, params, S::placeholders(action))
                 .await
@@ -427,7 +427,8 @@ pub async fn release<S: SqlActions>(store: &S, held: &Held) -> Result<Fenced<()>
         return Ok(Fenced::LeaseLost);
     }
     store
-        .connections()
+        .pools()
+        .connections
         .run(async |connection| release_on(store, connection, held).await)
         .await
 }

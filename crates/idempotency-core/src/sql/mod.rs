@@ -27,9 +27,10 @@ use futures_util::future::BoxFuture;
 use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
+use crate::connections::{AfterConnect, Connections, MapError};
 use crate::{
-    ErrorKind, Fenced, Fingerprint, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError,
-    Timestamp, Token, redact_url,
+    Access, ErrorKind, Fenced, Fingerprint, Lanes, Outcome, Record, RecordParts, RecordSummary, Stats,
+    StoreError, Timestamp, Token, redact_url,
 };
 
 /// Classifies `error`; `doing` says what the store was doing, `server` classifies the server's
@@ -76,7 +77,7 @@ pub async fn in_one_transaction<DB, X, T, R>(
     connection: &mut DB::Connection,
     store: &X,
     batch: &[T],
-    map_error: crate::connections::MapError,
+    map_error: MapError,
     mut each: impl for<'c> FnMut(&'c mut DB::Connection, &'c X, &'c T) -> BoxFuture<'c, Result<R, StoreError>>
     + Send,
 ) -> Result<Vec<R>, StoreError>
@@ -122,7 +123,7 @@ pub enum Savepoint {
 pub async fn savepoint<DB>(
     connection: &mut DB::Connection,
     action: Savepoint,
-    map_error: crate::connections::MapError,
+    map_error: MapError,
 ) -> Result<(), StoreError>
 where
     DB: sqlx::Database,
@@ -195,6 +196,97 @@ pub fn pool_options<DB: sqlx::Database>(
         .test_before_acquire(false)
         .max_connections(max_connections)
         .acquire_timeout(acquire_timeout)
+}
+
+/// How a sqlx-based store sizes what it runs on: at most `max` connections of its own,
+/// `reserved` of them kept for lease-keeping ([`Lanes`]), and how long an operation waits
+/// for one. The options' [`sql_pool_options!`](crate::sql_pool_options) setters set them;
+/// `sizes()` reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizes {
+    /// The most connections the store's operations use.
+    pub max: u32,
+    /// The connections kept for lease-keeping.
+    pub reserved: u32,
+    /// How long an operation waits for a connection, and new work for its lane.
+    pub wait: std::time::Duration,
+}
+
+/// What a sqlx-based store runs on.
+#[derive(Debug)]
+pub struct Pools<DB: sqlx::Database> {
+    /// The application's pool: its transactions (and the store's same-transaction operations)
+    /// and the schema's creation run here.
+    pub pool: sqlx::Pool<DB>,
+    /// The store's own operations run here: connections that go back without a ping.
+    pub connections: Connections<DB::Connection>,
+    /// `begin` and the reads take a place here; lease-keeping does not, so the store always
+    /// has connections left for it.
+    pub lanes: Lanes,
+}
+
+impl<DB: sqlx::Database> Clone for Pools<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            connections: self.connections.clone(),
+            lanes: self.lanes.clone(),
+        }
+    }
+}
+
+impl<DB: sqlx::Database> Pools<DB> {
+    /// Beside the application's `pool`: connections of the store's own, as many as `sizes`
+    /// says, opened with `options` (the pool's, or the store's own variant of them) and
+    /// prepared by `after_connect`, replaced once older than the pool's `max_lifetime`, and
+    /// [`Lanes`] over them. `store` labels the connections' metrics (`postgres`, `mysql`);
+    /// `map_error` names a failure to connect.
+    #[must_use]
+    pub fn new(
+        store: &'static str,
+        pool: sqlx::Pool<DB>,
+        options: std::sync::Arc<<DB::Connection as sqlx::Connection>::Options>,
+        after_connect: Option<AfterConnect<DB::Connection>>,
+        sizes: Sizes,
+        map_error: MapError,
+    ) -> Self {
+        let connections = Connections::new(
+            store,
+            options,
+            after_connect,
+            usize::try_from(sizes.max).unwrap_or(usize::MAX),
+            sizes.wait,
+            pool.options().get_max_lifetime(),
+            map_error,
+        );
+        Self {
+            pool,
+            connections,
+            lanes: Lanes::new(sizes.max, sizes.reserved, sizes.wait),
+        }
+    }
+}
+
+/// What a store's `connect` does once its pool is up, as its options' `access` and `migrate`
+/// say: [`Access::Create`] runs `migrate` (unless `migrate` is false), any other access only
+/// `check_table`, which refuses a database without the records table and creates nothing.
+///
+/// # Errors
+///
+/// The one that ran.
+pub async fn prepare(
+    access: Access,
+    migrate: bool,
+    check_table: impl Future<Output = Result<(), StoreError>>,
+    migration: impl Future<Output = Result<(), StoreError>>,
+) -> Result<(), StoreError> {
+    if access != Access::Create {
+        check_table.await
+    } else if migrate {
+        migration.await
+    } else {
+        Ok(())
+    }
 }
 
 /// A store URL's connection options, as the SQL stores read them: the scheme must be one of
@@ -285,6 +377,36 @@ fn percent_decoded(text: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The columns of a record in the order [`record`] decodes them (the table above), selected
+/// from the table's alias `r`: `key` and `attempt` as the engine must name them (quoted, cast to
+/// a 64-bit integer) and each time through `ms`, the engine's expression for its Unix
+/// milliseconds.
+///
+/// ```
+/// let ms = |column: &str| format!("ms({column})");
+/// let columns = idempotency_core::sql::record_columns("r.key", "r.attempt", ms);
+/// assert!(columns.starts_with("r.scope, r.key, r.fingerprint, r.attempt, ms(r.created_at), "));
+/// assert!(columns.ends_with(", ms(r.completed_at), r.outcome"));
+/// ```
+pub fn record_columns(key: &str, attempt: &str, ms: impl Fn(&str) -> String) -> String {
+    format!(
+        "r.scope, {key}, r.fingerprint, {attempt}, {}, {}, r.token, r.completed, {}, {}, {}, r.outcome",
+        ms("r.created_at"),
+        ms("r.expires_at"),
+        ms("r.acquired_at"),
+        ms("r.lease_until"),
+        ms("r.completed_at"),
+    )
+}
+
+/// The comment that marks a records table of schema `version` on the servers that keep it in
+/// the table's comment (PostgreSQL, MySQL): `migrate` writes it, and a store refuses a table
+/// whose comment is another version's.
+#[must_use]
+pub fn version_comment(version: u32) -> String {
+    format!("idempotency records v{version}")
 }
 
 /// Column `index` of `row` as `T`; a decode error is [`ErrorKind::Protocol`], saying `doing`.
@@ -394,7 +516,8 @@ where
 }
 
 /// The builder methods every sqlx-based store's options share, written once: `table`,
-/// `max_connections`, `lease_connections`, `acquire_timeout`, `access` and `migrate`, for a
+/// `max_connections`, `lease_connections`, `acquire_timeout`, `access` and `migrate`, the
+/// `sizes()` they set and, for the store's `connect`, a crate-private `prepare`; for a
 /// struct with the fields `table: Identifier`, `max_connections: u32`, `lease_connections: u32`,
 /// `acquire_timeout: Duration`, `access: Access` and `migrate: bool`. Expanded inside the
 /// options' `impl` block, as `idempotency-postgres` and `idempotency-mysql` do:
@@ -438,6 +561,26 @@ macro_rules! sql_pool_options {
         pub fn acquire_timeout(mut self, timeout: ::std::time::Duration) -> Self {
             self.acquire_timeout = timeout;
             self
+        }
+
+        /// The sizes of the store's connections and lanes, as set.
+        #[must_use]
+        pub fn sizes(&self) -> $crate::sql::Sizes {
+            $crate::sql::Sizes {
+                max: self.max_connections,
+                reserved: self.lease_connections,
+                wait: self.acquire_timeout,
+            }
+        }
+
+        /// What `connect` does once its pool is up, as these options' `access` and `migrate`
+        /// say ([`sql::prepare`](idempotency_core::sql::prepare)).
+        pub(crate) async fn prepare(
+            &self,
+            check_table: impl ::std::future::Future<Output = ::std::result::Result<(), $crate::StoreError>>,
+            migration: impl ::std::future::Future<Output = ::std::result::Result<(), $crate::StoreError>>,
+        ) -> ::std::result::Result<(), $crate::StoreError> {
+            $crate::sql::prepare(self.access, self.migrate, check_table, migration).await
         }
 
         /// Sets what connecting may do.
