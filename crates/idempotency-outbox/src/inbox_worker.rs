@@ -3,11 +3,10 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::OutboxError;
 use crate::inbox::{Inbox, InboxHandler, RetryPolicy};
-use crate::wake::{self, Pace};
+use crate::wake::{self, Pace, pace_setters};
 
 /// Runs an [`InboxHandler`] over an [`Inbox`] with competing workers.
 ///
@@ -32,13 +31,8 @@ use crate::wake::{self, Pace};
 pub struct InboxWorker<H> {
     inbox: Inbox,
     handler: Arc<H>,
-    workers: usize,
-    batch: u32,
     retry: RetryPolicy,
-    poll: Duration,
-    listen: bool,
-    retention: Duration,
-    cleanup_every: Duration,
+    pace: Pace,
 }
 
 impl<H: InboxHandler + 'static> InboxWorker<H> {
@@ -49,27 +43,15 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
         Self {
             inbox,
             handler,
-            workers: 1,
-            batch: 16,
             retry: RetryPolicy::default(),
-            poll: Duration::from_secs(1),
-            listen: true,
-            retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
-            cleanup_every: Duration::from_secs(60),
+            pace: Pace::new(1, 16),
         }
     }
 
     /// How many workers compete in this process.
     #[must_use]
     pub fn workers(mut self, workers: usize) -> Self {
-        self.workers = workers.max(1);
-        self
-    }
-
-    /// How many messages one transaction claims.
-    #[must_use]
-    pub fn batch(mut self, batch: u32) -> Self {
-        self.batch = batch.max(1);
+        self.pace.loops = workers.max(1);
         self
     }
 
@@ -80,29 +62,12 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
         self
     }
 
-    /// Whether idle loops `LISTEN` for the notifications sent when messages arrive (the
-    /// default); without, they only poll, and a message waits up to the poll interval.
-    #[must_use]
-    pub fn notifications(mut self, listen: bool) -> Self {
-        self.listen = listen;
-        self
-    }
-
-    /// The longest an idle worker waits without a notification.
-    #[must_use]
-    pub fn poll(mut self, poll: Duration) -> Self {
-        self.poll = poll;
-        self
-    }
-
-    /// How long processed rows are kept (the dedup window: a duplicate arriving later is
-    /// stored and handled again), and how often the cleanup runs.
-    #[must_use]
-    pub fn retention(mut self, retention: Duration, cleanup_every: Duration) -> Self {
-        self.retention = retention;
-        self.cleanup_every = cleanup_every;
-        self
-    }
+    pace_setters!(
+        batch: "How many messages one transaction claims.",
+        idle: "workers",
+        notifications: "the default",
+        kept: "processed",
+    );
 
     /// Runs the workers and the cleanup until `shutdown` completes; then lets each worker
     /// finish its batch and returns.
@@ -116,20 +81,15 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
         F: Future<Output = ()> + Send,
     {
         let what = format!("inbox {}", self.inbox.consumer());
-        let pace = Pace {
-            loops: self.workers,
-            poll: self.poll,
-            cleanup_every: self.cleanup_every,
-        };
         let round = || async {
             let claimed = self
                 .inbox
-                .process_batch(&*self.handler, self.batch, &self.retry)
+                .process_batch(&*self.handler, self.pace.batch, &self.retry)
                 .await?;
-            Ok(claimed == self.batch as usize)
+            Ok(claimed == self.pace.batch as usize)
         };
         let cleanup = || async {
-            if let Err(error) = crate::admin::purge_processed(&self.inbox, self.retention).await {
+            if let Err(error) = crate::admin::purge_processed(&self.inbox, self.pace.retention).await {
                 tracing::warn!(consumer = %self.inbox.consumer(), %error, "inbox cleanup failed");
             }
             if let Err(error) = crate::admin::refresh_inbox_gauges(&self.inbox).await {
@@ -137,7 +97,7 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
             }
         };
         let channel = self.inbox.tables().inbox_channel();
-        let listen = self.listen.then_some((self.inbox.pool(), channel.as_str()));
-        wake::run(listen, &what, &pace, round, cleanup, shutdown).await
+        let listen = self.pace.listen.then_some((self.inbox.pool(), channel.as_str()));
+        wake::run(listen, &what, &self.pace, round, cleanup, shutdown).await
     }
 }

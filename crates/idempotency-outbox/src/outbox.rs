@@ -5,14 +5,13 @@ use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 
-use crate::wake::{self, Pace};
+use crate::wake::{self, Pace, pace_setters};
 use crate::{Database, OutboxError, Tables, headers};
 
 /// A message to publish when the caller's transaction commits.
@@ -405,11 +404,7 @@ pub struct Relay<P> {
     outbox: Outbox,
     publisher: P,
     name: String,
-    batch: u32,
-    poll: Duration,
-    listen: bool,
-    retention: Duration,
-    cleanup_every: Duration,
+    pace: Pace,
     max_attempts: u32,
 }
 
@@ -424,11 +419,7 @@ impl<P: Publisher> Relay<P> {
             db,
             outbox,
             publisher,
-            batch: 100,
-            poll: Duration::from_secs(1),
-            listen: true,
-            retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
-            cleanup_every: Duration::from_secs(60),
+            pace: Pace::new(1, 100),
             max_attempts: DEFAULT_MAX_ATTEMPTS,
         }
     }
@@ -457,36 +448,12 @@ impl<P: Publisher> Relay<P> {
         &self.name
     }
 
-    /// How many rows one round publishes at most.
-    #[must_use]
-    pub fn batch(mut self, batch: u32) -> Self {
-        self.batch = batch.max(1);
-        self
-    }
-
-    /// Whether idle loops `LISTEN` for the notifications sent when messages arrive (the
-    /// default on PostgreSQL); without, they only poll, and a message waits up to the poll
-    /// interval. MySQL has no notifications: relays on it poll.
-    #[must_use]
-    pub fn notifications(mut self, listen: bool) -> Self {
-        self.listen = listen;
-        self
-    }
-
-    /// The longest an idle relay waits without a notification.
-    #[must_use]
-    pub fn poll(mut self, poll: Duration) -> Self {
-        self.poll = poll;
-        self
-    }
-
-    /// How long sent rows are kept, and how often the cleanup runs.
-    #[must_use]
-    pub fn retention(mut self, retention: Duration, cleanup_every: Duration) -> Self {
-        self.retention = retention;
-        self.cleanup_every = cleanup_every;
-        self
-    }
+    pace_setters!(
+        batch: "How many rows one round publishes at most.",
+        idle: "relays",
+        notifications: "the default on PostgreSQL; MySQL has none, and relays on it poll",
+        kept: "sent",
+    );
 
     /// One round: publishes up to a batch of pending rows whose ordering keys no other relay
     /// holds, marks them sent and commits. Returns how many were published.
@@ -506,13 +473,13 @@ impl<P: Publisher> Relay<P> {
     async fn round(&self) -> Result<(usize, usize), OutboxError> {
         match &self.db {
             Database::Postgres(pool) => {
-                let (round, rows) = PgRound::begin(pool, &self.outbox.sql, self.batch).await?;
+                let (round, rows) = PgRound::begin(pool, &self.outbox.sql, self.pace.batch).await?;
                 self.publish(round, rows).await
             }
             #[cfg(feature = "mysql")]
             Database::MySql(pool) => {
                 let (round, rows) =
-                    crate::mysql::MySqlRound::begin(pool, &self.outbox.mysql, self.batch).await?;
+                    crate::mysql::MySqlRound::begin(pool, &self.outbox.mysql, self.pace.batch).await?;
                 self.publish(round, rows).await
             }
         }
@@ -625,17 +592,13 @@ impl<P: Publisher> Relay<P> {
         F: Future<Output = ()> + Send,
     {
         let what = format!("outbox relay {}", self.name);
-        let pace = Pace {
-            loops: 1,
-            poll: self.poll,
-            cleanup_every: self.cleanup_every,
-        };
         let round = || async {
             let (sent, parked) = self.round().await?;
             Ok(sent + parked > 0)
         };
         let cleanup = || async {
-            if let Err(error) = crate::admin::purge_sent(&self.db, &self.outbox.tables, self.retention).await
+            if let Err(error) =
+                crate::admin::purge_sent(&self.db, &self.outbox.tables, self.pace.retention).await
             {
                 tracing::warn!(outbox = %self.name, %error, "outbox cleanup failed");
             }
@@ -646,9 +609,9 @@ impl<P: Publisher> Relay<P> {
         };
         let channel = self.outbox.tables.outbox_channel();
         let listen = match &self.db {
-            Database::Postgres(pool) if self.listen => Some((pool, channel.as_str())),
+            Database::Postgres(pool) if self.pace.listen => Some((pool, channel.as_str())),
             _ => None,
         };
-        wake::run(listen, &what, &pace, round, cleanup, shutdown).await
+        wake::run(listen, &what, &self.pace, round, cleanup, shutdown).await
     }
 }

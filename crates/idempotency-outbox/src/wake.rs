@@ -13,15 +13,82 @@ use tokio::sync::Notify;
 
 use crate::OutboxError;
 
-/// How many loops, and how often they look for work.
+/// How many loops, how much a round takes, how often they look for work, and how long done
+/// rows are kept: the settings an inbox worker and an outbox relay share, set by the methods
+/// [`pace_setters!`] writes.
+#[derive(Debug, Clone)]
 pub(crate) struct Pace {
     /// How many loops run rounds at once.
     pub(crate) loops: usize,
+    /// How many rows one round takes at most.
+    pub(crate) batch: u32,
     /// The longest an idle loop waits without a notification.
     pub(crate) poll: Duration,
+    /// Whether idle loops `LISTEN` for notifications (PostgreSQL).
+    pub(crate) listen: bool,
+    /// How long done rows are kept.
+    pub(crate) retention: Duration,
     /// How often the cleanup runs.
     pub(crate) cleanup_every: Duration,
 }
+
+impl Pace {
+    /// `loops` loops taking `batch` rows a round, polling every second and listening, done rows
+    /// kept 7 days and cleaned up every minute.
+    pub(crate) fn new(loops: usize, batch: u32) -> Self {
+        Self {
+            loops,
+            batch,
+            poll: Duration::from_secs(1),
+            listen: true,
+            retention: idempotency_core::DEFAULT_CONSUMER_RETENTION,
+            cleanup_every: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The builder methods of a [`Pace`] held in a `pace` field: `batch`, `notifications`, `poll`
+/// and `retention`. The caller says what a round takes (`batch`), what idles (`idle`), what the
+/// notifications are for on its databases (`notifications`), and which rows are kept
+/// (`kept`).
+macro_rules! pace_setters {
+    (batch: $batch:literal, idle: $idle:literal, notifications: $notifications:literal, kept: $kept:literal $(,)?) => {
+        #[doc = $batch]
+        #[must_use]
+        pub fn batch(mut self, batch: u32) -> Self {
+            self.pace.batch = batch.max(1);
+            self
+        }
+
+        #[doc = concat!("Whether idle ", $idle, " `LISTEN` for the notifications sent when messages arrive (",
+            $notifications, "); without, they only poll, and a message waits up to the poll interval.")]
+        #[must_use]
+        pub fn notifications(mut self, listen: bool) -> Self {
+            self.pace.listen = listen;
+            self
+        }
+
+        #[doc = concat!("The longest idle ", $idle, " wait without a notification.")]
+        #[must_use]
+        pub fn poll(mut self, poll: ::std::time::Duration) -> Self {
+            self.pace.poll = poll;
+            self
+        }
+
+        #[doc = concat!("How long ", $kept, " rows are kept, and how often the cleanup runs.")]
+        #[must_use]
+        pub fn retention(
+            mut self,
+            retention: ::std::time::Duration,
+            cleanup_every: ::std::time::Duration,
+        ) -> Self {
+            self.pace.retention = retention;
+            self.pace.cleanup_every = cleanup_every;
+            self
+        }
+    };
+}
+pub(crate) use pace_setters;
 
 /// Listens on `listen`'s channel (a pool and a channel; `None`: polling only), runs
 /// `pace.loops` loops of rounds of `round` (each returns whether there may be more work right

@@ -11,7 +11,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::Running;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
 use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySqlPool};
@@ -173,24 +172,12 @@ async fn three_mysql_relays_keep_every_aggregate_in_order_and_a_killed_one_costs
         hanging.hung.load(Ordering::SeqCst)
     })
     .await;
-    let relays: Vec<_> = (0..2)
-        .map(|_| {
-            let relay = Relay::new(pool.clone(), outbox.clone(), recording)
-                .name("shop")
-                .poll(Duration::from_millis(50));
-            Running::spawn(|stopped| async move { relay.run_until(stopped).await })
-        })
-        .collect();
-    killed.abort();
-    let _ = killed.await;
-    eventually(LIMIT, "the outbox drained", || {
-        let (pool, tables) = (pool.clone(), tables.clone());
-        async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
+    common::take_over(pool.clone().into(), &tables, killed, || {
+        Relay::new(pool.clone(), outbox.clone(), recording)
+            .name("shop")
+            .poll(Duration::from_millis(50))
     })
     .await;
-    for running in relays {
-        running.stop().await;
-    }
     let before = hanging.published.lock().unwrap().clone();
     let after = recording.published.lock().unwrap().clone();
     assert_eq!(before.len(), 25, "the hung relay's first round published 25");

@@ -238,24 +238,12 @@ async fn three_relays_keep_every_aggregate_in_order_and_a_killed_one_costs_only_
         async move { hung }
     })
     .await;
-    let relays: Vec<_> = (0..2)
-        .map(|_| {
-            let relay = Relay::new(pool.clone(), outbox.clone(), AmqpPublisher::new(amqp_url(), ""))
-                .name("shop")
-                .poll(Duration::from_millis(100));
-            Running::spawn(|stopped| async move { relay.run_until(stopped).await })
-        })
-        .collect();
-    killed.abort();
-    let _ = killed.await;
-    eventually(LIMIT, "the outbox drained", || {
-        let (pool, tables) = (pool.clone(), tables.clone());
-        async move { outbox_stats(&pool, &tables).await.unwrap().pending == 0 }
+    common::take_over(pool.clone().into(), &tables, killed, || {
+        Relay::new(pool.clone(), outbox.clone(), AmqpPublisher::new(amqp_url(), ""))
+            .name("shop")
+            .poll(Duration::from_millis(100))
     })
     .await;
-    for running in relays {
-        running.stop().await;
-    }
     let received = drain(&channel, &queue_name).await;
     let duplicates = consume_in_order(&received, 50, 40).await;
     // The killed relay's first round published 25 rows and marked none.

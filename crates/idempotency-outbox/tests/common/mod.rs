@@ -125,3 +125,36 @@ impl Running {
         self.task.await.unwrap().unwrap();
     }
 }
+
+/// Two relays made by `relay` take over from `killed` (a relay hung in the middle of a
+/// round), which is then killed as a crash would; once the outbox of `tables` on `database`
+/// has nothing pending, both stop. What the killed relay held, the others publish.
+pub async fn take_over<P: idempotency_outbox::Publisher + 'static>(
+    database: idempotency_outbox::Database,
+    tables: &Tables,
+    killed: tokio::task::JoinHandle<Result<(), idempotency_outbox::OutboxError>>,
+    relay: impl Fn() -> idempotency_outbox::Relay<P>,
+) {
+    let relays: Vec<_> = (0..2)
+        .map(|_| {
+            let relay = relay();
+            Running::spawn(|stopped| async move { relay.run_until(stopped).await })
+        })
+        .collect();
+    killed.abort();
+    let _ = killed.await;
+    idempotency_testkit::eventually(std::time::Duration::from_secs(120), "the outbox drained", || {
+        let (database, tables) = (database.clone(), tables.clone());
+        async move {
+            idempotency_outbox::outbox_stats(database, &tables)
+                .await
+                .unwrap()
+                .pending
+                == 0
+        }
+    })
+    .await;
+    for running in relays {
+        running.stop().await;
+    }
+}
