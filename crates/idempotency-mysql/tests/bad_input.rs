@@ -17,6 +17,23 @@ async fn connect_err(options: MysqlOptions) -> StoreError {
         .expect_err("connecting must fail")
 }
 
+/// The options of a store on `table` of the test server's database.
+fn on(table: &str) -> MysqlOptions {
+    MysqlOptions::from_url(&common::database_url())
+        .unwrap()
+        .table(table)
+        .unwrap()
+}
+
+/// Connecting to `table` with each of `accesses` is a schema error that says `saying`.
+async fn schema_refused(table: &str, accesses: &[Access], saying: &str) {
+    for access in accesses {
+        let error = connect_err(on(table).access(*access)).await;
+        assert_eq!(error.kind(), ErrorKind::Schema, "{access:?}: {error}");
+        assert!(error.to_string().contains(saying), "{error}");
+    }
+}
+
 /// The test server's URL with another user, password and database.
 fn url_with(user: &str, password: Option<&str>, database: &str) -> String {
     let options = MysqlOptions::from_url(&common::database_url()).unwrap();
@@ -109,16 +126,8 @@ async fn a_foreign_table_under_the_configured_name_is_refused_and_left_alone() {
     .execute(admin.pool())
     .await
     .unwrap();
-    for access in [Access::Create, Access::Existing, Access::ReadOnly] {
-        let options = MysqlOptions::from_url(&common::database_url())
-            .unwrap()
-            .table(&table)
-            .unwrap()
-            .access(access);
-        let error = connect_err(options).await;
-        assert_eq!(error.kind(), ErrorKind::Schema, "{access:?}: {error}");
-        assert!(error.to_string().contains(&table), "{error}");
-    }
+    let every = [Access::Create, Access::Existing, Access::ReadOnly];
+    schema_refused(&table, &every, &table).await;
     let kept: String = sqlx::query_scalar(AssertSqlSafe(format!("SELECT name FROM {table} WHERE id = 1")))
         .fetch_one(admin.pool())
         .await
@@ -129,35 +138,23 @@ async fn a_foreign_table_under_the_configured_name_is_refused_and_left_alone() {
 #[tokio::test]
 async fn a_missing_table_is_not_created_without_create_access() {
     let table = idempotency_testkit::sql::fresh_table("t");
-    for access in [Access::Existing, Access::ReadOnly] {
-        let options = MysqlOptions::from_url(&common::database_url())
-            .unwrap()
-            .table(&table)
-            .unwrap()
-            .access(access);
-        let error = connect_err(options).await;
-        assert_eq!(error.kind(), ErrorKind::Schema, "{access:?}: {error}");
-        assert!(error.to_string().contains("nothing was created"), "{error}");
-    }
+    schema_refused(
+        &table,
+        &[Access::Existing, Access::ReadOnly],
+        "nothing was created",
+    )
+    .await;
     // Without migration the first operation names the missing table.
-    let options = MysqlOptions::from_url(&common::database_url())
-        .unwrap()
-        .table(&table)
-        .unwrap()
-        .migrate(false);
-    let store = MysqlStore::connect_with(options).await.unwrap();
+    let store = MysqlStore::connect_with(on(&table).migrate(false)).await.unwrap();
     refusals::missing_table(&store, &table).await;
 }
 
 #[tokio::test]
 async fn a_read_only_store_refuses_to_write() {
     let store = common::fresh_store().await;
-    let options = MysqlOptions::from_url(&common::database_url())
-        .unwrap()
-        .table(store.table())
-        .unwrap()
-        .access(Access::ReadOnly);
-    let reader = MysqlStore::connect_with(options).await.unwrap();
+    let reader = MysqlStore::connect_with(on(store.table()).access(Access::ReadOnly))
+        .await
+        .unwrap();
     let request = BeginRequest::new(
         Scope::global(),
         Key::new("k").unwrap(),
