@@ -149,54 +149,11 @@ fn dlq_bad_input_is_refused_with_a_clear_error() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
-    consume::dead_letters_listed_replayed_purged(&Rabbit::new("dlq").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_message_published_three_times_is_handled_once() {
-    consume::three_copies_run_once(&Rabbit::new("dups").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_failing_twice_is_called_three_times_and_the_message_acked_once() {
-    consume::failing_twice_then_ok(&Rabbit::new("flaky").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_message_is_dead_lettered_with_the_status() {
-    consume::refused_is_dead_lettered(&Rabbit::new("refused").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
-    consume::kill_9_mid_call(&Rabbit::new("kill").await).await;
-}
+common::consume::scenarios!(name => Rabbit::new(name).await);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_in_the_middle_of_a_batch_reruns_only_what_was_not_recorded() {
     let _ = consume::kill_9_in_the_middle_of_a_batch(&Rabbit::new("kill-batch").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_mid_call_lets_the_call_finish_be_recorded_and_acked() {
-    consume::sigterm_mid_call(&Rabbit::new("sigterm").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_message_metadata_reaches_the_handler() {
-    consume::metadata_reaches_the_handler(&Rabbit::new("meta").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
-    consume::handler_outage(&Rabbit::new("outage").await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded() {
-    consume::duplicate_in_flight_settles_with_the_first(&Rabbit::new("copy").await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

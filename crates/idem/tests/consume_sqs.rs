@@ -208,50 +208,7 @@ impl Broker for Sqs {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_by_reason_replayed_and_purged() {
-    consume::dead_letters_listed_replayed_purged(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_message_published_three_times_is_handled_once() {
-    consume::three_copies_run_once(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_failing_twice_is_called_three_times_and_the_message_acked_once() {
-    consume::failing_twice_then_ok(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_message_is_dead_lettered_with_the_status() {
-    consume::refused_is_dead_lettered(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two() {
-    consume::kill_9_mid_call(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_mid_call_finishes_records_and_acks() {
-    consume::sigterm_mid_call(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_message_metadata_reaches_the_handler() {
-    consume::metadata_reaches_the_handler(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_wait_while_the_handler_is_down_and_none_is_lost() {
-    consume::handler_outage(&Sqs::new().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded() {
-    consume::duplicate_in_flight_settles_with_the_first(&Sqs::new().await).await;
-}
+common::consume::scenarios!(_name => Sqs::new().await);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_queues_and_an_unreachable_service_are_clear_errors() {

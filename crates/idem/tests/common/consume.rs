@@ -735,3 +735,41 @@ pub async fn metadata_reaches_the_handler<B: Broker>(broker: &B) {
     );
     until_settled(broker).await;
 }
+
+/// The scenarios every broker passes through `idem consume`, one `#[tokio::test]` each, on the
+/// broker `$broker` evaluates to, with `$name` bound to a name of the scenario's own (for a
+/// broker whose queues are named per test):
+///
+/// ```text
+/// common::consume::scenarios!(name => Rabbit::new(name).await);
+/// common::consume::scenarios!(_name => Kafka::new());
+/// ```
+#[allow(unused_macros)] // the test crates of other brokers do not run it
+macro_rules! scenarios {
+    ($name:ident => $broker:expr) => {
+        common::consume::scenarios!(@tests $name => $broker;
+            dead_letters_are_listed_by_reason_replayed_and_purged: dead_letters_listed_replayed_purged("dlq"),
+            every_message_published_three_times_is_handled_once: three_copies_run_once("dups"),
+            a_handler_failing_twice_is_called_three_times_and_the_message_acked_once:
+                failing_twice_then_ok("flaky"),
+            a_refused_message_is_dead_lettered_with_the_status: refused_is_dead_lettered("refused"),
+            kill_9_mid_call_waits_for_the_lease_then_runs_attempt_two: kill_9_mid_call("kill"),
+            sigterm_mid_call_finishes_records_and_acks: sigterm_mid_call("sigterm"),
+            the_message_metadata_reaches_the_handler: metadata_reaches_the_handler("meta"),
+            messages_wait_while_the_handler_is_down_and_none_is_lost: handler_outage("outage"),
+            a_copy_arriving_mid_call_is_acked_when_the_first_call_is_recorded:
+                duplicate_in_flight_settles_with_the_first("copy"),
+        );
+    };
+    (@tests $name:ident => $broker:expr; $($test:ident: $scenario:ident($label:literal)),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                let $name = $label;
+                common::consume::$scenario(&$broker).await;
+            }
+        )*
+    };
+}
+#[allow(unused_imports)] // the test crates of other brokers do not run it
+pub(crate) use scenarios;
