@@ -66,7 +66,8 @@ impl<H: InboxHandler + 'static> InboxWorker<H> {
         batch: "How many messages one transaction claims.",
         idle: "workers",
         notifications: "the default",
-        kept: "processed",
+        kept: "processed rows are kept (the dedup window: a duplicate arriving later is stored and \
+               handled again)",
     );
 
     /// Runs the workers and the cleanup until `shutdown` completes; then lets each worker

@@ -452,7 +452,7 @@ impl<P: Publisher> Relay<P> {
         batch: "How many rows one round publishes at most.",
         idle: "relays",
         notifications: "the default on PostgreSQL; MySQL has none, and relays on it poll",
-        kept: "sent",
+        kept: "sent rows are kept",
     );
 
     /// One round: publishes up to a batch of pending rows whose ordering keys no other relay

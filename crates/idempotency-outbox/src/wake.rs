@@ -49,8 +49,8 @@ impl Pace {
 
 /// The builder methods of a [`Pace`] held in a `pace` field: `batch`, `notifications`, `poll`
 /// and `retention`. The caller says what a round takes (`batch`), what idles (`idle`), what the
-/// notifications are for on its databases (`notifications`), and which rows are kept
-/// (`kept`).
+/// notifications are for on its databases (`notifications`), and which rows are kept and
+/// what that means (`kept`).
 macro_rules! pace_setters {
     (batch: $batch:literal, idle: $idle:literal, notifications: $notifications:literal, kept: $kept:literal $(,)?) => {
         #[doc = $batch]
@@ -75,7 +75,7 @@ macro_rules! pace_setters {
             self
         }
 
-        #[doc = concat!("How long ", $kept, " rows are kept, and how often the cleanup runs.")]
+        #[doc = concat!("How long ", $kept, ", and how often the cleanup runs.")]
         #[must_use]
         pub fn retention(
             mut self,
