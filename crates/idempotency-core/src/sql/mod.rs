@@ -29,8 +29,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::connections::{AfterConnect, Connections, MapError};
 use crate::{
-    Access, ErrorKind, Fenced, Fingerprint, Lanes, Outcome, Record, RecordParts, RecordSummary, Stats,
-    StoreError, Timestamp, Token, redact_url,
+    ErrorKind, Fenced, Fingerprint, Lanes, Outcome, Record, RecordParts, RecordSummary, Stats, StoreError,
+    Timestamp, Token, redact_url,
 };
 
 /// Classifies `error`; `doing` says what the store was doing, `server` classifies the server's
@@ -264,28 +264,6 @@ impl<DB: sqlx::Database> Pools<DB> {
             connections,
             lanes: Lanes::new(sizes.max, sizes.reserved, sizes.wait),
         }
-    }
-}
-
-/// What a store's `connect` does once its pool is up, as its options' `access` and `migrate`
-/// say: [`Access::Create`] runs `migrate` (unless `migrate` is false), any other access only
-/// `check_table`, which refuses a database without the records table and creates nothing.
-///
-/// # Errors
-///
-/// The one that ran.
-pub async fn prepare(
-    access: Access,
-    migrate: bool,
-    check_table: impl Future<Output = Result<(), StoreError>>,
-    migration: impl Future<Output = Result<(), StoreError>>,
-) -> Result<(), StoreError> {
-    if access != Access::Create {
-        check_table.await
-    } else if migrate {
-        migration.await
-    } else {
-        Ok(())
     }
 }
 
@@ -573,14 +551,22 @@ macro_rules! sql_pool_options {
             }
         }
 
-        /// What `connect` does once its pool is up, as these options' `access` and `migrate`
-        /// say ([`sql::prepare`](idempotency_core::sql::prepare)).
+        /// What `connect` does once its pool is up, as these options say: with
+        /// [`Access::Create`](idempotency_core::Access::Create) it runs `migration` (unless
+        /// `migrate` is false); with any other access only `check_table`, which refuses a
+        /// database without the records table and creates nothing.
         pub(crate) async fn prepare(
             &self,
             check_table: impl ::std::future::Future<Output = ::std::result::Result<(), $crate::StoreError>>,
             migration: impl ::std::future::Future<Output = ::std::result::Result<(), $crate::StoreError>>,
         ) -> ::std::result::Result<(), $crate::StoreError> {
-            $crate::sql::prepare(self.access, self.migrate, check_table, migration).await
+            if self.access != $crate::Access::Create {
+                check_table.await
+            } else if self.migrate {
+                migration.await
+            } else {
+                Ok(())
+            }
         }
 
         /// Sets what connecting may do.
