@@ -197,6 +197,12 @@ impl<C: Connection> Connections<C> {
         }
     }
 
+    /// How the store classifies its server's errors (what it was built with).
+    #[must_use]
+    pub fn map_error(&self) -> MapError {
+        self.map_error
+    }
+
     /// Runs `operation` on a connection, which goes back for the next operation only if this
     /// one succeeded; otherwise it is closed.
     ///

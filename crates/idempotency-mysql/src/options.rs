@@ -1,6 +1,5 @@
 //! Connection options and the table name the store's SQL is built with.
 
-use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -48,22 +47,14 @@ pub struct MysqlOptions {
     pub access: Access,
 }
 
-impl fmt::Debug for MysqlOptions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // MySqlConnectOptions' Debug would print the password.
-        f.debug_struct("MysqlOptions")
-            .field("host", &self.connect.get_host())
-            .field("port", &self.connect.get_port())
-            .field("database", &self.connect.get_database())
-            .field("table", &self.table)
-            .field("max_connections", &self.max_connections)
-            .field("acquire_timeout", &self.acquire_timeout)
-            .field("lease_connections", &self.lease_connections)
-            .field("migrate", &self.migrate)
-            .field("access", &self.access)
-            .finish()
-    }
-}
+idempotency_core::sql_options_debug!(MysqlOptions {
+    table,
+    max_connections,
+    acquire_timeout,
+    lease_connections,
+    migrate,
+    access
+});
 
 impl MysqlOptions {
     /// Parses a `mysql://` or `mariadb://` URL (`mysql://USER:PASSWORD@HOST:PORT/DATABASE`,

@@ -36,6 +36,21 @@ fn now() -> String {
     ms("UTC_TIMESTAMP(3)")
 }
 
+/// Which parameter ([`admin::Action`]'s order) each `?` of an admin statement takes: MySQL binds
+/// its `?` one by one, so a parameter tested for NULL and then compared with is bound twice.
+fn placeholders(action: admin::Action) -> &'static [usize] {
+    use admin::Action;
+    match action {
+        Action::Get => &[0, 1],
+        Action::Now => &[],
+        Action::Stats => &[0, 0],
+        Action::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
+        Action::Purge => &[0],
+        Action::Forget | Action::Withdraw => &[0, 1, 2],
+        Action::Release => &[3, 0, 1, 2],
+    }
+}
+
 /// All the statements of one store.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -153,6 +168,7 @@ impl Statements {
             )
             .into(),
             admin: admin::Statements {
+                placeholders,
             now: format!("SELECT {}", ms("SYSDATE(3)")).into(),
             // Parameters: scope, key.
             get: format!("SELECT {columns} FROM {t} AS r WHERE r.{record} AND r.{live}").into(),
@@ -211,6 +227,32 @@ impl Statements {
             .into(),
             },
             table: t.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each `?` of an admin statement takes one parameter, and every parameter is bound.
+    #[test]
+    fn every_placeholder_binds_a_parameter_of_its_action() {
+        let statements = Statements::new(&Identifier::new("records").unwrap());
+        for action in admin::Action::ALL {
+            let order = (statements.admin.placeholders)(action);
+            let marks = statements.admin.of(action).matches('?').count();
+            assert_eq!(marks, order.len(), "{action:?}: `?` in the statement");
+            for parameter in 0..action.parameters() {
+                assert!(
+                    order.contains(&parameter),
+                    "{action:?}: parameter {parameter} unbound"
+                );
+            }
+            assert!(
+                order.iter().all(|&at| at < action.parameters()),
+                "{action:?}: {order:?}"
+            );
         }
     }
 }

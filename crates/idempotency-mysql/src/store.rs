@@ -5,15 +5,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::{AfterConnect, MapError};
+use idempotency_core::connections::AfterConnect;
 use idempotency_core::machine::{self, Effect};
-use idempotency_core::sql::admin::{self, Action, SqlActions};
+use idempotency_core::sql::admin;
 use idempotency_core::sql::{self as sql_rows, Pools};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Outcome, Record, RecordColumns,
     Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, stored_millis,
 };
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlQueryResult, MySqlRow};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, Row};
 
 use crate::error::{DEADLOCK, DUPLICATE_KEY, map_error, number};
@@ -450,7 +450,7 @@ async fn decide_begin(
     let (now, existing) = match row {
         Some(row) => {
             let now: i64 = row.try_get(0).map_err(|e| map_error("decode begin", e))?;
-            (now, Some(decode_record(&row, 1)?))
+            (now, Some(sql_rows::record(&row, 1)?))
         }
         None => {
             let now: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&sql.admin.now)))
@@ -556,10 +556,8 @@ fn returned_time(millis: u64) -> Result<Timestamp, StoreError> {
 #[async_trait]
 impl Store for MysqlStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
-        let _lane = self.pools.lanes.new_work().await?;
         self.pools
-            .connections
-            .run(async |connection| begin_on(connection, self, request, Within::Autocommit).await)
+            .run_new(async |connection| begin_on(connection, self, request, Within::Autocommit).await)
             .await
     }
 
@@ -570,7 +568,6 @@ impl Store for MysqlStore {
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
         self.pools
-            .connections
             .run(async |connection| {
                 complete_on(connection, self.statements(), held, &outcome, retention).await
             })
@@ -588,7 +585,6 @@ impl Store for MysqlStore {
         let lease = stored_millis(lease);
         let done = self
             .pools
-            .connections
             .run(async |connection| {
                 sqlx::query(AssertSqlSafe(Arc::clone(&self.statements().extend)))
                     .bind(lease)
@@ -642,51 +638,15 @@ impl Store for MysqlStore {
     }
 }
 
-idempotency_core::sql_store_admin!(MysqlStore);
-
-/// MySQL binds its `?` one by one: a parameter tested for NULL and then compared with is bound
-/// twice (see the statements in `sql`).
-impl SqlActions for MysqlStore {
-    type Engine = sqlx::MySql;
-
-    fn pools(&self) -> &Pools<sqlx::MySql> {
-        &self.pools
-    }
-
-    fn statement(&self, action: Action) -> Arc<str> {
-        self.statements().admin.of(action)
-    }
-
-    fn placeholders(action: Action) -> &'static [usize] {
-        match action {
-            Action::Get => &[0, 1],
-            Action::Now => &[],
-            Action::Stats => &[0, 0],
-            Action::List => &[0, 0, 1, 1, 2, 2, 3, 3, 4, 5],
-            Action::Purge => &[0],
-            Action::Forget => &[0, 1, 2],
-            Action::Release => &[3, 0, 1, 2],
-            Action::Withdraw => &[0, 1, 2],
-        }
-    }
-
-    fn map_error() -> MapError {
-        map_error
-    }
-
-    fn rows_affected(done: &MySqlQueryResult) -> u64 {
-        done.rows_affected()
-    }
-}
-
-/// Decodes the record columns (see `idempotency_core::sql::record_columns`) starting at column `at`.
-fn decode_record(row: &MySqlRow, at: usize) -> Result<Record, StoreError> {
-    sql_rows::record(row, at)
-}
+idempotency_core::sql_store_admin!(MysqlStore {
+    engine: sqlx::MySql,
+    pools: |store| &store.pools,
+    statements: |store| &store.shared.sql.admin,
+});
 
 /// Decodes the record columns of an outer join starting at column `at`: `None` when the
 /// record's columns are NULL.
 fn decode_optional(row: &MySqlRow, at: usize) -> Result<Option<Record>, StoreError> {
     let scope: Option<String> = row.try_get(at).map_err(|e| map_error("decode a record", e))?;
-    scope.map(|_| decode_record(row, at)).transpose()
+    scope.map(|_| sql_rows::record(row, at)).transpose()
 }

@@ -27,7 +27,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::map_error;
 use crate::sql::Statements;
-use crate::store::{begin_on, complete_on, decode_record};
+use crate::store::{begin_on, complete_on};
 
 /// The positions of `batch` in lock order, and of those the first call on each key (the
 /// calls that repeat a key run alone, after the statement).
@@ -124,7 +124,7 @@ fn decide_begin(row: &PgRow, sent: &[&BeginRequest]) -> Result<(usize, Option<Cl
         )
     })?;
     let claimed: bool = row.try_get(1).map_err(|e| map_error("decode a batch begin", e))?;
-    let record = decode_record(row, 2)?;
+    let record = idempotency_core::sql::record(row, 2)?;
     if claimed {
         let RecordState::InFlight { lease_until, .. } = record.state else {
             return Err(StoreError::new(

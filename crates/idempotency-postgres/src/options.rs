@@ -1,6 +1,5 @@
 //! Connection options, and the table and schema names the store's SQL is built with.
 
-use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -54,23 +53,15 @@ pub struct PostgresOptions {
     pub access: Access,
 }
 
-impl fmt::Debug for PostgresOptions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // PgConnectOptions' Debug would print the password.
-        f.debug_struct("PostgresOptions")
-            .field("host", &self.connect.get_host())
-            .field("port", &self.connect.get_port())
-            .field("database", &self.connect.get_database())
-            .field("table", &self.table)
-            .field("schema", &self.schema)
-            .field("max_connections", &self.max_connections)
-            .field("acquire_timeout", &self.acquire_timeout)
-            .field("lease_connections", &self.lease_connections)
-            .field("migrate", &self.migrate)
-            .field("access", &self.access)
-            .finish()
-    }
-}
+idempotency_core::sql_options_debug!(PostgresOptions {
+    table,
+    schema,
+    max_connections,
+    acquire_timeout,
+    lease_connections,
+    migrate,
+    access
+});
 
 impl PostgresOptions {
     /// Parses a `postgres://` or `postgresql://` URL (libpq syntax, as sqlx accepts it).

@@ -243,6 +243,9 @@ impl Statements {
             )
             .into(),
             admin: admin::Statements {
+                // PostgreSQL numbers its placeholders: each parameter is bound once, in
+                // `Action`'s order.
+                placeholders: admin::Action::in_order,
             // $1 scope, $2 key.
             get: format!(
                 "SELECT {columns} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()"
@@ -309,6 +312,36 @@ impl Statements {
             },
             table: table.to_string(),
             schema: schema.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The admin statements number their placeholders `$1` up to their action's count.
+    #[test]
+    fn every_placeholder_binds_a_parameter_of_its_action() {
+        let statements = Statements::new(
+            &Identifier::new("public").unwrap(),
+            &Identifier::new("records").unwrap(),
+        );
+        for action in admin::Action::ALL {
+            let statement = statements.admin.of(action);
+            let count = action.parameters();
+            assert_eq!((statements.admin.placeholders)(action).len(), count, "{action:?}");
+            for number in 1..=count {
+                assert!(
+                    statement.contains(&format!("${number}")),
+                    "{action:?}: ${number} unused"
+                );
+            }
+            let beyond = format!("${}", count + 1);
+            assert!(
+                !statement.contains(&beyond),
+                "{action:?}: {beyond} in {statement}"
+            );
         }
     }
 }

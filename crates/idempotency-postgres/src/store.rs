@@ -5,15 +5,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_core::connections::MapError;
 use idempotency_core::machine::{self, Effect};
-use idempotency_core::sql::admin::{self, Action, SqlActions};
+use idempotency_core::sql::admin;
 use idempotency_core::sql::{self as sql_rows, Pools, Sizes};
 use idempotency_core::{
     Access, BeginRequest, Claim, Completion, ErrorKind, Fenced, Held, Key, Outcome, Record, RecordState,
     Scope, Store, StoreError, Timestamp, Token, begin_each, complete_each, failed_batch, stored_millis,
 };
-use sqlx::postgres::{PgConnection, PgPool, PgQueryResult, PgRow};
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::batch;
@@ -39,6 +38,10 @@ pub enum Operation {
     Claim,
     /// `complete`: `$1` scope, `$2` key, `$3` token, `$4` outcome, `$5` retention ms.
     Complete,
+    /// `release`: `$1` scope, `$2` key, `$3` token, `$4` [`Token::NONE`].
+    Release,
+    /// `extend`: `$1` scope, `$2` key, `$3` token, `$4` lease ms.
+    Extend,
     /// `begin_many`'s one statement: arrays of scopes, keys, fingerprints, tokens, lease ms and
     /// retention ms (`$1`–`$6`, no key twice). Inserts the new keys and returns the others'
     /// records unwritten; a record that needs a claim is then claimed alone.
@@ -46,10 +49,6 @@ pub enum Operation {
     /// `complete_many`'s one statement: arrays of scopes, keys, tokens, outcomes and
     /// retention ms (`$1`–`$5`, no key twice).
     CompleteMany,
-    /// `release`: `$1` scope, `$2` key, `$3` token, `$4` [`Token::NONE`].
-    Release,
-    /// `extend`: `$1` scope, `$2` key, `$3` token, `$4` lease ms.
-    Extend,
     /// `get`: `$1` scope, `$2` key.
     Get,
     /// `stats`: `$1` scope or NULL.
@@ -268,10 +267,10 @@ impl PostgresStore {
             Operation::Begin => &self.sql.begin,
             Operation::Claim => &self.sql.claim,
             Operation::Complete => &self.sql.complete,
-            Operation::BeginMany => &self.sql.begin_many,
-            Operation::CompleteMany => &self.sql.complete_many,
             Operation::Release => &self.sql.admin.release,
             Operation::Extend => &self.sql.extend,
+            Operation::BeginMany => &self.sql.begin_many,
+            Operation::CompleteMany => &self.sql.complete_many,
             Operation::Get => &self.sql.admin.get,
             Operation::Stats => &self.sql.admin.stats,
             Operation::List => &self.sql.admin.list,
@@ -301,7 +300,7 @@ pub(crate) async fn begin_on(
         .map_err(|e| map_error("begin", e))?;
     let mut statement = &sql.begin;
     if let Some(row) = peeked {
-        let record = decode_record(&row, 0)?;
+        let record = sql_rows::record(&row, 0)?;
         let now = Timestamp::from_unix_millis(row.try_get(12).map_err(|e| map_error("decode begin", e))?);
         let (claim, effect) = machine::begin(now, Some(&record), request);
         if effect == Effect::None {
@@ -325,7 +324,7 @@ pub(crate) async fn begin_on(
         // snapshot was taken; the next run sees it.
         let Some(row) = row else { continue };
         let claimed: bool = row.try_get(0).map_err(|e| map_error("decode begin", e))?;
-        let record = decode_record(&row, 1)?;
+        let record = sql_rows::record(&row, 1)?;
         if claimed {
             let RecordState::InFlight { lease_until, .. } = record.state else {
                 return Err(StoreError::new(
@@ -388,10 +387,8 @@ pub(crate) async fn complete_on(
 impl Store for PostgresStore {
     async fn begin(&self, request: &BeginRequest) -> Result<Claim, StoreError> {
         let claim = {
-            let _lane = self.pools.lanes.new_work().await?;
             self.pools
-                .connections
-                .run(async |connection| begin_on(connection, &self.sql, request).await)
+                .run_new(async |connection| begin_on(connection, &self.sql, request).await)
                 .await
         };
         // As in `begin_many`: the one `ANALYZE` does not hold a place of new work.
@@ -406,7 +403,6 @@ impl Store for PostgresStore {
         retention: Duration,
     ) -> Result<Fenced<Timestamp>, StoreError> {
         self.pools
-            .connections
             .run(async |connection| complete_on(connection, &self.sql, held, &outcome, retention).await)
             .await
     }
@@ -421,7 +417,6 @@ impl Store for PostgresStore {
         }
         let lease_until: Option<i64> = self
             .pools
-            .connections
             .run(async |connection| {
                 sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
                     .bind(held.scope.as_str())
@@ -557,7 +552,6 @@ impl PostgresStore {
         let mut answered = None;
         let run = self
             .pools
-            .connections
             .run(async |connection| {
                 let answers = batch(connection).await;
                 let failure = answers.iter().find_map(|answer| answer.as_ref().err().cloned());
@@ -573,42 +567,8 @@ impl PostgresStore {
     }
 }
 
-idempotency_core::sql_store_admin!(PostgresStore);
-
-/// PostgreSQL numbers its placeholders: each parameter is bound once, in [`Action`]'s order.
-impl SqlActions for PostgresStore {
-    type Engine = sqlx::Postgres;
-
-    fn pools(&self) -> &Pools<sqlx::Postgres> {
-        &self.pools
-    }
-
-    fn statement(&self, action: Action) -> Arc<str> {
-        self.sql.admin.of(action)
-    }
-
-    fn placeholders(action: Action) -> &'static [usize] {
-        match action {
-            Action::Get => &[0, 1],
-            Action::Now => &[],
-            Action::Stats | Action::Purge => &[0],
-            Action::List => &[0, 1, 2, 3, 4, 5],
-            Action::Forget => &[0, 1, 2],
-            Action::Release => &[0, 1, 2, 3],
-            Action::Withdraw => &[0, 1, 2],
-        }
-    }
-
-    fn map_error() -> MapError {
-        map_error
-    }
-
-    fn rows_affected(done: &PgQueryResult) -> u64 {
-        done.rows_affected()
-    }
-}
-
-/// Decodes the record columns (see `idempotency_core::sql::record_columns`) starting at column `at`.
-pub(crate) fn decode_record(row: &PgRow, at: usize) -> Result<Record, StoreError> {
-    sql_rows::record(row, at)
-}
+idempotency_core::sql_store_admin!(PostgresStore {
+    engine: sqlx::Postgres,
+    pools: |store| &store.pools,
+    statements: |store| &store.sql.admin,
+});

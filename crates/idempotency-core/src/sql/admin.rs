@@ -3,8 +3,8 @@
 //! store's statement on one of its connections, bind the parameters in the order its
 //! placeholders take them and decode the rows (see the column table in [`crate::sql`]).
 //!
-//! A store implements [`SqlActions`]: its connections, its lanes, its statements, and which
-//! parameter each placeholder takes ([`SqlActions::placeholders`]): PostgreSQL numbers its
+//! A store implements [`SqlActions`]: what it runs on ([`Pools`]) and its [`Statements`], each
+//! with which parameter each placeholder takes ([`Statements::placeholders`]): PostgreSQL numbers its
 //! placeholders (`$1` stands wherever the scope does), MySQL's `?` are bound one by one, so
 //! a statement that tests a parameter for NULL and compares with it names it twice.
 
@@ -14,7 +14,6 @@ use futures_util::future::BoxFuture;
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Type};
 
 use super::Pools;
-use crate::connections::MapError;
 use crate::{
     Fenced, Held, Key, ListFilter, Record, RecordSummary, Scope, StateFilter, Stats, StoreError, Timestamp,
     Token,
@@ -33,8 +32,8 @@ pub enum Param<'a> {
     Bool(Option<bool>),
 }
 
-/// What [`SqlActions::statement`] is asked for, with the parameters each statement takes, in this
-/// order (a placeholder takes one of them by its index, [`SqlActions::placeholders`]).
+/// What [`Statements::of`] is asked for, with the parameters each statement takes, in this
+/// order (a placeholder takes one of them by its index, [`Statements::placeholders`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
     /// A live record by scope and key: scope, key. Selects the record's twelve columns.
@@ -59,6 +58,48 @@ pub enum Action {
     Withdraw,
 }
 
+impl Action {
+    /// Every action, in declaration order.
+    pub const ALL: [Self; 8] = [
+        Self::Get,
+        Self::Now,
+        Self::Stats,
+        Self::List,
+        Self::Purge,
+        Self::Forget,
+        Self::Release,
+        Self::Withdraw,
+    ];
+
+    /// How many parameters the action's statement is given.
+    #[must_use]
+    pub const fn parameters(self) -> usize {
+        match self {
+            Self::Now => 0,
+            Self::Stats | Self::Purge => 1,
+            Self::Get => 2,
+            Self::Forget | Self::Withdraw => 3,
+            Self::Release => 4,
+            Self::List => 6,
+        }
+    }
+
+    /// Each of the action's parameters once, in their order: the [`Statements::placeholders`]
+    /// of an engine whose placeholders are numbered (`$1` … `$6`) in [`Action`]'s order.
+    ///
+    /// ```
+    /// use idempotency_core::sql::admin::Action;
+    ///
+    /// assert_eq!(Action::Release.in_order(), &[0, 1, 2, 3]);
+    /// assert!(Action::Now.in_order().is_empty());
+    /// ```
+    #[must_use]
+    pub fn in_order(self) -> &'static [usize] {
+        const ORDER: &[usize] = &[0, 1, 2, 3, 4, 5];
+        &ORDER[..self.parameters()]
+    }
+}
+
 /// The statement of each [`Action`], built by the store from its table's name.
 #[derive(Debug)]
 pub struct Statements {
@@ -78,10 +119,14 @@ pub struct Statements {
     pub release: Arc<str>,
     /// [`Action::Withdraw`].
     pub withdraw: Arc<str>,
+    /// Which of `action`'s parameters (see [`Action`]) each of its statement's placeholders
+    /// takes, in the order the driver binds them: written beside the statements' text, since
+    /// it depends on how the text names its parameters.
+    pub placeholders: fn(Action) -> &'static [usize],
 }
 
 impl Statements {
-    /// The statement for `action` (what [`SqlActions::statement`] answers).
+    /// The statement for `action`.
     #[must_use]
     pub fn of(&self, action: Action) -> Arc<str> {
         Arc::clone(match action {
@@ -257,20 +302,18 @@ pub trait SqlActions: Send + Sync {
     type Engine: Engine;
 
     /// What the store runs on: its operations run on [`Pools::connections`], and new work
-    /// waits for its lane ([`Lanes::new_work`](crate::Lanes::new_work)) in [`Pools::lanes`].
+    /// waits for its lane ([`Lanes::new_work`](crate::Lanes::new_work)) in [`Pools::lanes`];
+    /// the connections' [`map_error`](crate::connections::Connections::map_error) classifies
+    /// the server's errors.
     fn pools(&self) -> &Pools<Self::Engine>;
 
-    /// The statement for `action`.
-    fn statement(&self, action: Action) -> Arc<str>;
+    /// The statements of the actions.
+    fn statements(&self) -> &Statements;
 
-    /// Which of `action`'s parameters (see [`Action`]) each of its statement's placeholders
-    /// takes, in the order the driver binds them.
-    fn placeholders(action: Action) -> &'static [usize];
-
-    /// Classifies the server's errors.
-    fn map_error() -> MapError;
-
-    /// How many rows a statement wrote (sqlx has no trait for it).
+    /// How many rows a statement wrote (sqlx has no trait for it; [`sql_store_admin!`]
+    /// forwards to the driver's own `rows_affected`).
+    ///
+    /// [`sql_store_admin!`]: crate::sql_store_admin
     fn rows_affected(done: &<Self::Engine as Database>::QueryResult) -> u64;
 }
 
@@ -292,14 +335,13 @@ async fn run<S: SqlActions, T>(
     params: &[Param<'_>],
     call: Call<S, T>,
 ) -> Result<T, StoreError> {
-    let _lane = store.pools().lanes.new_work().await?;
-    let statement = store.statement(action);
-    let map_error = S::map_error();
+    let statements = store.statements();
+    let (statement, order) = (statements.of(action), (statements.placeholders)(action));
+    let map_error = store.pools().connections.map_error();
     store
         .pools()
-        .connections
-        .run(async |connection| {
-            call(connection, statement, params, S::placeholders(action))
+        .run_new(async |connection| {
+            call(connection, statement, params, order)
                 .await
                 .map_err(|e| map_error(doing, e))
         })
@@ -428,7 +470,6 @@ pub async fn release<S: SqlActions>(store: &S, held: &Held) -> Result<Fenced<()>
     }
     store
         .pools()
-        .connections
         .run(async |connection| release_on(store, connection, held).await)
         .await
 }
@@ -468,14 +509,15 @@ pub(crate) async fn fenced_write<S: SqlActions>(
     doing: &str,
     params: &[Param<'_>],
 ) -> Result<Fenced<()>, StoreError> {
+    let statements = store.statements();
     let done = S::Engine::execute(
         connection,
-        store.statement(action),
+        statements.of(action),
         params,
-        S::placeholders(action),
+        (statements.placeholders)(action),
     )
     .await
-    .map_err(|e| S::map_error()(doing, e))?;
+    .map_err(|e| store.pools().connections.map_error()(doing, e))?;
     Ok(crate::sql::fenced_by_rows(S::rows_affected(&done)))
 }
 
@@ -488,18 +530,42 @@ fn no_row(doing: &str) -> StoreError {
 
 #[doc(hidden)]
 pub use async_trait::async_trait as __async_trait;
+#[doc(hidden)]
+pub use sqlx::Database as __Database;
 
-/// Implements [`StoreAdmin`](crate::StoreAdmin) for a store that implements [`SqlActions`], with
-/// this module's functions. (A blanket `impl<S: SqlActions> StoreAdmin for S` would conflict
-/// with the forwarding impls for `Box<S>` and `Arc<S>`, hence a macro.) As the PostgreSQL and
-/// MySQL stores expand it:
+/// Implements [`SqlActions`] for a store from its engine and where it keeps its [`Pools`] and
+/// its [`Statements`], and [`StoreAdmin`](crate::StoreAdmin) with this module's functions. (A
+/// blanket `impl<S: SqlActions> StoreAdmin for S` would conflict with the forwarding impls for
+/// `Box<S>` and `Arc<S>`, hence a macro.) As the PostgreSQL store expands it:
 ///
 /// ```text
-/// idempotency_core::sql_store_admin!(PostgresStore);
+/// idempotency_core::sql_store_admin!(PostgresStore {
+///     engine: sqlx::Postgres,
+///     pools: |store| &store.pools,
+///     statements: |store| &store.sql.admin,
+/// });
 /// ```
 #[macro_export]
 macro_rules! sql_store_admin {
-    ($store:ty) => {
+    ($store:ty { engine: $engine:ty, pools: $pools:expr, statements: $statements:expr $(,)? }) => {
+        impl $crate::sql::admin::SqlActions for $store {
+            type Engine = $engine;
+
+            fn pools(&self) -> &$crate::sql::Pools<$engine> {
+                let pools: fn(&Self) -> &$crate::sql::Pools<$engine> = $pools;
+                pools(self)
+            }
+
+            fn statements(&self) -> &$crate::sql::admin::Statements {
+                let statements: fn(&Self) -> &$crate::sql::admin::Statements = $statements;
+                statements(self)
+            }
+
+            fn rows_affected(done: &<$engine as $crate::sql::admin::__Database>::QueryResult) -> u64 {
+                done.rows_affected()
+            }
+        }
+
         #[$crate::sql::admin::__async_trait]
         impl $crate::StoreAdmin for $store {
             async fn now(&self) -> ::std::result::Result<$crate::Timestamp, $crate::StoreError> {

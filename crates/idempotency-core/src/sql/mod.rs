@@ -158,7 +158,7 @@ pub fn fenced_by_rows(rows_affected: u64) -> Fenced<()> {
 ///
 /// # Errors
 ///
-/// The server's, as the store's [`map_error`](admin::SqlActions::map_error) classifies them.
+/// The server's, as the store's [`map_error`](crate::connections::Connections::map_error) classifies them.
 pub async fn withdraw<S: admin::SqlActions>(
     store: &S,
     connection: &mut <S::Engine as sqlx::Database>::Connection,
@@ -264,6 +264,34 @@ impl<DB: sqlx::Database> Pools<DB> {
             connections,
             lanes: Lanes::new(sizes.max, sizes.reserved, sizes.wait),
         }
+    }
+
+    /// Runs `operation` on one of the store's [`connections`](Self::connections) without a
+    /// lane: lease-keeping (`complete`, `extend`, `release`) never waits behind new work.
+    ///
+    /// # Errors
+    ///
+    /// As [`Connections::run`].
+    pub async fn run<T>(
+        &self,
+        operation: impl AsyncFnOnce(&mut DB::Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.connections.run(operation).await
+    }
+
+    /// Runs new work (`begin`, a read) on one of the store's connections, after its place in
+    /// the [`lanes`](Self::lanes).
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::Overloaded`] when no lane became free within the wait; as
+    /// [`Connections::run`] otherwise.
+    pub async fn run_new<T>(
+        &self,
+        operation: impl AsyncFnOnce(&mut DB::Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let _lane = self.lanes.new_work().await?;
+        self.connections.run(operation).await
     }
 }
 
@@ -491,6 +519,29 @@ where
         completed: count(3)?,
         oldest_in_flight: oldest.map(|ms| now.since(Timestamp::from_unix_millis(ms))),
     })
+}
+
+/// Implements `Debug` for a sqlx-based store's options without the credentials: the server's
+/// host, port and database from the options' `connect` (whose own `Debug`, the driver's, prints
+/// the password), then the fields named. As `idempotency-postgres` expands it:
+///
+/// ```text
+/// idempotency_core::sql_options_debug!(PostgresOptions { table, schema, max_connections, .. });
+/// ```
+#[macro_export]
+macro_rules! sql_options_debug {
+    ($options:ident { $($field:ident),* $(,)? }) => {
+        impl ::std::fmt::Debug for $options {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.debug_struct(stringify!($options))
+                    .field("host", &self.connect.get_host())
+                    .field("port", &self.connect.get_port())
+                    .field("database", &self.connect.get_database())
+                    $(.field(stringify!($field), &self.$field))*
+                    .finish()
+            }
+        }
+    };
 }
 
 /// The builder methods every sqlx-based store's options share, written once: `table`,
