@@ -7,7 +7,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{calls, client, free_addr, metric, send, start_gateway, start_upstream};
+use common::{Fronted, calls, client, metric, send};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -17,10 +17,6 @@ use tokio::net::TcpStream;
 #[ignore = "helper: the upstream process the gateway tests start"]
 fn upstream_process() {
     common::upstream_child();
-}
-
-fn sqlite(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("idem.db").display())
 }
 
 /// Reads from `stream` until the peer closes it (or 20 s pass, which fails the test); returns
@@ -34,21 +30,9 @@ async fn read_to_close(stream: &mut TcpStream) -> Result<String, std::io::Error>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_headers_and_bodies_are_cut_off_and_nothing_runs() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let flags = [
-        "--upstream",
-        &up,
-        "--store",
-        &store,
-        "--header-timeout",
-        "300ms",
-        "--body-timeout",
-        "300ms",
-    ];
-    let _gateway = start_gateway(addr, &flags, true).await;
+    let flags = ["--header-timeout", "300ms", "--body-timeout", "300ms"];
+    let gateway = Fronted::sqlite(&flags).await;
+    let (addr, upstream) = (gateway.addr, gateway.upstream);
 
     // Headers that never end: the connection is closed.
     let mut slow_head = TcpStream::connect(addr).await.unwrap();
@@ -88,11 +72,8 @@ async fn unfinished_headers_and_bodies_are_cut_off_and_nothing_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_over_the_limit_gets_its_413_not_a_reset() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let gateway = Fronted::sqlite(&[]).await;
+    let (addr, upstream) = (gateway.addr, gateway.upstream);
     let body = vec![b'x'; 2 << 20];
     for round in 0..5 {
         // A plain HTTP/1.1 client: it sends the whole body, and only then reads the answer.
@@ -139,13 +120,9 @@ async fn stalled(addr: SocketAddr) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_capped() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let flags = ["--upstream", &up, "--store", &store, "--max-connections", "3"];
     // Not waiting for health: the check's own connection would count.
-    let _gateway = start_gateway(addr, &flags, false).await;
+    let gateway = Fronted::start(None, &["--max-connections", "3"], false).await;
+    let addr = gateway.addr;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut held = vec![stalled(addr).await, stalled(addr).await, stalled(addr).await];
     let client = client();
@@ -175,12 +152,8 @@ async fn connections_are_capped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_is_bounded_by_the_drain_timeout() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let flags = ["--upstream", &up, "--store", &store, "--drain-timeout", "1s"];
-    let mut gateway = start_gateway(addr, &flags, true).await;
+    let mut fronted = Fronted::sqlite(&["--drain-timeout", "1s"]).await;
+    let (addr, store) = (fronted.addr, fronted.store.clone());
     let client = client();
     // An idle keep-alive connection, three stalled clients, and a request the upstream takes
     // 30 s to answer.
@@ -205,7 +178,7 @@ async fn shutdown_is_bounded_by_the_drain_timeout() {
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let asked = Instant::now();
-    let status = gateway.terminate(Duration::from_secs(20));
+    let status = fronted.gateway.terminate(Duration::from_secs(20));
     assert!(
         status.is_some(),
         "still running 20 s after SIGTERM with --drain-timeout 1s"
@@ -223,21 +196,8 @@ async fn shutdown_is_bounded_by_the_drain_timeout() {
 /// `Retry-After` and does not run; once the held bodies are done, it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffered_bodies_share_one_memory_bound() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let flags = [
-        "--upstream",
-        &up,
-        "--store",
-        &store,
-        "--max-body",
-        "64KiB",
-        "--max-buffered",
-        "100KiB",
-    ];
-    let _gateway = start_gateway(addr, &flags, true).await;
+    let gateway = Fronted::sqlite(&["--max-body", "64KiB", "--max-buffered", "100KiB"]).await;
+    let (addr, upstream) = (gateway.addr, gateway.upstream);
 
     // Two clients send 40 KiB of a 60 KiB body each and stall: 80 KiB held.
     let mut holders = Vec::new();

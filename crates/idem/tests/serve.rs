@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{calls, client, free_addr, idem, send, start_gateway, start_upstream};
+use common::{Fronted, calls, client, free_addr, idem, send, start_gateway, start_upstream};
 
 /// The upstream's body, not a test of its own: `start_upstream` runs this binary with
 /// `--ignored` on this name.
@@ -42,7 +42,6 @@ async fn dot_segments_cannot_leave_the_upstream_base_path() {
 #[cfg(feature = "dynamodb")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_on_a_dynamodb_table() {
-    let (_upstream, upstream) = start_upstream();
     let endpoint = std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -52,9 +51,8 @@ async fn serves_on_a_dynamodb_table() {
     let (code, _, stderr) = idem(&["keys", "stats", "--store", &store]);
     assert_ne!(code, 0, "a missing table must not be created by inspection");
     assert!(stderr.contains("does not exist"), "{stderr}");
-    let addr = free_addr();
-    let up = format!("http://{upstream}");
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let gateway = Fronted::start(Some(&store), &[], true).await;
+    let (addr, upstream) = (gateway.addr, gateway.upstream);
     let client = client();
     let key = [("idempotency-key", "ddb-order-1")];
     let first = send(&client, addr, "POST", "/echo", &key, br#"{"amount":10}"#).await;
@@ -74,11 +72,8 @@ fn sqlite_url(dir: &tempfile::TempDir) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let gateway = Fronted::sqlite(&[]).await;
+    let (addr, upstream, store) = (gateway.addr, gateway.upstream, &gateway.store);
     let client = client();
     let key = [
         ("idempotency-key", "order-1"),
@@ -199,7 +194,7 @@ async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
     assert_eq!(String::from_utf8_lossy(&get.body), "1");
 
     // The operations CLI sees the records the gateway wrote.
-    let (code, out, err) = idem(&["keys", "get", "order-1", "--store", &store, "--json"]);
+    let (code, out, err) = idem(&["keys", "get", "order-1", "--store", store, "--json"]);
     assert_eq!(code, 0, "{err}");
     let record: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(record["state"], "completed");
@@ -208,27 +203,17 @@ async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scopes_wait_mode_required_keys_and_body_limits() {
-    let (_upstream, upstream) = start_upstream();
-    let up = format!("http://{upstream}");
-    let addr = free_addr();
-    let _gateway = start_gateway(
-        addr,
-        &[
-            "--upstream",
-            &up,
-            "--store",
-            "memory://",
-            "--scope-header",
-            "Authorization",
-            "--wait",
-            "5s",
-            "--require-key",
-            "--max-body",
-            "1KiB",
-        ],
-        true,
-    )
-    .await;
+    let flags = [
+        "--scope-header",
+        "Authorization",
+        "--wait",
+        "5s",
+        "--require-key",
+        "--max-body",
+        "1KiB",
+    ];
+    let gateway = Fronted::start(Some("memory://"), &flags, true).await;
+    let addr = gateway.addr;
     let client = client();
 
     // Two tenants, one key: two executions, each forwarded with its own scoped key.
@@ -334,19 +319,8 @@ async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
 /// and the request does not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_release_policy_is_a_flag() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let flags = [
-        "--upstream",
-        &up,
-        "--store",
-        &store,
-        "--release-on",
-        "408,409,425,429",
-    ];
-    let _gateway = start_gateway(addr, &flags, true).await;
+    let gateway = Fronted::sqlite(&["--release-on", "408,409,425,429"]).await;
+    let (addr, upstream) = (gateway.addr, gateway.upstream);
     let client = client();
     let key = [("idempotency-key", "stripe-1")];
     let first = send(&client, addr, "POST", "/flaky", &key, b"x").await;
@@ -704,11 +678,8 @@ async fn scopes_are_keyed_shared_and_cannot_be_forged() {
 /// request to prove it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_reflects_failing_store_writes() {
-    let (_upstream, upstream) = start_upstream();
-    let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
-    let addr = free_addr();
-    let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;
+    let gateway = Fronted::sqlite(&[]).await;
+    let (addr, dir) = (gateway.addr, &gateway.dir);
     let client = client();
     let health = || send(&client, addr, "GET", "/_idem/healthz", &[], b"");
     assert_eq!(health().await.status, 200);

@@ -385,6 +385,54 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
     panic!("idem serve did not become ready on {listen}");
 }
 
+/// `idem serve` in front of the test upstream, each a process of its own, on a store of the
+/// test's own. Dropped, it stops the gateway, then the upstream.
+pub struct Fronted {
+    /// The gateway.
+    pub gateway: Process,
+    /// The gateway's address.
+    pub addr: SocketAddr,
+    /// The store's URL.
+    pub store: String,
+    /// The folder a SQLite store's file (`idem.db`) lives in.
+    pub dir: tempfile::TempDir,
+    /// The upstream's address.
+    pub upstream: SocketAddr,
+    upstream_process: Process,
+}
+
+impl Fronted {
+    /// On a new SQLite file, with `flags` after `--upstream` and `--store`; returns once the
+    /// gateway is healthy.
+    pub async fn sqlite(flags: &[&str]) -> Self {
+        Self::start(None, flags, true).await
+    }
+
+    /// On `store` when given (a new SQLite file otherwise), with `flags` after `--upstream`
+    /// and `--store`; `healthy` as [`start_gateway`] takes it.
+    pub async fn start(store: Option<&str>, flags: &[&str], healthy: bool) -> Self {
+        let (upstream_process, upstream) = start_upstream();
+        let dir = tempfile::tempdir().unwrap();
+        let store = store.map_or_else(
+            || format!("sqlite://{}", dir.path().join("idem.db").display()),
+            str::to_owned,
+        );
+        let up = format!("http://{upstream}");
+        let mut all = vec!["--upstream", up.as_str(), "--store", store.as_str()];
+        all.extend_from_slice(flags);
+        let addr = free_addr();
+        let gateway = start_gateway(addr, &all, healthy).await;
+        Self {
+            gateway,
+            addr,
+            store,
+            dir,
+            upstream,
+            upstream_process,
+        }
+    }
+}
+
 /// Waits until `process` answers `200` on `GET /_idem/healthz` at `admin` (at most 20 s);
 /// panics naming `what` if it exits first or never does.
 pub async fn ready(process: Process, admin: SocketAddr, what: &str) -> Process {
