@@ -246,6 +246,30 @@ pub async fn open_with(url: &str, access: Access) -> Result<DynStore, StoreError
 mod tests {
     use super::*;
 
+    /// Opens the store `url` names (`server` is what a failure says is missing), claims a new
+    /// key in it and releases the claim.
+    #[cfg(any(
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis",
+        feature = "dynamodb"
+    ))]
+    async fn claims_and_releases(url: &str, server: &str) {
+        let store = open(url)
+            .await
+            .unwrap_or_else(|e| panic!("{server} at {url} is needed for this test: {e}"));
+        let request = BeginRequest::new(
+            Scope::new("facade-test").unwrap(),
+            Key::generate(),
+            Fingerprint::of_bytes(b""),
+        );
+        let claim = store.begin(&request).await.unwrap();
+        let Claim::Acquired(held) = claim else {
+            panic!("{url}: expected Acquired, got {claim:?}")
+        };
+        let _ = store.release(&held).await.unwrap();
+    }
+
     #[tokio::test]
     async fn opens_the_memory_store() {
         let store = open("memory://").await.unwrap();
@@ -298,20 +322,7 @@ mod tests {
     async fn opens_the_postgres_store_by_url() {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let store = open(&url)
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is needed for this test: {e}"));
-        let key = Key::generate();
-        let request = BeginRequest::new(
-            Scope::new("facade-test").unwrap(),
-            key,
-            Fingerprint::of_bytes(b""),
-        );
-        let claim = store.begin(&request).await.unwrap();
-        let Claim::Acquired(held) = claim else {
-            panic!("expected Acquired, got {claim:?}")
-        };
-        let _ = store.release(&held).await.unwrap();
+        claims_and_releases(&url, "PostgreSQL").await;
     }
 
     #[cfg(feature = "mysql")]
@@ -320,19 +331,7 @@ mod tests {
         let url = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
         let mariadb = url.replacen("mysql://", "mariadb://", 1);
         for url in [url.as_str(), mariadb.as_str()] {
-            let store = open(url)
-                .await
-                .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is needed for this test: {e}"));
-            let request = BeginRequest::new(
-                Scope::new("facade-test").unwrap(),
-                Key::generate(),
-                Fingerprint::of_bytes(b""),
-            );
-            let claim = store.begin(&request).await.unwrap();
-            let Claim::Acquired(held) = claim else {
-                panic!("{url}: expected Acquired, got {claim:?}")
-            };
-            let _ = store.release(&held).await.unwrap();
+            claims_and_releases(url, "MySQL/MariaDB").await;
         }
     }
 
@@ -342,19 +341,7 @@ mod tests {
         let single = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let cluster = "redis-cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002";
         for url in [single.as_str(), cluster] {
-            let store = open(url)
-                .await
-                .unwrap_or_else(|e| panic!("Redis at {url} is needed for this test: {e}"));
-            let request = BeginRequest::new(
-                Scope::new("facade-test").unwrap(),
-                Key::generate(),
-                Fingerprint::of_bytes(b""),
-            );
-            let claim = store.begin(&request).await.unwrap();
-            let Claim::Acquired(held) = claim else {
-                panic!("{url}: expected Acquired, got {claim:?}")
-            };
-            let _ = store.release(&held).await.unwrap();
+            claims_and_releases(url, "Redis").await;
         }
         let error = open("redis-cluster://").await.map(|_| ()).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{error}");
@@ -377,18 +364,7 @@ mod tests {
                 .contains("does not exist: create it with `idem migrate`"),
             "{missing}"
         );
-        let store = open(&url)
-            .await
-            .unwrap_or_else(|e| panic!("the local AWS server at {endpoint} is needed for this test: {e}"));
-        let request = BeginRequest::new(
-            Scope::new("facade-test").unwrap(),
-            Key::generate(),
-            Fingerprint::of_bytes(b""),
-        );
-        let Claim::Acquired(held) = store.begin(&request).await.unwrap() else {
-            panic!("expected Acquired")
-        };
-        let _ = store.release(&held).await.unwrap();
+        claims_and_releases(&url, "the local AWS server").await;
         open_with(&url, Access::ReadOnly).await.unwrap();
     }
 
