@@ -178,3 +178,51 @@ fn malformed_log_flags_are_refused() {
         assert!(err.contains(why), "{args:?}: {err}");
     }
 }
+
+/// `--listen 127.0.0.1:0` and `--admin-listen 127.0.0.1:0` take ports the kernel picks, and
+/// the ready line names the ports taken, so that whatever started the gateway can find it
+/// without choosing a port first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ready_line_names_the_addresses_the_kernel_picked() {
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--store",
+        "memory://",
+        "--log-format",
+        "json",
+    ];
+    let mut gateway = common::spawn_idem(&args, &[], "info", true);
+    let stderr = gateway.child.stderr.take().unwrap();
+    let ready = BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(&line)
+                .unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+        })
+        .find(|event| event["fields"]["message"] == "idem gateway ready")
+        .expect("idem serve exited before it was ready");
+    let address = |field: &str| -> SocketAddr {
+        let text = ready["fields"][field]
+            .as_str()
+            .unwrap_or_else(|| panic!("no {field}: {ready}"));
+        text.parse().unwrap_or_else(|e| panic!("{field} `{text}`: {e}"))
+    };
+    let (listen, admin) = (address("listen"), address("admin_listen"));
+    assert_ne!(listen.port(), 0, "{ready}");
+    assert_ne!(admin.port(), 0, "{ready}");
+    assert_ne!(listen, admin);
+    let client = client();
+    let probe = send(&client, admin, "GET", "/healthz", &[], b"").await;
+    assert_eq!(probe.status, 200, "the admin listener at the announced address");
+    // The upstream refuses connections: the gateway at the announced address says so.
+    let proxied = send(&client, listen, "GET", "/orders", &[], b"").await;
+    assert_eq!(proxied.status, 502, "the main listener at the announced address");
+    drop(gateway);
+}

@@ -366,6 +366,13 @@ pub async fn serve(
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
+    // What the listeners were given (`--listen 127.0.0.1:0` takes a port the kernel picks),
+    // for the ready line.
+    let bound = listener.local_addr().unwrap_or(config.listen);
+    let admin_bound = admin_listener
+        .as_ref()
+        .and_then(|admin| admin.local_addr().ok())
+        .or(config.admin_listen);
     let access = if config.no_migrate {
         idempotency::Access::Existing
     } else {
@@ -432,7 +439,8 @@ pub async fn serve(
         ));
     }
     tracing::info!(
-        listen = %config.listen,
+        listen = %bound,
+        admin_listen = admin_bound.map(tracing::field::display),
         tls = listener_tls.is_some(),
         client_certificates = config.tls_client_ca.is_some(),
         upstream = %config.upstream,
