@@ -44,26 +44,23 @@ impl Draining {
 }
 
 /// What the admin endpoints (`/healthz`, `/metrics`) answer from.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct Admin {
+    #[debug(skip)]
     store: DynStore,
     /// The store's kind (its URL scheme): enough for an operator, and no credential can be in it.
     store_kind: String,
     /// The results of the guarded requests' store writes.
+    #[debug(skip)]
     health: WriteHealth,
+    #[debug(skip)]
     metrics: PrometheusHandle,
     /// The gateway's published policy (`/policy`), when there is one; a reload replaces it.
+    #[debug(skip)]
     policy: Option<SharedPolicy>,
     /// Set when shutdown begins: `/readyz` answers `503` from then on.
+    #[debug(skip)]
     draining: Draining,
-}
-
-impl std::fmt::Debug for Admin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admin")
-            .field("store_kind", &self.store_kind)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Admin {

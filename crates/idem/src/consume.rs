@@ -15,7 +15,6 @@
 //! A message without a key, or whose key was used with another payload, is dead-lettered with
 //! the reason; when the store is down, messages are retried (fail closed).
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -230,24 +229,22 @@ pub(crate) struct Call<'a> {
 }
 
 /// Calls the handler for each message.
+#[derive(derive_more::Debug)]
 pub(crate) struct HttpHandler {
+    #[debug(skip)]
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    // A handler URL may carry user information.
+    #[debug("{:?}", idempotency::redact_url(&to.to_string()))]
     to: Uri,
     timeout: Duration,
     /// The queue (or stream) the messages come from, sent to the handler.
+    #[debug(skip)]
     source: String,
+    #[debug(skip)]
     calls: Semaphore,
     /// Asked before an attempt after the first, with the consumer's name for the metric.
+    #[debug(skip)]
     reconcile: Option<(ReconcileTemplate, String)>,
-}
-
-impl fmt::Debug for HttpHandler {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HttpHandler")
-            .field("to", &self.to)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
 }
 
 /// The message's content type (see [`Delivery::content_type`]), or `application/octet-stream`.
@@ -704,6 +701,18 @@ pub async fn consume(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_handler_shows_its_url_without_the_password() {
+        let tls = tls::client_config(&ClientFiles::default()).unwrap();
+        let to: Uri = "http://app:s3cret@127.0.0.1:8080/charge".parse().unwrap();
+        let shown = format!(
+            "{:?}",
+            HttpHandler::new(to, Duration::from_secs(1), "q".into(), 1, &tls)
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("127.0.0.1:8080/charge"), "{shown}");
+    }
 
     #[test]
     fn the_consumer_guide_names_every_source_and_parameter() {

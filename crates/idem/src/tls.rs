@@ -7,7 +7,6 @@
 //! warning says so at start. PEM files are read whole at start (and at each reload): an
 //! unreadable or malformed file is refused with its path and the reason.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
@@ -140,19 +139,13 @@ impl ResolvesServerCert for Current {
 }
 
 /// The gateway listener's TLS: the acceptor for new connections and the files it reloads.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct ListenerTls {
     files: ServerFiles,
+    #[debug(skip)]
     current: Arc<Current>,
+    #[debug(skip)]
     acceptor: tokio_rustls::TlsAcceptor,
-}
-
-impl fmt::Debug for ListenerTls {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ListenerTls")
-            .field("files", &self.files)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ListenerTls {

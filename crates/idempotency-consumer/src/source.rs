@@ -136,34 +136,30 @@ pub type RunFuture = Pin<Box<dyn Future<Output = Result<(), AdapterError>> + Sen
 
 /// A kind of message source that URLs can name: its name, its schemes, what its URLs look
 /// like, and how to parse one and run a consumer on it.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, derive_more::Debug)]
 pub struct SourceKind {
     /// The broker's name (also the feature that builds it into `idem`).
     pub name: &'static str,
     /// The URL schemes it answers to, without `:`.
     pub schemes: &'static [&'static str],
     /// What a URL looks like, one line (`kafka://HOST:PORT?topic=TOPIC&group=GROUP`).
+    #[debug(skip)]
     pub example: &'static str,
     /// Every URL parameter, a line each, for a `--help` that names them.
+    #[debug(skip)]
     pub parameters: &'static str,
     /// Parses a URL without connecting. Errors never echo a password.
+    #[debug(skip)]
     pub parse: fn(&str) -> Result<SourceInfo, AdapterError>,
     /// Connects to the broker the URL names, checks that what it names exists, and consumes
     /// with the processor until the shutdown future completes; then lets the running messages
     /// settle and returns.
+    #[debug(skip)]
     pub run: fn(String, SourceSettings, AnyProcessor, Shutdown) -> RunFuture,
     /// Connects to the broker the URL names and opens the dead-letter destination its
     /// consumer writes to, checking that it (and the source a replay goes to) exists.
+    #[debug(skip)]
     pub dead_letters: fn(String) -> crate::dead_letters::OpenFuture,
-}
-
-impl fmt::Debug for SourceKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SourceKind")
-            .field("name", &self.name)
-            .field("schemes", &self.schemes)
-            .finish_non_exhaustive()
-    }
 }
 
 impl UrlKind for SourceKind {

@@ -223,14 +223,10 @@ pub enum FingerprintMode {
 /// # let _ = fingerprint;
 /// # Ok::<(), idempotency_core::FingerprintError>(())
 /// ```
+#[derive(derive_more::Debug)]
 pub struct FingerprintBuilder {
+    #[debug(skip)]
     hasher: Sha256,
-}
-
-impl fmt::Debug for FingerprintBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FingerprintBuilder").finish_non_exhaustive()
-    }
 }
 
 impl FingerprintBuilder {

@@ -19,7 +19,6 @@
 //! # });
 //! ```
 
-use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -50,29 +49,23 @@ pub enum Access {
 }
 
 /// A kind of store that URLs can name: its name, its URL schemes and how to open one.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, derive_more::Debug)]
 pub struct StoreKind {
     /// The store's name (also the name of the facade feature that enables it).
     pub name: &'static str,
     /// The URL schemes it answers to, without `:`.
     pub schemes: &'static [&'static str],
     /// What a URL looks like, for error messages (`sqlite://PATH`).
+    #[debug(skip)]
     pub example: &'static str,
     /// Opens (connects to, and with [`Access::Create`] creates) the store a URL of one of
     /// `schemes` names.
+    #[debug(skip)]
     pub open: fn(String, Access) -> OpenFuture,
     /// Checks a URL of one of `schemes` as `open` would, without opening anything: no
     /// connection, no file. Errors never echo a password.
+    #[debug(skip)]
     pub check: fn(&str) -> Result<(), StoreError>,
-}
-
-impl fmt::Debug for StoreKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreKind")
-            .field("name", &self.name)
-            .field("schemes", &self.schemes)
-            .finish_non_exhaustive()
-    }
 }
 
 /// A kind of thing URLs name by their scheme: a store kind, a consumer's source kind.

@@ -40,20 +40,12 @@ const COMPLETED: &str = "completed";
 const CHUNK: usize = 300 * 1024;
 
 /// How to reach the table, and the time rules.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct DynamoDbOptions {
     table: String,
+    #[debug(skip)]
     clock: Arc<dyn Clock>,
     max_clock_skew: Duration,
-}
-
-impl fmt::Debug for DynamoDbOptions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DynamoDbOptions")
-            .field("table", &self.table)
-            .field("max_clock_skew", &self.max_clock_skew)
-            .finish_non_exhaustive()
-    }
 }
 
 impl DynamoDbOptions {
@@ -109,18 +101,11 @@ impl DynamoDbOptions {
 }
 
 /// Idempotency records in a DynamoDB table; see the [crate docs](crate).
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct DynamoDbStore {
+    #[debug(skip)]
     client: Client,
     options: DynamoDbOptions,
-}
-
-impl fmt::Debug for DynamoDbStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DynamoDbStore")
-            .field("options", &self.options)
-            .finish_non_exhaustive()
-    }
 }
 
 /// An item as read: the record (if live or not, as stored) and its version.

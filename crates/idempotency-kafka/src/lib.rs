@@ -179,18 +179,11 @@ pub(crate) fn kafka(
 /// caller past settled messages; a nack holds the partition on the message, which the caller
 /// processes again after the delay. A live member's partitions are never taken from it, so
 /// there is no hold to keep alive.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct KafkaBroker {
+    #[debug(skip)]
     producer: FutureProducer,
     dead_letter_topic: String,
-}
-
-impl std::fmt::Debug for KafkaBroker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaBroker")
-            .field("dead_letter_topic", &self.dead_letter_topic)
-            .finish_non_exhaustive()
-    }
 }
 
 impl KafkaBroker {

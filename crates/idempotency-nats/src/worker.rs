@@ -1,6 +1,5 @@
 //! A long-running consumer of one durable JetStream pull consumer.
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,28 +40,18 @@ pub type WorkerError = AdapterError;
 /// # Ok(())
 /// # }
 /// ```
+#[derive(derive_more::Debug)]
 pub struct Worker<P> {
+    #[debug(skip)]
     jetstream: jetstream::Context,
     stream: String,
     consumer: String,
     dead_letter_subject: String,
+    #[debug(skip)]
     processor: Arc<P>,
     flow: Flow,
     ack_wait: Duration,
     filter_subject: Option<String>,
-}
-
-impl<P> fmt::Debug for Worker<P> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Worker")
-            .field("stream", &self.stream)
-            .field("consumer", &self.consumer)
-            .field("dead_letter_subject", &self.dead_letter_subject)
-            .field("flow", &self.flow)
-            .field("ack_wait", &self.ack_wait)
-            .field("filter_subject", &self.filter_subject)
-            .finish_non_exhaustive()
-    }
 }
 
 impl<P: Processor<NatsMessage>> Worker<P> {

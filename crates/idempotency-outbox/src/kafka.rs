@@ -1,7 +1,5 @@
 //! The relay's Kafka publisher: an idempotent producer, the ordering key as the record key.
 
-use std::fmt;
-
 use idempotency_consumer::BoxError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -11,14 +9,10 @@ use crate::{OutboxError, OutboxMessage, Publisher};
 /// Publishes outbox messages to Kafka, the destination as the topic and the ordering key as the
 /// record key (so an aggregate's events share a partition and keep their order), with the
 /// outbox key as `Idempotency-Key`, and waits for each delivery report.
+#[derive(derive_more::Debug)]
 pub struct KafkaPublisher {
+    #[debug(skip)]
     producer: FutureProducer,
-}
-
-impl fmt::Debug for KafkaPublisher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaPublisher").finish_non_exhaustive()
-    }
 }
 
 impl KafkaPublisher {

@@ -1,8 +1,6 @@
 //! The relay's NATS JetStream publisher: the outbox key as `Nats-Msg-Id`, so the stream itself
 //! drops a republish within its duplicate window, and the consumer's record drops it after.
 
-use std::fmt;
-
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use idempotency_consumer::BoxError;
@@ -12,14 +10,10 @@ use crate::{OutboxError, OutboxMessage, Publisher};
 /// Publishes outbox messages to JetStream, the destination as the subject, with the outbox key
 /// as `Idempotency-Key` and `Nats-Msg-Id`, and waits for each publish acknowledgement. Headers
 /// that are not UTF-8 are sent lossily (NATS headers are text).
+#[derive(derive_more::Debug)]
 pub struct NatsPublisher {
+    #[debug(skip)]
     jetstream: jetstream::Context,
-}
-
-impl fmt::Debug for NatsPublisher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsPublisher").finish_non_exhaustive()
-    }
 }
 
 impl NatsPublisher {

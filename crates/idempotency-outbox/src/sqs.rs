@@ -1,8 +1,6 @@
 //! The relay's SQS publisher: the key as the `Idempotency-Key` message attribute and, on a FIFO
 //! queue, the deduplication id; the ordering group as the message group.
 
-use std::fmt;
-
 use idempotency_consumer::BoxError;
 use idempotency_sqs::aws_sdk_sqs::Client;
 
@@ -11,14 +9,10 @@ use crate::{OutboxMessage, Publisher};
 /// Sends outbox messages to SQS, the destination as the queue URL, and returns once
 /// `SendMessage` was answered. The headers go as string attributes (SQS takes ten in all, the
 /// key's included: a row with more fails); the body must be UTF-8 text.
+#[derive(derive_more::Debug)]
 pub struct SqsPublisher {
+    #[debug(skip)]
     client: Client,
-}
-
-impl fmt::Debug for SqsPublisher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqsPublisher").finish_non_exhaustive()
-    }
 }
 
 impl SqsPublisher {

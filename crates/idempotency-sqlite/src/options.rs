@@ -1,6 +1,5 @@
 //! Store options and the `sqlite:` URL.
 
-use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +57,7 @@ impl Synchronous {
 /// ```
 #[derive(Clone)]
 #[non_exhaustive]
+#[derive(Debug)]
 pub struct SqliteOptions {
     /// Where the database lives.
     pub location: Location,
@@ -87,19 +87,6 @@ pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// The most a URL or a caller may set [`SqliteOptions::max_batch`] to.
 pub const MAX_BATCH_LIMIT: usize = 1024;
-
-impl fmt::Debug for SqliteOptions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqliteOptions")
-            .field("location", &self.location)
-            .field("synchronous", &self.synchronous)
-            .field("busy_timeout", &self.busy_timeout)
-            .field("clock", &self.clock)
-            .field("access", &self.access)
-            .field("max_batch", &self.max_batch)
-            .finish()
-    }
-}
 
 impl SqliteOptions {
     /// Options for a database file at `path`.

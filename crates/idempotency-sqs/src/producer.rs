@@ -1,7 +1,5 @@
 //! Sending messages that consumers can deduplicate.
 
-use std::fmt;
-
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageAttributeValue;
 use idempotency_consumer::IDEMPOTENCY_KEY_HEADER;
@@ -39,20 +37,12 @@ const MAX_ATTRIBUTES: usize = 10;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct Producer {
+    #[debug(skip)]
     client: Client,
     queue_url: String,
     fifo: bool,
-}
-
-impl fmt::Debug for Producer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Producer")
-            .field("queue_url", &self.queue_url)
-            .field("fifo", &self.fifo)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Producer {

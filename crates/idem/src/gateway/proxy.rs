@@ -83,19 +83,15 @@ pub(crate) fn may_have_dot_segments(path: &str) -> bool {
 }
 
 /// The proxy behind the layer: forwards a request to the upstream and brings the response back.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct Proxy {
+    #[debug(skip)]
     connections: Upstream,
+    // An upstream URL may carry user information.
+    #[debug("{:?}", idempotency::redact_url(&upstream.to_string()))]
     upstream: Uri,
+    #[debug(skip)]
     timeout: Duration,
-}
-
-impl std::fmt::Debug for Proxy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Proxy")
-            .field("upstream", &self.upstream)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Proxy {
@@ -305,6 +301,17 @@ impl Service<Request<Body>> for Proxy {
 #[cfg(test)]
 mod target_tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_proxy_shows_its_upstream_without_the_password() {
+        let upstream: Uri = "http://app:s3cret@127.0.0.1:8080/api".parse().unwrap();
+        let shown = format!(
+            "{:?}",
+            Proxy::new(upstream, Duration::from_secs(1), None).unwrap()
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("127.0.0.1:8080/api"), "{shown}");
+    }
 
     /// The target as it is built without the shortcut: dot segments resolved, the base path in
     /// front, the query kept.
