@@ -55,9 +55,8 @@ impl Synchronous {
 /// assert!(SqliteOptions::from_url("postgres://localhost/db").is_err());
 /// # Ok::<(), idempotency_core::StoreError>(())
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
-#[derive(Debug)]
 pub struct SqliteOptions {
     /// Where the database lives.
     pub location: Location,

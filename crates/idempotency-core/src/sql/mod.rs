@@ -523,10 +523,12 @@ where
 
 /// Implements `Debug` for a sqlx-based store's options without the credentials: the server's
 /// host, port and database from the options' `connect` (whose own `Debug`, the driver's, prints
-/// the password), then the fields named. As `idempotency-postgres` expands it:
+/// the password), then the fields named. As `idempotency-mysql` expands it:
 ///
 /// ```text
-/// idempotency_core::sql_options_debug!(PostgresOptions { table, schema, max_connections, .. });
+/// idempotency_core::sql_options_debug!(MysqlOptions {
+///     table, max_connections, acquire_timeout, lease_connections, migrate, access
+/// });
 /// ```
 #[macro_export]
 macro_rules! sql_options_debug {
