@@ -641,6 +641,12 @@ pub async fn consume(
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
+    // What the admin listener was given (`--admin-listen 127.0.0.1:0` takes a port the kernel
+    // picks), for the start line.
+    let admin_bound = admin_listener
+        .as_ref()
+        .and_then(|listener| listener.local_addr().ok())
+        .or(config.admin_listen);
     let store = idempotency::open_with(&config.store, idempotency::Access::Create)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
@@ -690,7 +696,12 @@ pub async fn consume(
         .batch(usize::from(config.batch), config.linger)
         .handler_timeout(config.handler_timeout)
         .start_check(START_CHECK);
-    tracing::info!(source = kind.name, to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()), "starting");
+    tracing::info!(
+        source = kind.name,
+        to = %idempotency::redact_url(config.to.as_deref().unwrap_or_default()),
+        admin_listen = admin_bound.map(tracing::field::display),
+        "starting"
+    );
     let ran = (kind.run)(from, settings, AnyProcessor::new(processor), Box::pin(shutdown)).await;
     drop(stopped);
     ran.map_err(|error| ConsumeError::Broker { from: shown, error })?;

@@ -592,3 +592,30 @@ fn bad_input_is_refused_with_a_clear_error() {
         assert!(!err.contains("s3cret"), "{args:?}: the password leaked: {err}");
     }
 }
+
+/// `--admin-listen 127.0.0.1:0` takes a port the kernel picks, and the start line names it, so
+/// that whatever started the consumer can probe it without choosing a port first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_line_names_the_admin_address_the_kernel_picked() {
+    let rabbit = Rabbit::new("port-zero").await;
+    let from = rabbit.from();
+    let args = [
+        "consume",
+        "--from",
+        &from,
+        "--to",
+        "http://127.0.0.1:1/messages",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--store",
+        "memory://",
+        "--log-format",
+        "json",
+    ];
+    let mut consume = common::spawn_idem(&args, &[], "info", true);
+    let admin = common::address_in(&common::logged(&mut consume, "starting"), "admin_listen");
+    let client = common::client();
+    let live = common::send(&client, admin, "GET", "/_idem/livez", &[], b"").await;
+    assert_eq!(live.status, 200, "the admin listener at the announced address");
+    drop(consume);
+}

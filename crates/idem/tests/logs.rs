@@ -198,25 +198,11 @@ async fn the_ready_line_names_the_addresses_the_kernel_picked() {
         "json",
     ];
     let mut gateway = common::spawn_idem(&args, &[], "info", true);
-    let stderr = gateway.child.stderr.take().unwrap();
-    let ready = BufReader::new(stderr)
-        .lines()
-        .map_while(Result::ok)
-        .map(|line| {
-            serde_json::from_str::<serde_json::Value>(&line)
-                .unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
-        })
-        .find(|event| event["fields"]["message"] == "idem gateway ready")
-        .expect("idem serve exited before it was ready");
-    let address = |field: &str| -> SocketAddr {
-        let text = ready["fields"][field]
-            .as_str()
-            .unwrap_or_else(|| panic!("no {field}: {ready}"));
-        text.parse().unwrap_or_else(|e| panic!("{field} `{text}`: {e}"))
-    };
-    let (listen, admin) = (address("listen"), address("admin_listen"));
-    assert_ne!(listen.port(), 0, "{ready}");
-    assert_ne!(admin.port(), 0, "{ready}");
+    let ready = common::logged(&mut gateway, "idem gateway ready");
+    let (listen, admin) = (
+        common::address_in(&ready, "listen"),
+        common::address_in(&ready, "admin_listen"),
+    );
     assert_ne!(listen, admin);
     let client = client();
     let probe = send(&client, admin, "GET", "/healthz", &[], b"").await;

@@ -321,6 +321,36 @@ pub fn idem(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// The first line of `process`'s JSON log (`--log-format json`, standard error captured)
+/// whose message is `message`. The rest of the log is read to its end on a thread of its own,
+/// so the process never writes into a closed pipe. Panics when the process exits first.
+pub fn logged(process: &mut Process, message: &str) -> serde_json::Value {
+    use std::io::{BufRead, BufReader};
+
+    let mut lines = BufReader::new(process.child.stderr.take().expect("stderr captured")).lines();
+    let event = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(&line)
+                .unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+        })
+        .find(|event| event["fields"]["message"] == message)
+        .unwrap_or_else(|| panic!("the process exited before it logged `{message}`"));
+    std::thread::spawn(move || lines.for_each(drop));
+    event
+}
+
+/// The address a logged `event` names in `field`, a port the kernel picked (never `0`).
+pub fn address_in(event: &serde_json::Value, field: &str) -> SocketAddr {
+    let text = event["fields"][field]
+        .as_str()
+        .unwrap_or_else(|| panic!("no {field}: {event}"));
+    let addr: SocketAddr = text.parse().unwrap_or_else(|e| panic!("{field} `{text}`: {e}"));
+    assert_ne!(addr.port(), 0, "{event}");
+    addr
+}
+
 /// `idem` with `args` and `env` as a process of its own, logging at `log` (`IDEM_LOG`); its
 /// standard error piped for the test to read when `capture_stderr`, else shown.
 pub fn spawn_idem(args: &[&str], env: &[(&str, String)], log: &str, capture_stderr: bool) -> Process {
