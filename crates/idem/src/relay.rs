@@ -484,6 +484,12 @@ pub async fn relay(
         Some(addr) => Some(crate::server::bind(addr).await?),
         None => None,
     };
+    // What the admin listener was given (`--admin-listen 127.0.0.1:0` takes a port the kernel
+    // picks), for the start lines.
+    let admin_bound = admin_listener
+        .as_ref()
+        .and_then(|listener| listener.local_addr().ok())
+        .or(admin_listen);
     let mut relays = Vec::new();
     for config in configs {
         relays.push(prepare(&config).await?);
@@ -512,7 +518,12 @@ pub async fn relay(
     });
     let running = relays.iter().map(|prepared| {
         let mut stopped = stopped.clone();
-        tracing::info!(outbox = %prepared.relay.label(), to = %prepared.to, "relaying");
+        tracing::info!(
+            outbox = %prepared.relay.label(),
+            to = %prepared.to,
+            admin_listen = admin_bound.map(tracing::field::display),
+            "relaying"
+        );
         prepared.relay.run_until(async move {
             let _ = stopped.wait_for(|stop| *stop).await;
         })

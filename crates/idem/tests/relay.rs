@@ -461,29 +461,32 @@ fn start_relay(schema: &str, to: &str) -> Process {
 /// once a minute on PostgreSQL (a row is published at once only if the table's trigger woke the
 /// relay) and every 100 ms on MySQL (which has no notifications).
 fn relay_on(database: &str, schema: &str, to: &str) -> Process {
+    relay_with(database, schema, to, &[], "warn", false)
+}
+
+/// As [`relay_on`], with `extra` flags, logging at `log`, its standard error captured when
+/// `capture`.
+fn relay_with(database: &str, schema: &str, to: &str, extra: &[&str], log: &str, capture: bool) -> Process {
     let poll = if database.starts_with("mysql") {
         "100ms"
     } else {
         "60s"
     };
-    common::spawn_idem(
-        &[
-            "relay",
-            "--database",
-            database,
-            "--schema",
-            schema,
-            "--to",
-            to,
-            "--poll",
-            poll,
-            "--max-attempts",
-            "2",
-        ],
-        &aws_env(),
-        "warn",
-        false,
-    )
+    let mut args = vec![
+        "relay",
+        "--database",
+        database,
+        "--schema",
+        schema,
+        "--to",
+        to,
+        "--poll",
+        poll,
+        "--max-attempts",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    common::spawn_idem(&args, &aws_env(), log, capture)
 }
 
 /// The databases an outbox table lives in.
@@ -1730,4 +1733,25 @@ fn bad_input_is_refused_at_start() {
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(!err.contains("s3cret"), "{err}");
+}
+
+/// `--admin-listen 127.0.0.1:0` takes a port the kernel picks, and the start line names it, so
+/// that whatever started the relay can probe it without choosing a port first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_line_names_the_admin_address_the_kernel_picked() {
+    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    let mut relay = relay_with(
+        &database_url(),
+        &schema,
+        "http://127.0.0.1:1/hooks/{destination}",
+        &["--admin-listen", "127.0.0.1:0", "--log-format", "json"],
+        "info",
+        true,
+    );
+    let admin = common::address_in(&common::logged(&mut relay, "relaying"), "admin_listen");
+    let live = common::send(&common::client(), admin, "GET", "/_idem/livez", &[], b"").await;
+    assert_eq!(live.status, 200, "the admin listener at the announced address");
+    drop(relay);
+    drop_schema(&pool, &schema).await;
 }
