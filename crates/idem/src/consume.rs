@@ -37,7 +37,7 @@ pub use crate::error::ConsumeError;
 use crate::error::Error;
 use crate::flags::{FlagError, bounded_duration, parse_lease, parse_retention};
 use crate::reconcile::{Meaning, ReconcileTemplate};
-use crate::server::bind;
+use crate::server::bind_optional;
 use crate::tls::{self, ClientFiles};
 use crate::units;
 
@@ -637,16 +637,8 @@ pub async fn consume(
         .map_err(Error::Metrics)?;
     // Bound before the store is opened: an address already taken is reported before anything
     // touches the store, and the address is held from the moment the process starts.
-    let admin_listener = match config.admin_listen {
-        Some(addr) => Some(bind(addr).await?),
-        None => None,
-    };
-    // What the admin listener was given (`--admin-listen 127.0.0.1:0` takes a port the kernel
-    // picks), for the start line.
-    let admin_bound = admin_listener
-        .as_ref()
-        .and_then(|listener| listener.local_addr().ok())
-        .or(config.admin_listen);
+    let admin_listener = bind_optional(config.admin_listen).await?;
+    let admin_bound = admin_listener.as_ref().map(|(_, bound)| *bound);
     let store = idempotency::open_with(&config.store, idempotency::Access::Create)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
@@ -667,7 +659,7 @@ pub async fn consume(
     tokio::spawn(shutdown.clone());
     // The admin listener answers probes until the worker has settled its last call.
     let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let Some(listener) = admin_listener {
+    if let Some((listener, _)) = admin_listener {
         let router = admin_router(admin.clone(), ADMIN_PREFIX);
         let process = crate::ui::Process::Consumer { from: from.clone() };
         let admin = config.dashboard.serve_beside(router, admin, process)?;

@@ -287,16 +287,32 @@ impl hyper::body::Body for BodyDeadline {
     }
 }
 
-/// A listener on `addr`.
+/// A listener on `addr`, with the address it was given: `127.0.0.1:0` takes a port the kernel
+/// picks, and what the process logs and probes is the bound one.
 ///
 /// # Errors
 ///
 /// [`crate::Error::Listen`] when it cannot be bound.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, crate::Error> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| crate::Error::Listen {
-            addr: addr.to_string(),
-            source,
-        })
+pub async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), crate::Error> {
+    let listen = |source| crate::Error::Listen {
+        addr: addr.to_string(),
+        source,
+    };
+    let listener = TcpListener::bind(addr).await.map_err(listen)?;
+    let bound = listener.local_addr().map_err(listen)?;
+    Ok((listener, bound))
+}
+
+/// [`bind`] for a listener the command line may leave out (`--admin-listen`).
+///
+/// # Errors
+///
+/// [`crate::Error::Listen`] when it is given and cannot be bound.
+pub async fn bind_optional(
+    addr: Option<SocketAddr>,
+) -> Result<Option<(TcpListener, SocketAddr)>, crate::Error> {
+    match addr {
+        Some(addr) => bind(addr).await.map(Some),
+        None => Ok(None),
+    }
 }

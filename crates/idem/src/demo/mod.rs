@@ -260,12 +260,7 @@ async fn by_key(
 }
 
 async fn serve(router: Router) -> Result<SocketAddr, Error> {
-    let any = SocketAddr::from(([127, 0, 0, 1], 0));
-    let listener = crate::server::bind(any).await?;
-    let addr = listener.local_addr().map_err(|source| Error::Listen {
-        addr: any.to_string(),
-        source,
-    })?;
+    let (listener, addr) = crate::server::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
     tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });

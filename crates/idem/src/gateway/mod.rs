@@ -24,7 +24,7 @@ use crate::flags::{
     parse_drain_timeout, parse_header_name, parse_lease, parse_limit, parse_method, parse_purge_every,
     parse_retention, parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
 };
-use crate::server::{self, bind};
+use crate::server::{self, bind, bind_optional};
 use crate::tls::{ClientFiles, ListenerTls, ServerFiles};
 pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
 
@@ -361,18 +361,9 @@ pub async fn serve(
     // reported before anything touches the store (no migration by a process that cannot
     // serve), and the address is held from the moment the process starts.
     let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
-    let listener = bind(config.listen).await?;
-    let admin_listener = match config.admin_listen {
-        Some(addr) => Some(bind(addr).await?),
-        None => None,
-    };
-    // What the listeners were given (`--listen 127.0.0.1:0` takes a port the kernel picks),
-    // for the ready line.
-    let bound = listener.local_addr().unwrap_or(config.listen);
-    let admin_bound = admin_listener
-        .as_ref()
-        .and_then(|admin| admin.local_addr().ok())
-        .or(config.admin_listen);
+    let (listener, bound) = bind(config.listen).await?;
+    let admin_listener = bind_optional(config.admin_listen).await?;
+    let admin_bound = admin_listener.as_ref().map(|(_, bound)| *bound);
     let access = if config.no_migrate {
         idempotency::Access::Existing
     } else {
@@ -423,7 +414,7 @@ pub async fn serve(
     };
     // The admin listener answers probes until the main listener has drained.
     let (drained, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let (Some(admin_listener), Some(admin)) = (admin_listener, admin) {
+    if let (Some((admin_listener, _)), Some(admin)) = (admin_listener, admin) {
         let stop = async move {
             let _ = admin_stop.await;
         };
