@@ -21,7 +21,7 @@ fn upstream_process() {
 fn example(dir: &Path, upstream: &str, refunds: &str) -> String {
     let text =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/idem.toml")).unwrap();
-    let store = format!("sqlite://{}", dir.join("idem.db").display());
+    let store = common::sqlite_url(dir);
     let text = text
         .replace("http://127.0.0.1:3000", upstream)
         .replace("http://127.0.0.1:4000", refunds)
@@ -167,7 +167,7 @@ async fn every_route_of_the_example_file_gets_its_own_policy() {
         assert_eq!(found.header("idempotent-replayed"), None);
     }
     assert_eq!(calls(&client, upstream, "search-1").await, 2);
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let (code, listed, err) = idem(&["keys", "list", "--store", &store]);
     assert_eq!(code, 0, "{err}");
     assert!(!listed.contains("search-1"), "{listed}");

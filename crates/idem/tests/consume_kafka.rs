@@ -286,7 +286,7 @@ async fn partitions_paused_before_a_rebalance_are_drained_after_it() {
     let (first, second) = (consume::Ledger::default(), consume::Ledger::default());
     first.closed.send_replace(true);
     let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let settings = ["--store", store.as_str(), "--prefetch", "4"];
     let (admin_a, admin_b) = (common::free_addr(), common::free_addr());
     let handler_a = consume::start_handler(first.clone()).await;

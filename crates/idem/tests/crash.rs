@@ -248,26 +248,22 @@ async fn kill_9_mid_call_then_takeover(store: &str) {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
 }
 
-fn sqlite(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("idem.db").display())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_completed_keys_survive_kill_9() {
     let dir = tempfile::tempdir().unwrap();
-    completed_keys_survive_kill_9(&sqlite(&dir)).await;
+    completed_keys_survive_kill_9(&common::sqlite_url(dir.path())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_sigterm_drains_and_records() {
     let dir = tempfile::tempdir().unwrap();
-    sigterm_drains_and_records(&sqlite(&dir)).await;
+    sigterm_drains_and_records(&common::sqlite_url(dir.path())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_kill_9_mid_call_then_takeover() {
     let dir = tempfile::tempdir().unwrap();
-    kill_9_mid_call_then_takeover(&sqlite(&dir)).await;
+    kill_9_mid_call_then_takeover(&common::sqlite_url(dir.path())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -485,7 +481,7 @@ async fn expired_records_are_purged_by_the_gateway(store: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_expired_records_are_purged_by_the_gateway() {
     let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     expired_records_are_purged_by_the_gateway(&store).await;
 }
 

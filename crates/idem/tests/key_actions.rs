@@ -277,7 +277,7 @@ macro_rules! on_store {
 /// A SQLite file of the test's own (kept as long as the directory).
 fn sqlite() -> (String, Option<tempfile::TempDir>) {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("keys.db").display());
+    let url = common::sqlite_url(dir.path());
     (url, Some(dir))
 }
 

@@ -146,7 +146,7 @@ reconcile = "GET http://{down}/ledger/{{key}}"
         ),
     )
     .unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let gateway = free_addr();
     let upstream_url = format!("http://{up}");
     let _gateway = start_gateway(

@@ -66,10 +66,6 @@ async fn serves_on_a_dynamodb_table() {
     assert!(stdout.contains("completed"), "{stdout}");
 }
 
-fn sqlite_url(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("idem.db").display())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_conflicts_mismatches_and_forwards_the_key_and_attempt() {
     let gateway = Fronted::sqlite(&[]).await;
@@ -283,7 +279,7 @@ async fn scopes_wait_mode_required_keys_and_body_limits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_is_a_502_problem_and_releases_the_key() {
     let dir = tempfile::tempdir().unwrap();
-    let store = sqlite_url(&dir);
+    let store = common::sqlite_url(dir.path());
     let nowhere = format!("http://{}", free_addr());
     let addr = free_addr();
     let gateway = start_gateway(addr, &["--upstream", &nowhere, "--store", &store], true).await;
@@ -565,7 +561,7 @@ async fn admin_endpoints_can_have_a_listener_of_their_own() {
 async fn scopes_are_keyed_shared_and_cannot_be_forged() {
     let (_upstream, upstream) = start_upstream();
     let dir = tempfile::tempdir().unwrap();
-    let (store, up) = (sqlite_url(&dir), format!("http://{upstream}"));
+    let (store, up) = (common::sqlite_url(dir.path()), format!("http://{upstream}"));
     let scoped = [
         "--upstream",
         up.as_str(),

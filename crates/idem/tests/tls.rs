@@ -227,7 +227,7 @@ async fn https_on_both_sides_runs_each_key_once_and_a_reload_fails_no_request() 
     let [listen, admin] = free_addrs(2)[..] else {
         unreachable!()
     };
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let upstream_url = format!("https://localhost:{}", upstream.port());
     let mut gateway = start_gateway(
         listen,

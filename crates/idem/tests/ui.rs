@@ -142,7 +142,7 @@ async fn the_gateways_dashboard_shows_the_storm_and_releases_a_stuck_key() {
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let (mut upstream, upstream_addr) = common::start_upstream();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let addrs = common::free_addrs(2);
     let (listen, admin) = (addrs[0], addrs[1]);
     let (database, schema) = boxes_with_dead_rows().await;

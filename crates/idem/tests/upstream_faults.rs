@@ -93,7 +93,7 @@ const FAULTS: [(&str, u16, &str); 5] = [
 async fn a_request_the_upstream_received_is_never_released_and_never_run_twice_at_once() {
     let (upstream, seen) = faulty_upstream().await;
     let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let addr = free_addr();
     let up = format!("http://{upstream}");
     let _gateway = start_gateway(
@@ -194,7 +194,7 @@ async fn a_refused_connection_sent_nothing_and_releases_the_key_at_once() {
     let upstream = port_holder.local_addr().unwrap();
     drop(port_holder);
     let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = common::sqlite_url(dir.path());
     let addr = free_addr();
     let up = format!("http://{upstream}");
     let _gateway = start_gateway(addr, &["--upstream", &up, "--store", &store], true).await;

@@ -504,7 +504,7 @@ pub struct Killable {
 impl Killable {
     fn new<B: Broker>(broker: &B) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let store = super::sqlite_url(dir.path());
         let lease = broker.kill_lease();
         Self {
             _dir: dir,

@@ -415,6 +415,11 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
     panic!("idem serve did not become ready on {listen}");
 }
 
+/// The URL of a SQLite store in `dir` (its file is `idem.db`, which some tests open directly).
+pub fn sqlite_url(dir: &std::path::Path) -> String {
+    format!("sqlite://{}", dir.join("idem.db").display())
+}
+
 /// `idem serve` in front of the test upstream, each a process of its own, on a store of the
 /// test's own. Dropped, it stops the gateway, then the upstream.
 pub struct Fronted {
@@ -443,10 +448,7 @@ impl Fronted {
     pub async fn start(store: Option<&str>, flags: &[&str], healthy: bool) -> Self {
         let (upstream_process, upstream) = start_upstream();
         let dir = tempfile::tempdir().unwrap();
-        let store = store.map_or_else(
-            || format!("sqlite://{}", dir.path().join("idem.db").display()),
-            str::to_owned,
-        );
+        let store = store.map_or_else(|| sqlite_url(dir.path()), str::to_owned);
         let up = format!("http://{upstream}");
         let mut all = vec!["--upstream", up.as_str(), "--store", store.as_str()];
         all.extend_from_slice(flags);
