@@ -29,15 +29,7 @@ fn database_url() -> String {
 /// A proxy in front of the test server, and the server's URL through it (the same credentials
 /// and database, the proxy's address).
 async fn postgres_through_a_proxy() -> (TcpProxy, String) {
-    let url = database_url();
-    let rest = url.split_once("://").unwrap().1;
-    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-    let (authority, database) = rest.split_once('/').unwrap_or((rest, "test"));
-    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = TcpProxy::start(server).await.unwrap();
-    let at = if credentials.is_empty() { "" } else { "@" };
-    let url = format!("postgres://{credentials}{at}{}/{database}", proxy.addr());
-    (proxy, url)
+    TcpProxy::in_front_of(&database_url()).await.unwrap()
 }
 
 /// A key no other run uses (the PostgreSQL table is shared).

@@ -163,13 +163,10 @@ async fn livez_stays_200_while_the_store_is_away_and_readyz_is_503_until_it_is_b
     let upstream = Holding::start().await;
     let database =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let rest = database.split_once("://").unwrap().1;
-    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-    let (authority, name) = rest.split_once('/').unwrap_or((rest, "test"));
-    let server = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = Arc::new(idempotency_testkit::TcpProxy::start(server).await.unwrap());
-    let at = if credentials.is_empty() { "" } else { "@" };
-    let store = format!("postgres://{credentials}{at}{}/{name}", proxy.addr());
+    let (proxy, store) = idempotency_testkit::TcpProxy::in_front_of(&database)
+        .await
+        .unwrap();
+    let proxy = Arc::new(proxy);
     let (mut process, _listen, admin) = gateway(upstream.addr, &store, &[]).await;
 
     proxy.set_down(true);

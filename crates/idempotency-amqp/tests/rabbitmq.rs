@@ -208,21 +208,10 @@ fn spawn_worker(
     spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
 }
 
-/// A proxy in front of the broker, and the broker's URL through it: amqp://user:pass@HOST:PORT/vhost
-/// with HOST:PORT replaced by the proxy's address.
+/// A proxy in front of the broker, and the broker's URL through it (the same credentials and
+/// vhost, the proxy's address).
 async fn broker_through_a_proxy() -> (TcpProxy, String) {
-    let url = amqp_url();
-    let (head, rest) = url.split_once("://").unwrap();
-    let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-    let (authority, vhost) = rest.split_once('/').unwrap_or((rest, ""));
-    let broker = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = TcpProxy::start(broker).await.unwrap();
-    let at = if credentials.is_empty() { "" } else { "@" };
-    let proxied = format!(
-        "{head}://{credentials}{at}127.0.0.1:{}/{vhost}",
-        proxy.addr().port()
-    );
-    (proxy, proxied)
+    TcpProxy::in_front_of(&amqp_url()).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

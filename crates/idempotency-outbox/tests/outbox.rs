@@ -259,13 +259,7 @@ async fn a_broker_outage_grows_the_backlog_and_it_drains() {
     let (tables, _) = fresh(&pool).await;
     let queue_name = tables.qualified_outbox().replace('.', "-");
     let (_connection, channel) = queue(&queue_name).await;
-    let url = amqp_url();
-    let (head, rest) = url.split_once("://").unwrap();
-    let (credentials, rest) = rest.rsplit_once('@').unwrap();
-    let (authority, vhost) = rest.split_once('/').unwrap();
-    let broker = tokio::net::lookup_host(authority).await.unwrap().next().unwrap();
-    let proxy = TcpProxy::start(broker).await.unwrap();
-    let proxied = format!("{head}://{credentials}@127.0.0.1:{}/{vhost}", proxy.addr().port());
+    let (proxy, proxied) = TcpProxy::in_front_of(&amqp_url()).await.unwrap();
     let outbox = Outbox::new(tables.clone());
     let relay = Relay::new(pool.clone(), outbox.clone(), AmqpPublisher::new(proxied, ""))
         .poll(Duration::from_millis(100));

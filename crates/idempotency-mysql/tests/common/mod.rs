@@ -49,13 +49,7 @@ async fn drop_old_tables(pool: &sqlx::MySqlPool) {
 
 /// A loopback proxy in front of the server, to cut its connections and take it away.
 pub async fn start_proxy() -> TcpProxy {
-    let options = MysqlOptions::from_url(&database_url()).unwrap();
-    let upstream = tokio::net::lookup_host((options.connect.get_host(), options.connect.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    TcpProxy::start(upstream).await.unwrap()
+    TcpProxy::in_front_of(&database_url()).await.unwrap().0
 }
 
 /// A second store on `store`'s table that reaches the server through `proxy`, with at most
