@@ -451,7 +451,11 @@ async fn expired_records_are_purged_by_the_gateway(store: &str) {
     }
     let scope = forwarded.first().unwrap().split_once(':').unwrap().0.to_owned();
 
-    // Two seconds after completion the records expire; the next purge deletes them.
+    // Two seconds after completion the records expire; the next purge deletes them. (Whether
+    // they are still there when first looked at depends on how fast the machine is: the 201s
+    // above are what shows they were recorded, and this gateway's purger counts what it
+    // deleted, which on SQLite's file of the test's own is these eight and nothing else.)
+    common::metric_at_least(run.addr, "idempotency_purged_total", &[], 8.0).await;
     let stats = || {
         let (code, out, err) = idem(&[
             "keys", "stats", "--scope", &scope, "--store", &run.store, "--json",
@@ -460,7 +464,6 @@ async fn expired_records_are_purged_by_the_gateway(store: &str) {
         let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
         ["completed", "in_flight", "expired"].map(|field| stats[field].as_u64().unwrap())
     };
-    assert_eq!(stats()[0], 8, "the completed records are there first");
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut left = stats();
     while left != [0, 0, 0] && Instant::now() < deadline {
