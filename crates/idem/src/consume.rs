@@ -637,8 +637,7 @@ pub async fn consume(
         .map_err(Error::Metrics)?;
     // Bound before the store is opened: an address already taken is reported before anything
     // touches the store, and the address is held from the moment the process starts.
-    let admin_listener = bind_optional(config.admin_listen).await?;
-    let admin_bound = admin_listener.as_ref().map(|(_, bound)| *bound);
+    let (admin_listener, admin_bound) = bind_optional(config.admin_listen).await?.unzip();
     let store = idempotency::open_with(&config.store, idempotency::Access::Create)
         .await
         .map_err(|e| Error::open(&config.store, e))?;
@@ -659,7 +658,7 @@ pub async fn consume(
     tokio::spawn(shutdown.clone());
     // The admin listener answers probes until the worker has settled its last call.
     let (stopped, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let Some((listener, _)) = admin_listener {
+    if let Some(listener) = admin_listener {
         let router = admin_router(admin.clone(), ADMIN_PREFIX);
         let process = crate::ui::Process::Consumer { from: from.clone() };
         let admin = config.dashboard.serve_beside(router, admin, process)?;

@@ -480,8 +480,7 @@ pub async fn relay(
     let configs = configs(config, command)?;
     // Bound before any database is reached: an address already taken is reported first, and
     // the address is held from the moment the process starts.
-    let admin_listener = crate::server::bind_optional(admin_listen).await?;
-    let admin_bound = admin_listener.as_ref().map(|(_, bound)| *bound);
+    let (admin_listener, admin_bound) = crate::server::bind_optional(admin_listen).await?.unzip();
     let mut relays = Vec::new();
     for config in configs {
         relays.push(prepare(&config).await?);
@@ -489,7 +488,7 @@ pub async fn relay(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
-    if let Some((listener, _)) = admin_listener {
+    if let Some(listener) = admin_listener {
         let router = axum::Router::new()
             .route("/_idem/livez", axum::routing::get(|| async { "ok\n" }))
             .route(

@@ -362,8 +362,7 @@ pub async fn serve(
     // serve), and the address is held from the moment the process starts.
     let listener_tls = config.listener_tls().map(ListenerTls::new).transpose()?;
     let (listener, bound) = bind(config.listen).await?;
-    let admin_listener = bind_optional(config.admin_listen).await?;
-    let admin_bound = admin_listener.as_ref().map(|(_, bound)| *bound);
+    let (admin_listener, admin_bound) = bind_optional(config.admin_listen).await?.unzip();
     let access = if config.no_migrate {
         idempotency::Access::Existing
     } else {
@@ -414,7 +413,7 @@ pub async fn serve(
     };
     // The admin listener answers probes until the main listener has drained.
     let (drained, admin_stop) = tokio::sync::oneshot::channel::<()>();
-    if let (Some((admin_listener, _)), Some(admin)) = (admin_listener, admin) {
+    if let (Some(admin_listener), Some(admin)) = (admin_listener, admin) {
         let stop = async move {
             let _ = admin_stop.await;
         };
