@@ -16,10 +16,6 @@ use idempotency_outbox::{
 };
 use idempotency_testkit::eventually;
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 const SCHEMA: &str = "idempotency_outbox_tests";
 
 /// Fails the keys in `failing` with the tax service's error; records what it handled.
@@ -46,7 +42,7 @@ async fn operators_find_a_dead_message_and_replay_it_once_fixed() {
     let random = idempotency_core::Key::generate().as_str().replace('-', "");
     let suffix = format!("{}_{}", now.as_secs(), &random[20..]);
     let (inbox_table, outbox_table) = (format!("inbox_{suffix}"), format!("outbox_{suffix}"));
-    let url = database_url();
+    let url = common::database_url();
     let at = |args: &[&str]| {
         let mut all = args.to_vec();
         all.extend([

@@ -22,14 +22,10 @@ fn upstream_process() {
     common::upstream_child();
 }
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 /// A proxy in front of the test server, and the server's URL through it (the same credentials
 /// and database, the proxy's address).
 async fn postgres_through_a_proxy() -> (TcpProxy, String) {
-    TcpProxy::in_front_of(&database_url()).await.unwrap()
+    TcpProxy::in_front_of(&common::database_url()).await.unwrap()
 }
 
 /// A key no other run uses (the PostgreSQL table is shared).
@@ -260,17 +256,17 @@ async fn sqlite_kill_9_mid_call_then_takeover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_completed_keys_survive_kill_9() {
-    completed_keys_survive_kill_9(&database_url()).await;
+    completed_keys_survive_kill_9(&common::database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_sigterm_drains_and_records() {
-    sigterm_drains_and_records(&database_url()).await;
+    sigterm_drains_and_records(&common::database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_kill_9_mid_call_then_takeover() {
-    kill_9_mid_call_then_takeover(&database_url()).await;
+    kill_9_mid_call_then_takeover(&common::database_url()).await;
 }
 
 fn mysql_url() -> String {
@@ -482,5 +478,5 @@ async fn sqlite_expired_records_are_purged_by_the_gateway() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_expired_records_are_purged_by_the_gateway() {
-    expired_records_are_purged_by_the_gateway(&database_url()).await;
+    expired_records_are_purged_by_the_gateway(&common::database_url()).await;
 }

@@ -141,10 +141,6 @@ async fn sqlite_new_file_many_first_starts() {
     }
 }
 
-fn postgres_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 fn mysql_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
@@ -187,7 +183,7 @@ async fn on_new_databases(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_new_database_many_first_starts() {
-    let admin = PgPool::connect(&postgres_url())
+    let admin = PgPool::connect(&common::database_url())
         .await
         .expect("PostgreSQL at DATABASE_URL");
     let run = async |statement: String| {
@@ -209,7 +205,7 @@ async fn postgres_new_database_many_first_starts() {
         tables
     };
     on_new_databases(
-        &postgres_url(),
+        &common::database_url(),
         run,
         tables,
         "public.idempotency_records",

@@ -205,8 +205,7 @@ fn inspection_never_writes_and_refuses_what_is_not_a_store() {
         assert!(err.contains("nothing to inspect"), "{command:?}: {err}");
     }
 
-    let server =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let server = common::database_url();
     let (base, _database) = server.rsplit_once('/').unwrap();
     let (code, _, err) = with_store(&["keys", "stats"], base);
     assert_eq!(code, 1, "{err}");

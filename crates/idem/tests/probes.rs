@@ -161,8 +161,7 @@ async fn with_a_drain_delay_new_requests_are_served_while_readyz_is_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn livez_stays_200_while_the_store_is_away_and_readyz_is_503_until_it_is_back() {
     let upstream = Holding::start().await;
-    let database =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let database = common::database_url();
     let (proxy, store) = idempotency_testkit::TcpProxy::in_front_of(&database)
         .await
         .unwrap();

@@ -14,10 +14,6 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 fn mysql_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
@@ -89,13 +85,13 @@ fn python(args: &[&str]) {
 /// reads as the SQL example's: the same key, destination, group, payload and headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_python_insert_writes_the_row_the_relay_expects() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = outbox_with(&pool, &[]).await;
     let script = format!(
         "import json, sys\nimport psycopg\nconn = psycopg.connect(sys.argv[1], autocommit=True)\nconn.execute('SET search_path TO ' + sys.argv[2])\n{}conn.close()\n",
         documented("python")
     );
-    python(&["-c", &script, &database_url(), &schema]);
+    python(&["-c", &script, &common::database_url(), &schema]);
     let (destination, group, key, payload, content_type): (String, String, String, Vec<u8>, String) =
         sqlx::query_as(AssertSqlSafe(format!(
             "SELECT destination, ordering_key, key, payload, headers->>'content-type' FROM {schema}.idempotency_outbox"
@@ -394,7 +390,7 @@ async fn schema(pool: &PgPool) -> String {
     )))
     .execute(pool)
     .await
-    .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", database_url()));
+    .unwrap_or_else(|e| panic!("PostgreSQL at {} is needed for this test: {e}", common::database_url()));
     schema
 }
 
@@ -454,7 +450,7 @@ fn idem_ok(args: &[&str]) -> String {
 /// `idem relay` for `schema`'s outbox to `to`, in the background, polling only once a minute:
 /// a row is published at once only if the table's trigger woke it.
 fn start_relay(schema: &str, to: &str) -> Process {
-    relay_on(&database_url(), schema, to)
+    relay_on(&common::database_url(), schema, to)
 }
 
 /// `idem relay` for the outbox of `schema` in `database` to `to`, in the background, polling
@@ -514,9 +510,14 @@ impl Table {
     async fn new(db: Db) -> Self {
         match db {
             Db::Postgres => {
-                let pg = PgPool::connect(&database_url()).await.unwrap_or_else(|e| {
-                    panic!("PostgreSQL at {} is needed for this test: {e}", database_url())
-                });
+                let pg = PgPool::connect(&common::database_url())
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!(
+                            "PostgreSQL at {} is needed for this test: {e}",
+                            common::database_url()
+                        )
+                    });
                 let schema = outbox_with(&pg, &[]).await;
                 Self {
                     schema,
@@ -552,7 +553,7 @@ impl Table {
     /// The database's URL, as `--database` takes it.
     fn url(&self) -> String {
         match self.pool {
-            Pool::Postgres(_) => database_url(),
+            Pool::Postgres(_) => common::database_url(),
             Pool::MySql(_) => mysql_url(),
         }
     }
@@ -734,9 +735,9 @@ fn kafka_reader(brokers: &str, topic: &str) -> idempotency_kafka::rdkafka::consu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = schema(&pool).await;
-    let database = database_url();
+    let database = common::database_url();
     let out = idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
     assert!(
         out.contains(&format!("{schema}.idempotency_outbox: ready")),
@@ -911,7 +912,7 @@ async fn rows_written_in_sql_are_published_in_order_with_their_keys() {
 /// `(destination, ordering_key, key or NULL, payload)`.
 async fn outbox_with(pool: &PgPool, rows: &[(&str, &str, Option<&str>, &str)]) -> String {
     let schema = schema(pool).await;
-    let database = database_url();
+    let database = common::database_url();
     idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
     for (destination, group, key, payload) in rows {
         sqlx::query(AssertSqlSafe(format!(
@@ -965,7 +966,7 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
         .route("/hooks/{path}", axum::routing::post(hook))
         .with_state(Arc::clone(&got));
     let addr = common::serve_app(app).await;
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = outbox_with(
         &pool,
         &[
@@ -975,7 +976,7 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
     )
     .await;
     let admin = common::free_addr();
-    let database = database_url();
+    let database = common::database_url();
     let to = format!("http://{addr}/hooks/{{destination}}");
     let admin_text = admin.to_string();
     let mut relay = common::spawn_idem(
@@ -1032,7 +1033,7 @@ async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
     let (client, default) = sqs_queue("events").await;
     let (_, other) = sqs_queue("other").await;
     let urls = [default, other];
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = outbox_with(
         &pool,
         &[
@@ -1092,7 +1093,7 @@ async fn rows_are_sent_to_sqs_with_their_key_as_an_attribute() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_are_published_to_jetstream_with_their_key_as_the_message_id() {
     let stream = idempotency_testkit::nats::TestStream::new("relay", |_| {}).await;
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = outbox_with(&pool, &[("", "g", Some("evt-9"), "nine"), ("", "g", None, "ten")]).await;
     let to = format!(
         "{}?subject={}",
@@ -1139,7 +1140,7 @@ async fn rows_are_produced_to_kafka_keyed_by_their_group() {
     use idempotency_kafka::rdkafka::message::{Headers, Message};
 
     let (_cluster, brokers, topic) = kafka_topic();
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let rows: Vec<(String, String)> = (0..30)
         .map(|i| (format!("order-{}", i % 3), format!("{i}")))
         .collect();
@@ -1557,7 +1558,7 @@ async fn killed_five_times(db: Db) {
 /// the relay goes on with the rows after them at once, not after its next poll (60 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_that_only_parks_rows_goes_on_at_once() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let mut rows: Vec<(&str, &str, Option<&str>, &str)> = vec![("", "g", Some("not a key"), "bad"); 100];
     rows.extend([("", "g", None, "good-1"), ("", "g", None, "good-2")]);
     let schema = outbox_with(&pool, &rows).await;
@@ -1596,7 +1597,7 @@ async fn a_round_that_only_parks_rows_goes_on_at_once() {
 /// A table of version 1 (no `key`, no `dead_at`, no trigger) is upgraded in place, its rows kept.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = schema(&pool).await;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {schema}.idempotency_outbox (
@@ -1610,7 +1611,7 @@ async fn a_version_1_table_is_upgraded_in_place() {
     .execute(&pool)
     .await
     .unwrap();
-    let database = database_url();
+    let database = common::database_url();
     idem_ok(&["relay", "migrate", "--database", &database, "--schema", &schema]);
     let (rows, comment): (i64, Option<String>) = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT (SELECT count(*) FROM {schema}.idempotency_outbox WHERE key IS NULL AND dead_at IS NULL),
@@ -1672,7 +1673,7 @@ fn bad_input_is_refused_at_start() {
     let (code, out, err) = common::idem(&["inbox", "list", "--database", &mysql_url()]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(err.contains("the inbox is on PostgreSQL"), "{err}");
-    let database = database_url();
+    let database = common::database_url();
     for (to, says) in [
         ("smtp://mail/x", "the destination is amqp://"),
         ("http:///nohost", "--to"),
@@ -1739,10 +1740,10 @@ fn bad_input_is_refused_at_start() {
 /// that whatever started the relay can probe it without choosing a port first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_start_line_names_the_admin_address_the_kernel_picked() {
-    let pool = PgPool::connect(&database_url()).await.unwrap();
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
     let schema = outbox_with(&pool, &[]).await;
     let mut relay = relay_with(
-        &database_url(),
+        &common::database_url(),
         &schema,
         "http://127.0.0.1:1/hooks/{destination}",
         &["--admin-listen", "127.0.0.1:0", "--log-format", "json"],

@@ -395,8 +395,7 @@ async fn the_gateways_dashboard_shows_the_storm_and_releases_a_stuck_key() {
 /// An inbox and an outbox in a schema of the test's own: one pending and one dead outbox row,
 /// one dead inbox row. Returns the database's URL and the schema.
 async fn boxes_with_dead_rows() -> (String, String) {
-    let database =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let database = common::database_url();
     let schema = format!("idem_ui_{}", Key::generate().as_str().replace('-', "_"));
     let (code, out, err) = common::idem(&["inbox", "migrate", "--database", &database, "--schema", &schema]);
     assert_eq!(code, 0, "{out}{err}");
@@ -515,8 +514,7 @@ fn csrf_of(html: &str) -> String {
 async fn a_read_only_store_role_is_refused_on_the_page() {
     use idempotency::{BeginRequest, Claim, Fingerprint, Scope};
 
-    let url =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let url = common::database_url();
     let store = idempotency::open(&url).await.unwrap();
     let key = format!("read-only-{}", Key::generate());
     let request = BeginRequest::new(

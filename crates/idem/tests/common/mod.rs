@@ -415,6 +415,12 @@ pub async fn start_gateway(listen: SocketAddr, args: &[&str], healthy: bool) -> 
     panic!("idem serve did not become ready on {listen}");
 }
 
+/// The PostgreSQL server the tests use: `DATABASE_URL`, or the loopback default that
+/// `scripts/services` starts.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
 /// The URL of a SQLite store in `dir` (its file is `idem.db`, which some tests open directly).
 pub fn sqlite_url(dir: &std::path::Path) -> String {
     format!("sqlite://{}", dir.join("idem.db").display())
