@@ -14,7 +14,7 @@ use idempotency_core::{
 use redis::Value;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::Slot;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
 use sha2::{Digest, Sha256};
 
 use crate::batch::{Batcher, Kind, MAX_BATCH, run_many};
@@ -108,8 +108,6 @@ struct Scripts {
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
-    /// For scanning a cluster: one node address to ask for the topology.
-    nodes: Arc<Vec<redis::ConnectionInfo>>,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
     /// On a single server with `?batch=on`, `begin` and `complete` go through the batcher (see
@@ -156,7 +154,7 @@ impl RedisStore {
             .map_err(|e| map_error("connect to Redis", e))?;
         let connection = Connection::Single(manager);
         let batcher = batch.then(|| Batcher::start(connection.clone()));
-        Ok(Self::with(connection, vec![info], batcher))
+        Ok(Self::with(connection, batcher))
     }
 
     /// Connects to a Redis Cluster through any of its nodes.
@@ -184,7 +182,7 @@ impl RedisStore {
                 "a Redis Cluster needs at least one node URL",
             ));
         }
-        let builder = redis::cluster::ClusterClientBuilder::new(infos.clone())
+        let builder = redis::cluster::ClusterClientBuilder::new(infos)
             .connection_timeout(Duration::from_secs(2))
             .response_timeout(Duration::from_secs(5))
             // The client's own retries re-send a command whose connection dropped after it was
@@ -199,14 +197,13 @@ impl RedisStore {
             .get_async_connection()
             .await
             .map_err(|e| map_error("connect to the Redis Cluster", e))?;
-        Ok(Self::with(Connection::Cluster(connection), infos, None))
+        Ok(Self::with(Connection::Cluster(connection), None))
     }
 
-    fn with(connection: Connection, nodes: Vec<redis::ConnectionInfo>, batcher: Option<Batcher>) -> Self {
+    fn with(connection: Connection, batcher: Option<Batcher>) -> Self {
         Self {
             batcher,
             connection,
-            nodes: Arc::new(nodes),
             prefix: Arc::from("idem:"),
             scripts: Arc::new(Scripts {
                 begin: redis::Script::new(&scripts::begin()),
@@ -385,28 +382,18 @@ impl RedisStore {
         };
         let mut keys = HashSet::new();
         match self.connection.clone() {
-            Connection::Single(mut connection) => scan_node(&mut connection, &pattern, &mut keys).await?,
+            Connection::Single(mut connection) => {
+                scan_node(&mut keys, &mut Node::Single(&mut connection), &pattern).await?;
+            }
             Connection::Cluster(mut connection) => {
                 let nodes: String = redis::cmd("CLUSTER")
                     .arg("NODES")
                     .query_async(&mut connection)
                     .await
                     .map_err(|e| map_error("read the cluster topology", e))?;
-                let template = self.nodes[0].clone();
-                for address in masters(&nodes) {
-                    let (host, port) = address
-                        .rsplit_once(':')
-                        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
-                        .ok_or_else(|| {
-                            StoreError::new(ErrorKind::Protocol, format!("bad node address {address:?}"))
-                        })?;
-                    let info = template.clone().set_addr(redis::ConnectionAddr::Tcp(host, port));
-                    let client = redis::Client::open(info).map_err(|e| map_error("open a node client", e))?;
-                    let mut node = client
-                        .get_multiplexed_async_connection()
-                        .await
-                        .map_err(|e| map_error("connect to a cluster node", e))?;
-                    scan_node(&mut node, &pattern, &mut keys).await?;
+                for (host, port) in masters(&nodes)? {
+                    let mut node = Node::Routed(&mut connection, host, port);
+                    scan_node(&mut keys, &mut node, &pattern).await?;
                 }
             }
         }
@@ -439,22 +426,50 @@ impl RedisStore {
     }
 }
 
-async fn scan_node<C: ConnectionLike>(
-    connection: &mut C,
-    pattern: &str,
-    keys: &mut HashSet<String>,
-) -> Result<(), StoreError> {
+/// One node to scan: the single server, or a master of a cluster.
+enum Node<'c> {
+    Single(&'c mut ConnectionManager),
+    /// A master by its address, reached through the cluster connection, so that the connection
+    /// is made as the cluster's are: over TLS, with the URL's CA and client certificate.
+    Routed(&'c mut ClusterConnection, String, u16),
+}
+
+impl Node<'_> {
+    async fn query(&mut self, command: redis::Cmd) -> Result<(u64, Vec<String>), StoreError> {
+        match self {
+            Self::Single(connection) => command
+                .query_async(*connection)
+                .await
+                .map_err(|e| map_error("scan record keys", e)),
+            Self::Routed(connection, host, port) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                let reply = connection
+                    .route_command(command, routing)
+                    .await
+                    .map_err(|e| map_error(&format!("scan record keys on {host}:{port}"), e))?;
+                redis::from_redis_value(reply).map_err(|e| {
+                    StoreError::new(ErrorKind::Protocol, format!("a SCAN answer that is not one: {e}"))
+                })
+            }
+        }
+    }
+}
+
+/// Every key matching `pattern` on `node`, `SCAN` by `SCAN`.
+async fn scan_node(keys: &mut HashSet<String>, node: &mut Node<'_>, pattern: &str) -> Result<(), StoreError> {
     let mut cursor: u64 = 0;
     loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+        let mut command = redis::cmd("SCAN");
+        command
             .arg(cursor)
             .arg("MATCH")
             .arg(pattern)
             .arg("COUNT")
-            .arg(1000)
-            .query_async(connection)
-            .await
-            .map_err(|e| map_error("scan record keys", e))?;
+            .arg(1000);
+        let (next, batch) = node.query(command).await?;
         keys.extend(batch);
         if next == 0 {
             return Ok(());
@@ -463,19 +478,34 @@ async fn scan_node<C: ConnectionLike>(
     }
 }
 
-/// The `host:port` of every master in `CLUSTER NODES` output.
-fn masters(nodes: &str) -> Vec<String> {
-    nodes
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let _id = fields.next()?;
-            let address = fields.next()?;
-            let flags = fields.next()?;
-            (flags.split(',').any(|f| f == "master") && !flags.contains("fail"))
-                .then(|| address.split('@').next().unwrap_or(address).to_owned())
-        })
-        .collect()
+/// The address of every master in `CLUSTER NODES` output, as the cluster's clients name it: the
+/// node's announced hostname when it has one (`ip:port@cport,hostname`, the name its TLS
+/// certificate carries), else its IP address.
+fn masters(nodes: &str) -> Result<Vec<(String, u16)>, StoreError> {
+    let mut masters = Vec::new();
+    for line in nodes.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(_id), Some(address), Some(flags)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        if !flags.split(',').any(|f| f == "master") || flags.contains("fail") {
+            continue;
+        }
+        let bad = || StoreError::new(ErrorKind::Protocol, format!("bad node address {address:?}"));
+        let (endpoint, hostname) = match address.split_once(',') {
+            Some((endpoint, hostname)) => (endpoint, Some(hostname)),
+            None => (address, None),
+        };
+        let endpoint = endpoint.split('@').next().unwrap_or(endpoint);
+        let (ip, port) = endpoint.rsplit_once(':').ok_or_else(bad)?;
+        let port = port.parse::<u16>().map_err(|_| bad())?;
+        let host = hostname.filter(|name| !name.is_empty()).unwrap_or(ip);
+        masters.push((
+            host.trim_start_matches('[').trim_end_matches(']').to_owned(),
+            port,
+        ));
+    }
+    Ok(masters)
 }
 
 /// The store's own parameters of a single server's URL, taken off before the rest reaches the

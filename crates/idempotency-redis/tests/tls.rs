@@ -98,6 +98,14 @@ async fn a_cluster_over_tls_runs_the_protocol_on_every_node_and_another_ca_is_re
     for _ in 0..48 {
         tls::runs_and_replays(&store).await;
     }
+    // The operators' reads scan every master, each through a connection made as the cluster's
+    // are (over TLS, with the URL's files), never in plain text to a TLS port.
+    let scope = idempotency_core::Scope::new("tls").unwrap();
+    let listed = store
+        .list(&idempotency_core::ListFilter::default().scope(scope))
+        .await
+        .expect("every master scanned over TLS");
+    assert!(listed.len() >= 48, "{} records listed", listed.len());
     let other_ca = format!("{}?ca={}", cluster_tls_url(), file("other-ca.pem"));
     tls::refused(open(&other_ca).await, ErrorKind::Unavailable, "UnknownIssuer");
     let plain = cluster_tls_url().replacen("rediss-cluster", "redis-cluster", 1);
