@@ -56,10 +56,11 @@ pub struct Config {
     #[arg(long, env = "IDEM_FROM", required_unless_present = "help_source")]
     pub from: Option<String>,
     /// The handler each message is POSTed to: http://HOST:PORT/PATH or https://…; https is verified
-    /// against the system's trust store and --to-ca.
+    /// against --to-ca or, without it, the system's trust store.
     #[arg(long, env = "IDEM_TO", required_unless_present = "help_source")]
     pub to: Option<String>,
-    /// A private CA (PEM bundle) trusted for an https handler, besides the system's store.
+    /// A private CA (PEM bundle): the only CA trusted for an https handler (without it, the
+    /// system's trust store).
     #[arg(long, env = "IDEM_TO_CA")]
     pub to_ca: Option<PathBuf>,
     /// A client certificate (PEM chain) presented to an https handler; needs --to-client-key.
@@ -423,9 +424,7 @@ fn causes(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// The handler's TLS, checked at start: the files must be usable, and a handler that answers
-/// must present a certificate this configuration accepts (a handler not listening yet is only
-/// warned about: it may start after the consumer).
+/// The handler's TLS, checked at start ([`tls::checked_peer`]).
 async fn handler_tls(config: &Config, to: &Uri) -> Result<Arc<rustls::ClientConfig>, Error> {
     let files = ClientFiles {
         ca: config.to_ca.clone(),
@@ -433,57 +432,13 @@ async fn handler_tls(config: &Config, to: &Uri) -> Result<Arc<rustls::ClientConf
         key: config.to_client_key.clone(),
         insecure_skip_verify: config.to_insecure_skip_verify,
     };
-    let refuse = |why: String| ConsumeError::Handler {
-        to: idempotency::redact_url(config.to.as_deref().unwrap_or_default()),
-        why,
-    };
-    let https = to.scheme_str() == Some("https");
-    if !https && (files.ca.is_some() || files.cert.is_some() || files.insecure_skip_verify) {
-        return Err(refuse(
-            "--to-ca, --to-client-cert and --to-insecure-skip-verify are for an https:// handler; this one is http://".into(),
-        )
-        .into());
-    }
-    if files.insecure_skip_verify && files.ca.is_some() {
-        return Err(refuse(
-            "--to-insecure-skip-verify verifies nothing, so --to-ca would be ignored: give one or the other"
-                .into(),
-        )
-        .into());
-    }
-    let tls = tls::client_config(&files).map_err(|e| refuse(format!("TLS: {e}")))?;
-    if !https {
-        return Ok(tls);
-    }
-    if files.insecure_skip_verify {
-        tracing::warn!(
-            to = %to,
-            "--to-insecure-skip-verify: the handler's certificate is NOT verified; anyone on the path can read and change the traffic"
-        );
-    }
-    let host = to.host().unwrap_or_default();
-    let port = to.port_u16().unwrap_or(443);
-    let address = format!("{host}:{port}");
-    let name = host.trim_start_matches('[').trim_end_matches(']').to_owned();
-    let name = rustls::pki_types::ServerName::try_from(name)
-        .map_err(|e| refuse(format!("`{host}` cannot be checked against a certificate: {e}")))?;
-    match tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(&address)).await {
-        Ok(Ok(stream)) => {
-            let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls));
-            match tokio::time::timeout(Duration::from_secs(5), connector.connect(name, stream)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => return Err(refuse(tls::describe_handshake_error(&address, &error)).into()),
-                Err(_) => return Err(refuse(format!("the TLS handshake with {address} timed out")).into()),
-            }
+    tls::checked_peer(&files, to, "handler").await.map_err(|why| {
+        ConsumeError::Handler {
+            to: idempotency::redact_url(config.to.as_deref().unwrap_or_default()),
+            why,
         }
-        Ok(Err(error)) => {
-            tracing::warn!(%error, %address, "the handler cannot be reached yet; its certificate is checked on the first call");
-        }
-        Err(_) => {
-            tracing::warn!(%address, "the handler did not accept a connection within 5s; its certificate is checked on the first call");
-        }
-    }
-    Ok(tls)
+        .into()
+    })
 }
 
 /// What the handler's answer means (see the module's table).

@@ -93,7 +93,7 @@ struct RelayArgs {
     #[command(subcommand)]
     action: Option<RelayCommand>,
     #[command(flatten)]
-    config: idem::relay::Config,
+    config: Box<idem::relay::Config>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -705,7 +705,7 @@ async fn run(command: Command) -> Result<String, Error> {
                 let relay = command
                     .find_subcommand("relay")
                     .unwrap_or_else(|| unreachable!("idem has a relay command"));
-                idem::relay::relay(args.config, relay, shutdown_signal()).await?;
+                idem::relay::relay(*args.config, relay, shutdown_signal()).await?;
                 Ok(String::new())
             }
         },

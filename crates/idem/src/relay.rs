@@ -46,6 +46,21 @@ pub struct Config {
     /// URL's {destination}).
     #[arg(long, env = "IDEM_TO", required_unless_present = "config")]
     pub to: Option<String>,
+    /// A private CA (PEM bundle): the only CA trusted for an https:// webhook (without it, the
+    /// system's trust store). A broker URL names its CA in its own parameter (cacertfile=,
+    /// ca=, ssl.ca.location=).
+    #[arg(long, env = "IDEM_RELAY_TO_CA")]
+    pub to_ca: Option<std::path::PathBuf>,
+    /// A client certificate (PEM chain) presented to an https:// webhook; needs --to-client-key.
+    #[arg(long, env = "IDEM_RELAY_TO_CLIENT_CERT", requires = "to_client_key")]
+    pub to_client_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --to-client-cert.
+    #[arg(long, env = "IDEM_RELAY_TO_CLIENT_KEY", requires = "to_client_cert")]
+    pub to_client_key: Option<std::path::PathBuf>,
+    /// INSECURE: accept any certificate from an https:// webhook, for any name (logged as a
+    /// warning at start).
+    #[arg(long, env = "IDEM_RELAY_TO_INSECURE_SKIP_VERIFY")]
+    pub to_insecure_skip_verify: bool,
     /// The outbox table's schema (on MySQL a database; `public`: the URL's own).
     #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
     pub schema: String,
@@ -103,8 +118,8 @@ struct HttpPublisher {
 const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl HttpPublisher {
-    fn new(url: String) -> Result<Self, Error> {
-        let mut tls = (*crate::tls::client_config(&crate::tls::ClientFiles::default())?).clone();
+    fn new(url: String, tls: &rustls::ClientConfig) -> Self {
+        let mut tls = tls.clone();
         tls.alpn_protocols.clear();
         let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
         connector.enforce_http(false);
@@ -113,11 +128,11 @@ impl HttpPublisher {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
-        Ok(Self {
+        Self {
             client: hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build(connector),
             url,
-        })
+        }
     }
 
     async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
@@ -212,10 +227,16 @@ fn take_param(url: &str, name: &str) -> Result<(String, Option<String>), Error> 
 }
 
 /// The publisher `to` names; it connects (or checks its settings) now, so that a wrong URL is an
-/// error at start.
-async fn destination(to: &str) -> Result<To, Error> {
+/// error at start. `files` are the `--to-…` TLS flags, for a webhook.
+async fn destination(to: &str, files: &crate::tls::ClientFiles) -> Result<To, Error> {
     let scheme = to.split_once("://").map(|(scheme, _)| scheme).unwrap_or_default();
     let refused = |why: String| Error::Usage(format!("--to {}: {why}", idempotency::redact_url(to)));
+    let webhook = matches!(scheme, "http" | "https");
+    if !webhook && (files.ca.is_some() || files.cert.is_some() || files.insecure_skip_verify) {
+        return Err(refused(
+            "--to-ca, --to-client-cert and --to-insecure-skip-verify are for a webhook; a broker's URL names its TLS files in its own parameters (cacertfile=, ca=, ssl.ca.location=)".into(),
+        ));
+    }
     match scheme {
         "amqp" | "amqps" => {
             let (url, exchange) = take_param(to, "exchange")?;
@@ -306,8 +327,11 @@ async fn destination(to: &str) -> Result<To, Error> {
             }
             // Without `{destination}`, every row goes to the URL itself.
             let default = (!to.contains("{destination}")).then(String::new);
+            let tls = crate::tls::checked_peer(files, &uri, "webhook")
+                .await
+                .map_err(refused)?;
             Ok(To {
-                publisher: Destination::Http(HttpPublisher::new(to.to_owned())?),
+                publisher: Destination::Http(HttpPublisher::new(to.to_owned(), &tls)),
                 default,
             })
         }
@@ -442,7 +466,13 @@ struct Prepared {
 async fn prepare(config: &Config) -> Result<Prepared, Error> {
     let tables = tables(config)?;
     let to_url = config.to.clone().unwrap_or_default();
-    let to = destination(&to_url).await?;
+    let files = crate::tls::ClientFiles {
+        ca: config.to_ca.clone(),
+        cert: config.to_client_cert.clone(),
+        key: config.to_client_key.clone(),
+        insecure_skip_verify: config.to_insecure_skip_verify,
+    };
+    let to = destination(&to_url, &files).await?;
     let at = Location {
         database: config.database.clone().unwrap_or_default(),
         tables,

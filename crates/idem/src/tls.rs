@@ -1,7 +1,7 @@
 //! TLS for the binary's own HTTP connections (rustls on the ring provider): the gateway's
 //! listener, with client certificates and a certificate swapped on `SIGHUP`, and the client side
-//! of `https://` upstreams and handlers, verified against the operating system's trust store and
-//! any private CA the user names.
+//! of `https://` upstreams and handlers, verified against the private CA the user names or,
+//! when none is named, the operating system's trust store.
 //!
 //! Verification is on unless a flag spelled `…-insecure-skip-verify` turns it off, and then a
 //! warning says so at start. PEM files are read whole at start (and at each reload): an
@@ -205,7 +205,7 @@ impl ListenerTls {
 /// `--upstream-client-key`, `--upstream-insecure-skip-verify` (and `--to-…` for handlers).
 #[derive(Debug, Clone, Default)]
 pub struct ClientFiles {
-    /// A private CA trusted besides the operating system's store.
+    /// A private CA, trusted instead of the operating system's store.
     pub ca: Option<PathBuf>,
     /// A client certificate chain to present.
     pub cert: Option<PathBuf>,
@@ -229,19 +229,13 @@ pub fn client_config(files: &ClientFiles) -> Result<Arc<ClientConfig>, TlsError>
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider())))
     } else {
-        let mut roots = RootCertStore::empty();
-        // The operating system's store; certificates it cannot parse are skipped, as every
-        // client does (a private CA file is strict, below).
-        let native = rustls_native_certs::load_native_certs();
-        for error in &native.errors {
-            tracing::debug!(%error, "a certificate of the system's trust store was skipped");
-        }
-        roots.add_parsable_certificates(native.certs);
-        if let Some(path) = &files.ca {
-            for certificate in roots_of(path)?.roots {
-                roots.roots.push(certificate);
-            }
-        }
+        // A named CA alone, or the operating system's store: never both.
+        let roots =
+            idempotency_core::pem::trust_anchors(files.ca.as_deref()).map_err(|why| TlsError::File {
+                what: "CA bundle",
+                path: files.ca.clone().unwrap_or_default(),
+                why: why.to_string(),
+            })?;
         builder.with_root_certificates(roots)
     };
     let mut config = match (&files.cert, &files.key) {
@@ -263,6 +257,70 @@ pub fn client_config(files: &ClientFiles) -> Result<Arc<ClientConfig>, TlsError>
     };
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
+}
+
+/// The client configuration of an `https://` peer `idem` calls (`idem consume`'s handler, the
+/// relay's webhook), checked at start: the files must be usable, and a peer that answers must
+/// present a certificate this configuration accepts. A peer not listening yet is only warned
+/// about: it may start after `idem`, and its certificate is checked on every call. `peer` names
+/// it in the messages (`handler`, `webhook`); the flags are the `--to-…` ones.
+///
+/// # Errors
+///
+/// Why the configuration cannot be used: TLS flags on an `http://` URL, an insecure flag with a
+/// CA, an unusable file, a refused certificate (rustls's reason, and which host presented it).
+pub async fn checked_peer(
+    files: &ClientFiles,
+    to: &http::Uri,
+    peer: &str,
+) -> Result<Arc<ClientConfig>, String> {
+    use std::time::Duration;
+
+    let https = to.scheme_str() == Some("https");
+    if !https && (files.ca.is_some() || files.cert.is_some() || files.insecure_skip_verify) {
+        return Err(format!(
+            "--to-ca, --to-client-cert and --to-insecure-skip-verify are for an https:// {peer}; this one is http://"
+        ));
+    }
+    if files.insecure_skip_verify && files.ca.is_some() {
+        return Err(
+            "--to-insecure-skip-verify verifies nothing, so --to-ca would be ignored: give one or the other"
+                .into(),
+        );
+    }
+    let tls = client_config(files).map_err(|e| format!("TLS: {e}"))?;
+    if !https {
+        return Ok(tls);
+    }
+    if files.insecure_skip_verify {
+        tracing::warn!(
+            to = %to,
+            "--to-insecure-skip-verify: the {peer}'s certificate is NOT verified; anyone on the path can read and change the traffic"
+        );
+    }
+    let host = to.host().unwrap_or_default();
+    let port = to.port_u16().unwrap_or(443);
+    let address = format!("{host}:{port}");
+    let name = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let name = ServerName::try_from(name)
+        .map_err(|e| format!("`{host}` cannot be checked against a certificate: {e}"))?;
+    match tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(&address)).await {
+        Ok(Ok(stream)) => {
+            let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls));
+            match tokio::time::timeout(Duration::from_secs(5), connector.connect(name, stream)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => return Err(describe_handshake_error(&address, &error)),
+                Err(_) => return Err(format!("the TLS handshake with {address} timed out")),
+            }
+        }
+        Ok(Err(error)) => {
+            tracing::warn!(%error, %address, "the {peer} cannot be reached yet; its certificate is checked on the first call");
+        }
+        Err(_) => {
+            tracing::warn!(%address, "the {peer} did not accept a connection within 5s; its certificate is checked on the first call");
+        }
+    }
+    Ok(tls)
 }
 
 /// The verifier of `--…-insecure-skip-verify`: any certificate, any name. Signatures are still

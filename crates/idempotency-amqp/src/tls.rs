@@ -1,14 +1,17 @@
-//! `amqps://` beyond the system's trust store: RabbitMQ's URI parameters `cacertfile`,
-//! `certfile` and `keyfile` (feature `tls`, rustls on ring).
+//! `amqps://` (feature `tls`, rustls on ring) and RabbitMQ's URI parameters `cacertfile`,
+//! `certfile` and `keyfile`.
 //!
 //! Without them, an `amqps://` URL is verified against the system's trust store. With
-//! `cacertfile`, against that CA; `certfile` and `keyfile` (both) present a client certificate.
+//! `cacertfile`, against that CA alone; `certfile` and `keyfile` (both) present a client
+//! certificate.
 //! The other TLS parameters of RabbitMQ's URI specification are refused rather than ignored:
 //! `verify=verify_none` would turn verification off, and `server_name_indication` cannot be
 //! honoured (connect by the name the certificate carries).
 
 use std::fmt;
 use std::path::PathBuf;
+#[cfg(feature = "tls")]
+use std::sync::Arc;
 
 use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind};
 use lapin::{Connection, ConnectionProperties};
@@ -83,10 +86,6 @@ impl AmqpTls {
         }
         Ok(())
     }
-
-    fn is_empty(&self) -> bool {
-        self.ca.is_none() && self.cert.is_none()
-    }
 }
 
 /// Connects to the broker at `url`, an `amqp://` or `amqps://` URL whose TLS parameters
@@ -131,40 +130,90 @@ pub async fn connect_url(url: &str) -> Result<Connection, AdapterError> {
     })
 }
 
-/// Connects to `url` with `tls`'s files (none: as `lapin::Connection::connect`).
+/// Connects to `url`: an `amqp://` URL as `lapin::Connection::connect` does, an `amqps://` one
+/// over rustls with the trust [`AmqpTls`] describes.
 pub(crate) async fn connect(url: &str, tls: &AmqpTls) -> lapin::Result<Connection> {
-    if tls.is_empty() || !url.starts_with("amqps://") {
+    if !url.starts_with("amqps://") {
         return Connection::connect(url, ConnectionProperties::default()).await;
     }
-    connect_with_files(url, tls).await
+    connect_tls(url, tls).await
 }
 
+/// `amqps://` through a TLS configuration of our own rather than lapin's: lapin's rustls
+/// connector starts from the system's trust store and *adds* `cacertfile` to it, so a server
+/// any system CA vouches for would pass. Here a named CA is the only one trusted
+/// ([`idempotency_core::pem::trust_anchors`]). The same connect function serves lapin's
+/// reconnections.
 #[cfg(feature = "tls")]
-async fn connect_with_files(url: &str, tls: &AmqpTls) -> lapin::Result<Connection> {
-    use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
-    let read = |path: &PathBuf| std::fs::read(path).map_err(lapin::Error::from);
-    let cert_chain = tls
-        .ca
-        .as_ref()
-        .map(|path| read(path).map(|pem| String::from_utf8_lossy(&pem).into_owned()))
-        .transpose()?;
-    let identity = match (&tls.cert, &tls.key) {
-        (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 {
-            pem: read(cert)?,
-            key: read(key)?,
-        }),
-        _ => None,
-    };
-    let config = OwnedTLSConfig { identity, cert_chain };
+async fn connect_tls(url: &str, tls: &AmqpTls) -> lapin::Result<Connection> {
+    use lapin::tcp::RustlsConnector;
+    use lapin::uri::AMQPUri;
+
+    let io = |why: String| lapin::Error::from(std::io::Error::other(why));
+    let uri: AMQPUri = url.parse().map_err(io)?;
+    let config = client_config(tls).map_err(io)?;
+    let connector = Arc::new(RustlsConnector::from(Arc::new(config)));
     let runtime = lapin::runtime::default_runtime()?;
-    Connection::connect_with_config(url, ConnectionProperties::default(), config, runtime).await
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri: AMQPUri, runtime| {
+            let (host, port) = (uri.authority.host.clone(), uri.authority.port);
+            let addresses: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+                .await
+                .map_err(lapin::Error::from)?
+                .collect();
+            let stream = lapin::AsyncTcpStream::connect(&runtime, addresses)
+                .await
+                .map_err(lapin::Error::from)?;
+            stream
+                .into_rustls(&connector, &host)
+                .await
+                .map_err(lapin::Error::from)
+        },
+        ConnectionProperties::default(),
+    )
+    .await
 }
 
-/// Without the `tls` feature the files cannot be used, and ignoring them would trust what they
-/// were meant to restrict: refused (`AmqpSource::from_url` refuses such a URL first).
+/// The rustls client configuration of an `amqps://` connection: `cacertfile` alone or the
+/// system's trust store, and the client certificate of `certfile` and `keyfile`.
+#[cfg(feature = "tls")]
+fn client_config(tls: &AmqpTls) -> Result<rustls::ClientConfig, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let show = |path: &PathBuf| path.display().to_string();
+    let roots = idempotency_core::pem::trust_anchors(tls.ca.as_deref()).map_err(|why| {
+        format!(
+            "`cacertfile` {}: {why}",
+            tls.ca.as_ref().map(show).unwrap_or_default()
+        )
+    })?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    match (&tls.cert, &tls.key) {
+        (Some(cert), Some(key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+                .map_err(|e| format!("`certfile` {}: {e}", show(cert)))?;
+            let key =
+                PrivateKeyDer::from_pem_file(key).map_err(|e| format!("`keyfile` {}: {e}", show(key)))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| format!("`certfile` and `keyfile` are not a usable pair: {e}"))
+        }
+        _ => Ok(builder.with_no_client_auth()),
+    }
+}
+
+/// Without the `tls` feature there is no TLS client at all: refused, never sent in plain.
 #[cfg(not(feature = "tls"))]
-async fn connect_with_files(_url: &str, _tls: &AmqpTls) -> lapin::Result<Connection> {
+async fn connect_tls(_url: &str, _tls: &AmqpTls) -> lapin::Result<Connection> {
     Err(lapin::Error::from(std::io::Error::other(
-        "cacertfile, certfile and keyfile need the `tls` feature of idempotency-amqp",
+        "amqps:// needs the `tls` feature of idempotency-amqp",
     )))
 }

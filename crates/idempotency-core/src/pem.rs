@@ -79,6 +79,52 @@ pub fn read_ca_file(path: &Path) -> Result<Vec<u8>, PemError> {
     Ok(pem)
 }
 
+/// The trust anchors of a client connection: the certificates of the CA file `ca` **alone**
+/// when one is named, the operating system's trust store when none is.
+///
+/// A named CA is the only one trusted, as libpq treats `sslrootcert` and the MySQL client
+/// `ssl-ca`: adding it to the system's store would also accept any certificate that store
+/// vouches for (on Debian, the machine's own self-signed `ssl-cert-snakeoil`). The system's
+/// store is what `rustls-native-certs` reads (`SSL_CERT_FILE` and `SSL_CERT_DIR` when set);
+/// certificates in it that cannot be parsed are skipped, as every client does, while a named
+/// CA file is strict ([`read_ca_file`]).
+///
+/// ```
+/// let error = idempotency_core::pem::trust_anchors(Some("/nonexistent/ca.pem".as_ref())).unwrap_err();
+/// assert!(error.to_string().starts_with("No such file"));
+/// ```
+///
+/// # Errors
+///
+/// For a named CA, as [`read_ca_file`]. The system's store never fails: what it lacks shows as
+/// a refused certificate (`UnknownIssuer`) at the handshake.
+#[cfg(feature = "rustls")]
+pub fn trust_anchors(ca: Option<&Path>) -> Result<rustls::RootCertStore, PemError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(path) => {
+            let pem = read_ca_file(path)?;
+            for certificate in CertificateDer::pem_slice_iter(&pem) {
+                let certificate = certificate.map_err(|e| PemError::NotCertificates(e.to_string()))?;
+                roots
+                    .add(certificate)
+                    .map_err(|e| PemError::NotCa(e.to_string()))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            for error in &native.errors {
+                tracing::debug!(%error, "a certificate of the system's trust store was skipped");
+            }
+            roots.add_parsable_certificates(native.certs);
+        }
+    }
+    Ok(roots)
+}
+
 #[cfg(all(test, feature = "rustls"))]
 mod tests {
     use super::read_ca_file;

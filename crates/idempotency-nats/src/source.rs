@@ -24,7 +24,7 @@ pub const SOURCE: SourceKind = SourceKind {
                  dead_letter=SUBJECT  where dead letters go (default STREAM.dead); a stream must store it, the consumer must not take it\n\
                  ack_wait=30s         the ack wait of a consumer it creates, 1s to 24h (progress acks go out every third of it)\n\
                  tls_required=true    refuse a server that does not offer TLS (tls://HOST:PORT says the same)\n\
-                 ca=FILE              verify the server against this CA too (TLS is used whenever the server offers it)\n\
+                 ca=FILE              verify the server against this CA alone (TLS is used whenever the server offers it)\n\
                  cert=FILE, key=FILE  present this client certificate\n\
                  nkey=FILE            authenticate with the NKey seed in FILE\n\
                  creds=FILE           authenticate with a credentials file (a user JWT and its seed, as Synadia's service issues)",
@@ -53,13 +53,15 @@ pub struct NatsSource {
 }
 
 /// The TLS and authentication settings of a `nats://` or `tls://` source. The client uses TLS
-/// whenever the server offers it, verified against the system's trust store and `ca`; it
+/// whenever the server offers it, verified against `ca` alone or, without it, the system's trust
+/// store; it
 /// authenticates with the URL's user and password, an NKey seed or a credentials file.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsTls {
     /// Refuse a server that does not offer TLS.
     pub required: bool,
-    /// `ca=FILE`: a CA the server's certificate may be signed by.
+    /// `ca=FILE`: the only CA the server's certificate may be signed by (without it, the
+    /// system's trust store).
     pub ca: Option<std::path::PathBuf>,
     /// `cert=FILE` and `key=FILE`: a client certificate.
     pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,

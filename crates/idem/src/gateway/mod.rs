@@ -33,11 +33,12 @@ pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
 /// command line's defaults, with an upstream on `http://127.0.0.1:3000`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// The upstream's base URL (http://host:port[/base], or https://…); https is verified against the
-    /// system's trust store and --upstream-ca.
+    /// The upstream's base URL (http://host:port[/base], or https://…); https is verified against
+    /// --upstream-ca or, without it, the system's trust store.
     #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Uri,
-    /// A private CA (PEM bundle) trusted for an https upstream, besides the system's store.
+    /// A private CA (PEM bundle): the only CA trusted for an https upstream (without it, the
+    /// system's trust store).
     #[arg(long, env = "IDEM_UPSTREAM_CA")]
     pub upstream_ca: Option<PathBuf>,
     /// A client certificate (PEM chain) presented to an https upstream; needs
