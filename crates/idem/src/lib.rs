@@ -14,6 +14,7 @@
 //! * [`key_actions`]: `idem keys release|forget|complete`, an operator's changes to one key;
 //! * [`ui`]: the dashboard (`--ui`) of the gateway and of `idem consume`;
 //! * [`units`]: human durations and sizes as the flags take them;
+//! * [`placeholder`]: a `{key}` or `{destination}` put into a URL, encoded only as it must be;
 //! * [`error`]: what can go wrong, as one typed [`Error`].
 
 pub use error::Error;
@@ -31,6 +32,7 @@ pub mod flags;
 pub mod gateway;
 pub mod key_actions;
 pub mod ops;
+pub mod placeholder;
 pub mod reconcile;
 pub mod relay;
 pub mod server;

@@ -13,22 +13,14 @@
 //!
 //! A template is `[METHOD ]TARGET` (the method defaults to `GET`): a path and query, sent to
 //! the upstream (the route's, for a route), or an absolute `http(s)://` URL. `{key}` stands for
-//! the key the upstream receives in `Idempotency-Key` (the scoped key), percent-encoded; it must
+//! the key the upstream receives in `Idempotency-Key` (the scoped key), encoded only as much as
+//! it must be to stay one path segment or query value (see [`crate::placeholder`]); it must
 //! appear, and no other placeholder may.
 
 use std::fmt;
 
 use http::{Method, Uri};
 use idempotency::Key;
-use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
-
-/// What a key is encoded as in a target: everything but RFC 3986's unreserved characters, so
-/// that a key can be neither a path separator nor a query delimiter.
-const ENCODED: &AsciiSet = &NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
 
 /// The placeholder for the key.
 const KEY: &str = "{key}";
@@ -42,8 +34,8 @@ pub struct ReconcileTemplate {
     method: Method,
     /// `scheme://authority` for an absolute URL; `None` for the upstream's own.
     origin: Option<Uri>,
-    /// The path and query, split at each `{key}`.
-    pieces: Vec<String>,
+    /// The path and query, with each `{key}` in it.
+    target: String,
 }
 
 impl fmt::Debug for ReconcileTemplate {
@@ -170,7 +162,7 @@ impl ReconcileTemplate {
             written: written.to_owned(),
             method,
             origin,
-            pieces,
+            target: path.to_owned(),
         };
         // Any key makes a valid target: the pieces do, and the key is encoded.
         template
@@ -196,8 +188,7 @@ impl ReconcileTemplate {
     /// The path and query asking about `key`.
     #[must_use]
     pub fn target(&self, key: &Key) -> String {
-        let encoded = utf8_percent_encode(key.as_str(), ENCODED).to_string();
-        self.pieces.join(&encoded)
+        crate::placeholder::fill(&self.target, KEY, key.as_str())
     }
 }
 
@@ -249,14 +240,23 @@ mod tests {
         assert_eq!(template.method(), Method::GET);
         assert_eq!(template.origin(), None);
         assert_eq!(template.target(&key("pay-1")), "/payments/by-key/pay-1");
-        // A key cannot become a separator, a query or a fragment.
+        // A key cannot become a separator, a query, a fragment or a dot-segment; what a path
+        // segment may hold stays as it is.
         assert_eq!(
             template.target(&key("a/../b?c=d#e%f&g")),
-            "/payments/by-key/a%2F..%2Fb%3Fc%3Dd%23e%25f%26g"
+            "/payments/by-key/a%2F..%2Fb%3Fc=d%23e%25f&g"
+        );
+        assert_eq!(template.target(&key("..")), "/payments/by-key/%2E%2E");
+        assert_eq!(
+            template.target(&key("order:12345.v3")),
+            "/payments/by-key/order:12345.v3"
         );
         let template = ReconcileTemplate::parse("/lookup?id={key}&again={key}").unwrap();
         assert_eq!(template.method(), Method::GET);
-        assert_eq!(template.target(&key("t:k")), "/lookup?id=t%3Ak&again=t%3Ak");
+        assert_eq!(
+            template.target(&key("t:k&x=1")),
+            "/lookup?id=t:k%26x%3D1&again=t:k%26x%3D1"
+        );
         let template = ReconcileTemplate::parse("POST https://ledger.internal:8443/find/{key}").unwrap();
         assert_eq!(template.method(), Method::POST);
         assert_eq!(

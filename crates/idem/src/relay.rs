@@ -12,7 +12,7 @@
 //! | `nats://HOST:PORT?subject=SUBJECT` (and `tls://`) | NATS JetStream, each publish acknowledged by the stream; `Nats-Msg-Id` = the key | subject = the row's `destination`, or `SUBJECT` |
 //! | `kafka://HOST:PORT?topic=TOPIC&SETTING=…` (feature `kafka`) | Kafka, an idempotent producer, `acks=all`; the ordering group as the record key | topic = the row's `destination`, or `TOPIC` |
 //! | `sqs://[REGION]?queue_url=URL[&endpoint=URL][&ca=FILE]` (feature `sqs`) | SQS, `SendMessage` answered; the key as the `Idempotency-Key` attribute and, on a FIFO queue, the deduplication id, the ordering group as the message group | the queue at the row's `destination` (a queue URL), or `URL` |
-//! | `http(s)://HOST/PATH` | a webhook: `POST` answered with a `2xx` | the URL, with `{destination}` replaced by the row's `destination` (percent-encoded) |
+//! | `http(s)://HOST/PATH` | a webhook: `POST` answered with a `2xx` | the URL, with `{destination}` replaced by the row's `destination` (encoded only as it must be to stay one path segment: [`crate::placeholder`]) |
 //!
 //! The other URL parameters are the broker's, as `idem consume --from` takes them (TLS files,
 //! librdkafka settings).
@@ -136,11 +136,9 @@ impl HttpPublisher {
     }
 
     async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
-        let destination =
-            percent_encoding::utf8_percent_encode(&message.destination, percent_encoding::NON_ALPHANUMERIC)
-                .to_string();
-        let mut request = http::Request::post(self.url.replace("{destination}", &destination))
-            .header(idempotency::IDEMPOTENCY_KEY_HEADER, message.key.as_str());
+        let url = crate::placeholder::fill(&self.url, "{destination}", &message.destination);
+        let mut request =
+            http::Request::post(url).header(idempotency::IDEMPOTENCY_KEY_HEADER, message.key.as_str());
         let typed = message
             .headers
             .iter()

@@ -1025,6 +1025,84 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
     drop_schema(&pool, &schema).await;
 }
 
+/// A webhook's `{destination}` is encoded only as much as it must be to stay one path segment
+/// (RFC 3986 §2.3): `orders.created` reaches a router's literal route `/hooks/orders.created`
+/// as written, while a `/` and a whole `..` segment are encoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_destination_reaches_a_literal_route_as_written() {
+    use axum::http::StatusCode;
+    use std::sync::{Arc, Mutex};
+
+    let paths: Arc<Mutex<Vec<String>>> = Arc::default();
+    let seen = Arc::clone(&paths);
+    let app = axum::Router::new()
+        .route(
+            "/hooks/orders.created",
+            axum::routing::post(|| async { StatusCode::NO_CONTENT }),
+        )
+        .fallback(|| async { StatusCode::NOT_FOUND })
+        .layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    let path = request.uri().path().to_owned();
+                    let answer = next.run(request).await;
+                    seen.lock()
+                        .unwrap()
+                        .push(format!("{} {path}", answer.status().as_u16()));
+                    answer
+                }
+            },
+        ));
+    let addr = common::serve_app(app).await;
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
+    let schema = outbox_with(
+        &pool,
+        &[
+            ("orders.created", "g1", None, "one"),
+            ("billing:invoice~v2", "g2", None, "two"),
+            ("a/b", "g3", None, "three"),
+            ("..", "g4", None, "four"),
+        ],
+    )
+    .await;
+    let database = common::database_url();
+    let to = format!("http://{addr}/hooks/{{destination}}");
+    let relay = common::spawn_idem(
+        &[
+            "relay",
+            "--database",
+            &database,
+            "--schema",
+            &schema,
+            "--to",
+            &to,
+            "--max-attempts",
+            "1",
+        ],
+        &[],
+        "warn",
+        false,
+    );
+    idempotency_testkit::eventually(Duration::from_secs(30), "four calls", async || {
+        paths.lock().unwrap().len() >= 4
+    })
+    .await;
+    drop(relay);
+    let mut paths = paths.lock().unwrap().clone();
+    paths.sort();
+    assert_eq!(
+        paths,
+        [
+            "204 /hooks/orders.created",
+            "404 /hooks/%2E%2E",
+            "404 /hooks/a%2Fb",
+            "404 /hooks/billing:invoice~v2",
+        ]
+    );
+    drop_schema(&pool, &schema).await;
+}
+
 /// SQS: each row sent with its key as the `Idempotency-Key` attribute (and its headers as
 /// attributes), to the `--to` queue or the one its destination names.
 #[cfg(feature = "sqs")]
