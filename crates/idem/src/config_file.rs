@@ -20,8 +20,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::flags::{
-    StatusSet, parse_header_name, parse_lease, parse_limit, parse_method, parse_retention, parse_status_set,
-    parse_upstream, parse_upstream_timeout, parse_wait,
+    SecretFiles, StatusSet, parse_header_name, parse_lease, parse_limit, parse_method, parse_retention,
+    parse_status_set, parse_upstream, parse_upstream_timeout, parse_wait,
 };
 
 /// Keys of the file that are not settings of a route's or the gateway's.
@@ -724,18 +724,26 @@ pub struct Merged {
     pub file: Option<ConfigFile>,
     /// The long names of the settings that come from the file.
     pub from_file: Vec<String>,
+    /// The long names of the secret settings that come from a `<VARIABLE>_FILE`.
+    pub from_secret_files: Vec<String>,
 }
 
 /// Parses `args` with `command`; for `idem serve --config FILE`, reads the file and adds its
 /// settings as flags where the command line and the environment give none, so that they go
-/// through the flags' parsers and checks and lose to both. Errors of the command line itself
-/// are clap's: printed, and the process exits as for any bad flag.
+/// through the flags' parsers and checks and lose to both. The precedence, highest first: a
+/// flag, its `IDEM_*` variable, the variable's `_FILE` (`secrets`: the settings `command` took
+/// from files), the configuration file, the default. Errors of the command line itself are
+/// clap's: printed, and the process exits as for any bad flag.
 ///
 /// # Errors
 ///
 /// [`FileError`] when the file cannot be used.
-pub fn merge(command: &clap::Command, args: Vec<OsString>) -> Result<Merged, FileError> {
-    match try_merge(command, args) {
+pub fn merge(
+    command: &clap::Command,
+    args: Vec<OsString>,
+    secrets: &SecretFiles,
+) -> Result<Merged, FileError> {
+    match try_merge(command, args, secrets) {
         Ok(merged) => Ok(merged),
         Err(MergeError::File(error)) => Err(error),
         Err(MergeError::Flags(error)) => error.exit(),
@@ -767,7 +775,11 @@ impl std::error::Error for MergeError {}
 /// # Errors
 ///
 /// [`MergeError`] saying what is wrong.
-pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Merged, MergeError> {
+pub fn try_merge(
+    command: &clap::Command,
+    mut args: Vec<OsString>,
+    secrets: &SecretFiles,
+) -> Result<Merged, MergeError> {
     let probe = command
         .clone()
         .ignore_errors(true)
@@ -778,6 +790,18 @@ pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Mer
         .ok()
         .and_then(|matches| matches.subcommand_matches("serve"));
     let path = serve.and_then(|serve| serve.get_one::<PathBuf>("config").cloned());
+    // The secret settings a `_FILE` gives, unless a flag or the variable gives them first.
+    let from_secret_files: Vec<String> = command
+        .find_subcommand("serve")
+        .into_iter()
+        .flat_map(clap::Command::get_arguments)
+        .filter(|arg| secrets.give(arg))
+        .filter(|arg| {
+            let given = serve.and_then(|serve| serve.value_source(arg.get_id().as_str()));
+            !matches!(given, Some(ValueSource::CommandLine | ValueSource::EnvVariable))
+        })
+        .filter_map(|arg| arg.get_long().map(str::to_owned))
+        .collect();
     let (Some(serve), Some(path), Some(serve_command)) = (serve, path, command.find_subcommand("serve"))
     else {
         return Ok(Merged {
@@ -787,14 +811,18 @@ pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Mer
                 .map_err(MergeError::Flags)?,
             file: None,
             from_file: Vec::new(),
+            from_secret_files,
         });
     };
     let file = load(&path, serve_command).map_err(MergeError::File)?;
     let mut from_file = Vec::new();
     for setting in &file.settings {
-        let given = setting_flag(serve_command, &setting.name)
-            .and_then(|arg| serve.value_source(arg.get_id().as_str()));
-        if matches!(given, Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+        let Some(arg) = setting_flag(serve_command, &setting.name) else {
+            continue;
+        };
+        let given = serve.value_source(arg.get_id().as_str());
+        // A `_FILE` ranks as its variable does: above the file.
+        if matches!(given, Some(ValueSource::CommandLine | ValueSource::EnvVariable)) || secrets.give(arg) {
             continue;
         }
         args.push(format!("--{}", setting.name).into());
@@ -808,11 +836,13 @@ pub fn try_merge(command: &clap::Command, mut args: Vec<OsString>) -> Result<Mer
             .map_err(MergeError::Flags)?,
         file: Some(file),
         from_file,
+        from_secret_files,
     })
 }
 
 /// `idem serve --config FILE --check`: every setting's effective value and where it comes from
-/// (`default`, `file`, `env`, `flag`), then each route's, its own (`route`) or the gateway's.
+/// (`default`, `file`, `env file`, `env`, `flag`), then each route's, its own (`route`) or the
+/// gateway's.
 #[must_use]
 pub fn report(merged: &Merged, serve_command: &clap::Command) -> String {
     use std::fmt::Write as _;
@@ -845,6 +875,8 @@ pub fn report(merged: &Merged, serve_command: &clap::Command) -> String {
         };
         let source = if merged.from_file.iter().any(|name| name == long) {
             "file"
+        } else if merged.from_secret_files.iter().any(|name| name == long) {
+            "env file"
         } else {
             match serve.value_source(id) {
                 Some(ValueSource::CommandLine) => "flag",

@@ -378,10 +378,26 @@ pub enum SecretFileError {
     },
 }
 
+/// The secret settings given as `<VARIABLE>_FILE`, by their variable: they rank as variables
+/// do, above a configuration file (flag > variable > `*_FILE` > file > default).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SecretFiles(Vec<&'static str>);
+
+impl SecretFiles {
+    /// Whether `arg`'s value comes from its variable's `_FILE` (when no flag gives it).
+    #[must_use]
+    pub fn give(&self, arg: &clap::Arg) -> bool {
+        arg.get_env()
+            .and_then(|env| env.to_str())
+            .is_some_and(|env| self.0.contains(&env))
+    }
+}
+
 /// `command` with each secret setting of [`SECRET_SETTINGS`] that `environment` gives as
 /// `<VARIABLE>_FILE` read from its file (one line; a final newline is dropped) and taken as the
 /// flag's value when the flag itself is absent, as the variable would be; and with every secret
-/// setting's value hidden from `--help`.
+/// setting's value hidden from `--help`. The [`SecretFiles`] say which settings the files gave,
+/// for the configuration file's merge to leave alone.
 ///
 /// # Errors
 ///
@@ -390,7 +406,7 @@ pub enum SecretFileError {
 pub fn secrets_from_files(
     command: clap::Command,
     environment: &dyn Fn(&str) -> Option<std::ffi::OsString>,
-) -> Result<clap::Command, SecretFileError> {
+) -> Result<(clap::Command, SecretFiles), SecretFileError> {
     let mut values = Vec::new();
     for variable in SECRET_SETTINGS {
         let Some(path) = environment(&format!("{variable}_FILE")) else {
@@ -415,7 +431,8 @@ pub fn secrets_from_files(
         }
         values.push((*variable, value.to_owned()));
     }
-    Ok(with_secrets(command, &values))
+    let files = SecretFiles(values.iter().map(|(variable, _)| *variable).collect());
+    Ok((with_secrets(command, &values), files))
 }
 
 /// `command` and its subcommands, their secret settings hidden from help and given `values`.
@@ -491,7 +508,7 @@ mod secret_tests {
                 .find(|(n, _)| *n == name)
                 .map(|(_, v)| std::ffi::OsString::from(v))
         };
-        let command = secrets_from_files(Cli::command(), &lookup)?;
+        let (command, _) = secrets_from_files(Cli::command(), &lookup)?;
         let matches = command.try_get_matches_from(args)?;
         let Sub::Run { store, from } = Cli::from_arg_matches(&matches)?.command;
         Ok((store, from))

@@ -1025,12 +1025,12 @@ fn main() -> ExitCode {
     let command = <Cli as clap::CommandFactory>::command()
         .mut_subcommand("consume", |consume| consume.after_help(consume::sources_help()));
     // `IDEM_STORE_FILE` and the other secrets' files, read as their variables would be.
-    let command = match idem::flags::secrets_from_files(command, &|name| std::env::var_os(name)) {
-        Ok(command) => command,
+    let (command, secrets) = match idem::flags::secrets_from_files(command, &|name| std::env::var_os(name)) {
+        Ok(read) => read,
         Err(error) => clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{error}\n")).exit(),
     };
     // `idem serve --config FILE`: the file's settings where no flag or variable gives one.
-    let merged = match idem::config_file::merge(&command, std::env::args_os().collect()) {
+    let merged = match idem::config_file::merge(&command, std::env::args_os().collect(), &secrets) {
         Ok(merged) => merged,
         Err(error) => {
             eprintln!("idem: error: {error}");

@@ -285,6 +285,82 @@ fn check_prints_the_effective_settings_and_where_they_come_from() {
     assert!(orders.contains("/amount,/currency  [route, line 23]"), "{orders}");
 }
 
+/// Every secret setting of `idem serve` ranks its sources as docs/HTTP.md states, highest
+/// first: the flag, its `IDEM_*` variable, the variable's `_FILE`, the configuration file, the
+/// default. `--check` names the source that won.
+#[test]
+fn a_secret_setting_ranks_flag_variable_its_file_the_config_file_then_the_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("store", "IDEM_STORE", "sqlite:///tmp/idem-from-"),
+        ("scope-secret", "IDEM_SCOPE_SECRET", "a-scope-secret-from-"),
+        ("admin-token", "IDEM_ADMIN_TOKEN", "an-admin-token-from-"),
+        ("ui-database", "IDEM_UI_DATABASE", "postgres://app@db/idem-from-"),
+    ];
+    for (long, variable, prefix) in cases {
+        let value = |source: &str| format!("{prefix}{source}");
+        let config = dir.path().join(format!("{long}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "upstream = \"http://127.0.0.1:3000\"\nadmin-listen = \"127.0.0.1:9\"\nui = true\n{long} = \"{}\"\n",
+                value("config-file")
+            ),
+        )
+        .unwrap();
+        let secret = dir.path().join(format!("{long}.secret"));
+        std::fs::write(&secret, format!("{}\n", value("secret-file"))).unwrap();
+        let secret_file = (format!("{variable}_FILE"), secret.display().to_string());
+        let in_variable = (variable.to_owned(), value("variable"));
+        let flag = [format!("--{long}"), value("flag")];
+        let check = |env: &[&(String, String)], flags: &[String]| {
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+            command
+                .args(["serve", "--config", config.to_str().unwrap(), "--check"])
+                .args(flags);
+            for (_, name, _) in cases {
+                command.env_remove(name).env_remove(format!("{name}_FILE"));
+            }
+            for (name, value) in env {
+                command.env(name, value);
+            }
+            let output = command.output().unwrap();
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            assert!(
+                output.status.success(),
+                "{long}: {text}{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let row = text
+                .lines()
+                .find(|line| line.trim_start().starts_with(&format!("{long} ")))
+                .unwrap_or_else(|| panic!("no {long} row: {text}"))
+                .trim()
+                .to_owned();
+            let (shown, source) = row.rsplit_once("  [").unwrap();
+            (shown.to_owned(), source.trim_end_matches(']').to_owned())
+        };
+        type Step<'a> = (&'a [&'a (String, String)], &'a [String], &'a str, &'a str);
+        let steps: [Step<'_>; 5] = [
+            (&[], &[], "file", "config-file"),
+            (&[&secret_file], &[], "env file", "secret-file"),
+            (&[&in_variable], &[], "env", "variable"),
+            (&[&in_variable], &flag, "flag", "flag"),
+            (&[&secret_file], &flag, "flag", "flag"),
+        ];
+        for (env, flags, source, from) in steps {
+            let (shown, got) = check(env, flags);
+            assert_eq!(got, source, "{long} with {env:?} {flags:?}: {shown}");
+            // The URLs show which value won; the secrets are masked, their source says it.
+            if matches!(long, "store" | "ui-database") {
+                assert!(shown.contains(&format!("from-{from}")), "{long}: {shown}");
+            } else {
+                assert!(shown.ends_with("***"), "{long} is never shown: {shown}");
+            }
+        }
+    }
+}
+
 /// Each kind of bad file stops `idem serve` (and `--check`) with exit code 1 and the file, the
 /// line, the column and the reason.
 #[test]

@@ -264,8 +264,9 @@ impl Reloader {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let command = crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))?;
-        let merged = crate::config_file::try_merge(&command, self.args.clone())?;
+        let (command, secrets) =
+            crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))?;
+        let merged = crate::config_file::try_merge(&command, self.args.clone(), &secrets)?;
         let serve = merged
             .matches
             .subcommand_matches("serve")
