@@ -161,6 +161,58 @@ async fn each_guarded_request_is_one_json_line_with_its_decision_and_no_secret()
     assert_eq!(acquired["fields"]["upstream_status"], 201);
 }
 
+/// The text log line of a guarded request carries each of its span's fields once: the
+/// guard records the attempt on its own run span, the request span records it for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_log_line_names_each_field_once() {
+    let (upstream, _arrivals, _release) = upstream().await;
+    let listen = free_addr();
+    let (listen_text, upstream_text) = (listen.to_string(), format!("http://{upstream}"));
+    let args = [
+        "serve",
+        "--listen",
+        &listen_text,
+        "--upstream",
+        &upstream_text,
+        "--store",
+        "memory://",
+        "--log-format",
+        "text",
+    ];
+    let mut gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
+    let headers = [("idempotency-key", KEY)];
+    assert_eq!(
+        send(&client(), listen, "POST", "/pay", &headers, b"{}")
+            .await
+            .status,
+        201
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let status = gateway.terminate(Duration::from_secs(30));
+        (status, gateway)
+    });
+    let (status, mut gateway) = status.await.unwrap();
+    assert_eq!(status.and_then(|status| status.code()), Some(0));
+    let lines: Vec<String> = BufReader::new(gateway.child.stderr.take().unwrap())
+        .lines()
+        .map(Result::unwrap)
+        .collect();
+    let line = lines
+        .iter()
+        .find(|line| line.contains("idempotency.request{"))
+        .unwrap_or_else(|| panic!("no request line:\n{}", lines.join("\n")));
+    let span = line
+        .split("idempotency.request{")
+        .nth(1)
+        .unwrap()
+        .split('}')
+        .next()
+        .unwrap();
+    for field in ["route=", "decision=", "attempt="] {
+        assert_eq!(span.matches(field).count(), 1, "{field} in: {line}");
+    }
+}
+
 #[test]
 fn malformed_log_flags_are_refused() {
     for (args, why) in [

@@ -440,8 +440,8 @@ impl<S: Store> Guard<S> {
         Fut: Future<Output = T>,
     {
         let span = self.span(&scope, &key, false);
-        self.run_inner(scope, key, fingerprint, policy, operation)
-            .instrument(span)
+        self.run_inner(scope, key, fingerprint, policy, operation, &span)
+            .instrument(span.clone())
             .await
     }
 
@@ -452,6 +452,7 @@ impl<S: Store> Guard<S> {
         fingerprint: Fingerprint,
         policy: P,
         operation: F,
+        span: &tracing::Span,
     ) -> Result<Execution<T>, StoreError>
     where
         P: OutcomePolicy<T>,
@@ -461,7 +462,7 @@ impl<S: Store> Guard<S> {
         let request = self.request(scope, key, fingerprint);
         let asked = tokio::time::Instant::now();
         let claim = self.begin(&request).await?;
-        let held = match self.acquired(claim) {
+        let held = match self.acquired(claim, span) {
             Ok(held) => held,
             Err(answer) => return Ok(answer),
         };
@@ -479,7 +480,7 @@ impl<S: Store> Guard<S> {
         let value = match finished {
             Ok(value) => value,
             Err(panic) => {
-                tracing::Span::current().record("result", "panicked");
+                span.record("result", "panicked");
                 tracing::error!(
                     scope = %held.scope.redacted(),
                     key = %held.key.logged(self.key_log),
@@ -495,7 +496,7 @@ impl<S: Store> Guard<S> {
             Decision::Release => self.release(&held, deadline).await,
             Decision::Unknown => self.unknown(&held),
         };
-        Ok(self.executed(value, &held, recorded))
+        Ok(self.executed(value, &held, recorded, span))
     }
 
     /// The span of one run (scope and key shortened); `attempt` and `result` are recorded as
@@ -541,8 +542,11 @@ impl<S: Store> Guard<S> {
 
     /// The held record if `claim` acquired it (counted and logged), else the answer for a
     /// duplicate: the one place both the ordinary and the same-transaction path read a claim.
-    fn acquired<T>(&self, claim: Claim) -> Result<Held, Execution<T>> {
-        let span = tracing::Span::current();
+    ///
+    /// The attempt and the result go on `span`, the run's own: never on whatever span is
+    /// current, which is the caller's when the run's span is disabled, and whose fields are the
+    /// caller's to record (the HTTP layer's request span has an `attempt` of its own).
+    fn acquired<T>(&self, claim: Claim, span: &tracing::Span) -> Result<Held, Execution<T>> {
         let (result, metric, answer) = match claim {
             Claim::Acquired(held) => {
                 span.record("attempt", held.attempt);
@@ -575,8 +579,8 @@ impl<S: Store> Guard<S> {
     }
 
     /// The answer for an operation that ran, with its outcome's fate on the span.
-    fn executed<T>(&self, value: T, held: &Held, recorded: Recorded) -> Execution<T> {
-        tracing::Span::current().record(
+    fn executed<T>(&self, value: T, held: &Held, recorded: Recorded, span: &tracing::Span) -> Execution<T> {
+        span.record(
             "result",
             match &recorded {
                 Recorded::Completed { .. } => "completed",
@@ -925,8 +929,8 @@ impl<S: TransactionalStore> Guard<S> {
         O: TxOperation<S>,
     {
         let span = self.span(&scope, &key, true);
-        self.run_in_transaction_inner(scope, key, fingerprint, policy, operation)
-            .instrument(span)
+        self.run_in_transaction_inner(scope, key, fingerprint, policy, operation, &span)
+            .instrument(span.clone())
             .await
     }
 
@@ -937,6 +941,7 @@ impl<S: TransactionalStore> Guard<S> {
         fingerprint: Fingerprint,
         policy: P,
         operation: O,
+        span: &tracing::Span,
     ) -> Result<Execution<O::Value>, StoreError>
     where
         P: OutcomePolicy<O::Value>,
@@ -956,7 +961,7 @@ impl<S: TransactionalStore> Guard<S> {
                 return Err(error);
             }
         };
-        let held = match self.acquired(claim) {
+        let held = match self.acquired(claim, span) {
             Ok(held) => held,
             Err(answer) => {
                 // Nothing was written.
@@ -973,7 +978,7 @@ impl<S: TransactionalStore> Guard<S> {
                 Recorded::Released
             }
         };
-        Ok(self.executed(value, &held, recorded))
+        Ok(self.executed(value, &held, recorded, span))
     }
 
     /// Writes the completion in `tx` and commits it with the operation's rows.

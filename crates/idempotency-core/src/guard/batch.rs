@@ -173,7 +173,7 @@ impl<S: Store> Guard<S> {
             .into_iter()
             .zip(sent)
             .map(|(answer, sent)| {
-                answer.map(|claim| match self.acquired(claim) {
+                answer.map(|claim| match self.acquired(claim, &tracing::Span::none()) {
                     Ok(held) => Claimed::Run(ClaimedRun::new(held, later(sent, self.lease))),
                     Err(answer) => Claimed::Answer(answer),
                 })
@@ -253,7 +253,7 @@ impl<S: Store> Guard<S> {
                 (None, _) => self.unknown(&live.held),
             };
             live.finished.store(true, Ordering::Release);
-            executions.push(self.executed(value, &live.held, recorded));
+            executions.push(self.executed(value, &live.held, recorded, &tracing::Span::none()));
         }
         executions
     }

@@ -87,7 +87,7 @@ impl<S: TransactionalStore> Guard<S> {
         let claims = answers
             .into_iter()
             .map(|answer| {
-                answer.map(|claim| match self.acquired(claim) {
+                answer.map(|claim| match self.acquired(claim, &tracing::Span::none()) {
                     Ok(held) => Claimed::Run(ClaimedRun::new(held, later(sent, self.lease))),
                     Err(answer) => Claimed::Answer(answer),
                 })
@@ -143,7 +143,7 @@ impl<S: TransactionalStore, T> TransactionBatch<'_, S, T> {
                 let rolled_back = guard
                     .timed(Op::Savepoint, guard.store.rollback_to_savepoint(&mut self.tx))
                     .await;
-                let execution = guard.executed(value, run.held(), Recorded::Released);
+                let execution = guard.executed(value, run.held(), Recorded::Released, &tracing::Span::none());
                 self.released.push(run);
                 rolled_back.map(|()| Some(execution))
             }
@@ -243,7 +243,7 @@ impl<S: TransactionalStore, T> TransactionBatch<'_, S, T> {
                     (Some(error), _) => Recorded::Failed(error.clone()),
                     (None, None) => unreachable!("an expiry per completion when nothing failed"),
                 };
-                guard.executed(value, held, recorded)
+                guard.executed(value, held, recorded, &tracing::Span::none())
             })
             .collect()
     }
