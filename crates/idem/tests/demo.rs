@@ -127,6 +127,28 @@ fn the_human_report_has_progress_and_the_table() {
             "no {quarter} line: {err}"
         );
     }
+    // Progress counts payments done, never past their number (the requests, retries
+    // included, are shown beside it): `idem demo: 50% (77/154 payments, 205 requests, …)`.
+    for line in err.lines().filter(|line| line.starts_with("idem demo: ")) {
+        let counts = line
+            .split('(')
+            .nth(1)
+            .and_then(|rest| rest.split(" payments").next());
+        let (done, total) = counts
+            .and_then(|counts| counts.split_once('/'))
+            .map(|(done, total)| (done.parse::<u64>().unwrap(), total.parse::<u64>().unwrap()))
+            .unwrap_or_else(|| panic!("not a progress line: {line}"));
+        let percent: u64 = line["idem demo: ".len()..]
+            .split('%')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(done <= total && done * 100 >= percent * total, "{line}");
+        if percent == 100 {
+            assert_eq!(done, total, "{line}");
+        }
+    }
     assert!(out.starts_with("idem demo: "), "{out}");
     assert!(out.contains("through the gateway on sqlite://"), "{out}");
     let row = |name: &str| -> u64 {

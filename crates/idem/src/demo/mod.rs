@@ -270,6 +270,9 @@ async fn serve(router: Router) -> Result<SocketAddr, Error> {
 #[derive(Debug, Default)]
 struct Counters {
     requests: AtomicU64,
+    /// Payments whose client is done (answered, or gave up): the progress, which the requests
+    /// cannot measure (their number depends on the retries).
+    payments_done: AtomicU64,
     replays: AtomicU64,
     conflicts: AtomicU64,
     mismatches: AtomicU64,
@@ -649,13 +652,16 @@ pub async fn run(options: Options) -> Result<Report, Error> {
     // About 2.6 requests per payment on average (races, duplicates, reuse, retries).
     let payments = (options.requests * 10 / 26).max(1);
     let started = Instant::now();
+    let (storm_over, over) = tokio::sync::watch::channel(false);
     let progress = options
         .progress
-        .then(|| show_progress(Arc::clone(&storm), options.requests as u64));
+        .then(|| show_progress(Arc::clone(&storm), payments as u64, over));
     send_storm(&storm, payments, options.concurrency).await?;
     let elapsed = started.elapsed();
+    // The last update (100%) is shown before the report.
+    let _ = storm_over.send(true);
     if let Some(progress) = progress {
-        progress.abort();
+        let _ = progress.await;
     }
     Ok(report(&storm, &service, &options, &store_url, payments, elapsed))
 }
@@ -706,55 +712,89 @@ async fn start_gateway(upstream: SocketAddr, store_url: &str, reconcile: bool) -
     serve(gateway::router(&config, store, metrics)?.main).await
 }
 
-/// Progress on standard error until aborted: a bar on a terminal, and elsewhere (a CI log, a
-/// pipe) a line at each quarter, which a log keeps readable.
-fn show_progress(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+/// Progress on standard error until aborted, as payments done out of `target`: a bar on a
+/// terminal, and elsewhere (a CI log, a pipe) a line at each quarter, which a log keeps
+/// readable. The requests sent so far are shown beside it (retries and duplicates make them
+/// about 2.6 a payment, never a known total).
+/// It makes a last update and ends once `over` turns true.
+fn show_progress(
+    storm: Arc<Storm>,
+    target: u64,
+    over: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        show_bar(storm, target)
+        show_bar(storm, target, over)
     } else {
-        show_quarters(storm, target)
+        show_quarters(storm, target, over)
     }
 }
 
-/// A line on standard error each time another quarter of `target` requests has been sent.
-fn show_quarters(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+/// Waits for the next update: 100 ms, or the end of the storm. False once the storm is over
+/// (after its last update).
+async fn next_update(over: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+    if *over.borrow() {
+        return false;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        _ = over.changed() => {}
+    }
+    true
+}
+
+/// A line on standard error each time another quarter of the `target` payments is done.
+fn show_quarters(
+    storm: Arc<Storm>,
+    target: u64,
+    mut over: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut shown = 0;
         loop {
-            let sent = storm.counters.requests.load(Ordering::Relaxed);
-            let quarter = (sent.saturating_mul(4) / target.max(1)).min(4);
+            let done = storm.counters.payments_done.load(Ordering::Relaxed).min(target);
+            let quarter = (done.saturating_mul(4) / target.max(1)).min(4);
             while shown < quarter {
                 shown += 1;
                 eprintln!(
-                    "idem demo: {}% ({sent}/{target} requests, {} replays, {} conflicts)",
+                    "idem demo: {}% ({done}/{target} payments, {} requests, {} replays, {} conflicts)",
                     shown * 25,
+                    storm.counters.requests.load(Ordering::Relaxed),
                     storm.counters.replays.load(Ordering::Relaxed),
                     storm.counters.conflicts.load(Ordering::Relaxed)
                 );
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if !next_update(&mut over).await {
+                return;
+            }
         }
     })
 }
 
-/// A progress bar on standard error, updated until aborted.
-fn show_bar(storm: Arc<Storm>, target: u64) -> tokio::task::JoinHandle<()> {
+/// A progress bar on standard error, updated until the storm is over.
+fn show_bar(
+    storm: Arc<Storm>,
+    target: u64,
+    mut over: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     let bar = ProgressBar::with_draw_target(Some(target), ProgressDrawTarget::stderr()).with_style(
-        ProgressStyle::with_template("[{bar:30}] {pos}/{len} requests, {msg}")
+        ProgressStyle::with_template("[{bar:30}] {pos}/{len} payments, {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("#>-"),
     );
     tokio::spawn(async move {
-        // Finishes the bar when the task is aborted (the storm is over).
+        // Leaves the bar on its line when the task ends.
         let _finish = FinishOnDrop(bar.clone());
         loop {
-            bar.set_position(storm.counters.requests.load(Ordering::Relaxed).min(target));
+            bar.set_position(storm.counters.payments_done.load(Ordering::Relaxed).min(target));
             bar.set_message(format!(
-                "{} replays, {} conflicts",
+                "{} requests, {} replays, {} conflicts",
+                storm.counters.requests.load(Ordering::Relaxed),
                 storm.counters.replays.load(Ordering::Relaxed),
                 storm.counters.conflicts.load(Ordering::Relaxed)
             ));
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if !next_update(&mut over).await {
+                return;
+            }
         }
     })
 }
@@ -780,6 +820,7 @@ async fn send_storm(storm: &Arc<Storm>, payments: usize, concurrency: usize) -> 
         let storm = Arc::clone(storm);
         tasks.spawn(async move {
             storm.payment(n).await;
+            storm.counters.payments_done.fetch_add(1, Ordering::Relaxed);
             drop(permit);
         });
     }
