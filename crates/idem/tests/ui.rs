@@ -363,6 +363,10 @@ async fn the_gateways_dashboard_shows_the_storm_and_releases_a_stuck_key() {
     )
     .await;
     assert_eq!(seen.status, 200);
+    // With a trailing slash, the same page by a redirect.
+    let slash = common::send(&client, admin, "GET", "/ui/", &[], b"").await;
+    assert_eq!(slash.status, 308);
+    assert_eq!(slash.header("location"), Some("/ui"));
     let form = [
         ("authorization", right.as_str()),
         ("content-type", "application/x-www-form-urlencoded"),

@@ -451,6 +451,11 @@ pub fn router(ui: Ui) -> Router {
         .route("/ui/logout", post(pages::logout))
         .route_layer(axum::middleware::from_fn_with_state(ui.clone(), authorise));
     Router::new()
+        // `/ui/` is where a person types or a link leads as often as `/ui`: the same page.
+        .route(
+            "/ui/",
+            get(|| async { axum::response::Redirect::permanent("/ui") }),
+        )
         .route("/ui/login", get(pages::login_form).post(pages::login))
         .route("/ui/ui.css", get(pages::stylesheet))
         .merge(pages)
