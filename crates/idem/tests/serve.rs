@@ -620,6 +620,18 @@ async fn scopes_are_keyed_shared_and_cannot_be_forged() {
     assert_eq!(forged.header("idempotent-replayed"), None);
     assert_eq!(forged.json()["key"], format!("{scope}%3Ak1"));
     assert_eq!(calls(&client, upstream, &forwarded).await, 1);
+    // Requests without the header share the global scope (docs/HTTP.md says so): another
+    // caller without credentials sending that key gets the first one's response.
+    let anonymous = send(
+        &client,
+        b,
+        "POST",
+        "/echo",
+        &[("idempotency-key", &forwarded)],
+        b"x",
+    )
+    .await;
+    assert_eq!(anonymous.header("idempotent-replayed"), Some("true"));
 
     // The kept secret is in the store, and the operations CLI does not show it.
     let (code, out, err) = idem(&[
