@@ -2,7 +2,7 @@
 //!
 //! Each message becomes a `POST` to the handler with the payload as the body. The consumer
 //! core (`idempotency-consumer`) decides everything around it: the key (the message's
-//! `Idempotency-Key` header), the record and its lease (heartbeated while the call runs), ack
+//! `Idempotency-Key` header, or what `--key-from` names: [`KeyFrom`]), the record and its lease (heartbeated while the call runs), ack
 //! only once the outcome is recorded, retries with backoff, dead letters with a reason. The
 //! handler's answer decides the disposition:
 //!
@@ -79,6 +79,13 @@ pub struct Config {
     /// The store: sqlite://PATH, postgres://..., mysql://..., redis://..., memory://
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub store: String,
+    /// Where a message's key comes from: header:NAME (a header, or an SQS message attribute),
+    /// message-id (RabbitMQ's message_id property, NATS's Nats-Msg-Id header, SQS's
+    /// deduplication id or else its MessageId), record-key (Kafka's record key), or
+    /// json:/POINTER (a member of a JSON payload). A message without a usable key is
+    /// dead-lettered with the reason.
+    #[arg(long, env = "IDEM_KEY_FROM", default_value = "header:Idempotency-Key", value_parser = KeyFrom::parse)]
+    pub key_from: KeyFrom,
     /// The consumer's name: the scope of its keys (two consumers of one message run it once
     /// each) and the source named in its dead letters.
     #[arg(long, env = "IDEM_NAME", default_value = "idem-consume", value_parser = consumer_name)]
@@ -130,6 +137,95 @@ pub struct Config {
     /// docs/RECONCILE.md.
     #[arg(long, env = "IDEM_RECONCILE", value_parser = crate::reconcile::parse_reconcile)]
     pub reconcile: Option<ReconcileTemplate>,
+}
+
+/// `--key-from`: where the key of a message from a producer outside this toolkit (Debezium, a
+/// Go or Java service, a Kafka producer keying its records) is found.
+///
+/// | `--key-from` | RabbitMQ | NATS JetStream | Kafka | SQS |
+/// |---|---|---|---|---|
+/// | `header:NAME` (default `header:Idempotency-Key`) | a header | a header | a record header | a message attribute |
+/// | `message-id` | the `message_id` property | the `Nats-Msg-Id` header | refused: records have none | the FIFO deduplication id, else SQS's `MessageId` |
+/// | `record-key` | refused | refused | the record key | refused |
+/// | `json:/POINTER` | a member of the JSON payload (a string, or a number's text) | ← | ← | ← |
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyFrom {
+    /// A header (a message attribute on SQS).
+    Header(String),
+    /// The broker's message id.
+    MessageId,
+    /// Kafka's record key.
+    RecordKey,
+    /// A member of the JSON payload.
+    Json(idempotency::JsonPointer),
+}
+
+impl KeyFrom {
+    /// Parses `header:NAME`, `message-id`, `record-key` or `json:/POINTER`.
+    ///
+    /// # Errors
+    ///
+    /// What is wrong, with the forms it takes.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let forms = "header:NAME, message-id, record-key or json:/POINTER";
+        match text.trim() {
+            "message-id" => Ok(Self::MessageId),
+            "record-key" => Ok(Self::RecordKey),
+            other => {
+                if let Some(name) = other.strip_prefix("header:") {
+                    let usable = !name.is_empty()
+                        && name.len() <= 256
+                        && name.bytes().all(|b| b.is_ascii_graphic() && b != b':');
+                    if usable {
+                        Ok(Self::Header(name.to_owned()))
+                    } else {
+                        Err(format!(
+                            "`{other}`: a header name is 1 to 256 visible ASCII characters, without ':'"
+                        ))
+                    }
+                } else if let Some(pointer) = other.strip_prefix("json:") {
+                    idempotency::JsonPointer::new(pointer)
+                        .map(Self::Json)
+                        .map_err(|e| format!("`{other}`: {e}"))
+                } else {
+                    Err(format!("`{other}` is not a key source: it is {forms}"))
+                }
+            }
+        }
+    }
+
+    /// The consumer core's key source for a message of the broker `source` (a source kind's
+    /// name: `amqp`, `nats`, `kafka`, `sqs`).
+    ///
+    /// # Errors
+    ///
+    /// A source this broker's messages do not have, and what to use instead.
+    pub fn for_source(&self, source: &str) -> Result<idempotency_consumer::KeySource, String> {
+        use idempotency_consumer::KeySource;
+        match (self, source) {
+            (Self::MessageId, "kafka") => Err(
+                "--key-from message-id: Kafka records have no message id; use record-key, or header:NAME for a header your producer sets (CloudEvents: header:ce_id)".into(),
+            ),
+            (Self::RecordKey, source) if source != "kafka" => Err(format!(
+                "--key-from record-key: only Kafka records have a record key, and this source is {source}; use message-id or header:NAME"
+            )),
+            (Self::Header(name), _) => Ok(KeySource::Header(name.clone())),
+            (Self::MessageId, _) => Ok(KeySource::MessageId),
+            (Self::RecordKey, _) => Ok(KeySource::RecordKey),
+            (Self::Json(pointer), _) => Ok(KeySource::JsonPointer(pointer.clone())),
+        }
+    }
+}
+
+impl std::fmt::Display for KeyFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Header(name) => write!(f, "header:{name}"),
+            Self::MessageId => f.write_str("message-id"),
+            Self::RecordKey => f.write_str("record-key"),
+            Self::Json(pointer) => write!(f, "json:{}", pointer.as_str()),
+        }
+    }
 }
 
 fn consumer_name(text: &str) -> Result<String, InvalidName> {
@@ -584,6 +680,17 @@ pub async fn consume(
     };
     let kind = idempotency::sources().kind(&from).map_err(source_error)?;
     let info = (kind.parse)(&from).map_err(source_error)?;
+    let keys = config
+        .key_from
+        .for_source(kind.name)
+        .map_err(|why| ConsumeError::Source {
+            from: shown.clone(),
+            error: idempotency_consumer::adapter::AdapterError::new(
+                idempotency_consumer::adapter::AdapterErrorKind::Config,
+                kind.name,
+                why,
+            ),
+        })?;
     let to = handler_uri(config.to.as_deref().unwrap_or_default())?;
     let handler_tls = handler_tls(&config, &to).await?;
     config.dashboard.check(config.admin_listen)?;
@@ -631,6 +738,7 @@ pub async fn consume(
         handler = handler.reconcile(template, config.name.clone());
     }
     let processor: Processor = Consumer::new(name, watched, handler)
+        .keys(keys)
         .lease(config.lease)
         .retention(config.retention)
         .max_deliveries(config.max_deliveries)

@@ -447,3 +447,25 @@ async fn kill_9_in_the_middle_of_a_batch_reruns_only_what_was_not_recorded() {
         );
     }
 }
+
+/// `--key-from message-id` on Kafka: records have no message id, so the consumer refuses to
+/// start and names what to use instead, before it reaches any broker.
+#[test]
+fn a_message_id_key_on_kafka_is_refused_with_the_alternatives() {
+    let (code, _, err) = common::idem(&[
+        "consume",
+        "--from",
+        "kafka://127.0.0.1:1?topic=payments&group=idem",
+        "--to",
+        "http://127.0.0.1:1/m",
+        "--store",
+        "memory://",
+        "--key-from",
+        "message-id",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("Kafka records have no message id; use record-key, or header:NAME"),
+        "{err}"
+    );
+}

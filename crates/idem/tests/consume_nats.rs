@@ -162,6 +162,72 @@ async fn an_https_handler_of_another_ca_stops_the_consumer_at_start() {
     assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
+/// `--key-from json:/order/id`: a producer that carries its key in the JSON body (and sets no
+/// `Idempotency-Key`) gets one handler call per key, the key forwarded to the handler; a
+/// message without the member is dead-lettered with the reason. A key source this broker's
+/// messages lack, or one that is not a key source, stops `idem consume` at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_the_json_payload_runs_once_and_a_message_without_it_is_dead_lettered() {
+    let nats = Nats::new().await;
+    let ledger = consume::Ledger::default();
+    let handler = consume::start_handler(ledger.clone()).await;
+    let admin = common::free_addr();
+    let _consume = consume::start(
+        &nats,
+        handler,
+        admin,
+        &[
+            "--store",
+            "memory://",
+            "--lease",
+            "3s",
+            "--key-from",
+            "json:/order/id",
+        ],
+    )
+    .await;
+    for _ in 0..3 {
+        nats.0
+            .publish(None, br#"{"order":{"id":"o-1"},"amount":10}"#)
+            .await;
+    }
+    nats.0.publish(None, br#"{"amount":20}"#).await;
+    consume::count_at_least(admin, "duplicate", 2.0).await;
+    consume::until_settled(&nats).await;
+    assert_eq!(ledger.calls("o-1"), vec![1]);
+    let dead = nats.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(
+        dead[0].1.starts_with("no key at /order/id in the JSON payload"),
+        "{dead:?}"
+    );
+
+    consume::refused_at_start(
+        &nats,
+        &nats.from(),
+        &["--key-from", "record-key"],
+        &["only Kafka records have a record key"],
+        &[],
+    );
+    for (bad, why) in [
+        ("header", "is not a key source"),
+        ("header:", "a header name is 1 to 256 visible ASCII characters"),
+        ("json:order", "must be empty or start with '/'"),
+    ] {
+        let (code, _, err) = common::idem(&[
+            "consume",
+            "--from",
+            &nats.from(),
+            "--to",
+            "http://127.0.0.1:1/m",
+            "--key-from",
+            bad,
+        ]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains(why), "{bad}: {err}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_in_the_middle_of_a_batch_reruns_only_what_was_not_recorded() {
     let _ = consume::kill_9_in_the_middle_of_a_batch(&Nats::new().await).await;

@@ -11,7 +11,9 @@ use idempotency_consumer::Delivery;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::Key;
 use idempotency_testkit::TcpProxy;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
+use idempotency_testkit::brokers::{
+    BrokerHarness, BrokerSource, DeadLetter, Foreign, ForeignKeys, MessageIds,
+};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -109,6 +111,36 @@ impl BrokerSource for Queue {
             .unwrap()
             .await
             .unwrap();
+    }
+
+    async fn publish_foreign(&self, message: Foreign<'_>) {
+        let mut headers = FieldTable::default();
+        for (name, value) in message.headers {
+            headers.insert((*name).into(), AMQPValue::LongString((*value).into()));
+        }
+        let mut properties = BasicProperties::default().with_headers(headers);
+        if let Some(id) = message.message_id {
+            properties = properties.with_message_id(id.into());
+        }
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.topology.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                message.payload,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    fn foreign_keys(&self) -> ForeignKeys {
+        ForeignKeys {
+            message_id: MessageIds::Set,
+            record_key: false,
+        }
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

@@ -76,8 +76,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{
-    Attempt, DEFAULT_CONSUMER_RETENTION, Decision, Execution, Fingerprint, Guard, Key, Outcome, Recorded,
-    Scope, Store, StoreError,
+    Attempt, DEFAULT_CONSUMER_RETENTION, Decision, Execution, Fingerprint, Guard, JsonKeyError, JsonPointer,
+    Key, Outcome, Recorded, Scope, Store, StoreError,
 };
 
 /// The consumer guide (`docs/CONSUMERS.md`): the ack rules, keys, same-transaction consumers,
@@ -144,6 +144,10 @@ pub trait Delivery {
     fn header(&self, name: &str) -> Option<&[u8]>;
     /// The producer-assigned message id, if any.
     fn message_id(&self) -> Option<&str>;
+    /// The record key, on brokers whose records have one (Kafka's): `None` by default.
+    fn record_key(&self) -> Option<&[u8]> {
+        None
+    }
     /// The payload.
     fn payload(&self) -> &[u8];
     /// How many times this message has been delivered, this delivery included (1 the first time).
@@ -174,6 +178,11 @@ pub enum KeySource {
     Header(String),
     /// The producer-assigned message id.
     MessageId,
+    /// The record key (Kafka's): for producers that key their records by the operation.
+    RecordKey,
+    /// A member of the JSON payload ([`Key::from_json`]: a string, or a number's text), as the
+    /// HTTP layer's `key_from`: for producers that carry their key in the body.
+    JsonPointer(JsonPointer),
     /// `sha256:` of the payload: for producers that cannot set a key, when the payload alone
     /// identifies the operation. Two different operations with identical payloads become one.
     ContentHash,
@@ -186,6 +195,8 @@ impl fmt::Debug for KeySource {
         match self {
             Self::Header(name) => write!(f, "Header({name:?})"),
             Self::MessageId => f.write_str("MessageId"),
+            Self::RecordKey => f.write_str("RecordKey"),
+            Self::JsonPointer(pointer) => write!(f, "JsonPointer({:?})", pointer.as_str()),
             Self::ContentHash => f.write_str("ContentHash"),
             Self::Custom(_) => f.write_str("Custom(..)"),
         }
@@ -237,6 +248,11 @@ impl KeySource {
         match self {
             Self::Header(name) => format!("no {name} header"),
             Self::MessageId => "no message id (the consumer keys messages by it)".to_owned(),
+            Self::RecordKey => "no record key (the consumer keys messages by it)".to_owned(),
+            Self::JsonPointer(pointer) => format!(
+                "no key at {} in the JSON payload (the consumer keys messages by it)",
+                pointer.as_str()
+            ),
             // Not reached: every payload has a hash.
             Self::ContentHash => "no key could be made from the payload".to_owned(),
             Self::Custom(_) => "no key: the consumer's key function found none".to_owned(),
@@ -248,6 +264,8 @@ impl KeySource {
         match self {
             Self::Header(name) => format!("the {name} header"),
             Self::MessageId => "the message id".to_owned(),
+            Self::RecordKey => "the record key".to_owned(),
+            Self::JsonPointer(pointer) => format!("the JSON payload's member {}", pointer.as_str()),
             Self::ContentHash => "the payload's hash".to_owned(),
             Self::Custom(_) => "the key function's answer".to_owned(),
         }
@@ -263,6 +281,18 @@ impl KeySource {
                 let id = message.message_id().ok_or(KeyProblem::Missing)?;
                 Key::new(id).map_err(|e| KeyProblem::Invalid(e.to_string()))
             }
+            Self::RecordKey => {
+                let raw = message.record_key().ok_or(KeyProblem::Missing)?;
+                Key::from_bytes(raw).map_err(|e| KeyProblem::Invalid(e.to_string()))
+            }
+            Self::JsonPointer(pointer) => match Key::from_json(message.payload(), pointer) {
+                Ok(Some(key)) => Ok(key),
+                Ok(None) => Err(KeyProblem::Missing),
+                Err(JsonKeyError::NotJson(why)) => {
+                    Err(KeyProblem::Invalid(format!("the payload is not JSON ({why})")))
+                }
+                Err(error) => Err(KeyProblem::Invalid(error.to_string())),
+            },
             Self::ContentHash => Ok(
                 Key::new(format!("sha256:{}", Fingerprint::of_bytes(message.payload())))
                     .map_err(|e| KeyProblem::Invalid(e.to_string()))?,

@@ -379,6 +379,9 @@ impl Delivery for AnyMessage<'_> {
     fn message_id(&self) -> Option<&str> {
         self.0.message_id()
     }
+    fn record_key(&self) -> Option<&[u8]> {
+        self.0.record_key()
+    }
     fn payload(&self) -> &[u8] {
         self.0.payload()
     }

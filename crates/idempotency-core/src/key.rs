@@ -289,11 +289,75 @@ impl Key {
 }
 
 impl Key {
+    /// The key in a JSON document's member at `pointer`, for producers that carry it in the
+    /// body rather than a header (the gateway's `key-from`, `idem consume --key-from json:…`):
+    /// a string is the key, a number its decimal text; an absent or `null` member is no key.
+    ///
+    /// ```
+    /// use idempotency_core::{JsonPointer, Key};
+    ///
+    /// let pointer = JsonPointer::new("/order/id")?;
+    /// let key = Key::from_json(br#"{"order":{"id":"o-7"}}"#, &pointer)?;
+    /// assert_eq!(key.map(|key| key.to_string()).as_deref(), Some("o-7"));
+    /// assert_eq!(Key::from_json(br#"{"order":{"id":42}}"#, &pointer)?.unwrap().as_str(), "42");
+    /// assert_eq!(Key::from_json(br#"{"order":{}}"#, &pointer)?, None);
+    /// assert!(Key::from_json(br#"{"order":{"id":true}}"#, &pointer).is_err());
+    /// assert!(Key::from_json(b"not json", &pointer).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`JsonKeyError::NotJson`] for a document that is not JSON, [`JsonKeyError::NotAKey`] for
+    /// a member that is neither a string nor a number, or not 1 to 255 bytes of visible ASCII.
+    pub fn from_json(document: &[u8], pointer: &crate::JsonPointer) -> Result<Option<Self>, JsonKeyError> {
+        let document: serde_json::Value =
+            serde_json::from_slice(document).map_err(|error| JsonKeyError::NotJson(error.to_string()))?;
+        let refused = |why: String| JsonKeyError::NotAKey {
+            pointer: pointer.as_str().to_owned(),
+            why,
+        };
+        let text = match document.pointer(pointer.as_str()) {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(text)) => text.clone(),
+            Some(serde_json::Value::Number(number)) => number.to_string(),
+            Some(other) => {
+                let kind = match other {
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Array(_) => "an array",
+                    _ => "an object",
+                };
+                return Err(refused(format!("{kind}, where a string or a number is expected")));
+            }
+        };
+        Self::new(text)
+            .map(Some)
+            .map_err(|error| refused(error.to_string()))
+    }
+
     /// The key as logs show it under `how`.
     #[must_use]
     pub fn logged(&self, how: KeyLog) -> LoggedKey<'_> {
         LoggedKey { key: self, how }
     }
+}
+
+/// Why [`Key::from_json`] found no usable key in a document.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum JsonKeyError {
+    /// The document is not JSON (the parser's reason).
+    #[error("not JSON ({0})")]
+    NotJson(String),
+    /// The member is not a key: not a string or a number, or not 1 to 255 bytes of visible
+    /// ASCII.
+    #[error("the member {pointer} is not a key: {why}")]
+    NotAKey {
+        /// The JSON pointer the key is read from.
+        pointer: String,
+        /// What is wrong with the member.
+        why: String,
+    },
 }
 
 /// How keys appear in logs: a key is not a secret, but it may carry an order number or an

@@ -57,7 +57,9 @@ pub use guard::{
 };
 pub use health::{Watched, WriteFailure, WriteHealth};
 pub use identifier::Identifier;
-pub use key::{IDEMPOTENCY_KEY_HEADER, Key, KeyError, KeyLog, LoggedKey, MAX_KEY_LEN, Redacted, Scope};
+pub use key::{
+    IDEMPOTENCY_KEY_HEADER, JsonKeyError, Key, KeyError, KeyLog, LoggedKey, MAX_KEY_LEN, Redacted, Scope,
+};
 pub use lanes::Lanes;
 pub use memory::MemoryStore;
 pub use purge::Purger;

@@ -11,7 +11,7 @@ use futures_util::FutureExt;
 use http::{Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency_core::{Guard, JsonPointer, Key, Store};
+use idempotency_core::{Guard, JsonKeyError, JsonPointer, Key, Store};
 use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
 
@@ -181,37 +181,17 @@ where
     Ok((bytes, held))
 }
 
-/// The key in a JSON body's member at `pointer`: a string is the key, a number its decimal text;
-/// an absent or `null` member is no key.
+/// The key in a JSON body's member at `pointer` ([`Key::from_json`]), or the problem to answer.
 fn key_from_body(body: &[u8], pointer: &JsonPointer) -> Result<Option<Key>, Problem> {
-    let document: serde_json::Value = serde_json::from_slice(body).map_err(|error| {
-        Problem::InvalidBody(format!(
-            "the key is read from the JSON body's member {}, and this body is not JSON ({error})",
-            pointer.as_str()
-        ))
-    })?;
-    let refused = |why: String| {
-        Problem::InvalidKey(KeyHeaderError::FromBody {
-            pointer: pointer.as_str().to_owned(),
-            why,
-        })
-    };
-    let text = match document.pointer(pointer.as_str()) {
-        None | Some(serde_json::Value::Null) => return Ok(None),
-        Some(serde_json::Value::String(text)) => text.clone(),
-        Some(serde_json::Value::Number(number)) => number.to_string(),
-        Some(other) => {
-            let kind = match other {
-                serde_json::Value::Bool(_) => "a boolean",
-                serde_json::Value::Array(_) => "an array",
-                _ => "an object",
-            };
-            return Err(refused(format!("{kind}, where a string or a number is expected")));
+    Key::from_json(body, pointer).map_err(|error| match error {
+        JsonKeyError::NotAKey { pointer, why } => {
+            Problem::InvalidKey(KeyHeaderError::FromBody { pointer, why })
         }
-    };
-    Key::new(text)
-        .map(Some)
-        .map_err(|error| refused(error.to_string()))
+        error => Problem::InvalidBody(format!(
+            "the key is read from the JSON body's member {}, and this body is {error}",
+            pointer.as_str()
+        )),
+    })
 }
 
 async fn handle<I, S, ReqBody, ResBody>(

@@ -132,6 +132,10 @@ impl Delivery for KafkaMessage {
         self.message.key().and_then(|key| std::str::from_utf8(key).ok())
     }
 
+    fn record_key(&self) -> Option<&[u8]> {
+        self.message.key()
+    }
+
     fn payload(&self) -> &[u8] {
         self.message.payload().unwrap_or_default()
     }

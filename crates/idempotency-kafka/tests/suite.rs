@@ -12,7 +12,9 @@ use common::committed_and_end;
 use idempotency_consumer::adapter::DEFAULT_SETTLE_TIMEOUT;
 use idempotency_consumer::source::SourceKind;
 use idempotency_core::IDEMPOTENCY_KEY_HEADER;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter, LIMIT};
+use idempotency_testkit::brokers::{
+    BrokerHarness, BrokerSource, DeadLetter, Foreign, ForeignKeys, LIMIT, MessageIds,
+};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::mocking::{MockCluster, MockCoordinator};
@@ -104,6 +106,30 @@ impl BrokerSource for Topic {
             record = record.headers(headers).key(key.as_bytes());
         }
         self.producer.send(record, Duration::from_secs(30)).await.unwrap();
+    }
+
+    async fn publish_foreign(&self, message: Foreign<'_>) {
+        let mut headers = OwnedHeaders::new();
+        for (name, value) in message.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(*value),
+            });
+        }
+        let mut record = FutureRecord::<str, [u8]>::to("work")
+            .payload(message.payload)
+            .headers(headers);
+        if let Some(key) = message.record_key {
+            record = record.key(key);
+        }
+        self.producer.send(record, Duration::from_secs(30)).await.unwrap();
+    }
+
+    fn foreign_keys(&self) -> ForeignKeys {
+        ForeignKeys {
+            message_id: MessageIds::Absent,
+            record_key: true,
+        }
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

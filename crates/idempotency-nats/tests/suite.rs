@@ -9,7 +9,9 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use idempotency_consumer::source::SourceKind;
 use idempotency_testkit::TcpProxy;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
+use idempotency_testkit::brokers::{
+    BrokerHarness, BrokerSource, DeadLetter, Foreign, ForeignKeys, MessageIds,
+};
 
 use idempotency_testkit::nats::{TestStream, nats_url};
 
@@ -77,6 +79,32 @@ impl BrokerSource for Stream {
 
     async fn publish(&self, key: Option<&str>, payload: &[u8]) {
         self.test.publish(key, payload).await;
+    }
+
+    /// The message id is `Nats-Msg-Id`, which the stream also deduplicates publishes by
+    /// (within its duplicate window): a second send may be stored once only.
+    async fn publish_foreign(&self, message: Foreign<'_>) {
+        let mut headers = HeaderMap::new();
+        for (name, value) in message.headers {
+            headers.insert(*name, *value);
+        }
+        if let Some(id) = message.message_id {
+            headers.insert("Nats-Msg-Id", id);
+        }
+        self.test
+            .js
+            .publish_with_headers(self.test.work.clone(), headers, message.payload.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    fn foreign_keys(&self) -> ForeignKeys {
+        ForeignKeys {
+            message_id: MessageIds::Set,
+            record_key: false,
+        }
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

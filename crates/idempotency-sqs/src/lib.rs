@@ -135,9 +135,13 @@ impl Delivery for SqsMessage {
             .or_else(|| value.binary_value().map(AsRef::as_ref))
     }
 
-    /// The producer's `MessageDeduplicationId` (FIFO queues), never SQS's `MessageId`.
+    /// The producer's `MessageDeduplicationId` (FIFO queues); without one, SQS's `MessageId`,
+    /// which every delivery of one message carries (SQS delivers at least once, and again after
+    /// a visibility timeout), but which a producer's second send of the same operation does not
+    /// share: keying by it makes SQS's own duplicates harmless, not a producer's retries.
     fn message_id(&self) -> Option<&str> {
         system_attribute(&self.message, &MessageSystemAttributeName::MessageDeduplicationId)
+            .or_else(|| self.message.message_id())
     }
 
     fn payload(&self) -> &[u8] {
@@ -341,6 +345,12 @@ mod tests {
         assert_eq!(bare.header("Idempotency-Key"), None);
         assert_eq!(Delivery::message_id(&bare), None);
         assert_eq!(bare.payload(), b"");
+        let standard = SqsMessage::new(Message::builder().message_id("9f0c").build());
+        assert_eq!(
+            Delivery::message_id(&standard),
+            Some("9f0c"),
+            "without a deduplication id, SQS's MessageId"
+        );
         let garbled = SqsMessage::new(
             Message::builder()
                 .attributes(MessageSystemAttributeName::ApproximateReceiveCount, "many")

@@ -16,7 +16,9 @@ use aws_sdk_sqs::types::MessageAttributeValue;
 use common::{client, depth, drain, endpoint, queues};
 use idempotency_consumer::source::SourceKind;
 use idempotency_testkit::TcpProxy;
-use idempotency_testkit::brokers::{BrokerHarness, BrokerSource, DeadLetter};
+use idempotency_testkit::brokers::{
+    BrokerHarness, BrokerSource, DeadLetter, Foreign, ForeignKeys, MessageIds,
+};
 
 /// The visibility timeout: a handler three times as long needs extensions.
 const VISIBILITY: Duration = Duration::from_secs(2);
@@ -87,6 +89,31 @@ impl BrokerSource for Queue {
             send = send.message_attributes("Idempotency-Key", value);
         }
         send.send().await.unwrap();
+    }
+
+    /// A standard queue: SQS assigns each send its `MessageId`.
+    async fn publish_foreign(&self, message: Foreign<'_>) {
+        let mut send = self
+            .client
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(String::from_utf8_lossy(message.payload));
+        for (name, value) in message.headers {
+            let value = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(*value)
+                .build()
+                .unwrap();
+            send = send.message_attributes(*name, value);
+        }
+        send.send().await.unwrap();
+    }
+
+    fn foreign_keys(&self) -> ForeignKeys {
+        ForeignKeys {
+            message_id: MessageIds::Assigned,
+            record_key: false,
+        }
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

@@ -65,12 +65,57 @@ pub trait BrokerSource {
     /// suite reads no dead letters while it refuses.
     async fn refuse_dead_letters(&self, refuse: bool);
 
+    /// Publishes a message as a producer outside this toolkit would: with `message`'s headers
+    /// and no `Idempotency-Key`, its message id and record key where the broker's messages have
+    /// them settable ([`BrokerSource::foreign_keys`]); the others are left out.
+    async fn publish_foreign(&self, message: Foreign<'_>);
+
+    /// Which of a foreign producer's keys this broker's messages carry, besides headers and the
+    /// payload.
+    fn foreign_keys(&self) -> ForeignKeys;
+
     /// Makes the broker stop answering the worker, its connections kept open (`true`: as a
     /// network that drops every packet, or a hung broker, would), or answer again (`false`).
     /// At least the confirmations of dead-letter copies must be held back while it stalls
     /// (a proxy that forwards nothing, a cluster whose dead-letter broker answers late); what
     /// was held arrives once it answers again, or later in the broker's own time.
     async fn stall(&self, stalled: bool);
+}
+
+/// A message of a producer outside this toolkit (Debezium, a Go or Java service, a Kafka
+/// producer keying its records): its key, if it has one, is wherever that producer put it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Foreign<'a> {
+    /// Headers (message attributes on SQS).
+    pub headers: &'a [(&'a str, &'a str)],
+    /// The broker's message id (RabbitMQ's `message_id`, NATS's `Nats-Msg-Id`), where the
+    /// producer sets it.
+    pub message_id: Option<&'a str>,
+    /// The record key (Kafka's).
+    pub record_key: Option<&'a str>,
+    /// The payload.
+    pub payload: &'a [u8],
+}
+
+/// A broker's message id, as a foreign producer meets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageIds {
+    /// The producer sets it (RabbitMQ, NATS).
+    Set,
+    /// The broker assigns one to each message it is sent, the same on every delivery of it
+    /// (SQS's `MessageId`).
+    Assigned,
+    /// The broker's messages have none (Kafka's records).
+    Absent,
+}
+
+/// The keys a broker's messages carry besides headers and the payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForeignKeys {
+    /// Its message ids.
+    pub message_id: MessageIds,
+    /// Whether its records have keys (Kafka).
+    pub record_key: bool,
 }
 
 /// A dead letter as the broker holds it: its headers (message attributes on SQS), as text.
@@ -536,6 +581,161 @@ pub async fn missing_and_reused_keys_are_dead_lettered_with_their_reasons(harnes
     assert_eq!(charger.0.calls("reused"), [1]);
 }
 
+/// Messages of producers outside this toolkit, keyed by a header of theirs, a member of their
+/// JSON payload, the broker's message id or the record key (where the broker has them): each
+/// key runs once however often it is sent (or, for an id the broker assigns, however often
+/// it is delivered), and a message without the key, or whose payload is not JSON, is
+/// dead-lettered with the reason.
+pub async fn keys_from_producers_outside_the_toolkit_run_once(harness: &impl BrokerHarness) {
+    use idempotency_consumer::KeySource;
+    let pointer = idempotency_core::JsonPointer::new("/order/id").expect("a pointer");
+    let probe = harness.source("foreign").await;
+    let keys = probe.foreign_keys();
+    drop(probe);
+    let mut sources = vec![
+        ("foreign-header", KeySource::Header("X-Request-Id".into())),
+        ("foreign-json", KeySource::JsonPointer(pointer)),
+    ];
+    if keys.message_id != MessageIds::Absent {
+        sources.push(("foreign-id", KeySource::MessageId));
+    }
+    if keys.record_key {
+        sources.push(("foreign-record", KeySource::RecordKey));
+    }
+    for (case, key_source) in sources {
+        let source = harness.source(case).await;
+        let name = name(&source, case);
+        let (store, charger) = (FaultyStore::new(MemoryStore::new()), Charger::default());
+        let consumer = consumer(&name, &store, &charger).keys(key_source.clone());
+        let worker = Running::start(&source, &name, AnyProcessor::new(consumer));
+        let keyed = |key: &'static str| match &key_source {
+            KeySource::Header(_) => Foreign {
+                headers: if key == "ext-1" {
+                    &[("X-Request-Id", "ext-1"), ("Content-Type", "text/plain")]
+                } else {
+                    &[("X-Request-Id", "ext-2"), ("Content-Type", "text/plain")]
+                },
+                payload: b"ok",
+                ..Foreign::default()
+            },
+            KeySource::JsonPointer(_) => Foreign {
+                payload: if key == "ext-1" {
+                    br#"{"order":{"id":"ext-1"},"amount":10}"#
+                } else {
+                    br#"{"order":{"id":"ext-2"},"amount":20}"#
+                },
+                ..Foreign::default()
+            },
+            KeySource::RecordKey => Foreign {
+                record_key: Some(key),
+                payload: b"ok",
+                ..Foreign::default()
+            },
+            _ => Foreign {
+                message_id: Some(key),
+                payload: b"ok",
+                ..Foreign::default()
+            },
+        };
+        let (missing, expected) = match &key_source {
+            KeySource::Header(_) => (
+                vec![Foreign {
+                    headers: &[("Content-Type", "text/plain")],
+                    payload: b"ok",
+                    ..Foreign::default()
+                }],
+                vec!["no X-Request-Id header"],
+            ),
+            KeySource::JsonPointer(_) => (
+                vec![
+                    Foreign {
+                        payload: br#"{"order":{},"amount":30}"#,
+                        ..Foreign::default()
+                    },
+                    Foreign {
+                        payload: b"amount=40",
+                        ..Foreign::default()
+                    },
+                ],
+                vec![
+                    "invalid key in the JSON payload's member /order/id: the payload is not JSON",
+                    "no key at /order/id in the JSON payload",
+                ],
+            ),
+            KeySource::RecordKey => (
+                vec![Foreign {
+                    payload: b"ok",
+                    ..Foreign::default()
+                }],
+                vec!["no record key"],
+            ),
+            _ if keys.message_id == MessageIds::Set => (
+                vec![Foreign {
+                    payload: b"ok",
+                    ..Foreign::default()
+                }],
+                vec!["no message id"],
+            ),
+            // Every message has one: nothing to dead-letter.
+            _ => (Vec::new(), Vec::new()),
+        };
+        if keys.message_id == MessageIds::Assigned && matches!(key_source, KeySource::MessageId) {
+            // The id is the broker's, one per send: a message whose first call fails is run
+            // again under the same key, as attempt 2, and has one effect.
+            source
+                .publish_foreign(Foreign {
+                    payload: b"fail:1",
+                    ..Foreign::default()
+                })
+                .await;
+            eventually(LIMIT, "one effect under the broker's id", async || {
+                charger.0.all_effects().values().sum::<u32>() == 1
+            })
+            .await;
+            let effects = charger.0.all_effects();
+            let (key, _) = effects.iter().next().expect("one key");
+            assert_eq!(charger.0.calls(key), [1, 2], "{case}");
+        } else {
+            for key in ["ext-1", "ext-2", "ext-1", "ext-2"] {
+                source.publish_foreign(keyed(key)).await;
+            }
+            for message in &missing {
+                source.publish_foreign(*message).await;
+            }
+            let what = format!("{case}: both keys run");
+            eventually(LIMIT, &what, async || {
+                charger.0.effects("ext-1") == 1 && charger.0.effects("ext-2") == 1
+            })
+            .await;
+        }
+        let dead = wait_for_dead_letters(&source, expected.len()).await;
+        until_settled(&source).await;
+        worker.stop().await.expect("the worker stops cleanly");
+        let mut reasons: Vec<&str> = dead.iter().map(DeadLetter::reason).collect();
+        reasons.sort_unstable();
+        reasons.dedup();
+        assert_eq!(reasons.len(), expected.len(), "{case}: {reasons:?}");
+        for (reason, expected) in reasons.iter().zip(&expected) {
+            assert!(
+                reason.starts_with(expected),
+                "{case}: {reason:?} is not {expected:?}"
+            );
+        }
+        let effects: u32 = charger.0.all_effects().values().sum();
+        let runs = if expected.is_empty() && keys.message_id == MessageIds::Assigned {
+            1
+        } else {
+            2
+        };
+        assert_eq!(
+            effects,
+            runs,
+            "{case}: one effect per key, {:?}",
+            charger.0.all_effects()
+        );
+    }
+}
+
 /// A message whose handler panics every time is dead-lettered after the delivery limit with a
 /// reason starting `panic:` and what an operator needs beside it (where from, after how many
 /// deliveries, when), and the worker goes on with the next message.
@@ -896,6 +1096,7 @@ macro_rules! __with_adapter_cases {
             a_handler_longer_than_the_brokers_hold_runs_once,
             failing_twice_then_succeeding_is_retried_not_dead_lettered,
             missing_and_reused_keys_are_dead_lettered_with_their_reasons,
+            keys_from_producers_outside_the_toolkit_run_once,
             a_poison_message_is_dead_lettered_and_the_worker_goes_on,
             failing_every_time_is_dead_lettered_after_the_limit_with_the_reason,
             a_storm_of_duplicates_across_four_workers_has_one_effect_per_key,
