@@ -127,13 +127,31 @@ where
         let Some(listener) = listener.as_mut() else {
             return std::future::pending().await;
         };
+        let backoff = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(5),
+        };
+        let mut failures = 0_u32;
         loop {
-            match listener.recv().await {
-                Ok(_) => wake.notify_waiters(),
+            match listener.try_recv().await {
+                Ok(Some(_)) => {
+                    failures = 0;
+                    wake.notify_waiters();
+                }
+                // The connection was lost and made again: a notification sent in between is
+                // gone, so the loops look for work now rather than at their next poll (which
+                // may be long where notifications are relied on).
+                Ok(None) => {
+                    failures = 0;
+                    tracing::info!(what, "notifications resumed; looking for what they missed");
+                    wake.notify_waiters();
+                }
                 Err(error) => {
-                    // The listener reconnects on the next call; polling covers the gap.
+                    // The listener connects again on the next call; polling covers the gap.
+                    failures = failures.saturating_add(1);
                     tracing::warn!(what, %error, "notifications interrupted");
-                    tokio::time::sleep(pace.poll).await;
+                    tokio::time::sleep(backoff.delay(failures).min(pace.poll)).await;
+                    wake.notify_waiters();
                 }
             }
         }
