@@ -297,6 +297,9 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
             ));
         }
     };
+    // The variables are the process's, not a table's; which settings are secrets is read from
+    // them first.
+    let flags = command;
     let command = command.clone().mut_args(|arg| arg.env(None));
     let mut relays = Vec::new();
     for relay in tables {
@@ -307,6 +310,39 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
         let mut spans = Vec::new();
         for (key, value) in entries {
             let name = key.get_ref().as_ref();
+            // `database-file = "/run/secrets/…"`: a secret setting's value from a file, so that
+            // the configuration file holds no password.
+            if let Some(secret) = name
+                .strip_suffix("-file")
+                .filter(|base| secret_setting(flags, base))
+            {
+                let DeValue::String(path) = value.get_ref() else {
+                    return Err(source.at(
+                        value.span(),
+                        format!("`{name}` is the path of a file, as a string"),
+                    ));
+                };
+                if entries
+                    .iter()
+                    .any(|(other, _)| other.get_ref().as_ref() == secret)
+                {
+                    return Err(source.at(
+                        key.span(),
+                        format!("[[relay]] gives `{secret}` and `{name}`: give the value one way"),
+                    ));
+                }
+                let text = std::fs::read_to_string(path.as_ref())
+                    .map_err(|e| source.at(value.span(), format!("`{name}` {path}: {e}")))?;
+                let text = text.strip_suffix('\n').unwrap_or(&text);
+                let text = text.strip_suffix('\r').unwrap_or(text);
+                if text.is_empty() {
+                    return Err(source.at(value.span(), format!("`{name}` {path}: the file is empty")));
+                }
+                spans.push((secret.to_owned(), key.span()));
+                args.push(format!("--{secret}"));
+                args.push(text.to_owned());
+                continue;
+            }
             let Some(flag) = setting_flag(&command, name).filter(|_| name != "admin-listen") else {
                 return Err(source.at(
                     key.span(),
@@ -346,6 +382,18 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
         });
     }
     Ok(relays)
+}
+
+/// Whether `name` is one of `command`'s flags that can carry a secret
+/// ([`crate::flags::SECRET_SETTINGS`], by its variable): one a `[[relay]]` table may give as
+/// `NAME-file`.
+fn secret_setting(command: &clap::Command, name: &str) -> bool {
+    command
+        .get_arguments()
+        .find(|arg| arg.get_long() == Some(name))
+        .and_then(clap::Arg::get_env)
+        .and_then(|env| env.to_str())
+        .is_some_and(|env| crate::flags::SECRET_SETTINGS.contains(&env))
 }
 
 /// Reads and checks `path`: the top-level keys against `command`'s flags (the `idem serve`

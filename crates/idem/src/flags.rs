@@ -350,6 +350,7 @@ pub fn parse_header_name(text: &str) -> Result<HeaderName, FlagError> {
 pub const SECRET_SETTINGS: &[&str] = &[
     "IDEM_STORE",
     "IDEM_FROM",
+    "IDEM_RELAY_TO",
     "IDEM_SCOPE_SECRET",
     "IDEM_DATABASE",
     "IDEM_ADMIN_TOKEN",

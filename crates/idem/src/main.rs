@@ -105,11 +105,11 @@ enum RelayCommand {
         #[arg(long, env = "IDEM_DATABASE")]
         database: String,
         /// The table's schema (on MySQL a database; `public`: the URL's own).
-        #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
+        #[arg(long, env = "IDEM_SCHEMA", default_value = "public")]
         schema: String,
         /// The table.
         #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
-        table: String,
+        outbox_table: String,
     },
 }
 
@@ -252,13 +252,13 @@ struct BoxArgs {
     #[arg(long, env = "IDEM_DATABASE")]
     database: String,
     /// The tables' schema.
-    #[arg(long, default_value = "public")]
+    #[arg(long, env = "IDEM_SCHEMA", default_value = "public")]
     schema: String,
     /// The inbox table.
-    #[arg(long, default_value = "idempotency_inbox")]
+    #[arg(long, env = "IDEM_INBOX_TABLE", default_value = "idempotency_inbox")]
     inbox_table: String,
     /// The outbox table.
-    #[arg(long, default_value = "idempotency_outbox")]
+    #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
     outbox_table: String,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -698,8 +698,8 @@ async fn run(command: Command) -> Result<String, Error> {
             Some(RelayCommand::Migrate {
                 database,
                 schema,
-                table,
-            }) => idem::relay::migrate(&database, &schema, &table).await,
+                outbox_table,
+            }) => idem::relay::migrate(&database, &schema, &outbox_table).await,
             None => {
                 let command = <Cli as clap::CommandFactory>::command();
                 let relay = command
@@ -1081,6 +1081,92 @@ fn main() -> ExitCode {
         Err(error) => {
             eprintln!("idem: error: {error}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::Cli;
+
+    /// The variables several commands read, each for one setting: one `ConfigMap` shared by a
+    /// gateway, a consumer and a relay through `envFrom` configures each the same way. Every
+    /// other variable is read by one command only (docs/DEPLOYING.md lists them).
+    const SHARED: &[&str] = &[
+        "IDEM_ADMIN_LISTEN",
+        "IDEM_ADMIN_TOKEN",
+        "IDEM_DATABASE",
+        "IDEM_FROM",
+        "IDEM_INBOX_TABLE",
+        "IDEM_LEASE",
+        "IDEM_LOG_KEYS",
+        "IDEM_OUTBOX_TABLE",
+        "IDEM_RECONCILE",
+        "IDEM_RETENTION",
+        "IDEM_SCHEMA",
+        "IDEM_STORE",
+        "IDEM_UI",
+        "IDEM_UI_DATABASE",
+        "IDEM_UI_SCHEMA",
+    ];
+
+    /// Every `(command path, flag)` that reads each variable.
+    fn variables(command: &clap::Command, path: &str, found: &mut BTreeMap<String, Vec<(String, String)>>) {
+        for arg in command.get_arguments() {
+            if let (Some(env), Some(long)) = (arg.get_env().and_then(|env| env.to_str()), arg.get_long()) {
+                found
+                    .entry(env.to_owned())
+                    .or_default()
+                    .push((path.to_owned(), long.to_owned()));
+            }
+        }
+        for sub in command.get_subcommands() {
+            variables(sub, &format!("{path} {}", sub.get_name()), found);
+        }
+    }
+
+    /// A variable means one thing wherever it is read: the same flag in every command that
+    /// reads it, and only the listed variables are read by more than one (`IDEM_TO` was
+    /// `idem consume`'s handler and `idem relay`'s destination, `IDEM_BATCH` a claim window
+    /// and a relay round, `IDEM_RETENTION` a record's life and a sent row's, `IDEM_CONFIG`
+    /// the gateway's routes and the relay's tables).
+    #[test]
+    fn a_variable_means_one_thing_wherever_it_is_read() {
+        let mut found = BTreeMap::new();
+        variables(&<Cli as clap::CommandFactory>::command(), "idem", &mut found);
+        for (variable, readers) in &found {
+            let commands: std::collections::BTreeSet<&str> =
+                readers.iter().map(|(path, _)| path.as_str()).collect();
+            if commands.len() > 1 {
+                assert!(
+                    SHARED.contains(&variable.as_str()),
+                    "{variable} is read by {readers:?}: give each its own variable, or list it as shared"
+                );
+            }
+            let flags: std::collections::BTreeSet<&str> =
+                readers.iter().map(|(_, long)| long.as_str()).collect();
+            assert_eq!(
+                flags.len(),
+                1,
+                "{variable} is read as different flags: {readers:?}"
+            );
+        }
+        for variable in SHARED {
+            assert!(
+                found.contains_key(*variable),
+                "{variable} is listed but read by no command"
+            );
+        }
+        // The relay's own settings are its own.
+        for variable in [
+            "IDEM_RELAY_TO",
+            "IDEM_RELAY_CONFIG",
+            "IDEM_RELAY_BATCH",
+            "IDEM_RELAY_RETENTION",
+        ] {
+            assert_eq!(found[variable].len(), 1, "{variable}: {:?}", found[variable]);
         }
     }
 }

@@ -19,6 +19,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_consumer::BoxError;
@@ -29,12 +30,15 @@ use crate::error::Error;
 use crate::units;
 
 /// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable, and the keys of
-/// a `[[relay]]` table of `--config`'s file.
+/// a `[[relay]]` table of `--config`'s file. The settings only the relay has are
+/// `IDEM_RELAY_*`; the outbox table's location (`IDEM_DATABASE`, `IDEM_SCHEMA`,
+/// `IDEM_OUTBOX_TABLE`) is named as `idem outbox` names it, so one set of variables serves
+/// both.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Run the relays of this TOML file's `[[relay]]` tables, one per table, each with these
     /// flags as its keys (docs/OUTBOX.md); instead of --database and --to.
-    #[arg(long, env = "IDEM_CONFIG", conflicts_with_all = ["database", "to"])]
+    #[arg(long, env = "IDEM_RELAY_CONFIG", conflicts_with_all = ["database", "to"])]
     pub config: Option<std::path::PathBuf>,
     /// The database holding the outbox table: postgres://…, or mysql://… and mariadb://… (which
     /// have no notifications: the relay polls every --poll).
@@ -44,7 +48,7 @@ pub struct Config {
     /// kafka://…?topic=…, sqs://…?queue_url=…, or an http(s):// webhook (the row's destination,
     /// when set, replaces the routing key, subject, topic or queue URL, or fills the webhook
     /// URL's {destination}).
-    #[arg(long, env = "IDEM_TO", required_unless_present = "config")]
+    #[arg(long, env = "IDEM_RELAY_TO", required_unless_present = "config")]
     pub to: Option<String>,
     /// A private CA (PEM bundle): the only CA trusted for an https:// webhook (without it, the
     /// system's trust store). A broker URL names its CA in its own parameter (cacertfile=,
@@ -62,29 +66,30 @@ pub struct Config {
     #[arg(long, env = "IDEM_RELAY_TO_INSECURE_SKIP_VERIFY")]
     pub to_insecure_skip_verify: bool,
     /// The outbox table's schema (on MySQL a database; `public`: the URL's own).
-    #[arg(long, env = "IDEM_OUTBOX_SCHEMA", default_value = "public")]
+    #[arg(long, env = "IDEM_SCHEMA", default_value = "public")]
     pub schema: String,
     /// The outbox table.
     #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
-    pub table: String,
+    pub outbox_table: String,
     /// The prefix of the keys of rows without one (`NAME:ID`), and the `outbox` label of the
     /// metrics (default: the qualified table name).
-    #[arg(long, env = "IDEM_NAME")]
+    #[arg(long, env = "IDEM_RELAY_NAME")]
     pub name: Option<String>,
     /// Rows published per round at most.
-    #[arg(long, env = "IDEM_BATCH", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    #[arg(long, env = "IDEM_RELAY_BATCH", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub batch: u32,
     /// Failed publishes that park a row as dead (`idem outbox replay` sends it again).
-    #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = idempotency_outbox::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "IDEM_RELAY_MAX_ATTEMPTS", default_value_t = idempotency_outbox::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
     /// The longest an idle relay waits without a notification from the table's trigger (on
     /// MySQL, which has none, how often it polls).
-    #[arg(long, env = "IDEM_POLL", default_value = "1s", value_parser = units::parse_duration)]
+    #[arg(long, env = "IDEM_RELAY_POLL", default_value = "1s", value_parser = units::parse_duration)]
     pub poll: Duration,
     /// How long sent rows are kept before the relay deletes them.
-    #[arg(long, env = "IDEM_RETENTION", default_value = "7d", value_parser = units::parse_duration)]
+    #[arg(long, env = "IDEM_RELAY_RETENTION", default_value = "7d", value_parser = units::parse_duration)]
     pub retention: Duration,
-    /// Serve /_idem/livez and /_idem/metrics on this address.
+    /// Serve /_idem/livez, /_idem/readyz (503 while a relay's database or destination cannot be
+    /// reached, and from the first moment of SIGTERM) and /_idem/metrics on this address.
     #[arg(long, env = "IDEM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 }
@@ -112,13 +117,15 @@ struct HttpPublisher {
     >,
     /// The URL, `{destination}` in it replaced for each row.
     url: String,
+    /// `host:port` of the webhook, for the readiness probe.
+    address: String,
 }
 
 /// How long a webhook may take to answer.
 const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl HttpPublisher {
-    fn new(url: String, tls: &rustls::ClientConfig) -> Self {
+    fn new(url: String, address: String, tls: &rustls::ClientConfig) -> Self {
         let mut tls = tls.clone();
         tls.alpn_protocols.clear();
         let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
@@ -132,6 +139,28 @@ impl HttpPublisher {
             client: hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build(connector),
             url,
+            address,
+        }
+    }
+
+    /// The webhook accepts a TCP connection within 5 s (its TLS is checked at start, and on
+    /// every call).
+    async fn reachable(&self) -> Result<(), BoxError> {
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect(&self.address),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => {
+                Err(format!("the webhook at {} cannot be reached: {error}", self.address).into())
+            }
+            Err(_) => Err(format!(
+                "the webhook at {} did not accept a connection within 5s",
+                self.address
+            )
+            .into()),
         }
     }
 
@@ -197,6 +226,18 @@ impl Publisher for To {
             #[cfg(feature = "sqs")]
             Destination::Sqs(publisher) => publisher.publish(message).await,
             Destination::Http(publisher) => publisher.publish(message).await,
+        }
+    }
+
+    async fn reachable(&self) -> Result<(), BoxError> {
+        match &self.publisher {
+            Destination::Amqp(publisher) => publisher.reachable().await,
+            Destination::Nats(publisher) => publisher.reachable().await,
+            #[cfg(feature = "kafka")]
+            Destination::Kafka(publisher) => publisher.reachable().await,
+            #[cfg(feature = "sqs")]
+            Destination::Sqs(publisher) => publisher.reachable().await,
+            Destination::Http(publisher) => publisher.reachable().await,
         }
     }
 }
@@ -328,8 +369,14 @@ async fn destination(to: &str, files: &crate::tls::ClientFiles) -> Result<To, Er
             let tls = crate::tls::checked_peer(files, &uri, "webhook")
                 .await
                 .map_err(refused)?;
+            let port = uri.port_u16().unwrap_or(if uri.scheme_str() == Some("https") {
+                443
+            } else {
+                80
+            });
+            let address = format!("{}:{port}", uri.host().unwrap_or_default());
             Ok(To {
-                publisher: Destination::Http(HttpPublisher::new(to.to_owned(), &tls)),
+                publisher: Destination::Http(HttpPublisher::new(to.to_owned(), address, &tls)),
                 default,
             })
         }
@@ -337,6 +384,102 @@ async fn destination(to: &str, files: &crate::tls::ClientFiles) -> Result<To, Er
             "the destination is amqp://, amqps://, nats://, tls://, kafka://, sqs://, http:// or https://"
                 .into(),
         )),
+    }
+}
+
+/// `/_idem/readyz` of `idem relay`: ready once every relay's database and destination answered
+/// the last check (made every [`Readiness::EVERY`]), and not from the first moment of SIGTERM.
+#[derive(Debug)]
+struct Readiness {
+    draining: std::sync::atomic::AtomicBool,
+    /// `Ok`, or what could not be reached; `None` before the first check ends.
+    last: std::sync::Mutex<Option<Result<(), String>>>,
+}
+
+impl Readiness {
+    /// How often the databases and destinations are asked.
+    const EVERY: Duration = Duration::from_secs(2);
+
+    /// Checks `relays` now and every [`Self::EVERY`], on a task of its own.
+    fn watch(relays: &[Prepared]) -> Arc<Self> {
+        let readiness = Arc::new(Self {
+            draining: std::sync::atomic::AtomicBool::new(false),
+            last: std::sync::Mutex::new(None),
+        });
+        let checked: Vec<(String, idempotency_outbox::Database, Arc<To>)> = relays
+            .iter()
+            .map(|prepared| {
+                (
+                    prepared.relay.label().to_owned(),
+                    prepared.database.clone(),
+                    Arc::clone(&prepared.destination),
+                )
+            })
+            .collect();
+        let updated = Arc::clone(&readiness);
+        tokio::spawn(async move {
+            loop {
+                let checks = checked.iter().map(|(label, database, destination)| async move {
+                    let timeout = Self::EVERY.saturating_mul(2);
+                    let database = tokio::time::timeout(timeout, database.reachable()).await;
+                    let destination = tokio::time::timeout(timeout, destination.reachable()).await;
+                    let mut failed = Vec::new();
+                    match database {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => failed.push(format!("{label}: the database: {error}")),
+                        Err(_) => failed.push(format!("{label}: the database did not answer")),
+                    }
+                    match destination {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => failed.push(format!(
+                            "{label}: the destination: {}",
+                            idempotency::redact_url(&error.to_string())
+                        )),
+                        Err(_) => failed.push(format!("{label}: the destination did not answer")),
+                    }
+                    failed
+                });
+                let failed: Vec<String> = futures_util::future::join_all(checks).await.concat();
+                let result = if failed.is_empty() {
+                    Ok(())
+                } else {
+                    Err(failed.join("\n"))
+                };
+                *updated
+                    .last
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(result);
+                tokio::time::sleep(Self::EVERY).await;
+            }
+        });
+        readiness
+    }
+
+    fn drain(&self) {
+        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// `200 ready`, or `503` with the reason.
+    fn answer(&self) -> (http::StatusCode, String) {
+        use http::StatusCode;
+        if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "draining: shutting down\n".into(),
+            );
+        }
+        match &*self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(Ok(())) => (StatusCode::OK, "ready\n".into()),
+            Some(Err(why)) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+            None => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "starting: the first check has not ended\n".into(),
+            ),
+        }
     }
 }
 
@@ -399,7 +542,7 @@ async fn check_amqp(
 fn tables(config: &Config) -> Result<Tables, Error> {
     Tables::default()
         .schema(&config.schema)
-        .and_then(|tables| tables.outbox(&config.table))
+        .and_then(|tables| tables.outbox(&config.outbox_table))
         .map_err(|e| Error::Usage(e.to_string()))
 }
 
@@ -439,7 +582,9 @@ pub fn configs(config: Config, command: &clap::Command) -> Result<Vec<Config>, E
         let relay = <Config as clap::FromArgMatches>::from_arg_matches(&table.matches)
             .map_err(|e| Error::Usage(format!("{}:{}: {e}", path.display(), table.line)))?;
         let same = |other: &Config| {
-            other.database == relay.database && other.schema == relay.schema && other.table == relay.table
+            other.database == relay.database
+                && other.schema == relay.schema
+                && other.outbox_table == relay.outbox_table
         };
         if let Some((line, _)) = configs.iter().find(|(_, other)| same(other)) {
             return Err(Error::Usage(format!(
@@ -455,9 +600,12 @@ pub fn configs(config: Config, command: &clap::Command) -> Result<Vec<Config>, E
 
 /// A relay ready to run: its table checked and its destination reached.
 struct Prepared {
-    relay: Relay<To>,
+    relay: Relay<Arc<To>>,
     /// `--to`, redacted.
     to: String,
+    /// The relay's database and destination, asked by the readiness probe.
+    database: idempotency_outbox::Database,
+    destination: Arc<To>,
 }
 
 /// Checks `config`'s destination and table, and builds its relay.
@@ -476,7 +624,8 @@ async fn prepare(config: &Config) -> Result<Prepared, Error> {
         tables,
     };
     let database = at.outbox(4, false).await?;
-    let mut relay = Relay::new(database, Outbox::new(at.tables), to)
+    let destination = Arc::new(to);
+    let mut relay = Relay::new(database.clone(), Outbox::new(at.tables), Arc::clone(&destination))
         .batch(config.batch)
         .max_attempts(config.max_attempts)
         .poll(config.poll)
@@ -487,6 +636,8 @@ async fn prepare(config: &Config) -> Result<Prepared, Error> {
     Ok(Prepared {
         relay,
         to: idempotency::redact_url(&to_url),
+        database,
+        destination,
     })
 }
 
@@ -516,9 +667,18 @@ pub async fn relay(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
+    let readiness = Readiness::watch(&relays);
     if let Some(listener) = admin_listener {
+        let ready = Arc::clone(&readiness);
         let router = axum::Router::new()
             .route("/_idem/livez", axum::routing::get(|| async { "ok\n" }))
+            .route(
+                "/_idem/readyz",
+                axum::routing::get(move || {
+                    let ready = Arc::clone(&ready);
+                    async move { ready.answer() }
+                }),
+            )
             .route(
                 "/_idem/metrics",
                 axum::routing::get(move || {
@@ -531,8 +691,12 @@ pub async fn relay(
         });
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    let draining = Arc::clone(&readiness);
     tokio::spawn(async move {
         shutdown.await;
+        // Not ready from the first moment of the signal, while the rounds in progress finish.
+        draining.drain();
+        tracing::info!("shutting down: /readyz answers 503 from now on");
         let _ = stop.send(true);
     });
     let running = relays.iter().map(|prepared| {

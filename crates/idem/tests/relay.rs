@@ -179,7 +179,7 @@ async fn the_documented_mysql_inserts_write_the_rows_the_relay_expects() {
         &mysql_url(),
         "--schema",
         &table.schema,
-        "--table",
+        "--outbox-table",
         "theirs",
     ]);
     assert_eq!(code, 1, "{out}{err}");
@@ -305,11 +305,14 @@ async fn a_config_file_runs_every_relay_it_names() {
         )
         .unwrap();
     };
+    // The MySQL relay's database URL from a file, as a mounted Secret gives it.
+    let secret = dir.path().join("mysql-url");
+    std::fs::write(&secret, format!("{}\n", my.url())).unwrap();
     let relays = format!(
-        "[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/postgres\"\n\n[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/mysql\"\npoll = \"100ms\"\nname = \"shop\"\n",
+        "[[relay]]\ndatabase = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/postgres\"\n\n[[relay]]\ndatabase-file = \"{}\"\nschema = \"{}\"\nto = \"http://{addr}/mysql\"\npoll = \"100ms\"\nname = \"shop\"\n",
         pg.url(),
         pg.schema,
-        my.url(),
+        secret.display(),
         my.schema
     );
     write(&relays);
@@ -338,7 +341,12 @@ async fn a_config_file_runs_every_relay_it_names() {
             ("postgres".to_owned(), "from postgres".to_owned())
         ]
     );
-    // Wrong files: the place and the reason, and no relay runs.
+    // Wrong files: the place and the reason, and no relay runs; a secret file's content is
+    // never shown.
+    let password = dir.path().join("to-url");
+    std::fs::write(&password, "amqp://relay:S3CRET-relay@rabbit/%2f\n").unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "\n").unwrap();
     for (relays, says) in [
         (
             format!(
@@ -366,11 +374,34 @@ async fn a_config_file_runs_every_relay_it_names() {
             "unknown key `admin-listen` in [[relay]]".to_owned(),
         ),
         (String::new(), "has no [[relay]] table".to_owned()),
+        (
+            format!(
+                "[[relay]]\ndatabase = \"postgres://x\"\nto = \"http://h/\"\nto-file = \"{}\"\n",
+                password.display()
+            ),
+            "[[relay]] gives `to` and `to-file`: give the value one way".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\nto-file = \"/nonexistent/to-url\"\n".to_owned(),
+            ":6:11: `to-file` /nonexistent/to-url: No such file".to_owned(),
+        ),
+        (
+            format!(
+                "[[relay]]\ndatabase = \"postgres://x\"\nto-file = \"{}\"\n",
+                empty.display()
+            ),
+            "the file is empty".to_owned(),
+        ),
+        (
+            "[[relay]]\ndatabase = \"postgres://x\"\nto = \"http://h/\"\nbatch-file = \"/x\"\n".to_owned(),
+            "unknown key `batch-file` in [[relay]]".to_owned(),
+        ),
     ] {
         write(&relays);
         let (code, out, err) = common::idem(&["relay", "--config", &path]);
         assert_eq!(code, 1, "{relays}: {out}{err}");
         assert!(err.contains(&says), "{relays}: {err}");
+        assert!(!err.contains("S3CRET"), "a secret file's content is shown: {err}");
     }
     let (code, _, err) = common::idem(&["relay", "--config", &path, "--to", "http://h/"]);
     assert_eq!(code, 2, "{err}");
@@ -1022,6 +1053,107 @@ async fn rows_are_posted_to_a_webhook_until_it_answers_2xx() {
         got[2].1.starts_with(&format!("{schema}.idempotency_outbox:")),
         "{got:?}"
     );
+    drop_schema(&pool, &schema).await;
+}
+
+/// `/_idem/readyz` of `idem relay`: ready while its database and its destination answer, `503`
+/// naming the one that does not (the database behind a proxy that is down, the webhook not
+/// listening), ready again once both answer, and `503` from the first moment of SIGTERM while
+/// a round still runs. After the database came back, a row is published on its notification
+/// (the relay polls only hourly here): the cut notification connection was made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_database_and_the_destination_and_ends_at_sigterm() {
+    use axum::http::StatusCode;
+    use std::sync::Arc;
+    use tokio::sync::Notify;
+
+    let pool = PgPool::connect(&common::database_url()).await.unwrap();
+    let schema = outbox_with(&pool, &[]).await;
+    // The webhook: held until released, so that a round is running at SIGTERM.
+    let arrived = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let (hook_arrived, hook_release) = (Arc::clone(&arrived), Arc::clone(&release));
+    let app = axum::Router::new().route(
+        "/hooks/{path}",
+        axum::routing::post(move || {
+            let (arrived, release) = (Arc::clone(&hook_arrived), Arc::clone(&hook_release));
+            async move {
+                arrived.notify_one();
+                release.notified().await;
+                StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    // Held, not listening: a connection to it is refused until the webhook starts.
+    let hook = common::HeldPort::new();
+    let hook_addr = hook.addr;
+    let to = format!("http://{hook_addr}/hooks/{{destination}}");
+    let (db_proxy, database) = idempotency_testkit::TcpProxy::in_front_of(&common::database_url())
+        .await
+        .unwrap();
+    let admin = common::free_addr();
+    let admin_text = admin.to_string();
+    // Notifications alone wake it: a row written after the database came back must not wait for
+    // a poll.
+    let mut relay = common::spawn_idem(
+        &[
+            "relay",
+            "--database",
+            &database,
+            "--schema",
+            &schema,
+            "--to",
+            &to,
+            "--poll",
+            "1h",
+            "--admin-listen",
+            &admin_text,
+        ],
+        &[],
+        "warn",
+        false,
+    );
+    let client = common::client();
+    let readyz = async || {
+        common::try_send(&client, admin, "GET", "/_idem/readyz", &[], b"")
+            .await
+            .map(|seen| (seen.status, String::from_utf8_lossy(&seen.body).into_owned()))
+    };
+    let until = async |what: &str, status: u16, naming: &str| {
+        idempotency_testkit::eventually(Duration::from_secs(30), what, async || {
+            readyz()
+                .await
+                .is_some_and(|(got, body)| got == status && body.contains(naming))
+        })
+        .await;
+    };
+    until("not ready: the webhook does not listen", 503, "the webhook at").await;
+    common::serve_app_on(hook.free(), app).await;
+    until("ready", 200, "ready").await;
+    db_proxy.set_down(true);
+    until("not ready: the database", 503, "the database").await;
+    db_proxy.set_down(false);
+    until("ready again", 200, "ready").await;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.idempotency_outbox (destination, ordering_key, payload) VALUES ('d', 'g', convert_to('x', 'UTF8'))"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The notification connection was cut with the database: the relay listens again and
+    // looks for what it missed, so the row is taken now, not at the next poll.
+    tokio::time::timeout(Duration::from_secs(30), arrived.notified())
+        .await
+        .expect("the row is published after the database came back, without waiting for a poll");
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &relay.child.id().to_string()])
+        .status();
+    until("draining from the signal on", 503, "draining").await;
+    release.notify_one();
+    let status = relay
+        .terminate(Duration::from_secs(30))
+        .expect("idem relay stops once the round ends");
+    assert!(status.success(), "{status}");
     drop_schema(&pool, &schema).await;
 }
 
@@ -1713,7 +1845,7 @@ async fn a_version_1_table_is_upgraded_in_place() {
         &database,
         "--schema",
         &schema,
-        "--table",
+        "--outbox-table",
         "theirs",
     ]);
     assert_eq!(code, 1, "{err}");
@@ -1729,7 +1861,7 @@ fn bad_input_is_refused_at_start() {
         "relay",
         "--database",
         &mysql_url(),
-        "--table",
+        "--outbox-table",
         "not_an_outbox",
         "--to",
         "http://127.0.0.1:9/x",
@@ -1833,4 +1965,37 @@ async fn the_start_line_names_the_admin_address_the_kernel_picked() {
     assert_eq!(live.status, 200, "the admin listener at the announced address");
     drop(relay);
     drop_schema(&pool, &schema).await;
+}
+
+/// The destination URL, a password in it, from `IDEM_RELAY_TO_FILE` (a mounted Secret): it is
+/// used, and its password shows nowhere, nor does `IDEM_RELAY_TO`'s in `--help`.
+#[test]
+fn the_destination_comes_from_a_file_and_its_password_never_shows() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("to-url");
+    std::fs::write(
+        &file,
+        "amqp://relay:S3CRET-relay@127.0.0.1:1/%2f?exchange=events\n",
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["relay", "--database", &common::database_url()])
+        .env("IDEM_RELAY_TO_FILE", &file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--to amqp://relay:***@127.0.0.1:1/"),
+        "the file's URL was used: {err}"
+    );
+    assert!(!err.contains("S3CRET"), "{err}");
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["relay", "--help"])
+        .env("IDEM_RELAY_TO", "amqp://relay:S3CRET-relay@rabbit/%2f")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("IDEM_RELAY_TO"), "{help}");
+    assert!(!help.contains("S3CRET"), "{help}");
 }

@@ -459,7 +459,7 @@ impl Outbox {
             "migrate",
             "--database",
             &common::database_url(),
-            "--table",
+            "--outbox-table",
             &table,
         ]);
         Self { table }
@@ -471,7 +471,7 @@ impl Outbox {
             "relay",
             "--database",
             database,
-            "--table",
+            "--outbox-table",
             &self.table,
             "--to",
             to,

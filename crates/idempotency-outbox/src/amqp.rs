@@ -41,9 +41,9 @@ impl AmqpPublisher {
     }
 }
 
-impl Publisher for AmqpPublisher {
-    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
-        let mut connection = self.connection.lock().await;
+impl AmqpPublisher {
+    /// The connection and its confirming channel, made again when either is down.
+    async fn open(&self, connection: &mut Option<(Connection, Channel)>) -> Result<(), BoxError> {
         let usable = connection.as_ref().is_some_and(|(connection, channel)| {
             connection.status().connected() && channel.status().connected()
         });
@@ -53,6 +53,14 @@ impl Publisher for AmqpPublisher {
             channel.confirm_select(ConfirmSelectOptions::default()).await?;
             *connection = Some((opened, channel));
         }
+        Ok(())
+    }
+}
+
+impl Publisher for AmqpPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), BoxError> {
+        let mut connection = self.connection.lock().await;
+        self.open(&mut connection).await?;
         let Some((_, channel)) = connection.as_ref() else {
             return Err("no RabbitMQ channel".into());
         };
@@ -70,5 +78,11 @@ impl Publisher for AmqpPublisher {
             return Err(error.into());
         }
         Ok(())
+    }
+
+    /// The connection is up, or is made now (and kept for the next publish).
+    async fn reachable(&self) -> Result<(), BoxError> {
+        let mut connection = self.connection.lock().await;
+        self.open(&mut connection).await
     }
 }

@@ -32,6 +32,31 @@ impl Database {
     }
 }
 
+impl Database {
+    /// Whether the database answers a `SELECT 1` now (a readiness probe's question).
+    ///
+    /// # Errors
+    ///
+    /// The driver's error: the database cannot be reached, or refused the connection.
+    pub async fn reachable(&self) -> Result<(), crate::OutboxError> {
+        const WHAT: &str = "answer SELECT 1";
+        let ping = sqlx::raw_sql(sqlx::AssertSqlSafe("SELECT 1"));
+        match self {
+            Self::Postgres(pool) => ping
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(crate::OutboxError::db(WHAT)),
+            #[cfg(feature = "mysql")]
+            Self::MySql(pool) => ping
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(|source| crate::OutboxError::MySql { what: WHAT, source }),
+        }
+    }
+}
+
 impl From<PgPool> for Database {
     fn from(pool: PgPool) -> Self {
         Self::Postgres(pool)

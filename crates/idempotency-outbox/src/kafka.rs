@@ -109,4 +109,13 @@ impl Publisher for KafkaPublisher {
             .map_err(|(error, _)| error)?;
         Ok(())
     }
+
+    /// The brokers answer a metadata request (of no topic) within 5 s.
+    async fn reachable(&self) -> Result<(), BoxError> {
+        let producer = self.producer.clone();
+        let timeout = std::time::Duration::from_secs(5);
+        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(Some(""), timeout).map(|_| ()))
+            .await??;
+        Ok(())
+    }
 }

@@ -73,4 +73,12 @@ impl Publisher for NatsPublisher {
             .await?;
         Ok(())
     }
+
+    /// The client is connected (it reconnects by itself).
+    async fn reachable(&self) -> Result<(), BoxError> {
+        match self.jetstream.client().connection_state() {
+            async_nats::connection::State::Connected => Ok(()),
+            state => Err(format!("the NATS client is {state}").into()),
+        }
+    }
 }

@@ -85,12 +85,23 @@ pub struct OutboxMessage {
 pub trait Publisher: Send + Sync {
     /// Publishes `message`; `Ok` only once the broker has it.
     fn publish(&self, message: &OutboxMessage) -> impl Future<Output = Result<(), BoxError>> + Send;
+
+    /// Whether the broker can be reached now, for a readiness probe (`idem relay`'s
+    /// `/readyz`): a publisher with a connection says whether it is up (and makes it again
+    /// when it is not), one without asks the broker something cheap. By default, yes.
+    fn reachable(&self) -> impl Future<Output = Result<(), BoxError>> + Send {
+        std::future::ready(Ok(()))
+    }
 }
 
 /// A shared publisher publishes as the publisher it points to.
 impl<P: Publisher + ?Sized> Publisher for Arc<P> {
     fn publish(&self, message: &OutboxMessage) -> impl Future<Output = Result<(), BoxError>> + Send {
         (**self).publish(message)
+    }
+
+    fn reachable(&self) -> impl Future<Output = Result<(), BoxError>> + Send {
+        (**self).reachable()
     }
 }
 

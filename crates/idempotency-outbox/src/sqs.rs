@@ -42,4 +42,11 @@ impl Publisher for SqsPublisher {
             .await?;
         Ok(())
     }
+
+    /// SQS answers a request (a `ListQueues` of one queue: any queue URL a row names is on
+    /// the same endpoint).
+    async fn reachable(&self) -> Result<(), BoxError> {
+        self.client.list_queues().max_results(1).send().await?;
+        Ok(())
+    }
 }

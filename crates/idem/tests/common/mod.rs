@@ -372,7 +372,12 @@ pub fn spawn_idem(args: &[&str], env: &[(&str, String)], log: &str, capture_stde
 
 /// Serves `app` on a loopback port of its own (an upstream, a handler, a receiver of a test's).
 pub async fn serve_app(app: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve_app_on(SocketAddr::from(([127, 0, 0, 1], 0)), app).await
+}
+
+/// Serves `app` on `addr` (a [`HeldPort`] just freed, say): its bound address.
+pub async fn serve_app_on(addr: SocketAddr, app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
     addr
