@@ -509,7 +509,7 @@ fn trace_headers(message: &dyn Delivery) -> Vec<(&'static str, http::HeaderValue
 
 /// An error and its causes, outermost first: the client's own message ("client error
 /// (Connect)") says nothing of a refused certificate, its source does.
-fn causes(error: &dyn std::error::Error) -> String {
+pub(crate) fn causes(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut next = error.source();
     while let Some(cause) = next {

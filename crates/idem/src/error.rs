@@ -82,6 +82,14 @@ pub enum Error {
     /// `idem consume` cannot consume from its source or call its handler.
     #[error(transparent)]
     Consume(#[from] ConsumeError),
+    /// `idem probe` got no `2xx` answer.
+    #[error("probe {url}: {why}")]
+    Probe {
+        /// The URL, its password redacted.
+        url: String,
+        /// What it got instead.
+        why: String,
+    },
     /// The demo's temporary directory could not be created.
     #[error("a temporary directory for the demo's store: {0}")]
     TempDir(#[source] std::io::Error),

@@ -15,6 +15,7 @@
 //! * [`ui`]: the dashboard (`--ui`) of the gateway and of `idem consume`;
 //! * [`units`]: human durations and sizes as the flags take them;
 //! * [`placeholder`]: a `{key}` or `{destination}` put into a URL, encoded only as it must be;
+//! * [`probe`]: `idem probe URL`, a health check for an image without a shell;
 //! * [`error`]: what can go wrong, as one typed [`Error`].
 
 pub use error::Error;
@@ -33,6 +34,7 @@ pub mod gateway;
 pub mod key_actions;
 pub mod ops;
 pub mod placeholder;
+pub mod probe;
 pub mod reconcile;
 pub mod relay;
 pub mod server;

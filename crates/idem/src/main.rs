@@ -85,6 +85,16 @@ enum Command {
         #[command(subcommand)]
         action: DlqCommand,
     },
+    /// GET a URL and exit 0 on a 2xx answer within --timeout, 1 otherwise with the reason: a
+    /// health check for the image, which has no shell or curl
+    /// (`idem probe http://127.0.0.1:9090/readyz`).
+    Probe {
+        /// The URL: http://HOST:PORT/PATH or https://….
+        url: String,
+        /// How long the answer may take.
+        #[arg(long, default_value = "2s", value_parser = idem::units::parse_duration)]
+        timeout: Duration,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -694,6 +704,7 @@ async fn run(command: Command) -> Result<String, Error> {
         }
         Command::Inbox { action } => inbox(action).await,
         Command::Dlq { action } => dlq(action).await,
+        Command::Probe { url, timeout } => idem::probe::probe(&url, timeout).await,
         Command::Relay(args) => match args.action {
             Some(RelayCommand::Migrate {
                 database,

@@ -201,3 +201,65 @@ fn a_malformed_drain_delay_is_refused() {
         assert!(err.contains(why), "{value}: {err}");
     }
 }
+
+/// `idem probe URL`, the image's health check (it has no shell or curl): exit 0 on a `2xx`,
+/// 1 with the status and the body on another answer, 1 naming the cause when nothing answers
+/// or the URL is not one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_probe_exits_0_on_a_2xx_and_1_with_the_reason_otherwise() {
+    let app = Router::new()
+        .route("/ok", axum::routing::get(|| async { "ready" }))
+        .route(
+            "/down",
+            axum::routing::get(|| async { (http::StatusCode::SERVICE_UNAVAILABLE, "store: unreachable") }),
+        )
+        .route(
+            "/slow",
+            axum::routing::get(|| async {
+                std::future::pending::<()>().await;
+                "never"
+            }),
+        );
+    let addr = common::serve_app(app).await;
+    let refused = common::HeldPort::new();
+    let probe = |url: String, more: &[&str]| {
+        let mut args = vec!["probe".to_owned(), url];
+        args.extend(more.iter().map(|s| (*s).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::idem(&args)
+    };
+    let (code, out, err) = probe(format!("http://{addr}/ok"), &[]);
+    assert_eq!((code, out.trim()), (0, "200 OK"), "{err}");
+    for (url, more, says) in [
+        (
+            format!("http://{addr}/down"),
+            &[][..],
+            "answered 503 Service Unavailable: store: unreachable",
+        ),
+        (
+            format!("http://{addr}/slow"),
+            &["--timeout", "300ms"][..],
+            "no answer within 300ms",
+        ),
+        (
+            format!("http://{}/readyz", refused.addr),
+            &[][..],
+            "Connection refused",
+        ),
+        (
+            "ftp://h/x".to_owned(),
+            &[][..],
+            "takes an http:// or https:// URL",
+        ),
+        (
+            "http://u:S3CRET@127.0.0.1:1/".to_owned(),
+            &[][..],
+            "probe http://u:***@127.0.0.1:1/",
+        ),
+    ] {
+        let (code, _, err) = probe(url.clone(), more);
+        assert_eq!(code, 1, "{url}: {err}");
+        assert!(err.contains(says), "{url}: {err}");
+        assert!(!err.contains("S3CRET"), "{err}");
+    }
+}
