@@ -549,8 +549,7 @@ fn the_compose_file_runs_the_example_upstream_with_secrets_made_at_first_use() {
         "{script}"
     );
     assert_eq!(
-        services["postgres"]["depends_on"]["secrets"]["condition"],
-        "service_completed_successfully",
+        services["postgres"]["depends_on"]["secrets"]["condition"], "service_completed_successfully",
         "PostgreSQL starts once its password is made"
     );
     assert!(compose["volumes"][volume].is_object() || compose["volumes"][volume].is_null());

@@ -16,6 +16,19 @@ use tokio::sync::{mpsc, watch};
 const CREDENTIAL: &str = "Bearer s3cret-token-of-alice";
 const KEY: &str = "order-alpha-7";
 
+/// Stops `gateway` with SIGTERM (it exits 0) and returns its standard error's lines: SIGTERM
+/// ends the process and so its log.
+async fn stopped(mut gateway: common::Process) -> Vec<String> {
+    let status = tokio::task::spawn_blocking(move || {
+        let status = gateway.terminate(Duration::from_secs(30));
+        (status, gateway)
+    });
+    let (status, mut gateway) = status.await.unwrap();
+    assert_eq!(status.and_then(|status| status.code()), Some(0));
+    let stderr = gateway.child.stderr.take().unwrap();
+    BufReader::new(stderr).lines().map(Result::unwrap).collect()
+}
+
 /// An upstream with `/pay` (answers at once), `/hold` (holds until released, reporting each
 /// arrival) and `/stall` (never answers).
 async fn upstream() -> (SocketAddr, mpsc::UnboundedReceiver<()>, watch::Sender<bool>) {
@@ -59,7 +72,7 @@ async fn each_guarded_request_is_one_json_line_with_its_decision_and_no_secret()
         "--log-format",
         "json",
     ];
-    let mut gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
+    let gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
     let client = client();
     let post = async |path: &str, key: &str, body: &[u8]| {
         let headers = [("idempotency-key", key), ("authorization", CREDENTIAL)];
@@ -84,15 +97,7 @@ async fn each_guarded_request_is_one_json_line_with_its_decision_and_no_secret()
     assert_eq!(held.await.unwrap(), 201);
     assert_eq!(post("/stall", "order-gamma-9", b"{}").await, 504);
 
-    // SIGTERM ends the process and its standard error.
-    let status = tokio::task::spawn_blocking(move || {
-        let status = gateway.terminate(Duration::from_secs(30));
-        (status, gateway)
-    });
-    let (status, mut gateway) = status.await.unwrap();
-    assert_eq!(status.and_then(|status| status.code()), Some(0));
-    let stderr = gateway.child.stderr.take().unwrap();
-    let lines: Vec<String> = BufReader::new(stderr).lines().map(Result::unwrap).collect();
+    let lines = stopped(gateway).await;
     let all = lines.join("\n");
     for secret in [
         CREDENTIAL,
@@ -179,7 +184,7 @@ async fn a_text_log_line_names_each_field_once() {
         "--log-format",
         "text",
     ];
-    let mut gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
+    let gateway = ready(common::spawn_idem(&args, &[], "info", true), listen, "idem serve").await;
     let headers = [("idempotency-key", KEY)];
     assert_eq!(
         send(&client(), listen, "POST", "/pay", &headers, b"{}")
@@ -187,16 +192,7 @@ async fn a_text_log_line_names_each_field_once() {
             .status,
         201
     );
-    let status = tokio::task::spawn_blocking(move || {
-        let status = gateway.terminate(Duration::from_secs(30));
-        (status, gateway)
-    });
-    let (status, mut gateway) = status.await.unwrap();
-    assert_eq!(status.and_then(|status| status.code()), Some(0));
-    let lines: Vec<String> = BufReader::new(gateway.child.stderr.take().unwrap())
-        .lines()
-        .map(Result::unwrap)
-        .collect();
+    let lines = stopped(gateway).await;
     let line = lines
         .iter()
         .find(|line| line.contains("idempotency.request{"))
