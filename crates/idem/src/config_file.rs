@@ -331,16 +331,11 @@ pub fn relays(path: &Path, command: &clap::Command) -> Result<Vec<RelayTable>, F
                         format!("[[relay]] gives `{secret}` and `{name}`: give the value one way"),
                     ));
                 }
-                let text = std::fs::read_to_string(path.as_ref())
-                    .map_err(|e| source.at(value.span(), format!("`{name}` {path}: {e}")))?;
-                let text = text.strip_suffix('\n').unwrap_or(&text);
-                let text = text.strip_suffix('\r').unwrap_or(text);
-                if text.is_empty() {
-                    return Err(source.at(value.span(), format!("`{name}` {path}: the file is empty")));
-                }
+                let text = crate::flags::read_secret_file(Path::new(path.as_ref()))
+                    .map_err(|why| source.at(value.span(), format!("`{name}` {path}: {why}")))?;
                 spans.push((secret.to_owned(), key.span()));
                 args.push(format!("--{secret}"));
-                args.push(text.to_owned());
+                args.push(text);
                 continue;
             }
             let Some(flag) = setting_flag(&command, name).filter(|_| name != "admin-listen") else {

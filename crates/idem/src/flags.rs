@@ -424,16 +424,26 @@ pub fn secrets_from_files(
             path: shown.clone(),
             why,
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| unreadable(e.to_string()))?;
-        let value = text.strip_suffix('\n').unwrap_or(&text);
-        let value = value.strip_suffix('\r').unwrap_or(value);
-        if value.is_empty() {
-            return Err(unreadable("the file is empty".into()));
-        }
-        values.push((*variable, value.to_owned()));
+        let value = read_secret_file(std::path::Path::new(&path)).map_err(unreadable)?;
+        values.push((*variable, value));
     }
     let files = SecretFiles(values.iter().map(|(variable, _)| *variable).collect());
     Ok((with_secrets(command, &values), files))
+}
+
+/// The value a secret's file holds: its one line, a final newline (`\n` or `\r\n`) dropped.
+///
+/// # Errors
+///
+/// Why it cannot be used (unreadable, or empty), never its content.
+pub(crate) fn read_secret_file(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let value = text.strip_suffix('\n').unwrap_or(&text);
+    let value = value.strip_suffix('\r').unwrap_or(value);
+    if value.is_empty() {
+        return Err("the file is empty".into());
+    }
+    Ok(value.to_owned())
 }
 
 /// `command` and its subcommands, their secret settings hidden from help and given `values`.

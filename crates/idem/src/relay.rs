@@ -400,12 +400,17 @@ impl Readiness {
     /// How often the databases and destinations are asked.
     const EVERY: Duration = Duration::from_secs(2);
 
-    /// Checks `relays` now and every [`Self::EVERY`], on a task of its own.
-    fn watch(relays: &[Prepared]) -> Arc<Self> {
-        let readiness = Arc::new(Self {
+    /// Readiness that nothing asks about (no admin listener): it only drains.
+    fn unasked() -> Arc<Self> {
+        Arc::new(Self {
             draining: std::sync::atomic::AtomicBool::new(false),
             last: std::sync::Mutex::new(None),
-        });
+        })
+    }
+
+    /// Checks `relays` now and every [`Self::EVERY`], on a task of its own.
+    fn watch(relays: &[Prepared]) -> Arc<Self> {
+        let readiness = Self::unasked();
         let checked: Vec<(String, idempotency_outbox::Database, Arc<To>)> = relays
             .iter()
             .map(|prepared| {
@@ -667,7 +672,12 @@ pub async fn relay(
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .map_err(Error::Metrics)?;
-    let readiness = Readiness::watch(&relays);
+    // The databases and destinations are asked only where a probe can ask for the answer.
+    let readiness = if admin_listener.is_some() {
+        Readiness::watch(&relays)
+    } else {
+        Readiness::unasked()
+    };
     if let Some(listener) = admin_listener {
         let ready = Arc::clone(&readiness);
         let router = axum::Router::new()
