@@ -207,6 +207,28 @@ fn ca_files(url: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether `url` verifies its server's certificate against a host only a private CA can vouch
+/// for: an in-cluster name (`….svc`, `….svc.cluster.local`), which no public CA signs.
+fn verifies_a_cluster_name(url: &str) -> bool {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return false;
+    };
+    let in_cluster = parsed
+        .host_str()
+        .is_some_and(|host| host.ends_with(".svc") || host.ends_with(".svc.cluster.local"));
+    let verifies = match parsed.scheme() {
+        "postgres" | "postgresql" => parsed
+            .query_pairs()
+            .any(|(name, value)| name == "sslmode" && value.starts_with("verify")),
+        "mysql" | "mariadb" => parsed
+            .query_pairs()
+            .any(|(name, value)| name == "ssl-mode" && value.to_ascii_uppercase().starts_with("VERIFY")),
+        "amqps" | "rediss" | "https" | "tls" => true,
+        _ => false,
+    };
+    in_cluster && verifies
+}
+
 /// A test value for the `*_FILE` variable `variable`: a URL of the right kind whose server does
 /// not exist.
 fn test_value(variable: &str) -> &'static str {
@@ -338,6 +360,11 @@ fn every_idem_container_starts_as_written() {
                 assert!(
                     readable(mode, fs_group.unwrap_or(0), uid, &gids),
                     "{name}: {path} (mode {mode:o}, group {fs_group:?}) cannot be read by uid {uid} in {gids:?}"
+                );
+                // A verified in-cluster name needs a CA of the cluster's own, named in the URL.
+                assert!(
+                    !verifies_a_cluster_name(value) || !ca_files(value).is_empty(),
+                    "{name}: {variable_name} verifies an in-cluster name no public CA signs, and names no CA"
                 );
                 // Every CA the URL names is mounted, from a ConfigMap the set-up makes.
                 for ca in ca_files(value) {
