@@ -91,3 +91,8 @@ where
         }
     }
 }
+
+/// `response` passed through as it is: its body streamed, nothing of it kept.
+pub(crate) fn passthrough<B>(response: http::Response<B>) -> http::Response<ResponseBody<B>> {
+    response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
+}

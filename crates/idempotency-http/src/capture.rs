@@ -10,10 +10,9 @@ use http_body_util::BodyExt;
 use idempotency_core::Recorded;
 
 use crate::body::{BoxError, ResponseBody};
-use crate::layer::Config;
-use crate::problem::{Problem, retry_after_value};
+use crate::config::Config;
+use crate::problem::{Problem, problem, retry_after_value};
 use crate::replay::{IDEMPOTENCY_KEY_EXPIRES, expires_header};
-use crate::service::problem;
 
 /// What the handler produced, as the guard's policy sees it.
 pub(crate) enum Captured<B, E> {
@@ -46,7 +45,7 @@ impl<B, E> Captured<B, E> {
 
     /// Whether this is a reconcile function's answer, adopted as the key's outcome.
     pub(crate) fn adopted(&self) -> bool {
-        matches!(self, Self::Buffered { parts, .. } if parts.extensions.get::<crate::reconcile::Adopted>().is_some())
+        matches!(self, Self::Buffered { parts, .. } if parts.extensions.get::<crate::outcome::Adopted>().is_some())
     }
 }
 

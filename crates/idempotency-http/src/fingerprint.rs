@@ -4,7 +4,7 @@ use bytes::Bytes;
 use http::HeaderValue;
 use idempotency_core::{Fingerprint, FingerprintMode};
 
-use crate::layer::Config;
+use crate::config::Config;
 use crate::problem::Problem;
 
 /// The fingerprint: method, path and query, the configured headers, and the body.

@@ -12,49 +12,9 @@ use http::{HeaderName, Method, StatusCode};
 use idempotency_core::{FingerprintMode, Guard, JsonPointer, Scope, ScopeSecret, Store};
 use tower::Layer;
 
+use crate::config::{Config, ReconcileFn, default_is_final};
 use crate::future::DetachedRuns;
 use crate::service::IdempotencyService;
-
-type ScopeFn = Arc<dyn Fn(&Parts) -> Scope + Send + Sync>;
-type FinalFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
-
-/// What the layer does, shared by every service it makes.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    /// The header the key is read from.
-    pub(crate) key_header: HeaderName,
-    /// Where in a JSON body the key is, when the header is absent.
-    pub(crate) key_from: Option<JsonPointer>,
-    pub(crate) max_body: usize,
-    pub(crate) max_response: usize,
-    pub(crate) buffer_streamed: bool,
-    pub(crate) scope: ScopeFn,
-    pub(crate) fingerprint: FingerprintMode,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) is_final: FinalFn,
-    pub(crate) wait: Option<Duration>,
-    pub(crate) fail_open: bool,
-    pub(crate) allowed_headers: Vec<HeaderName>,
-    /// The bytes of request bodies all requests through the layer may hold at once.
-    pub(crate) body_budget: Option<Arc<tokio::sync::Semaphore>>,
-    /// How keys appear in the per-request log event.
-    pub(crate) log_keys: crate::log::KeyLog,
-    /// Asked before a recovered attempt runs ([`crate::reconcile`]).
-    pub(crate) reconcile: Option<crate::reconcile::ReconcileFn>,
-}
-
-/// The default outcome policy ([`crate::guide`]): 2xx and 4xx are final and stored, except 408, 409, 425
-/// and 429; 1xx, 3xx and 5xx release the key so that a retry runs again.
-///
-/// 3xx is released rather than stored because a redirect usually points at a resource whose
-/// creation is not confirmed by the redirect itself; configure [`IdempotencyLayer::final_status`]
-/// to store it.
-#[must_use]
-pub fn default_is_final(status: StatusCode) -> bool {
-    (status.is_success() || status.is_client_error()) && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
-}
 
 /// A `tower` layer that makes the wrapped service idempotent per `Idempotency-Key`.
 ///
@@ -381,7 +341,7 @@ impl<S: Store + Clone> IdempotencyLayer<S> {
         F: Fn(crate::Reconcile) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = crate::Reconciled> + Send + 'static,
     {
-        let reconcile: crate::reconcile::ReconcileFn = Arc::new(move |asked| Box::pin(reconcile(asked)));
+        let reconcile: ReconcileFn = Arc::new(move |asked| Box::pin(reconcile(asked)));
         self.with(|c| c.reconcile = Some(reconcile))
     }
 

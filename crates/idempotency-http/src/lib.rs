@@ -58,25 +58,29 @@ pub mod guide {}
 
 mod body;
 mod capture;
+mod config;
 mod fingerprint;
 mod future;
 mod key;
 mod layer;
 pub mod log;
+mod outcome;
 mod policy;
 mod problem;
 pub mod reconcile;
 mod replay;
+mod run;
 mod service;
 mod stored;
-mod wait;
 
 pub use body::{BoxError, ResponseBody};
+pub use config::default_is_final;
 pub use future::{DetachedRuns, ResponseFuture};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyHeaderError, key_from_header, key_from_headers};
-pub use layer::{IdempotencyLayer, default_is_final};
+pub use layer::IdempotencyLayer;
 pub use log::KeyLog;
-pub use policy::{HOP_BY_HOP, OutcomeUnknown, strip_hop_by_hop};
+pub use outcome::OutcomeUnknown;
+pub use policy::{HOP_BY_HOP, strip_hop_by_hop};
 pub use problem::Problem;
 pub use reconcile::{IDEMPOTENCY_RECONCILED, Reconcile, Reconciled};
 pub use replay::{IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};

@@ -5,28 +5,9 @@ use http::{HeaderMap, header};
 use idempotency_core::Decision;
 
 use crate::capture::Captured;
-use crate::layer::Config;
+use crate::config::Config;
+use crate::outcome::{Adopted, OutcomeUnknown};
 use crate::stored;
-
-/// Marks a response whose request may have taken effect although the response says it failed
-/// (a proxy that sent the request and lost the answer, a handler whose remote call timed out):
-/// the layer then neither stores nor releases the key, but leaves it in flight until its lease
-/// ends ([`Decision::Unknown`]), so that a retry cannot run the request again while the first
-/// may still be taking effect.
-///
-/// A handler inserts it into the response's extensions; [`Problem`](crate::Problem)s with an
-/// unknown outcome carry it already.
-///
-/// ```
-/// use http::{Response, StatusCode};
-/// use idempotency_http::OutcomeUnknown;
-///
-/// let mut response = Response::new("the payment provider did not answer in time");
-/// *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-/// response.extensions_mut().insert(OutcomeUnknown);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OutcomeUnknown;
 
 /// The outcome policy of the layer: a response marked [`OutcomeUnknown`], a service error and a
 /// body that failed midway are unknown; otherwise a final status is stored and any other
@@ -41,8 +22,7 @@ pub(crate) fn decide<B, E>(captured: &Captured<B, E>, config: &Config) -> Decisi
         // A final answer is stored; a reconcile function's is the key's outcome whatever its
         // status.
         Captured::Buffered { parts, body }
-            if (config.is_final)(parts.status)
-                || parts.extensions.get::<crate::reconcile::Adopted>().is_some() =>
+            if (config.is_final)(parts.status) || parts.extensions.get::<Adopted>().is_some() =>
         {
             Decision::Complete(stored::encode_response(
                 parts.status,

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::key::KeyHeaderError;
-use crate::policy::OutcomeUnknown;
+use crate::outcome::OutcomeUnknown;
 
 /// What every problem with an unknown outcome adds: why the retry gets `409` for a while.
 const KEPT_IN_FLIGHT: &str = "The Idempotency-Key stays reserved until this attempt's lease ends \
@@ -305,3 +305,8 @@ impl std::fmt::Display for Problem {
 /// [`Problem::OutcomeUnknown`], a request body (a server's read deadline) instead of
 /// [`Problem::BodyUnreadable`].
 impl std::error::Error for Problem {}
+
+/// `problem` as the response the layer answers with.
+pub(crate) fn problem<B>(problem: &Problem) -> Response<crate::body::ResponseBody<B>> {
+    problem.to_response().map(crate::body::ResponseBody::full)
+}

@@ -26,72 +26,13 @@
 //!
 //! [`IdempotencyLayer::reconcile`]: crate::IdempotencyLayer::reconcile
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
-
-use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, Uri};
+use http::HeaderValue;
 
 use crate::capture::Captured;
-use crate::key::IdempotencyKey;
+use crate::config::ReconcileFn;
+pub use crate::config::{IDEMPOTENCY_RECONCILED, Reconcile, Reconciled};
+use crate::outcome::Adopted;
 use crate::problem::Problem;
-
-/// A response whose outcome was adopted from a reconcile function carries this header with the
-/// value `true` (its replays too).
-pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempotency-reconciled");
-
-/// What a reconcile function is asked about: the recovered attempt's key and the request it is
-/// a retry of.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Reconcile {
-    /// The key, the attempt about to run (the one whose outcome is unknown is `attempt - 1`, or
-    /// earlier when several in a row were lost).
-    pub key: IdempotencyKey,
-    /// The request's method.
-    pub method: Method,
-    /// The request's target.
-    pub uri: Uri,
-    /// The request's headers.
-    pub headers: HeaderMap,
-}
-
-/// A reconcile function's answer about a recovered attempt.
-#[derive(Debug)]
-pub enum Reconciled {
-    /// The earlier attempt took effect, and this is what it answered (or would have answered):
-    /// stored as the key's outcome and answered without running the handler.
-    Happened(Response<Bytes>),
-    /// The earlier attempt did not take effect: the handler runs.
-    DidNotHappen,
-    /// It cannot be told now (why, for the log: the client is not told): nothing runs, and the
-    /// key stays in flight until this attempt's lease ends.
-    Unresolved(String),
-}
-
-/// The boxed future a reconcile function returns.
-pub(crate) type ReconcileFuture = Pin<Box<dyn Future<Output = Reconciled> + Send>>;
-
-/// A reconcile function, as the layer keeps it.
-pub(crate) type ReconcileFn = Arc<dyn Fn(Reconcile) -> ReconcileFuture + Send + Sync>;
-
-/// Marks a captured response that was adopted from a reconcile function: stored whatever the
-/// outcome policy says of its status.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Adopted;
-
-impl Reconcile {
-    /// What to ask about `request`, which runs as `key`.
-    pub(crate) fn of<B>(request: &http::Request<B>, key: IdempotencyKey) -> Self {
-        Self {
-            key,
-            method: request.method().clone(),
-            uri: request.uri().clone(),
-            headers: request.headers().clone(),
-        }
-    }
-}
 
 /// Asks `reconcile` about the recovered attempt `asked`, counting the answer under `guard`:
 /// `Some` captured answer to record and give instead of running the handler, `None` to run it.

@@ -4,8 +4,7 @@ use http::{HeaderName, HeaderValue, Response};
 use idempotency_core::{Completed, Timestamp};
 
 use crate::body::ResponseBody;
-use crate::problem::Problem;
-use crate::service::problem;
+use crate::problem::{Problem, problem};
 use crate::stored::{self, Stored};
 
 /// Replays carry this header with the value `true`.

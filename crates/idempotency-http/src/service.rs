@@ -15,14 +15,14 @@ use idempotency_core::{Guard, JsonKeyError, JsonPointer, Key, Store};
 use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
 
-use crate::body::{BoxError, ResponseBody};
+use crate::body::{BoxError, ResponseBody, passthrough};
 use crate::capture::problem_in;
+use crate::config::Config;
 use crate::fingerprint::fingerprint;
 use crate::future::{DetachOnDrop, DetachedRuns, ResponseFuture};
 use crate::key::{KeyHeaderError, key_from_header};
-use crate::layer::Config;
-use crate::problem::Problem;
-use crate::wait::run_guarded;
+use crate::problem::{Problem, problem};
+use crate::run::run_guarded;
 
 /// The service a [`crate::IdempotencyLayer`] wraps around `I`.
 pub struct IdempotencyService<I, S> {
@@ -92,14 +92,6 @@ where
             request,
         ))
     }
-}
-
-pub(crate) fn problem<B>(problem: &Problem) -> Response<ResponseBody<B>> {
-    problem.to_response().map(ResponseBody::full)
-}
-
-pub(crate) fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>> {
-    response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
 }
 
 /// A request body's share of the layer's body budget. Dropping it gives the share back and takes

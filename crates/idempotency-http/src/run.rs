@@ -9,16 +9,17 @@ use http_body::Body;
 use idempotency_core::{Execution, Fingerprint, Guard, InFlightWait, Key, Recorded, Scope, Store};
 use tower::Service;
 
+use crate::body::passthrough;
 use crate::body::{BoxError, ResponseBody};
 use crate::capture::{Captured, capture, respond_executed};
+use crate::config::Config;
 use crate::key::IdempotencyKey;
-use crate::layer::Config;
 use crate::log::{Decided, RequestLog};
 use crate::policy::decide;
 use crate::problem::Problem;
+use crate::problem::problem;
 use crate::reconcile::{self, Reconcile};
 use crate::replay::replay;
-use crate::service::{passthrough, problem};
 
 pub(crate) async fn run_guarded<I, S, ReqBody, ResBody>(
     inner: I,
