@@ -69,7 +69,7 @@ pub enum Error {
     },
     /// The dashboard's settings are refused.
     #[error(transparent)]
-    Ui(#[from] crate::ui::UiError),
+    Ui(#[from] UiError),
     /// A TLS setting cannot be used (the message names the file or flag and why).
     #[error("TLS: {0}")]
     Tls(#[from] crate::tls::TlsError),
@@ -197,4 +197,20 @@ pub enum ConsumeError {
         /// The names of the sources this build has.
         known: String,
     },
+}
+
+/// Why the dashboard cannot start as configured.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UiError {
+    /// `--ui` without `--admin-listen`: the dashboard is served on the admin listener only.
+    #[error(
+        "--ui needs --admin-listen: the dashboard is served on the admin listener, apart from the traffic"
+    )]
+    NoAdminListener,
+    /// No token, and an address other hosts can reach.
+    #[error(
+        "--ui on {0}: without --admin-token (or IDEM_ADMIN_TOKEN_FILE) the dashboard listens on a loopback address only"
+    )]
+    NoToken(std::net::SocketAddr),
 }

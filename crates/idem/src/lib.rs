@@ -1,5 +1,6 @@
 //! The `idem` binary's parts, as a library for its tests and for embedding:
 //!
+//! * [`cli`]: the command line, each command given to the module that owns it;
 //! * [`gateway`]: the idempotency gateway (`idem serve`), a reverse proxy with the HTTP layer in
 //!   front of any upstream;
 //! * [`consume`]: `idem consume`, a broker's messages to an HTTP handler, on a registry of
@@ -10,8 +11,10 @@
 //! * [`tls`]: TLS for the listener (reloaded on `SIGHUP`) and for `https://` upstreams and handlers;
 //! * [`telemetry`]: OpenTelemetry traces (OTLP export, `traceparent` in and out);
 //! * [`demo`]: the payments demo (`idem demo`);
-//! * [`ops`]: the operations commands (`idem keys …`, `idem inflight`, `idem migrate`);
-//! * [`key_actions`]: `idem keys release|forget|complete`, an operator's changes to one key;
+//! * [`ops`]: the operations commands, each with its arguments: `idem keys …`, `idem
+//!   inflight`, `idem migrate`, an operator's changes to one key, `idem inbox|outbox …` and
+//!   `idem dlq …`;
+//! * [`relay`]: `idem relay`, the outbox relay for services in any language;
 //! * [`ui`]: the dashboard (`--ui`) of the gateway and of `idem consume`;
 //! * [`units`]: human durations and sizes as the flags take them;
 //! * [`placeholder`]: a `{key}` or `{destination}` put into a URL, encoded only as it must be;
@@ -23,15 +26,13 @@ pub use error::Error;
 pub use idempotency_core::units;
 
 pub mod admin;
-pub mod boxes;
+pub mod cli;
 pub mod config_file;
 pub mod consume;
 pub mod demo;
-pub mod dlq;
 pub mod error;
 pub mod flags;
 pub mod gateway;
-pub mod key_actions;
 pub mod ops;
 pub mod placeholder;
 pub mod probe;
@@ -41,4 +42,3 @@ pub mod server;
 pub mod telemetry;
 pub mod tls;
 pub mod ui;
-mod upstream;

@@ -20,6 +20,25 @@ use crate::error::Error;
 /// How much of an answer's body a failure shows.
 const SHOWN: usize = 200;
 
+/// `idem probe`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The URL: http://HOST:PORT/PATH or https://….
+    url: String,
+    /// How long the answer may take.
+    #[arg(long, default_value = "2s", value_parser = crate::units::parse_duration)]
+    timeout: Duration,
+}
+
+/// Runs `idem probe`: `Ok` on a `2xx` within `--timeout`.
+///
+/// # Errors
+///
+/// As [`probe`].
+pub async fn run(args: Args) -> Result<String, Error> {
+    probe(&args.url, args.timeout).await
+}
+
 /// `GET url` within `timeout`: the status line of a `2xx` answer.
 ///
 /// # Errors

@@ -25,9 +25,61 @@ use std::time::Duration;
 use idempotency_consumer::BoxError;
 use idempotency_outbox::{AmqpPublisher, NatsPublisher, Outbox, OutboxMessage, Publisher, Relay, Tables};
 
-use crate::boxes::Location;
 use crate::error::Error;
+use crate::ops::boxes::Location;
 use crate::units;
+
+/// `idem relay`: a relay (or the file's relays), or `idem relay migrate`.
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct Args {
+    #[command(subcommand)]
+    action: Option<Command>,
+    #[command(flatten)]
+    config: Box<Config>,
+}
+
+/// `idem relay`'s subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Create the outbox table (or upgrade one of version 1), with the trigger that wakes the
+    /// relays.
+    Migrate {
+        /// The database: postgres://…, mysql://… or mariadb://….
+        #[arg(long, env = "IDEM_DATABASE")]
+        database: String,
+        /// The table's schema (on MySQL a database; `public`: the URL's own).
+        #[arg(long, env = "IDEM_SCHEMA", default_value = "public")]
+        schema: String,
+        /// The table.
+        #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
+        outbox_table: String,
+    },
+}
+
+/// Runs `idem relay` until `shutdown` (`command` is the CLI's `idem relay`, for the `[[relay]]`
+/// tables' keys), or `idem relay migrate`; what it prints.
+///
+/// # Errors
+///
+/// As [`relay`] and [`migrate`].
+pub async fn run(
+    args: Args,
+    command: &clap::Command,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<String, Error> {
+    match args.action {
+        Some(Command::Migrate {
+            database,
+            schema,
+            outbox_table,
+        }) => migrate(&database, &schema, &outbox_table).await,
+        None => {
+            relay(*args.config, command, shutdown).await?;
+            Ok(String::new())
+        }
+    }
+}
 
 /// `idem relay`'s settings; each flag is also an `IDEM_*` environment variable, and the keys of
 /// a `[[relay]]` table of `--config`'s file. The settings only the relay has are

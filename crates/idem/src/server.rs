@@ -316,3 +316,26 @@ pub async fn bind_optional(
         None => Ok(None),
     }
 }
+
+/// Resolves at the first SIGTERM or Ctrl-C: the moment a long-running command stops taking new
+/// work and finishes what it has.
+pub async fn shutdown_signal() {
+    let terminate = async {
+        #[cfg(unix)]
+        {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: no new connections; finishing in-flight requests");
+}

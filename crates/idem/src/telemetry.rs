@@ -144,3 +144,53 @@ pub fn propagate(headers: &mut HeaderMap) {
     let context = tracing::Span::current().context();
     TraceContextPropagator::new().inject_context(&context, &mut HeaderInjector(headers));
 }
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `fields` (the message and the event's
+    /// fields), `target` and the spans it is in.
+    Json,
+}
+
+/// Sends logs to standard error, filtered by `IDEM_LOG` (`tracing-subscriber`'s `EnvFilter`
+/// syntax: `debug`, `warn,idempotency=debug`, …; directives that do not parse are ignored) or,
+/// without it, at `default` and above; and spans to the OpenTelemetry exporter when one is
+/// configured ([`Telemetry::start`]). The returned [`Telemetry`] flushes the spans at
+/// [`Telemetry::shutdown`].
+#[must_use]
+pub fn init_logging(default: tracing::Level, format: LogFormat) -> Telemetry {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::from_level(default).into())
+        .with_env_var("IDEM_LOG")
+        .from_env_lossy();
+    // Colours only on a terminal: a log file or a collector would keep the escape codes.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let fmt = match format {
+        LogFormat::Text => fmt.with_target(false).boxed(),
+        // JSON lines carry their target: `idempotency_http::request` marks the request events.
+        LogFormat::Json => fmt.json().with_current_span(false).with_span_list(false).boxed(),
+    };
+    // Spans go to the exporter whatever IDEM_LOG says of the log lines.
+    let (telemetry, traces) = match Telemetry::start() {
+        Ok(started) => started,
+        Err(error) => {
+            eprintln!("idem: warning: traces are not exported: {error}");
+            (Telemetry::default(), None)
+        }
+    };
+    let traces = traces.map(|layer| layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
+    tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(traces)
+        .init();
+    telemetry
+}

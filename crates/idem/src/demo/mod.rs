@@ -30,6 +30,7 @@ use crate::error::Error;
 use crate::gateway::{self, Config};
 use crate::units::format_duration;
 
+pub mod command;
 pub mod consume;
 
 /// How the demo's clients back off between retries: 20 ms doubling to 320 ms.

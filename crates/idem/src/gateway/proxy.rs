@@ -20,9 +20,9 @@ use idempotency_http::{IdempotencyKey, Problem, Reconcile, Reconciled, strip_hop
 use rustls::ClientConfig;
 use tower::Service;
 
+use super::upstream::{Failure, Upstream};
 use crate::error::UpstreamError;
 use crate::reconcile::{Meaning, ReconcileTemplate};
-use crate::upstream::{Failure, Upstream};
 
 /// The header the upstream finds the attempt number in (1, or more after a takeover). The
 /// gateway sets it on guarded requests and removes it from all others, so the upstream can

@@ -23,7 +23,7 @@ use idempotency_http::IdempotencyLayer;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt};
 
-use super::Config;
+use super::config::{Config, command};
 use super::proxy::{Proxy, may_have_dot_segments, remove_dot_segments};
 use crate::admin::SharedPolicy;
 use crate::config_file::{RouteFingerprint, RouteSpec};
@@ -264,8 +264,7 @@ impl Reloader {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let (command, secrets) =
-            crate::flags::secrets_from_files(super::command(), &|name| std::env::var_os(name))?;
+        let (command, secrets) = crate::flags::secrets_from_files(command(), &|name| std::env::var_os(name))?;
         let merged = crate::config_file::try_merge(&command, self.args.clone(), &secrets)?;
         let serve = merged
             .matches

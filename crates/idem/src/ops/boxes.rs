@@ -9,8 +9,264 @@ use idempotency::postgres::sqlx::{self, PgPool, postgres::PgPoolOptions};
 use idempotency_outbox::{Database, InboxRow, InboxState, Tables};
 use serde_json::{Value, json};
 
+use super::{age_text, table};
 use crate::error::Error;
-use crate::ops::{age_text, table};
+
+/// Where the inbox and outbox tables are, and how to print.
+#[derive(Debug, clap::Args)]
+pub struct BoxArgs {
+    /// The database holding the tables: postgres://… (the inbox and the outbox), or mysql://…
+    /// and mariadb://… (the outbox).
+    #[arg(long, env = "IDEM_DATABASE")]
+    database: String,
+    /// The tables' schema.
+    #[arg(long, env = "IDEM_SCHEMA", default_value = "public")]
+    schema: String,
+    /// The inbox table.
+    #[arg(long, env = "IDEM_INBOX_TABLE", default_value = "idempotency_inbox")]
+    inbox_table: String,
+    /// The outbox table.
+    #[arg(long, env = "IDEM_OUTBOX_TABLE", default_value = "idempotency_outbox")]
+    outbox_table: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+impl BoxArgs {
+    fn location(&self) -> Result<Location, Error> {
+        let tables = Tables::default()
+            .schema(&self.schema)
+            .and_then(|t| t.inbox(&self.inbox_table))
+            .and_then(|t| t.outbox(&self.outbox_table))
+            .map_err(|e| Error::Boxes(e.to_string()))?;
+        Ok(Location {
+            database: self.database.clone(),
+            tables,
+        })
+    }
+}
+
+/// An inbox row's state, as `--state` names it.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum InboxStateArg {
+    /// Not handled yet.
+    Pending,
+    /// Handled.
+    Processed,
+    /// Parked after too many failures.
+    Dead,
+}
+
+impl From<InboxStateArg> for InboxState {
+    fn from(state: InboxStateArg) -> Self {
+        match state {
+            InboxStateArg::Pending => Self::Pending,
+            InboxStateArg::Processed => Self::Processed,
+            InboxStateArg::Dead => Self::Dead,
+        }
+    }
+}
+
+/// A finished inbox row's state, as `idem inbox purge --state` names it.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum FinishedStateArg {
+    /// Handled.
+    Processed,
+    /// Parked after too many failures.
+    Dead,
+}
+
+/// `idem inbox …`.
+#[derive(Debug, clap::Subcommand)]
+pub enum InboxCommand {
+    /// List inbox rows in arrival order, with their attempts and last error.
+    List {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only rows in this state.
+        #[arg(long, value_enum)]
+        state: Option<InboxStateArg>,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Show one row with its headers and payload.
+    Show {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// The consumer.
+        #[arg(long)]
+        consumer: String,
+        /// The idempotency key.
+        key: String,
+    },
+    /// Put dead rows back to pending (after the handler is fixed): all of them, one
+    /// consumer's, or one key's.
+    Replay {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Only this key's row.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Delete processed or dead rows finished longer ago than --older-than.
+    Purge {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Which rows.
+        #[arg(long, value_enum)]
+        state: FinishedStateArg,
+        /// Only rows finished at least this long ago.
+        #[arg(long, default_value = "7d", value_parser = crate::units::parse_duration)]
+        older_than: Duration,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Count rows by state, and the oldest pending one's age.
+    Stats {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this consumer's rows.
+        #[arg(long)]
+        consumer: Option<String>,
+    },
+    /// Create the inbox and outbox tables (under the migration lock; safe to repeat).
+    Migrate {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+    },
+}
+
+/// `idem outbox …`.
+#[derive(Debug, clap::Subcommand)]
+pub enum OutboxCommand {
+    /// List outbox rows not yet published (with --all, the sent ones too).
+    List {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Sent rows too.
+        #[arg(long)]
+        all: bool,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Pending, dead and sent counts, and the oldest pending row's age.
+    Stats {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+    },
+    /// Make dead rows (parked after too many failed publishes) pending again, after a fix.
+    Replay {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// Only this row.
+        #[arg(long)]
+        id: Option<i64>,
+    },
+    /// Delete dead rows parked at least this long ago.
+    Purge {
+        /// Where the tables are.
+        #[command(flatten)]
+        at: BoxArgs,
+        /// How long ago (`0s`: every dead row).
+        #[arg(long, value_parser = crate::units::parse_duration)]
+        older_than: Duration,
+    },
+}
+
+/// Runs `idem inbox …`; what it prints.
+///
+/// # Errors
+///
+/// The database's; tables that are not there.
+pub async fn run_inbox(action: InboxCommand) -> Result<String, Error> {
+    match action {
+        InboxCommand::List {
+            at,
+            state,
+            consumer,
+            limit,
+        } => {
+            inbox_list(
+                &at.location()?,
+                state.map(Into::into),
+                consumer.as_deref(),
+                i64::from(limit.max(1)),
+                at.json,
+            )
+            .await
+        }
+        InboxCommand::Show { at, consumer, key } => {
+            inbox_show(&at.location()?, &consumer, &key, at.json).await
+        }
+        InboxCommand::Replay { at, consumer, key } => {
+            inbox_replay(&at.location()?, consumer.as_deref(), key.as_deref(), at.json).await
+        }
+        InboxCommand::Purge {
+            at,
+            state,
+            older_than,
+            consumer,
+        } => {
+            let state = match state {
+                FinishedStateArg::Processed => InboxState::Processed,
+                FinishedStateArg::Dead => InboxState::Dead,
+            };
+            inbox_purge(&at.location()?, state, consumer.as_deref(), older_than, at.json).await
+        }
+        InboxCommand::Stats { at, consumer } => {
+            inbox_stats(&at.location()?, consumer.as_deref(), at.json).await
+        }
+        InboxCommand::Migrate { at } => {
+            let location = at.location()?;
+            migrate(&location).await?;
+            let url = idempotency::redact_url(&location.database);
+            Ok(if at.json {
+                serde_json::json!({ "database": url, "inbox": location.tables.qualified_inbox(), "outbox": location.tables.qualified_outbox(), "schema": "ready" }).to_string()
+            } else {
+                format!(
+                    "{url}: {} and {} ready\n",
+                    location.tables.qualified_inbox(),
+                    location.tables.qualified_outbox()
+                )
+            })
+        }
+    }
+}
+
+/// Runs `idem outbox …`; what it prints.
+///
+/// # Errors
+///
+/// The database's; tables that are not there.
+pub async fn run_outbox(action: OutboxCommand) -> Result<String, Error> {
+    match action {
+        OutboxCommand::List { at, all, limit } => {
+            outbox_list(&at.location()?, all, i64::from(limit.max(1)), at.json).await
+        }
+        OutboxCommand::Stats { at } => outbox_stats(&at.location()?, at.json).await,
+        OutboxCommand::Replay { at, id } => outbox_replay(&at.location()?, id, at.json).await,
+        OutboxCommand::Purge { at, older_than } => outbox_purge(&at.location()?, older_than, at.json).await,
+    }
+}
 
 /// Where the tables are.
 #[derive(Debug, Clone)]

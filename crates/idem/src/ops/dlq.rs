@@ -13,12 +13,154 @@ use std::time::{Duration, SystemTime};
 
 use idempotency_consumer::dead_letters::{DeadLetter, DeadLetterQueue, Selection, Settle};
 
+use super::Confirm;
 use crate::error::Error;
-use crate::key_actions::Confirm;
 use crate::units::format_duration;
 
 /// How much of a payload `show` prints.
 const PREVIEW: usize = 200;
+
+/// Where the dead letters are: the consumer's own source URL.
+#[derive(Debug, clap::Args)]
+pub struct DlqFrom {
+    /// The source `idem consume --from` consumes (amqp://…?queue=…, nats://…, kafka://…,
+    /// sqs://…): its dead-letter queue, subject or topic is found as the consumer writes it.
+    #[arg(long, env = "IDEM_FROM")]
+    from: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Which dead letters a command takes.
+#[derive(Debug, clap::Args)]
+pub struct DlqFilter {
+    /// Only those whose reason contains this text (case-insensitive).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only the one(s) with this Idempotency-Key.
+    #[arg(long)]
+    key: Option<String>,
+}
+
+/// `idem dlq …`.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Count the dead letters by reason, with the oldest one's age; takes nothing.
+    List {
+        /// The consumer's source.
+        #[command(flatten)]
+        from: DlqFrom,
+        /// Only reasons containing this text (case-insensitive).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Read at most this many.
+        #[arg(long, default_value_t = 100_000)]
+        limit: usize,
+    },
+    /// Show dead letters one by one: key, reason, deliveries, when, headers, payload; takes
+    /// nothing.
+    Show {
+        /// The consumer's source.
+        #[command(flatten)]
+        from: DlqFrom,
+        /// Which dead letters.
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+    /// Publish dead letters back to their source with their key and headers, then remove them:
+    /// one whose key completed meanwhile is acked as a duplicate, one that failed runs again.
+    Replay {
+        /// The consumer's source.
+        #[command(flatten)]
+        from: DlqFrom,
+        /// Which dead letters.
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Only those dead-lettered at least this long ago.
+        #[arg(long, value_parser = crate::units::parse_duration)]
+        older_than: Option<Duration>,
+        /// At most this many.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        /// The consumer's source.
+        #[command(flatten)]
+        from: DlqFrom,
+        /// Which dead letters.
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Only those dead-lettered at least this long ago (`0s`: all of them).
+        #[arg(long, value_parser = crate::units::parse_duration)]
+        older_than: Duration,
+        /// At most this many.
+        #[arg(long, default_value_t = 100_000)]
+        limit: usize,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+impl DlqFilter {
+    /// The selection of these filters, up to `limit`.
+    fn selection(&self, limit: usize) -> Selection {
+        let mut selection = Selection::all(limit.max(1));
+        if let Some(reason) = &self.reason {
+            selection = selection.reason(reason.clone());
+        }
+        if let Some(key) = &self.key {
+            selection = selection.key(key.clone());
+        }
+        selection
+    }
+}
+
+/// Runs `idem dlq …`; what it prints.
+///
+/// # Errors
+///
+/// The broker's; a source URL that does not parse; a change not confirmed.
+pub async fn run(action: Command) -> Result<String, Error> {
+    let confirm = |yes: bool| if yes { Confirm::Yes } else { Confirm::Ask };
+    match action {
+        Command::List { from, reason, limit } => {
+            list(&from.from, reason.as_deref(), limit.max(1), from.json).await
+        }
+        Command::Show { from, filter, limit } => show(&from.from, &filter.selection(limit), from.json).await,
+        Command::Replay {
+            from,
+            filter,
+            older_than,
+            limit,
+            yes,
+        } => {
+            let mut selection = filter.selection(limit);
+            if let Some(age) = older_than {
+                selection = selection.older_than(age);
+            }
+            settle(&from.from, &selection, Settle::Replay, confirm(yes), from.json).await
+        }
+        Command::Purge {
+            from,
+            filter,
+            older_than,
+            limit,
+            yes,
+        } => {
+            let selection = filter.selection(limit).older_than(older_than);
+            settle(&from.from, &selection, Settle::Purge, confirm(yes), from.json).await
+        }
+    }
+}
 
 /// An age in whole seconds, as the other commands write durations.
 fn age(age: Duration) -> String {
@@ -240,7 +382,7 @@ pub async fn settle(
                 " (deleted for good)"
             }
         );
-        crate::key_actions::confirmed(confirm, &question)?;
+        super::confirmed(confirm, &question)?;
     }
     let settled = queue.settle(selection, settle).await.map_err(failed)?;
     if settled > 0 {

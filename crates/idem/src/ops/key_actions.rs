@@ -16,7 +16,6 @@
 //! | `complete` | the outcome given is recorded as a new attempt's (the record's fingerprint kept): retries replay it | no record (the fingerprint is unknown); completed; in flight with a live lease, unless `--force` |
 
 use std::fmt::Write as _;
-use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use std::time::Duration;
 
 use idempotency::{
@@ -25,6 +24,7 @@ use idempotency::{
 };
 use serde_json::json;
 
+use super::{Confirm, confirmed};
 use crate::error::Error;
 
 /// What `idem keys release|forget|complete` does to the record.
@@ -57,15 +57,6 @@ impl KeyAction {
             Self::Complete { .. } => "complete",
         }
     }
-}
-
-/// How the action is confirmed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Confirm {
-    /// `--yes`: no question.
-    Yes,
-    /// Ask on the terminal; refuse when standard input is not one.
-    Ask,
 }
 
 /// The lease a takeover by `idem keys complete` holds while it records the outcome.
@@ -261,31 +252,4 @@ fn held(record: &Record, token: Token) -> Held {
 
 fn changed_meanwhile() -> String {
     "the record changed while the command ran (completed, taken over or expired); nothing was changed: look at it again with `idem keys get`".into()
-}
-
-/// Asks `question` on the terminal unless `confirm` is [`Confirm::Yes`]; without a terminal,
-/// [`Error::Unconfirmed`].
-pub(crate) fn confirmed(confirm: Confirm, question: &str) -> Result<(), Error> {
-    if confirm == Confirm::Yes {
-        return Ok(());
-    }
-    let stdin = std::io::stdin();
-    if !stdin.is_terminal() {
-        return Err(Error::Unconfirmed(format!(
-            "{question}\nstandard input is not a terminal: pass --yes to confirm"
-        )));
-    }
-    let mut stderr = std::io::stderr();
-    let _ = write!(stderr, "{question} [y/N] ");
-    let _ = stderr.flush();
-    let mut answer = String::new();
-    stdin
-        .lock()
-        .read_line(&mut answer)
-        .map_err(|e| Error::Unconfirmed(format!("no answer: {e}")))?;
-    if matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes") {
-        Ok(())
-    } else {
-        Err(Error::Unconfirmed("not confirmed: nothing was changed".into()))
-    }
 }

@@ -1,57 +1,327 @@
-//! The operations commands: `keys list|get|stats|purge`, `inflight`, `migrate`. Human tables by
-//! default, JSON with `--json`.
+//! `idem keys list|get|stats|purge|release|forget|complete`, `idem inflight` and `idem migrate`:
+//! their arguments and their runs. Human tables by default, JSON with `--json`.
 
 use std::fmt::Write as _;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use idempotency::{
-    DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, ScopeSecret, StateFilter, Stats,
+    Access, DynStore, Key, ListFilter, RecordState, RecordSummary, Scope, ScopeSecret, StateFilter, Stats,
     SummaryState, Timestamp, Token,
 };
 use serde_json::{Value, json};
 
+use super::key_actions::KeyAction;
+use super::{Confirm, age, key, open, rfc3339, scope, table};
 use crate::error::Error;
 use crate::units::format_duration;
 
-/// A timestamp as RFC 3339 UTC, to the millisecond. Clamped to years 1970 to 9999, which the
-/// format (and `humantime`, which writes it) can show: a stored time outside them is damaged.
-#[must_use]
-pub fn rfc3339(time: Timestamp) -> String {
-    // 9999-12-31T23:59:59.999Z
-    let last = UNIX_EPOCH + Duration::from_millis(253_402_300_799_999);
-    humantime::format_rfc3339_millis(time.to_system_time().clamp(UNIX_EPOCH, last)).to_string()
+/// `idem keys …`: the records of a store.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// List records, oldest first within each scope.
+    List(ListArgs),
+    /// Show one record, with the stored response when the gateway stored it.
+    Get(GetArgs),
+    /// Count records by state.
+    Stats(StatsArgs),
+    /// Delete expired records.
+    Purge(PurgeArgs),
+    /// End an in-flight attempt's lease now: its completion is refused, the next retry runs as
+    /// the next attempt.
+    Release(KeyActionArgs),
+    /// Delete a key's record so that the key runs again as a new first attempt.
+    Forget(ForgetArgs),
+    /// Record an outcome by hand (an HTTP response, as the gateway stores it): retries replay it.
+    Complete(CompleteArgs),
 }
 
-fn age(since: Timestamp, now: Timestamp) -> String {
-    age_text(now.since(since))
+/// The key a single-key action changes, and its store.
+#[derive(Debug, clap::Args)]
+pub struct KeyActionArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// The key.
+    key: String,
+    /// The key's scope ("" for the global scope; `idem keys list` shows the gateway's).
+    #[arg(long, default_value = "")]
+    scope: String,
+    /// Change the record without asking (otherwise asked on the terminal).
+    #[arg(long, short = 'y')]
+    yes: bool,
 }
 
-/// An age as the operations commands show it: whole seconds, in the largest exact unit.
-pub(crate) fn age_text(age: Duration) -> String {
-    format_duration(Duration::from_secs(age.as_secs()))
+/// `idem keys forget`.
+#[derive(Debug, clap::Args)]
+pub struct ForgetArgs {
+    #[command(flatten)]
+    action: KeyActionArgs,
+    /// Forget the key even while an attempt runs (its completion is then refused, and a retry
+    /// runs beside it).
+    #[arg(long)]
+    force: bool,
 }
 
-/// Renders rows as a left-aligned text table without borders, with a header unless every
-/// header cell is empty.
-#[must_use]
-pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut table = comfy_table::Table::new();
-    table
-        .load_preset(comfy_table::presets::NOTHING)
-        .set_content_arrangement(comfy_table::ContentArrangement::Disabled);
-    if header.iter().any(|h| !h.is_empty()) {
-        table.set_header(header.iter().copied());
+/// `idem keys complete`.
+#[derive(Debug, clap::Args)]
+pub struct CompleteArgs {
+    #[command(flatten)]
+    action: KeyActionArgs,
+    /// The response's status (100 to 599).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(100..=599))]
+    status: u16,
+    /// A file holding the response's body ("-" for standard input).
+    #[arg(long)]
+    body: String,
+    /// A response header, `Name: value` (repeatable), e.g. `--header 'Content-Type: application/json'`.
+    #[arg(long = "header", value_name = "NAME: VALUE")]
+    headers: Vec<String>,
+    /// How long the outcome is replayed.
+    #[arg(long, default_value = "24h", value_parser = crate::flags::parse_retention)]
+    retention: Duration,
+    /// Take the key over even while an attempt runs (its completion is then refused).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum StateArg {
+    InFlight,
+    Completed,
+}
+
+/// `idem keys list`.
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// Only this scope ("" for the global scope).
+    #[arg(long)]
+    scope: Option<String>,
+    /// Only records in this state.
+    #[arg(long, value_enum)]
+    state: Option<StateArg>,
+    /// Only records whose state began at least this long ago.
+    #[arg(long, value_parser = crate::units::parse_duration)]
+    older_than: Option<Duration>,
+    /// At most this many records.
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+    /// Continue after this scope (with --after-key): the last row of the previous page.
+    #[arg(long, requires = "after_key")]
+    after_scope: Option<String>,
+    /// Continue after this key (with --after-scope).
+    #[arg(long, requires = "after_scope")]
+    after_key: Option<String>,
+}
+
+/// `idem keys get`.
+#[derive(Debug, clap::Args)]
+pub struct GetArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// The key.
+    key: String,
+    /// The key's scope ("" for the global scope). The gateway's scopes are hashes of the scope
+    /// header; `idem keys list` shows them.
+    #[arg(long, default_value = "")]
+    scope: String,
+}
+
+/// `idem keys stats`.
+#[derive(Debug, clap::Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// Only this scope.
+    #[arg(long)]
+    scope: Option<String>,
+}
+
+/// `idem keys purge`.
+#[derive(Debug, clap::Args)]
+pub struct PurgeArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// Records deleted per batch.
+    #[arg(long, default_value_t = 1000)]
+    batch: u64,
+}
+
+/// `idem inflight`.
+#[derive(Debug, clap::Args)]
+pub struct InflightArgs {
+    #[command(flatten)]
+    store: super::StoreArgs,
+    /// Only requests in flight for at least this long.
+    #[arg(long, default_value = "5m", value_parser = crate::units::parse_duration)]
+    older_than: Duration,
+    /// Only this scope.
+    #[arg(long)]
+    scope: Option<String>,
+    /// At most this many records.
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+}
+
+/// Runs `idem keys …`; what it prints.
+///
+/// # Errors
+///
+/// The store's; a key or scope that does not parse; what the single-key actions refuse.
+pub async fn run(action: Command) -> Result<String, Error> {
+    match action {
+        Command::List(args) => {
+            let filter = list_filter(&args)?;
+            list(
+                &open(&args.store, Access::ReadOnly).await?,
+                &filter,
+                args.store.json,
+            )
+            .await
+        }
+        Command::Get(args) => {
+            let key = key(&args.key)?;
+            let scope = scope(&args.scope)?;
+            get(
+                &open(&args.store, Access::ReadOnly).await?,
+                &scope,
+                &key,
+                args.store.json,
+            )
+            .await
+        }
+        Command::Stats(args) => {
+            let scope = args.scope.as_deref().map(scope).transpose()?;
+            stats(
+                &open(&args.store, Access::ReadOnly).await?,
+                scope.as_ref(),
+                args.store.json,
+            )
+            .await
+        }
+        Command::Release(args) => key_action(&args, KeyAction::Release).await,
+        Command::Forget(args) => key_action(&args.action, KeyAction::Forget { force: args.force }).await,
+        Command::Complete(args) => {
+            let outcome = stored_response(&args)?;
+            let action = KeyAction::Complete {
+                outcome,
+                retention: args.retention,
+                force: args.force,
+            };
+            key_action(&args.action, action).await
+        }
+        Command::Purge(args) => {
+            purge(
+                &open(&args.store, Access::Existing).await?,
+                args.batch.max(1),
+                args.store.json,
+            )
+            .await
+        }
     }
-    for row in rows {
-        table.add_row(row.iter().map(String::as_str));
+}
+
+/// Runs `action` on the key `args` name; changes go through a store opened without DDL.
+async fn key_action(args: &KeyActionArgs, action: KeyAction) -> Result<String, Error> {
+    let key = key(&args.key)?;
+    let scope = scope(&args.scope)?;
+    let confirm = if args.yes { Confirm::Yes } else { Confirm::Ask };
+    super::key_actions::act(
+        &open(&args.store, Access::Existing).await?,
+        &scope,
+        &key,
+        &action,
+        confirm,
+        args.store.json,
+    )
+    .await
+}
+
+/// The response `idem keys complete` records, as the gateway stores one.
+fn stored_response(args: &CompleteArgs) -> Result<idempotency::Outcome, Error> {
+    let body = if args.body == "-" {
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)
+            .map_err(|e| Error::Usage(format!("--body -: {e}")))?;
+        body
+    } else {
+        std::fs::read(&args.body).map_err(|e| Error::Usage(format!("--body {}: {e}", args.body)))?
+    };
+    let mut headers = http::HeaderMap::new();
+    for header in &args.headers {
+        let parsed = header.split_once(':').and_then(|(name, value)| {
+            let name = http::HeaderName::from_bytes(name.trim().as_bytes()).ok()?;
+            let value = http::HeaderValue::from_str(value.trim()).ok()?;
+            Some((name, value))
+        });
+        let (name, value) = parsed.ok_or_else(|| {
+            Error::Usage(format!(
+                "--header `{header}`: expected `Name: value` with a valid header name and value"
+            ))
+        })?;
+        headers.append(name, value);
     }
-    let mut out = String::new();
-    for line in table.lines() {
-        // The preset pads every cell with a space on each side; the first and last are noise.
-        out.push_str(line.strip_prefix(' ').unwrap_or(&line).trim_end());
-        out.push('\n');
+    let status = http::StatusCode::from_u16(args.status)
+        .map_err(|e| Error::Usage(format!("--status {}: {e}", args.status)))?;
+    Ok(idempotency_http::StoredOutcome::Response {
+        status,
+        headers,
+        body: body.into(),
     }
-    out
+    .encode())
+}
+
+/// The filter `idem keys list` asks the store with.
+fn list_filter(args: &ListArgs) -> Result<ListFilter, Error> {
+    let mut filter = ListFilter::default().limit(args.limit.max(1));
+    if let Some(text) = &args.scope {
+        filter = filter.scope(scope(text)?);
+    }
+    if let Some(state) = args.state {
+        filter = filter.state(match state {
+            StateArg::InFlight => StateFilter::InFlight,
+            StateArg::Completed => StateFilter::Completed,
+        });
+    }
+    if let Some(age) = args.older_than {
+        filter = filter.older_than(age);
+    }
+    if let (Some(after_scope), Some(after_key)) = (&args.after_scope, &args.after_key) {
+        filter = filter.after(scope(after_scope)?, key(after_key)?);
+    }
+    Ok(filter)
+}
+
+/// Runs `idem inflight`: the requests in flight for longer than `--older-than`.
+///
+/// # Errors
+///
+/// The store's; a scope that does not parse.
+pub async fn inflight_command(args: InflightArgs) -> Result<String, Error> {
+    let scope = args.scope.as_deref().map(scope).transpose()?;
+    inflight(
+        &open(&args.store, Access::ReadOnly).await?,
+        scope,
+        args.older_than,
+        args.limit.max(1),
+        args.store.json,
+    )
+    .await
+}
+
+/// Runs `idem migrate`: the store's schema, created or upgraded.
+///
+/// # Errors
+///
+/// The store's.
+pub async fn migrate(args: &super::StoreArgs) -> Result<String, Error> {
+    let _store = open(args, Access::Create).await?;
+    let url = idempotency::redact_url(&args.store);
+    Ok(if args.json {
+        serde_json::json!({ "store": url, "schema": "ready" }).to_string()
+    } else {
+        format!("{url}: schema ready\n")
+    })
 }
 
 fn summary_json(record: &RecordSummary, now: Timestamp) -> Value {

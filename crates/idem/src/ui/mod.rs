@@ -20,77 +20,23 @@
 
 mod pages;
 mod rates;
+mod state;
+mod token;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use http::{HeaderMap, HeaderValue, StatusCode, header};
-use subtle::ConstantTimeEq as _;
+use http::{HeaderValue, StatusCode, header};
 
 use crate::admin::Admin;
-
-/// The token `--admin-token` takes: at least 16 characters, never printed (its `Debug` says
-/// only that it is set).
-#[derive(Clone, PartialEq, Eq)]
-pub struct AdminToken(String);
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(set)")
-    }
-}
-
-/// The fewest characters an admin token may have.
-pub const MIN_TOKEN_LEN: usize = 16;
-
-/// Why an admin token is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum TokenError {
-    /// Shorter than [`MIN_TOKEN_LEN`].
-    #[error(
-        "--admin-token: the token has {0} characters; at least 16 are needed (e.g. `openssl rand -hex 32`)"
-    )]
-    TooShort(usize),
-    /// It holds a space or a control character, which an `Authorization` header cannot carry
-    /// whole.
-    #[error("--admin-token: the token may not hold spaces or control characters")]
-    Unprintable,
-}
-
-impl AdminToken {
-    /// `text` as a token.
-    ///
-    /// # Errors
-    ///
-    /// [`TokenError`] when it is too short or holds a space or control character.
-    pub fn new(text: &str) -> Result<Self, TokenError> {
-        if text.chars().count() < MIN_TOKEN_LEN {
-            return Err(TokenError::TooShort(text.chars().count()));
-        }
-        if text.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(TokenError::Unprintable);
-        }
-        Ok(Self(text.to_owned()))
-    }
-
-    /// Whether `given` is this token, compared in constant time.
-    fn matches(&self, given: &str) -> bool {
-        self.0.as_bytes().ct_eq(given.as_bytes()).into()
-    }
-}
-
-impl crate::flags::SecretParser<AdminToken> {
-    /// `--admin-token`, with [`AdminToken::new`].
-    pub const ADMIN_TOKEN: Self = Self::new("--admin-token", |text| Ok(AdminToken::new(text)?));
-}
+pub use crate::error::UiError;
+use state::{Access, COOKIE, bearer, cookie_value, session_cookie};
+pub use state::{Process, Ui};
+pub use token::{AdminToken, MIN_TOKEN_LEN, TokenError};
 
 /// The dashboard's flags, the same on `idem serve` and `idem consume`.
 #[derive(Debug, Clone, clap::Args)]
@@ -126,14 +72,14 @@ impl UiFlags {
     }
 
     /// Where `--ui-database` and `--ui-schema` put the inbox and outbox the dashboard shows.
-    fn boxes_at(&self) -> Result<Option<crate::boxes::Location>, crate::Error> {
+    fn boxes_at(&self) -> Result<Option<crate::ops::boxes::Location>, crate::Error> {
         let Some(database) = &self.ui_database else {
             return Ok(None);
         };
         let tables = idempotency_outbox::Tables::default()
             .schema(&self.ui_schema)
             .map_err(|e| crate::Error::Boxes(format!("--ui-schema: {e}")))?;
-        Ok(Some(crate::boxes::Location {
+        Ok(Some(crate::ops::boxes::Location {
             database: database.clone(),
             tables,
         }))
@@ -160,22 +106,6 @@ impl UiFlags {
     }
 }
 
-/// Why the dashboard cannot start as configured.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum UiError {
-    /// `--ui` without `--admin-listen`: the dashboard is served on the admin listener only.
-    #[error(
-        "--ui needs --admin-listen: the dashboard is served on the admin listener, apart from the traffic"
-    )]
-    NoAdminListener,
-    /// No token, and an address other hosts can reach.
-    #[error(
-        "--ui on {0}: without --admin-token (or IDEM_ADMIN_TOKEN_FILE) the dashboard listens on a loopback address only"
-    )]
-    NoToken(SocketAddr),
-}
-
 /// Checks the dashboard's settings before anything starts.
 ///
 /// # Errors
@@ -191,168 +121,6 @@ pub fn check(ui: bool, admin_listen: Option<SocketAddr>, token: Option<&AdminTok
         return Err(UiError::NoToken(addr));
     }
     Ok(())
-}
-
-/// What the dashboard shows besides the store: which process it is part of.
-#[derive(Debug, Clone)]
-pub enum Process {
-    /// `idem serve`.
-    Gateway,
-    /// `idem consume`, reading `from` (its URL is never shown: it may hold a password).
-    Consumer {
-        /// The consumer's `--from`, where its dead letters are found.
-        from: String,
-    },
-}
-
-/// The dashboard's state.
-#[derive(Clone)]
-pub struct Ui {
-    admin: Admin,
-    process: Process,
-    token: Option<AdminToken>,
-    sessions: Arc<Mutex<Sessions>>,
-    /// The CSRF token of the forms a bearer-token request gets (it has no session).
-    bearer_csrf: Arc<str>,
-    rates: Arc<rates::Rates>,
-    /// The database whose inbox and outbox the dashboard shows, when one is configured.
-    boxes: Option<crate::boxes::Location>,
-}
-
-impl std::fmt::Debug for Ui {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ui")
-            .field(
-                "process",
-                &match self.process {
-                    Process::Gateway => "gateway",
-                    Process::Consumer { .. } => "consumer",
-                },
-            )
-            .field("token", &self.token)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Ui {
-    /// The dashboard over `admin`'s store and metrics; starts sampling the metrics for the
-    /// overview's chart (on the current Tokio runtime).
-    #[must_use]
-    pub fn new(admin: Admin, process: Process, token: Option<AdminToken>) -> Self {
-        let series = match process {
-            Process::Gateway => rates::GATEWAY,
-            Process::Consumer { .. } => rates::CONSUMER,
-        };
-        let rates = Arc::new(rates::Rates::new(admin.metrics().clone(), series));
-        tokio::spawn(Arc::clone(&rates).sample_every(rates::INTERVAL));
-        Self {
-            admin,
-            process,
-            token,
-            sessions: Arc::default(),
-            bearer_csrf: random_token().into(),
-            rates,
-            boxes: None,
-        }
-    }
-}
-
-/// How long a dashboard session lasts after its login.
-const SESSION_LIFETIME: Duration = Duration::from_secs(8 * 3600);
-/// The most sessions kept at once; a new one beyond it ends the oldest.
-const MAX_SESSIONS: usize = 1024;
-/// The session cookie.
-const COOKIE: &str = "idem_ui";
-
-/// A logged-in browser: the CSRF token its forms carry.
-#[derive(Debug, Clone)]
-struct Session {
-    csrf: String,
-    expires: Instant,
-}
-
-#[derive(Debug, Default)]
-struct Sessions(HashMap<String, Session>);
-
-impl Sessions {
-    /// A new session; returns its id.
-    fn open(&mut self) -> (String, Session) {
-        let now = Instant::now();
-        self.0.retain(|_, session| session.expires > now);
-        if self.0.len() >= MAX_SESSIONS
-            && let Some(oldest) = self
-                .0
-                .iter()
-                .min_by_key(|(_, session)| session.expires)
-                .map(|(id, _)| id.clone())
-        {
-            self.0.remove(&oldest);
-        }
-        let session = Session {
-            csrf: random_token(),
-            expires: now + SESSION_LIFETIME,
-        };
-        let id = random_token();
-        self.0.insert(id.clone(), session.clone());
-        (id, session)
-    }
-
-    fn find(&self, id: &str) -> Option<&Session> {
-        self.0.get(id).filter(|session| session.expires > Instant::now())
-    }
-}
-
-/// 32 random bytes, hex: a session id or a CSRF token.
-fn random_token() -> String {
-    use std::fmt::Write as _;
-    rand::random::<[u8; 32]>()
-        .iter()
-        .fold(String::new(), |mut out, byte| {
-            let _ = write!(out, "{byte:02x}");
-            out
-        })
-}
-
-/// Who a request is, once authorised: what its forms' CSRF token is.
-#[derive(Debug, Clone)]
-struct Access {
-    csrf: String,
-    /// Whether it came with the bearer token (else a session cookie).
-    bearer: bool,
-}
-
-impl Access {
-    /// Whether `given` is this request's CSRF token.
-    fn csrf_ok(&self, given: Option<&str>) -> bool {
-        given.is_some_and(|given| bool::from(self.csrf.as_bytes().ct_eq(given.as_bytes())))
-    }
-}
-
-fn cookie_value<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| v)
-}
-
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-}
-
-fn session_cookie(id: &str) -> HeaderValue {
-    HeaderValue::from_str(&format!(
-        "{COOKIE}={id}; Path=/ui; HttpOnly; SameSite=Strict; Max-Age={}",
-        SESSION_LIFETIME.as_secs()
-    ))
-    .unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
 /// Lets a request in with the bearer token or a live session; without a token configured,
@@ -491,30 +259,5 @@ mod tests {
         assert_eq!(check(true, Some(public), Some(&token)), Ok(()));
         assert_eq!(check(true, Some(local), None), Ok(()));
         assert_eq!(check(true, Some(local6), None), Ok(()));
-    }
-
-    #[test]
-    fn sessions_end_and_are_bounded() {
-        let mut sessions = Sessions::default();
-        let (id, session) = sessions.open();
-        assert_eq!(sessions.find(&id).map(|s| s.csrf.clone()), Some(session.csrf));
-        assert!(sessions.find("not-a-session").is_none());
-        for _ in 0..MAX_SESSIONS + 10 {
-            sessions.open();
-        }
-        assert_eq!(sessions.0.len(), MAX_SESSIONS);
-        assert!(sessions.find(&id).is_none(), "the oldest session ended");
-    }
-
-    #[test]
-    fn cookies_and_bearer_tokens_are_read_from_their_headers() {
-        let mut headers = HeaderMap::new();
-        headers.append(header::COOKIE, HeaderValue::from_static("a=1; idem_ui=abc"));
-        headers.append(header::AUTHORIZATION, HeaderValue::from_static("Bearer t0k"));
-        assert_eq!(cookie_value(&headers, COOKIE), Some("abc"));
-        assert_eq!(cookie_value(&headers, "b"), None);
-        assert_eq!(bearer(&headers), Some("t0k"));
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic eDp5"));
-        assert_eq!(bearer(&headers), None);
     }
 }

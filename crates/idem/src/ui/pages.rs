@@ -13,9 +13,11 @@ use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{Access, COOKIE, Process, Ui, cookie_value, rates, session_cookie};
-use crate::key_actions::{Confirm, KeyAction};
+use super::rates;
+use super::state::{Access, COOKIE, Process, Ui, cookie_value, session_cookie};
+use crate::ops::Confirm;
 use crate::ops::age_text;
+use crate::ops::key_actions::KeyAction;
 use crate::units::{format_duration, parse_duration};
 
 /// What every page's frame shows.
@@ -445,7 +447,7 @@ pub(super) async fn release(State(ui): State<Ui>, Checked(form, access): Checked
         &format!("key {} in scope {:?}", key.as_str(), scope.as_str()),
         &access,
     );
-    let result = crate::key_actions::act(
+    let result = crate::ops::key_actions::act(
         ui.admin.store(),
         &scope,
         &key,
@@ -503,7 +505,7 @@ pub(super) async fn key(
         return html(StatusCode::OK, &page);
     };
     let value = match scope_and_key(&page.scope, &key_text) {
-        Ok((scope, key)) => crate::ops::record_json(ui.admin.store(), &scope, &key).await,
+        Ok((scope, key)) => crate::ops::keys::record_json(ui.admin.store(), &scope, &key).await,
         Err(why) => Err(why),
     };
     let value = match value {
@@ -514,7 +516,7 @@ pub(super) async fn key(
         }
     };
     let text = |v: &Value| v.as_str().map_or_else(|| v.to_string(), str::to_owned);
-    for field in crate::ops::RECORD_FIELDS {
+    for field in crate::ops::keys::RECORD_FIELDS {
         if let Some(v) = value.get(field) {
             page.fields.push((field, text(v)));
         }
@@ -576,7 +578,7 @@ pub(super) async fn dead_letters(State(ui): State<Ui>, Extension(access): Extens
         groups: Vec::new(),
         listing_note: "reads up to 10,000 dead letters and takes none (RabbitMQ and SQS count it as a delivery of each).",
     };
-    match crate::dlq::groups(from, None, DEAD_LETTERS_READ).await {
+    match crate::ops::dlq::groups(from, None, DEAD_LETTERS_READ).await {
         Ok(groups) => {
             page.name = groups.name;
             page.total = groups.total;
@@ -613,7 +615,7 @@ pub(super) async fn settle(State(ui): State<Ui>, Checked(form, access): Checked)
         return message(page, Err(why), back);
     }
     if !form.confirmed() {
-        let groups = match crate::dlq::groups(from, Some(&reason), DEAD_LETTERS_READ).await {
+        let groups = match crate::ops::dlq::groups(from, Some(&reason), DEAD_LETTERS_READ).await {
             Ok(groups) => groups,
             Err(error) => return message(page, Err(error), back),
         };
@@ -636,7 +638,7 @@ pub(super) async fn settle(State(ui): State<Ui>, Checked(form, access): Checked)
         &access,
     );
     let selection = Selection::all(usize::MAX).reason(reason);
-    let result = crate::dlq::settle(from, &selection, settle, Confirm::Yes, false).await;
+    let result = crate::ops::dlq::settle(from, &selection, settle, Confirm::Yes, false).await;
     message(page, result, back)
 }
 
@@ -752,9 +754,9 @@ pub(super) async fn boxes_replay(State(ui): State<Ui>, Checked(form, access): Ch
     }
     audit("replay", &format!("the dead rows of the {table}"), &access);
     let result = if table == "inbox" {
-        crate::boxes::inbox_replay(at, None, None, false).await
+        crate::ops::boxes::inbox_replay(at, None, None, false).await
     } else {
-        crate::boxes::outbox_replay(at, None, false).await
+        crate::ops::boxes::outbox_replay(at, None, false).await
     };
     message(page, result, back)
 }
