@@ -64,6 +64,7 @@ pub const DELIVERIES_HEADER: &str = "x-idempotency-deliveries";
 /// connection is [`Lost`](AdapterErrorKind::Lost), a declaration the broker refused (a queue
 /// that exists with other arguments) [`Refused`](AdapterErrorKind::Refused), an unconfirmed or
 /// late settlement [`Settle`](AdapterErrorKind::Settle).
+#[deprecated(note = "the adapter error every broker shares is `AdapterError`: use that name")]
 pub type AmqpError = AdapterError;
 
 /// How long a settlement may take before it is given up: on a connection that died, an ack or a
@@ -143,7 +144,7 @@ impl Topology {
     ///
     /// [`AdapterErrorKind::Refused`] when the broker refuses a declaration (a queue that exists
     /// with other arguments), [`AdapterErrorKind::Lost`] when the channel fails.
-    pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AdapterError> {
         let durable = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -306,7 +307,7 @@ impl Delivery for AmqpMessage {
 /// between leaves a duplicate, which the record answers without running it twice).
 ///
 /// ```no_run
-/// # async fn example(channel: &lapin::Channel) -> Result<(), idempotency_amqp::AmqpError> {
+/// # async fn example(channel: &lapin::Channel) -> Result<(), idempotency_amqp::AdapterError> {
 /// use idempotency_amqp::{Topology, replay_dead_letters};
 /// let moved = replay_dead_letters(channel, &Topology::for_queue("payments"), 100).await?;
 /// println!("{moved} dead letters back on payments");
@@ -315,13 +316,13 @@ impl Delivery for AmqpMessage {
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when a publish was not confirmed or an ack failed; what was moved before
+/// [`AdapterError`] when a publish was not confirmed or an ack failed; what was moved before
 /// stays moved.
 pub async fn replay_dead_letters(
     channel: &Channel,
     topology: &Topology,
     limit: usize,
-) -> Result<usize, AmqpError> {
+) -> Result<usize, AdapterError> {
     let mut moved = 0;
     while moved < limit {
         let Some(message) = channel
@@ -421,7 +422,7 @@ pub async fn process<P>(
     channel: &Channel,
     topology: &Topology,
     delivery: lapin::message::Delivery,
-) -> Result<Disposition, AmqpError>
+) -> Result<Disposition, AdapterError>
 where
     P: Processor<AmqpMessage>,
 {
@@ -441,7 +442,7 @@ pub async fn process_batch<P>(
     channel: &Channel,
     topology: &Topology,
     deliveries: Vec<lapin::message::Delivery>,
-) -> Vec<Result<Disposition, AmqpError>>
+) -> Vec<Result<Disposition, AdapterError>>
 where
     P: Processor<AmqpMessage>,
 {
@@ -464,7 +465,7 @@ pub async fn settle(
     topology: &Topology,
     message: &AmqpMessage,
     disposition: &Disposition,
-) -> Result<(), AmqpError> {
+) -> Result<(), AdapterError> {
     let copy_to = |queue: &str, change: &dyn Fn(&mut FieldTable), expiration: Option<Duration>| {
         let mut headers = message.delivery.properties.headers().clone().unwrap_or_default();
         change(&mut headers);
@@ -535,7 +536,7 @@ async fn publish_confirmed(
     payload: Vec<u8>,
     properties: BasicProperties,
     kind: AdapterErrorKind,
-) -> Result<(), AmqpError> {
+) -> Result<(), AdapterError> {
     let failed = amqp(kind, "publishing");
     let (exchange, mandatory) = match route {
         Route::Queue => ("", true),
@@ -585,7 +586,7 @@ async fn publish_confirmed(
 ///
 /// # Errors
 ///
-/// [`AmqpError`] when the publish was not confirmed, or no queue took it through the default
+/// [`AdapterError`] when the publish was not confirmed, or no queue took it through the default
 /// exchange; publishing again with the same key is safe.
 pub async fn publish(
     channel: &Channel,
@@ -593,7 +594,7 @@ pub async fn publish(
     routing_key: &str,
     key: &Key,
     payload: &[u8],
-) -> Result<(), AmqpError> {
+) -> Result<(), AdapterError> {
     publish_with_headers(channel, exchange, routing_key, key, payload, &[]).await
 }
 
@@ -609,7 +610,7 @@ pub async fn publish_with_headers(
     key: &Key,
     payload: &[u8],
     more: &[(String, Vec<u8>)],
-) -> Result<(), AmqpError> {
+) -> Result<(), AdapterError> {
     let mut headers = FieldTable::default();
     for (name, value) in more {
         headers.insert(

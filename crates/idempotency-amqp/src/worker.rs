@@ -16,7 +16,7 @@ use lapin::{Channel, Connection};
 
 use idempotency_consumer::adapter::{AdapterErrorKind, Flow, Pipeline};
 
-use crate::{AdapterError, AmqpError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
+use crate::{AdapterError, AmqpMessage, AmqpTls, BROKER, RabbitMq, Topology, amqp};
 
 /// How long a worker's connection set-up may take by default ([`Worker::set_up_timeout`]).
 pub const DEFAULT_SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -38,7 +38,7 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// # async fn example<P: idempotency_consumer::Processor<idempotency_amqp::AmqpMessage>>(
 /// #     processor: P,
 /// #     shutdown: impl Future<Output = ()> + Send,
-/// # ) -> Result<(), idempotency_amqp::AmqpError> {
+/// # ) -> Result<(), idempotency_amqp::AdapterError> {
 /// let worker = Worker::new("amqp://guest:guest@127.0.0.1:5672/%2f", Topology::for_queue("payments"), Arc::new(processor))
 ///     .prefetch(32);
 /// worker.run_until(shutdown).await?; // SIGTERM, say: stop taking messages, settle the running ones
@@ -140,10 +140,10 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`AmqpError`] when the first connection's topology is refused (for example a queue
+    /// [`AdapterError`] when the first connection's topology is refused (for example a queue
     /// exists with other arguments): a configuration error that retrying cannot mend. Lost
     /// connections are not errors; the worker reconnects.
-    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AmqpError>
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AdapterError>
     where
         F: Future<Output = ()> + Send,
     {
@@ -304,9 +304,9 @@ impl<P: Processor<AmqpMessage>> Worker<P> {
 /// How a connection's life ended, when it ended badly.
 enum Session {
     /// The broker refused the topology.
-    Refused(AmqpError),
+    Refused(AdapterError),
     /// The connection failed or was lost.
-    Lost(AmqpError),
+    Lost(AdapterError),
 }
 
 /// Resolves once `connection` is no longer connected (lost, errored or closed).

@@ -203,7 +203,7 @@ fn spawn_worker(
     worker: Worker<TestConsumer>,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), idempotency_amqp::AmqpError>>,
+    tokio::task::JoinHandle<Result<(), idempotency_amqp::AdapterError>>,
 ) {
     spawn_until_stopped(|stopped| async move { worker.run_until(stopped).await })
 }

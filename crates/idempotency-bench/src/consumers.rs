@@ -333,7 +333,7 @@ async fn rabbitmq(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<
                         .map(|_| ())
                         .map_err(|e| e.to_string())
                 };
-                let settled = |done: Result<Disposition, idempotency_amqp::AmqpError>| {
+                let settled = |done: Result<Disposition, idempotency_amqp::AdapterError>| {
                     expect_ack(done.map_err(|e| e.to_string())?)
                 };
                 match work {
@@ -529,7 +529,7 @@ async fn nats(work: &Work, tag: &str, batches: Option<BatchPlan>) -> Result<(f64
             async move {
                 let message = message.map_err(|e| e.to_string())?;
                 let progress = Duration::from_secs(10);
-                let settled = |done: Result<Disposition, idempotency_nats::SettleError>| {
+                let settled = |done: Result<Disposition, idempotency_nats::AdapterError>| {
                     expect_ack(done.map_err(|e| e.to_string())?)
                 };
                 match work {

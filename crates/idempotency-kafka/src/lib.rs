@@ -164,6 +164,7 @@ impl Delivery for KafkaMessage {
 /// [`Publish`](AdapterErrorKind::Publish) (an event) or [`Settle`](AdapterErrorKind::Settle) (a
 /// dead letter), a failed offset commit [`Settle`](AdapterErrorKind::Settle). No offset was
 /// committed past an unsettled message, so it is read again; the record makes that a duplicate.
+#[deprecated(note = "the adapter error every broker shares is `AdapterError`: use that name")]
 pub type KafkaAdapterError = AdapterError;
 
 /// The broker's name in metrics and errors.
@@ -237,7 +238,7 @@ pub async fn process<P, C>(
     producer: &FutureProducer,
     dead_letter_topic: &str,
     message: OwnedMessage,
-) -> Result<Disposition, KafkaAdapterError>
+) -> Result<Disposition, AdapterError>
 where
     P: Processor<KafkaMessage>,
     C: Consumer,
@@ -312,7 +313,7 @@ async fn dead_letter(
 }
 
 /// Commits the offset after `message` (Kafka commits the next position to read).
-fn commit_past<C: Consumer>(consumer: &C, message: &OwnedMessage) -> Result<(), KafkaAdapterError> {
+fn commit_past<C: Consumer>(consumer: &C, message: &OwnedMessage) -> Result<(), AdapterError> {
     let next = message.offset() + 1;
     let mut list = TopicPartitionList::new();
     let what = format!(
@@ -342,7 +343,7 @@ pub async fn publish(
     key: &Key,
     record_key: Option<&[u8]>,
     payload: &[u8],
-) -> Result<(i32, i64), KafkaAdapterError> {
+) -> Result<(i32, i64), AdapterError> {
     let headers = OwnedHeaders::new().insert(Header {
         key: IDEMPOTENCY_KEY_HEADER,
         value: Some(key.as_str()),

@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use idempotency_consumer::adapter::{AdapterErrorKind, Pipeline};
 
-use crate::{KafkaAdapterError, KafkaBroker, KafkaMessage, kafka};
+use crate::{AdapterError, KafkaBroker, KafkaMessage, kafka};
 
 /// How long one poll of the consumer waits for a message; also the longest a shutdown or an
 /// abandoned worker waits to be noticed.
@@ -93,7 +93,7 @@ const SHARED_SETTINGS: [&str; 5] = ["bootstrap.servers", "security.", "sasl.", "
 /// # async fn example<P: idempotency_consumer::Processor<idempotency_kafka::KafkaMessage> + 'static>(
 /// #     processor: P,
 /// #     shutdown: impl Future<Output = ()> + Send,
-/// # ) -> Result<(), idempotency_kafka::KafkaAdapterError> {
+/// # ) -> Result<(), idempotency_kafka::AdapterError> {
 /// let mut config = ClientConfig::new();
 /// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "payments");
 /// let worker = Worker::new(config, "payments", Arc::new(processor)).concurrency(8);
@@ -278,7 +278,7 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     /// and as soon as librdkafka reports a refused TLS handshake (a certificate it does not
     /// trust, a name that does not match) or a refused SASL authentication, with librdkafka's
     /// reason (which never holds the password).
-    pub async fn check(&self, timeout: Duration) -> Result<(), KafkaAdapterError> {
+    pub async fn check(&self, timeout: Duration) -> Result<(), AdapterError> {
         let consumer: BaseConsumer<CheckContext> =
             self.config
                 .create_with_context(CheckContext::default())
@@ -354,7 +354,7 @@ impl<P: Processor<KafkaMessage> + 'static> Worker<P> {
     /// [`AdapterErrorKind::Config`] when `config` names no group or the client refuses a
     /// setting, or the topic cannot be subscribed to. A broker that is down is not an error:
     /// librdkafka reconnects, and the partitions wait.
-    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), KafkaAdapterError>
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AdapterError>
     where
         F: Future<Output = ()> + Send,
     {
@@ -527,8 +527,8 @@ impl<P: Processor<KafkaMessage> + 'static> ConsumerContext for WorkerContext<P> 
 }
 
 /// A settings error.
-fn config_error(what: String) -> KafkaAdapterError {
-    crate::AdapterError::new(AdapterErrorKind::Config, crate::BROKER, what)
+fn config_error(what: String) -> AdapterError {
+    AdapterError::new(AdapterErrorKind::Config, crate::BROKER, what)
 }
 
 /// How long one metadata request of [`Worker::check`] waits before the check looks at what
@@ -610,8 +610,8 @@ impl ClientContext for CheckContext {
 impl ConsumerContext for CheckContext {}
 
 /// The broker refused the setup (a topic it does not have).
-fn refused(what: String) -> KafkaAdapterError {
-    crate::AdapterError::new(AdapterErrorKind::Refused, crate::BROKER, what)
+fn refused(what: String) -> AdapterError {
+    AdapterError::new(AdapterErrorKind::Refused, crate::BROKER, what)
 }
 
 /// What the poll thread, the callbacks and the partition tasks share.

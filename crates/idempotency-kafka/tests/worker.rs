@@ -164,7 +164,7 @@ async fn a_worker_killed_mid_handler_leaves_the_message_for_the_next() {
 /// A running worker: the sender stops it.
 type Running = (
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), idempotency_kafka::KafkaAdapterError>>,
+    tokio::task::JoinHandle<Result<(), idempotency_kafka::AdapterError>>,
 );
 
 /// Starts a worker of `group` on `topic`.

@@ -35,7 +35,7 @@ mod dead_letters;
 mod source;
 mod worker;
 pub use source::{NatsSource, NatsTls, SOURCE, connect_url};
-pub use worker::{Worker, WorkerError};
+pub use worker::Worker;
 
 /// The header a dead-lettered message carries its reason in.
 pub const DEAD_REASON_HEADER: &str = DEAD_LETTER_REASON_HEADER;
@@ -109,10 +109,17 @@ impl Delivery for NatsMessage {
     }
 }
 
+/// The durable consumer could not be found or created: the adapter error every broker shares,
+/// naming the stream and the consumer ([`AdapterErrorKind::Refused`] when JetStream refused,
+/// [`AdapterErrorKind::Unreachable`] when it did not answer or is unavailable for now).
+#[deprecated(note = "the adapter error every broker shares is `AdapterError`: use that name")]
+pub type WorkerError = AdapterError;
+
 /// A JetStream operation that failed: the adapter error every broker shares, with
 /// [`Broker::NAME`] `nats`. A settlement (an ack, a nak, a dead-letter copy) that was not
 /// confirmed is [`Settle`](AdapterErrorKind::Settle): the message was not acknowledged, the
 /// server redelivers it after its ack wait, and the record makes that redelivery a duplicate.
+#[deprecated(note = "the adapter error every broker shares is `AdapterError`: use that name")]
 pub type SettleError = AdapterError;
 
 /// The broker's name in metrics and errors.
@@ -188,7 +195,7 @@ pub async fn process<P>(
     dead_letter_subject: &str,
     message: jetstream::Message,
     progress_every: Duration,
-) -> Result<Disposition, SettleError>
+) -> Result<Disposition, AdapterError>
 where
     P: Processor<NatsMessage>,
 {
@@ -208,7 +215,7 @@ pub async fn process_batch<P>(
     dead_letter_subject: &str,
     messages: Vec<jetstream::Message>,
     progress_every: Duration,
-) -> Vec<Result<Disposition, SettleError>>
+) -> Vec<Result<Disposition, AdapterError>>
 where
     P: Processor<NatsMessage>,
 {
@@ -233,7 +240,7 @@ pub async fn settle(
     dead_letter_subject: &str,
     message: &NatsMessage,
     disposition: &Disposition,
-) -> Result<(), SettleError> {
+) -> Result<(), AdapterError> {
     match disposition {
         Disposition::Ack => message
             .message
@@ -300,7 +307,7 @@ pub async fn replay_dead_letters(
     stream: &str,
     dead_letter_subject: &str,
     limit: usize,
-) -> Result<usize, SettleError> {
+) -> Result<usize, AdapterError> {
     let stream = jetstream
         .get_stream(stream)
         .await
@@ -322,7 +329,7 @@ pub async fn publish(
     subject: impl Into<String>,
     key: &Key,
     payload: Bytes,
-) -> Result<jetstream::publish::PublishAck, SettleError> {
+) -> Result<jetstream::publish::PublishAck, AdapterError> {
     let mut headers = HeaderMap::new();
     headers.insert(IDEMPOTENCY_KEY_HEADER, key.as_str());
     headers.insert("Nats-Msg-Id", key.as_str());

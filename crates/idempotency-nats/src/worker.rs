@@ -15,11 +15,6 @@ use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Flow, Pipeli
 
 use crate::{BROKER, JetStream, NatsMessage};
 
-/// The durable consumer could not be found or created: the adapter error every broker shares,
-/// naming the stream and the consumer ([`AdapterErrorKind::Refused`] when JetStream refused,
-/// [`AdapterErrorKind::Unreachable`] when it did not answer or is unavailable for now).
-pub type WorkerError = AdapterError;
-
 /// Consumes a durable pull consumer with a [`Processor`], up to `concurrency` messages at a
 /// time, each through [`process`](crate::process) (progress acks while it runs, the disposition carried out
 /// after the outcome is recorded). Messages are pulled `concurrency` at a time, so none waits
@@ -32,7 +27,7 @@ pub type WorkerError = AdapterError;
 /// #     jetstream: async_nats::jetstream::Context,
 /// #     processor: P,
 /// #     shutdown: impl Future<Output = ()> + Send,
-/// # ) -> Result<(), idempotency_nats::WorkerError> {
+/// # ) -> Result<(), idempotency_nats::AdapterError> {
 /// Worker::new(jetstream, "PAYMENTS", "charges", "payments.dead", Arc::new(processor))
 ///     .concurrency(32)
 ///     .run_until(shutdown) // SIGTERM, say: stop pulling, settle the running ones
@@ -110,11 +105,11 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`WorkerError`] when the stream does not exist or the consumer cannot be made
+    /// [`AdapterError`] when the stream does not exist or the consumer cannot be made
     /// ([`AdapterErrorKind::Refused`]), or when JetStream did not answer in time, the request
     /// could not be sent or JetStream is unavailable for now (no leader, say):
     /// [`AdapterErrorKind::Unreachable`], which may pass.
-    pub async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
+    pub async fn consumer(&self) -> Result<PullConsumer, AdapterError> {
         let fail_as = |kind: AdapterErrorKind, why: String| {
             AdapterError::new(
                 kind,
@@ -187,9 +182,9 @@ impl<P: Processor<NatsMessage>> Worker<P> {
     ///
     /// # Errors
     ///
-    /// [`WorkerError`] when JetStream refuses the consumer at the start: the stream does not
+    /// [`AdapterError`] when JetStream refuses the consumer at the start: the stream does not
     /// exist, the consumer cannot be made, or it would receive its own dead letters.
-    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), WorkerError>
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AdapterError>
     where
         F: Future<Output = ()> + Send,
     {

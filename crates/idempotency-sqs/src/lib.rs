@@ -173,6 +173,7 @@ impl Delivery for SqsMessage {
 /// [`Unreachable`](AdapterErrorKind::Unreachable), while running [`Lost`](AdapterErrorKind::Lost);
 /// a delete, visibility change or dead-letter copy that failed is
 /// [`Settle`](AdapterErrorKind::Settle), a send [`Publish`](AdapterErrorKind::Publish).
+#[deprecated(note = "the adapter error every broker shares is `AdapterError`: use that name")]
 pub type SqsError = AdapterError;
 
 /// The broker's name in metrics and errors.

@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 
 use idempotency_consumer::adapter::AdapterErrorKind;
 
-use crate::{SqsError, config, sdk};
+use crate::{AdapterError, config, sdk};
 
 /// The longest `MessageDeduplicationId` SQS accepts.
 const DEDUP_ID_MAX: usize = 128;
@@ -63,7 +63,7 @@ impl Producer {
     ///
     /// [`AdapterErrorKind::Config`] on a FIFO queue (it needs a group: use
     /// [`send_in_group`](Self::send_in_group)); the service's error otherwise.
-    pub async fn send(&self, key: &Key, body: impl Into<String>) -> Result<String, SqsError> {
+    pub async fn send(&self, key: &Key, body: impl Into<String>) -> Result<String, AdapterError> {
         if self.fifo {
             return Err(config(format!(
                 "{} is a FIFO queue: send with a message group (send_in_group)",
@@ -84,7 +84,7 @@ impl Producer {
         key: &Key,
         group: &str,
         body: impl Into<String>,
-    ) -> Result<String, SqsError> {
+    ) -> Result<String, AdapterError> {
         self.send_message(key, Some(group), body.into(), &[]).await
     }
 
@@ -102,7 +102,7 @@ impl Producer {
         group: &str,
         body: impl Into<String>,
         attributes: &[(String, String)],
-    ) -> Result<String, SqsError> {
+    ) -> Result<String, AdapterError> {
         if attributes.len() > MAX_ATTRIBUTES - 1 {
             let names: Vec<&str> = attributes.iter().map(|(name, _)| name.as_str()).collect();
             return Err(config(format!(
@@ -120,7 +120,7 @@ impl Producer {
         group: Option<&str>,
         body: String,
         attributes: &[(String, String)],
-    ) -> Result<String, SqsError> {
+    ) -> Result<String, AdapterError> {
         let attribute = MessageAttributeValue::builder()
             .data_type("String")
             .string_value(key.as_str())

@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 
 use idempotency_consumer::adapter::{AdapterError, AdapterErrorKind, Broker, Pipeline, retry_set_up};
 
-use crate::{BROKER, SqsError, SqsMessage, config, queue_name, sdk};
+use crate::{BROKER, SqsMessage, config, queue_name, sdk};
 
 /// SQS's limits: messages per receive and per batch, the longest long poll, the longest
 /// visibility timeout, message attributes per message.
@@ -57,7 +57,7 @@ pub enum DeadLetters {
 /// #     client: aws_sdk_sqs::Client,
 /// #     processor: P,
 /// #     shutdown: impl Future<Output = ()> + Send,
-/// # ) -> Result<(), idempotency_sqs::SqsError> {
+/// # ) -> Result<(), idempotency_sqs::AdapterError> {
 /// let queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/payments";
 /// let dead = DeadLetters::Queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dead".into());
 /// let worker = Worker::new(client, queue, dead, Arc::new(processor))
@@ -227,7 +227,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     /// [`AdapterErrorKind::Config`] when the queue has no redrive policy for
     /// [`DeadLetters::RedrivePolicy`] or SQS refuses the settings or credentials. Service errors
     /// while running are not returned: they are logged and counted, and the worker retries.
-    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), SqsError>
+    pub async fn run_until<F>(&self, shutdown: F) -> Result<(), AdapterError>
     where
         F: Future<Output = ()> + Send,
     {
@@ -340,7 +340,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
     ///
     /// As [`run_until`](Self::run_until) returns them; a retryable
     /// [`AdapterErrorKind::Unreachable`] when the service could not be reached.
-    pub async fn check(&self) -> Result<(), SqsError> {
+    pub async fn check(&self) -> Result<(), AdapterError> {
         let shared = &self.shared;
         let attributes = shared
             .client
@@ -376,7 +376,7 @@ impl<P: Processor<SqsMessage> + 'static> Worker<P> {
         Ok(())
     }
 
-    async fn receive(&self, want: usize) -> Result<Vec<SqsMessage>, SqsError> {
+    async fn receive(&self, want: usize) -> Result<Vec<SqsMessage>, AdapterError> {
         let shared = &self.shared;
         let received = shared
             .client
@@ -604,7 +604,12 @@ impl Shared {
     }
 
     /// Sends the dead-letter copy of `message` to `url`, and waits for SQS to accept it.
-    async fn send_dead_letter(&self, url: &str, message: &SqsMessage, reason: &str) -> Result<(), SqsError> {
+    async fn send_dead_letter(
+        &self,
+        url: &str,
+        message: &SqsMessage,
+        reason: &str,
+    ) -> Result<(), AdapterError> {
         let mut send = self
             .client
             .send_message()
@@ -644,7 +649,7 @@ impl Shared {
     }
 }
 
-fn string_attribute(value: String) -> Result<MessageAttributeValue, SqsError> {
+fn string_attribute(value: String) -> Result<MessageAttributeValue, AdapterError> {
     MessageAttributeValue::builder()
         .data_type("String")
         .string_value(value)

@@ -157,7 +157,7 @@ impl Ledger {
 /// A worker running in a task of its own: stop it gracefully, or kill it.
 pub struct Running {
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), idempotency_sqs::SqsError>>,
+    task: tokio::task::JoinHandle<Result<(), idempotency_sqs::AdapterError>>,
 }
 
 impl Running {
