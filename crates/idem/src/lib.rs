@@ -25,6 +25,23 @@ pub use error::Error;
 /// Human durations and sizes as the flags take them (core's, shared with the broker URLs).
 pub use idempotency_core::units;
 
+/// The guides of the `idem` binary's operators, as part of these docs.
+pub mod guide {
+    /// Deploying `idem` (`docs/DEPLOYING.md`): the image, the gateway as a sidecar, probes,
+    /// secrets, logs and traces, with the manifests under `deploy/`.
+    #[doc = include_str!("../../../docs/DEPLOYING.md")]
+    pub mod deploying {}
+
+    /// Operating `idem` (`docs/OPERATIONS.md`): metrics, alerts, the dashboard, and changing
+    /// one key after an incident.
+    #[doc = include_str!("../../../docs/OPERATIONS.md")]
+    pub mod operations {}
+
+    /// TLS on every connection (`docs/TLS.md`): how each is set, its default and its test.
+    #[doc = include_str!("../../../docs/TLS.md")]
+    pub mod tls {}
+}
+
 pub mod admin;
 pub mod cli;
 pub mod config_file;

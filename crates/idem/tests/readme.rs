@@ -1,6 +1,7 @@
 //! What a newcomer reads first, checked against the repository: the README links every guide and
 //! lists it in its layout, says which Rust it needs, pins every `cargo install` to the lock
-//! file, and gives the gateway's new-key rate on every store whose replay rate it gives.
+//! file, and gives the gateway's new-key rate on every store whose replay rate it gives. Every
+//! guide is part of the API docs too, in the crate it documents.
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +34,46 @@ fn guides() -> Vec<String> {
     guides.sort();
     assert!(guides.len() >= 12, "{guides:?}");
     guides
+}
+
+/// The Rust files under `dir`, recursively.
+fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, found);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            found.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_guide_is_in_the_api_docs() {
+    let mut sources = Vec::new();
+    for krate in std::fs::read_dir(root().join("crates")).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if src.is_dir() {
+            rust_files(&src, &mut sources);
+        }
+    }
+    let included: Vec<String> = sources
+        .iter()
+        .map(|path| std::fs::read_to_string(path).unwrap())
+        .filter(|text| {
+            text.contains("#[doc = include_str!(\"../../../docs/")
+                || text.contains("#[doc = include_str!(\"../../../../docs/")
+        })
+        .collect();
+    for guide in guides() {
+        let doc = format!("docs/{guide}\")]");
+        assert!(
+            included.iter().any(|text| text
+                .lines()
+                .any(|line| line.trim_start().starts_with("#[doc = include_str!(") && line.contains(&doc))),
+            "docs/{guide} is not in any crate's API docs (`#[doc = include_str!(…)]` in the crate it documents)"
+        );
+    }
 }
 
 #[test]

@@ -85,6 +85,11 @@ use idempotency_core::{
 #[doc = include_str!("../../../docs/CONSUMERS.md")]
 pub mod guide {}
 
+/// The adapter guide (`docs/WRITING-AN-ADAPTER.md`): how a broker's adapter is written on the
+/// kit, and the broker suite it must pass.
+#[doc = include_str!("../../../docs/WRITING-AN-ADAPTER.md")]
+pub mod writing_an_adapter {}
+
 pub mod adapter;
 mod batch;
 pub mod dead_letters;

@@ -15,6 +15,11 @@
 //! | `canonical_json` | RFC 8785 canonicalisation and JSON Pointer selection for fingerprints | the fingerprint ignores member order and whitespace |
 //! | `consumer_key` | a message's key (`KeySource`) and its dead-letter headers | a key is valid; dead-letter header values are one line |
 
+/// The fuzzing guide (`docs/FUZZING.md`): the targets, how to run them, and what a finding
+/// becomes.
+#[doc = include_str!("../../../docs/FUZZING.md")]
+pub mod guide {}
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue};
 use idempotency_consumer::{Delivery, KeySource, dead_letter_headers};

@@ -56,6 +56,11 @@
 #[doc = include_str!("../../../docs/HTTP.md")]
 pub mod guide {}
 
+/// The reconcile guide (`docs/RECONCILE.md`): the hook that asks a service whether an attempt
+/// whose answer was lost took effect, and the contract for the lookup that answers it.
+#[doc = include_str!("../../../docs/RECONCILE.md")]
+pub mod reconcile_guide {}
+
 mod body;
 mod capture;
 mod config;

@@ -47,6 +47,11 @@
 //! and relays refresh gauges of the backlog, its oldest age and the dead rows, and count what
 //! they receive, handle, publish and fail to publish (`docs/OPERATIONS.md` lists the metrics).
 
+/// The outbox and inbox guide (`docs/OUTBOX.md`): the outbox table any language writes to,
+/// the relay's guarantees, the destinations, the inbox, and `idem relay`.
+#[doc = include_str!("../../../docs/OUTBOX.md")]
+pub mod guide {}
+
 mod admin;
 mod database;
 mod headers;

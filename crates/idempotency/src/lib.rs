@@ -44,6 +44,11 @@
 
 use std::sync::LazyLock;
 
+/// The benchmarks (`docs/BENCHMARKS.md`): every figure the README gives, measured side by side
+/// with a baseline in one run, with the command that reproduces it.
+#[doc = include_str!("../../../docs/BENCHMARKS.md")]
+pub mod benchmarks {}
+
 /// The storage-neutral core, under its own name (everything below is also re-exported here).
 pub use idempotency_core as core;
 pub use idempotency_core::{
