@@ -13,9 +13,8 @@ use std::time::{Duration, SystemTime};
 
 use idempotency_consumer::dead_letters::{DeadLetter, DeadLetterQueue, Selection, Settle};
 
-use super::Confirm;
+use super::{Confirm, age_text};
 use crate::error::Error;
-use crate::units::format_duration;
 
 /// How much of a payload `show` prints.
 const PREVIEW: usize = 200;
@@ -162,11 +161,6 @@ pub async fn run(action: Command) -> Result<String, Error> {
     }
 }
 
-/// An age in whole seconds, as the other commands write durations.
-fn age(age: Duration) -> String {
-    format_duration(Duration::from_secs(age.as_secs()))
-}
-
 /// Opens the dead-letter destination of the source `from`.
 async fn open(from: &str) -> Result<Box<dyn DeadLetterQueue>, Error> {
     let shown = idempotency::redact_url(from);
@@ -248,7 +242,7 @@ pub async fn list(from: &str, reason: Option<&str>, limit: usize, json: bool) ->
     }
     let rows: Vec<Vec<String>> = reasons
         .iter()
-        .map(|(reason, count, oldest)| vec![count.to_string(), age(*oldest), reason.clone()])
+        .map(|(reason, count, oldest)| vec![count.to_string(), age_text(*oldest), reason.clone()])
         .collect();
     let mut out = format!("{name}: {total} dead letters\n");
     if !rows.is_empty() {
@@ -316,7 +310,7 @@ pub async fn show(from: &str, selection: &Selection, json: bool) -> Result<Strin
             source = letter.source.as_deref().unwrap_or("-"),
             deliveries = letter.deliveries.map_or_else(|| "-".to_owned(), |n| n.to_string()),
             at = letter.dead_at.map_or_else(|| "-".to_owned(), httpdate::fmt_http_date),
-            age = age(letter.age(now)),
+            age = age_text(letter.age(now)),
         ));
         for (name, value) in &letter.headers {
             out.push_str(&format!("  header:     {name}: {value}\n"));
