@@ -69,7 +69,7 @@ pub struct Config {
     pub check: bool,
     /// The routes of the --config file, in file order.
     #[arg(skip)]
-    pub routes: Vec<crate::config_file::RouteSpec>,
+    pub routes: Vec<super::route::RouteSpec>,
     /// The process's command line, when its settings come from a --config file: SIGHUP merges
     /// the file with it again.
     #[arg(skip)]
