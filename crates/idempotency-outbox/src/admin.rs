@@ -7,11 +7,9 @@ use std::time::Duration;
 
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool, Row};
 
+use crate::dialect::{OutboxRow, OutboxStats, PURGE_BATCH, Purge, in_batches};
 use crate::inbox::Inbox;
 use crate::{Database, OutboxError, Tables, headers};
-
-/// How many rows one cleanup statement deletes: small enough to hold no lock for long.
-pub(crate) const PURGE_BATCH: i64 = 1000;
 
 /// An inbox row's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -215,21 +213,17 @@ pub async fn inbox_purge(
              SELECT id FROM {table} WHERE state = $1 AND ($2::text IS NULL OR consumer = $2)
              AND finished_at < now() - make_interval(secs => $3) LIMIT {PURGE_BATCH})"
     );
-    let mut purged = 0;
-    loop {
-        let done = sqlx::query(AssertSqlSafe(sql.as_str()))
+    in_batches(|| async {
+        Ok(sqlx::query(AssertSqlSafe(sql.as_str()))
             .bind(state.as_str())
             .bind(consumer)
             .bind(older_than.as_secs_f64())
             .execute(pool)
             .await
             .map_err(OutboxError::db("purge inbox rows"))?
-            .rows_affected();
-        purged += done;
-        if done < PURGE_BATCH.unsigned_abs() {
-            return Ok(purged);
-        }
-    }
+            .rows_affected())
+    })
+    .await
 }
 
 /// The cleanup of an inbox worker: processed rows past the dedup window.
@@ -305,130 +299,31 @@ pub(crate) async fn refresh_inbox_gauges(inbox: &Inbox) -> Result<(), OutboxErro
     Ok(())
 }
 
-/// An outbox row, as operators see it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OutboxRow {
-    /// The row's id.
-    pub id: i64,
-    /// Its aggregate.
-    pub ordering_key: String,
-    /// Where it goes.
-    pub destination: String,
-    /// Its `Idempotency-Key`, when the row names one (else the relay's `<name>:<id>`).
-    pub key: Option<String>,
-    /// Whether it was published.
-    pub sent: bool,
-    /// Whether it failed too often and was parked (`idem outbox replay` sends it again).
-    pub dead: bool,
-    /// Publish attempts.
-    pub attempts: i32,
-    /// The last failed publish's error.
-    pub last_error: Option<String>,
-    /// Seconds since it was enqueued.
-    pub age_seconds: f64,
-}
-
 /// Outbox rows in id order (pending and dead ones, and with `all` the sent ones too), at most
 /// `limit`.
 ///
 /// # Errors
 ///
-/// [`OutboxError::Database`].
+/// [`OutboxError::Database`] (or [`OutboxError::MySql`]).
 pub async fn outbox_list(
     database: impl Into<Database>,
     tables: &Tables,
     all: bool,
     limit: i64,
 ) -> Result<Vec<OutboxRow>, OutboxError> {
-    let pool = match database.into() {
-        Database::Postgres(pool) => pool,
-        #[cfg(feature = "mysql")]
-        Database::MySql(pool) => return crate::mysql::list(&pool, tables, all, limit).await,
-    };
-    let sql = format!(
-        "SELECT id, ordering_key, destination, key, sent_at IS NOT NULL AS sent, dead_at IS NOT NULL AS dead,
-                attempts, last_error, extract(epoch FROM now() - created_at)::float8 AS age_seconds
-         FROM {} WHERE $1 OR sent_at IS NULL ORDER BY id LIMIT $2",
-        tables.qualified_outbox()
-    );
-    let rows = sqlx::query(AssertSqlSafe(sql))
-        .bind(all)
-        .bind(limit)
-        .fetch_all(&pool)
-        .await
-        .map_err(OutboxError::db("list the outbox"))?;
-    Ok(rows
-        .iter()
-        .map(|row| OutboxRow {
-            id: row.get("id"),
-            ordering_key: row.get("ordering_key"),
-            destination: row.get("destination"),
-            key: row.get("key"),
-            sent: row.get("sent"),
-            dead: row.get("dead"),
-            attempts: row.get("attempts"),
-            last_error: row.get("last_error"),
-            age_seconds: row.get("age_seconds"),
-        })
-        .collect())
-}
-
-/// The outbox's backlog.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OutboxStats {
-    /// Rows not yet published (dead ones aside).
-    pub pending: i64,
-    /// Rows published and kept until the retention.
-    pub sent: i64,
-    /// Rows parked after failing too often.
-    pub dead: i64,
-    /// The oldest pending row's age in seconds.
-    pub oldest_pending_seconds: Option<f64>,
-}
-
-impl OutboxStats {
-    /// Sets the relay's gauges.
-    pub(crate) fn show(&self, outbox: &str) {
-        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
-        metrics::gauge!("idempotency_outbox_backlog", "outbox" => outbox.to_owned()).set(self.pending as f64);
-        #[expect(clippy::cast_precision_loss, reason = "a gauge")]
-        metrics::gauge!("idempotency_outbox_dead", "outbox" => outbox.to_owned()).set(self.dead as f64);
-        metrics::gauge!("idempotency_outbox_oldest_pending_seconds", "outbox" => outbox.to_owned())
-            .set(self.oldest_pending_seconds.unwrap_or(0.0));
-    }
+    database.into().dialect().list(tables, all, limit).await
 }
 
 /// The outbox's counts.
 ///
 /// # Errors
 ///
-/// [`OutboxError::Database`].
+/// [`OutboxError::Database`] (or [`OutboxError::MySql`]).
 pub async fn outbox_stats(
     database: impl Into<Database>,
     tables: &Tables,
 ) -> Result<OutboxStats, OutboxError> {
-    let pool = match database.into() {
-        Database::Postgres(pool) => pool,
-        #[cfg(feature = "mysql")]
-        Database::MySql(pool) => return crate::mysql::stats(&pool, tables).await,
-    };
-    let sql = format!(
-        "SELECT count(*) FILTER (WHERE sent_at IS NULL AND dead_at IS NULL), count(*) FILTER (WHERE sent_at IS NOT NULL),
-                count(*) FILTER (WHERE dead_at IS NOT NULL AND sent_at IS NULL),
-                extract(epoch FROM now() - min(created_at) FILTER (WHERE sent_at IS NULL AND dead_at IS NULL))::float8
-         FROM {}",
-        tables.qualified_outbox()
-    );
-    let (pending, sent, dead, oldest_pending_seconds) = sqlx::query_as(AssertSqlSafe(sql))
-        .fetch_one(&pool)
-        .await
-        .map_err(OutboxError::db("count the outbox"))?;
-    Ok(OutboxStats {
-        pending,
-        sent,
-        dead,
-        oldest_pending_seconds,
-    })
+    database.into().dialect().stats(tables).await
 }
 
 /// Makes dead outbox rows pending again (all of them, or the one with `id`), their attempts
@@ -438,122 +333,45 @@ pub async fn outbox_stats(
 ///
 /// # Errors
 ///
-/// [`OutboxError::Database`].
+/// [`OutboxError::Database`] (or [`OutboxError::MySql`]).
 pub async fn outbox_replay(
     database: impl Into<Database>,
     tables: &Tables,
     id: Option<i64>,
 ) -> Result<u64, OutboxError> {
-    let pool = match database.into() {
-        Database::Postgres(pool) => pool,
-        #[cfg(feature = "mysql")]
-        Database::MySql(pool) => return crate::mysql::replay(&pool, tables, id).await,
-    };
-    let sql = format!(
-        "UPDATE {} SET dead_at = NULL, attempts = 0, last_error = NULL
-         WHERE dead_at IS NOT NULL AND sent_at IS NULL AND ($1::bigint IS NULL OR id = $1)",
-        tables.qualified_outbox()
-    );
-    let replayed = sqlx::query(AssertSqlSafe(sql))
-        .bind(id)
-        .execute(&pool)
-        .await
-        .map_err(OutboxError::db("replay dead outbox rows"))?
-        .rows_affected();
-    if replayed > 0 {
-        // The relays are woken as by an insert.
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(tables.outbox_channel())
-            .execute(&pool)
-            .await
-            .map_err(OutboxError::db("wake the relays"))?;
-    }
-    Ok(replayed)
+    database.into().dialect().replay(tables, id).await
 }
 
 /// Deletes dead outbox rows parked at least `older_than` ago, in batches. Returns how many.
 ///
 /// # Errors
 ///
-/// [`OutboxError::Database`].
+/// [`OutboxError::Database`] (or [`OutboxError::MySql`]).
 pub async fn outbox_purge_dead(
     database: impl Into<Database>,
     tables: &Tables,
     older_than: Duration,
 ) -> Result<u64, OutboxError> {
-    let what = "purge dead outbox rows";
-    let pool = match database.into() {
-        Database::Postgres(pool) => pool,
-        #[cfg(feature = "mysql")]
-        Database::MySql(pool) => {
-            return crate::mysql::purge(&pool, tables, "dead_at", older_than, what).await;
-        }
-    };
-    let table = tables.qualified_outbox();
-    let sql = format!(
-        "DELETE FROM {table} WHERE id IN (
-             SELECT id FROM {table} WHERE sent_at IS NULL AND dead_at <= now() - make_interval(secs => $1)
-             LIMIT {PURGE_BATCH})"
-    );
-    purge_batches(&pool, &sql, older_than, what).await
+    database
+        .into()
+        .dialect()
+        .purge(tables, Purge::Dead, older_than)
+        .await
 }
 
 /// Deletes sent rows older than `retention`, in batches. Returns how many.
 ///
 /// # Errors
 ///
-/// [`OutboxError::Database`].
+/// [`OutboxError::Database`] (or [`OutboxError::MySql`]).
 pub async fn purge_sent(
     database: impl Into<Database>,
     tables: &Tables,
     retention: Duration,
 ) -> Result<u64, OutboxError> {
-    let what = "purge sent outbox rows";
-    let pool = match database.into() {
-        Database::Postgres(pool) => pool,
-        #[cfg(feature = "mysql")]
-        Database::MySql(pool) => return crate::mysql::purge(&pool, tables, "sent_at", retention, what).await,
-    };
-    let table = tables.qualified_outbox();
-    let sql = format!(
-        "DELETE FROM {table} WHERE id IN (
-             SELECT id FROM {table} WHERE sent_at < now() - make_interval(secs => $1) LIMIT {PURGE_BATCH})"
-    );
-    purge_batches(&pool, &sql, retention, what).await
-}
-
-/// Runs the batch `DELETE` `sql` (`$1`: an age in seconds) until a batch deletes less than
-/// [`PURGE_BATCH`]; how many it deleted.
-async fn purge_batches(
-    pool: &PgPool,
-    sql: &str,
-    age: Duration,
-    what: &'static str,
-) -> Result<u64, OutboxError> {
-    in_batches(|| async {
-        Ok(sqlx::query(AssertSqlSafe(sql))
-            .bind(age.as_secs_f64())
-            .execute(pool)
-            .await
-            .map_err(OutboxError::db(what))?
-            .rows_affected())
-    })
-    .await
-}
-
-/// Runs `delete` (one batch of at most [`PURGE_BATCH`] rows: short locks) until a batch deletes
-/// fewer; how many in all.
-pub(crate) async fn in_batches<F, D>(mut delete: F) -> Result<u64, OutboxError>
-where
-    F: FnMut() -> D,
-    D: Future<Output = Result<u64, OutboxError>>,
-{
-    let mut purged = 0;
-    loop {
-        let done = delete().await?;
-        purged += done;
-        if done < PURGE_BATCH.unsigned_abs() {
-            return Ok(purged);
-        }
-    }
+    database
+        .into()
+        .dialect()
+        .purge(tables, Purge::Sent, retention)
+        .await
 }

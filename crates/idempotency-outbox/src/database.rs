@@ -4,7 +4,8 @@
 use idempotency_mysql::sqlx::MySqlPool;
 use idempotency_postgres::sqlx::PgPool;
 
-use crate::Tables;
+use crate::dialect::Dialect;
+use crate::{OutboxError, Tables};
 
 /// A pool on the database of an outbox table: PostgreSQL, or with the `mysql` feature MySQL or
 /// MariaDB. The relay and the operations functions take one (or anything that converts into
@@ -20,40 +21,52 @@ pub enum Database {
 }
 
 impl Database {
+    /// This database's outbox statements: the one place a database is chosen.
+    pub(crate) fn dialect(&self) -> &dyn Dialect {
+        match self {
+            Self::Postgres(pool) => pool,
+            #[cfg(feature = "mysql")]
+            Self::MySql(pool) => pool,
+        }
+    }
+
     /// The outbox table's name as this database's statements use it (the default name of a
     /// relay).
     #[must_use]
     pub fn qualified_outbox(&self, tables: &Tables) -> String {
-        match self {
-            Self::Postgres(_) => tables.qualified_outbox(),
-            #[cfg(feature = "mysql")]
-            Self::MySql(_) => crate::mysql::qualified(tables),
-        }
+        self.dialect().qualified_outbox(tables)
     }
-}
 
-impl Database {
     /// Whether the database answers a `SELECT 1` now (a readiness probe's question).
     ///
     /// # Errors
     ///
     /// The driver's error: the database cannot be reached, or refused the connection.
-    pub async fn reachable(&self) -> Result<(), crate::OutboxError> {
-        const WHAT: &str = "answer SELECT 1";
-        let ping = sqlx::raw_sql(sqlx::AssertSqlSafe("SELECT 1"));
-        match self {
-            Self::Postgres(pool) => ping
-                .execute(pool)
-                .await
-                .map(|_| ())
-                .map_err(crate::OutboxError::db(WHAT)),
-            #[cfg(feature = "mysql")]
-            Self::MySql(pool) => ping
-                .execute(pool)
-                .await
-                .map(|_| ())
-                .map_err(|source| crate::OutboxError::MySql { what: WHAT, source }),
-        }
+    pub async fn reachable(&self) -> Result<(), OutboxError> {
+        self.dialect().reachable().await
+    }
+}
+
+impl Tables {
+    /// Creates (or upgrades) the outbox table alone, as [`migrate`](Self::migrate) does both:
+    /// what `idem relay migrate` runs for a service that has no inbox. On PostgreSQL or, with
+    /// the `mysql` feature, on MySQL and MariaDB (where the schema `public`, the default, means
+    /// the URL's database, and the lock is the named lock `idempotency-migrate`).
+    ///
+    /// # Errors
+    ///
+    /// As [`migrate`](Self::migrate).
+    pub async fn migrate_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
+        database.into().dialect().migrate(self).await
+    }
+
+    /// As [`check`](Self::check), for the outbox table alone.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Self::check).
+    pub async fn check_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
+        database.into().dialect().check(self).await
     }
 }
 

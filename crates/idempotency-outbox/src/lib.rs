@@ -54,21 +54,23 @@ pub mod guide {}
 
 mod admin;
 mod database;
+mod dialect;
 mod headers;
 mod inbox;
 mod inbox_worker;
 #[cfg(feature = "mysql")]
 mod mysql;
 mod outbox;
+mod postgres;
 mod schema;
 mod wake;
 
 pub use admin::{
-    InboxRow, InboxState, InboxStats, OutboxRow, OutboxStats, UnknownInboxState, inbox_list, inbox_purge,
-    inbox_replay, inbox_show, inbox_stats, outbox_list, outbox_purge_dead, outbox_replay, outbox_stats,
-    purge_sent,
+    InboxRow, InboxState, InboxStats, UnknownInboxState, inbox_list, inbox_purge, inbox_replay, inbox_show,
+    inbox_stats, outbox_list, outbox_purge_dead, outbox_replay, outbox_stats, purge_sent,
 };
 pub use database::Database;
+pub use dialect::{OutboxRow, OutboxStats};
 pub use inbox::{Inbox, InboxHandler, InboxMessage, InboxReceiver, Received, RetryPolicy};
 pub use inbox_worker::InboxWorker;
 pub use outbox::{

@@ -16,14 +16,15 @@
 
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
-use idempotency_mysql::sqlx::mysql::MySqlRow;
 use idempotency_mysql::sqlx::pool::PoolConnection;
-use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
+use idempotency_mysql::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Transaction};
 
-use crate::admin::PURGE_BATCH;
-use crate::outbox::{Pending, PendingColumns, Round};
-use crate::{OUTBOX_VERSION, OutboxError, OutboxRow, OutboxStats, OutgoingMessage, Tables, headers};
+use crate::dialect::{
+    Answer, Dialect, Held, OutboxRow, OutboxStats, PURGE_BATCH, Pending, PendingColumns, Purge, Round,
+    RowColumns, StatsColumns, held, in_batches, select_one,
+};
+use crate::outbox::sealed;
+use crate::{OUTBOX_VERSION, Outbox, OutboxConnection, OutboxError, OutgoingMessage, Tables, headers};
 
 /// The lock every migration of this project takes on a MySQL server (the store's too).
 const MIGRATION_LOCK: &str = "idempotency-migrate";
@@ -38,44 +39,10 @@ fn db(what: &'static str) -> impl FnOnce(sqlx::Error) -> OutboxError {
 
 /// The outbox table's name as MySQL statements use it: `table` in the URL's database, or
 /// `schema.table`.
-pub(crate) fn qualified(tables: &Tables) -> String {
+fn qualified(tables: &Tables) -> String {
     match tables.schema_name() {
         "public" => tables.outbox_name().to_owned(),
         schema => format!("{schema}.{}", tables.outbox_name()),
-    }
-}
-
-/// The statements of the outbox on MySQL, built once.
-#[derive(Debug)]
-pub(crate) struct Statements {
-    table: String,
-    enqueue: String,
-    keys: String,
-    failed: String,
-}
-
-impl Statements {
-    pub(crate) fn new(tables: &Tables) -> Self {
-        let table = qualified(tables);
-        Self {
-            enqueue: format!(
-                "INSERT INTO {table} (destination, ordering_key, `key`, payload, headers) VALUES (?, ?, ?, ?, ?)"
-            ),
-            // The groups of the oldest pending rows that no other relay holds, each now held by
-            // this session. The derived tables (a `DISTINCT` and a `LIMIT`) are materialised, so
-            // the lock is tried once per group.
-            keys: format!(
-                "SELECT ordering_key FROM
-                 (SELECT DISTINCT ordering_key FROM
-                  (SELECT ordering_key FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT ?) pending) groups_
-                 WHERE GET_LOCK(CONCAT('idem-outbox:', SHA1(CONCAT(?, ':', ordering_key))), 0) = 1"
-            ),
-            failed: format!(
-                "UPDATE {table} SET attempts = attempts + 1, last_error = ?,
-                        dead_at = CASE WHEN ? THEN UTC_TIMESTAMP(6) END WHERE id = ?"
-            ),
-            table,
-        }
     }
 }
 
@@ -139,7 +106,7 @@ async fn check_mark(
 }
 
 /// Creates the outbox table if it is missing, under the migration lock.
-pub(crate) async fn migrate(pool: &MySqlPool, tables: &Tables) -> Result<(), OutboxError> {
+async fn migrate(pool: &MySqlPool, tables: &Tables) -> Result<(), OutboxError> {
     let mut connection = pool.acquire().await.map_err(db("connect for the migration"))?;
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
         .bind(MIGRATION_LOCK)
@@ -172,30 +139,39 @@ pub(crate) async fn migrate(pool: &MySqlPool, tables: &Tables) -> Result<(), Out
 }
 
 /// Checks that the outbox table exists and carries this version's mark.
-pub(crate) async fn check(pool: &MySqlPool, tables: &Tables) -> Result<(), OutboxError> {
+async fn check(pool: &MySqlPool, tables: &Tables) -> Result<(), OutboxError> {
     let mut connection = pool.acquire().await.map_err(db("connect"))?;
     check_mark(&mut connection, tables, false).await
 }
 
-/// Writes `message` in the caller's transaction on `connection`; its id.
-pub(crate) fn enqueue<'a>(
-    connection: &'a mut MySqlConnection,
-    sql: &'a Statements,
-    message: &'a OutgoingMessage,
-) -> BoxFuture<'a, Result<i64, OutboxError>> {
-    Box::pin(async move {
-        let done = sqlx::query(AssertSqlSafe(sql.enqueue.as_str()))
-            .bind(&message.destination)
-            .bind(&message.ordering_key)
-            .bind(message.key.as_ref().map(idempotency_core::Key::as_str))
-            .bind(&message.payload)
-            .bind(headers::to_json(&message.headers).to_string())
-            .execute(connection)
-            .await
-            .map_err(db("enqueue an outbox message"))?;
-        i64::try_from(done.last_insert_id())
-            .map_err(|_| OutboxError::Invalid("the outbox's ids passed i64::MAX".into()))
-    })
+impl sealed::Sealed for MySqlConnection {}
+impl OutboxConnection for MySqlConnection {
+    fn insert<'a>(&'a mut self, outbox: &'a Outbox, message: &'a OutgoingMessage) -> Answer<'a, i64> {
+        Box::pin(async move {
+            let sql = format!(
+                "INSERT INTO {} (destination, ordering_key, `key`, payload, headers) VALUES (?, ?, ?, ?, ?)",
+                qualified(outbox.tables())
+            );
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(&message.destination)
+                .bind(&message.ordering_key)
+                .bind(message.key.as_ref().map(idempotency_core::Key::as_str))
+                .bind(&message.payload)
+                .bind(headers::to_json(&message.headers).to_string())
+                .execute(self)
+                .await
+                .map_err(db("enqueue an outbox message"))?;
+            i64::try_from(done.last_insert_id())
+                .map_err(|_| OutboxError::Invalid("the outbox's ids passed i64::MAX".into()))
+        })
+    }
+}
+
+impl sealed::Sealed for Transaction<'_, MySql> {}
+impl OutboxConnection for Transaction<'_, MySql> {
+    fn insert<'a>(&'a mut self, outbox: &'a Outbox, message: &'a OutgoingMessage) -> Answer<'a, i64> {
+        (**self).insert(outbox, message)
+    }
 }
 
 /// `?, ?, …`: `n` placeholders.
@@ -206,13 +182,14 @@ fn placeholders(n: usize) -> String {
 /// A relay round on MySQL: a connection in a `READ COMMITTED` transaction holding the named
 /// locks of its groups. Dropped before [`Round::finish`] (an error, a panic), the connection is
 /// closed rather than returned to the pool: the server rolls back and releases the locks.
-pub(crate) struct MySqlRound<'a> {
+struct MySqlRound {
     /// `None` once finished: the connection went back to the pool.
     connection: Option<PoolConnection<MySql>>,
-    sql: &'a Statements,
+    /// The qualified table.
+    table: String,
 }
 
-impl Drop for MySqlRound<'_> {
+impl Drop for MySqlRound {
     fn drop(&mut self) {
         if let Some(connection) = &mut self.connection {
             connection.close_on_drop();
@@ -220,7 +197,7 @@ impl Drop for MySqlRound<'_> {
     }
 }
 
-impl<'a> MySqlRound<'a> {
+impl MySqlRound {
     /// The round's connection.
     fn connection(&mut self) -> &mut MySqlConnection {
         self.connection
@@ -230,23 +207,33 @@ impl<'a> MySqlRound<'a> {
 
     /// Begins a round: holds the groups of up to `batch` of the oldest pending rows, and reads
     /// their pending rows in id order.
-    pub(crate) async fn begin(
+    async fn begin(
         pool: &MySqlPool,
-        sql: &'a Statements,
+        tables: &Tables,
         batch: u32,
     ) -> Result<(Self, Vec<Pending>), OutboxError> {
         let connection = pool.acquire().await.map_err(db("connect for a relay round"))?;
         let mut round = Self {
             connection: Some(connection),
-            sql,
+            table: qualified(tables),
         };
         sqlx::raw_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN")
             .execute(round.connection())
             .await
             .map_err(db("begin a relay round"))?;
-        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql.keys.as_str()))
+        // The groups of the oldest pending rows that no other relay holds, each now held by this
+        // session. The derived tables (a `DISTINCT` and a `LIMIT`) are materialised, so the lock
+        // is tried once per group.
+        let table = round.table.clone();
+        let keys = format!(
+            "SELECT ordering_key FROM
+             (SELECT DISTINCT ordering_key FROM
+              (SELECT ordering_key FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT ?) pending) groups_
+             WHERE GET_LOCK(CONCAT('idem-outbox:', SHA1(CONCAT(?, ':', ordering_key))), 0) = 1"
+        );
+        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(keys))
             .bind(i64::from(batch))
-            .bind(sql.table.as_str())
+            .bind(table.as_str())
             .fetch_all(round.connection())
             .await
             .map_err(db("lock the pending ordering groups"))?;
@@ -255,8 +242,7 @@ impl<'a> MySqlRound<'a> {
         }
         let claim = format!(
             "SELECT id, ordering_key, destination, `key`, payload, CAST(headers AS CHAR) AS headers, attempts
-             FROM {} WHERE sent_at IS NULL AND dead_at IS NULL AND ordering_key IN ({}) ORDER BY id LIMIT ?",
-            sql.table,
+             FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL AND ordering_key IN ({}) ORDER BY id LIMIT ?",
             placeholders(held.len())
         );
         let mut query = sqlx::query_as::<_, PendingColumns>(AssertSqlSafe(claim));
@@ -272,10 +258,15 @@ impl<'a> MySqlRound<'a> {
     }
 }
 
-impl Round for MySqlRound<'_> {
-    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>> {
+impl Round for MySqlRound {
+    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> Answer<'b, ()> {
         Box::pin(async move {
-            sqlx::query(AssertSqlSafe(self.sql.failed.as_str()))
+            let sql = format!(
+                "UPDATE {} SET attempts = attempts + 1, last_error = ?,
+                        dead_at = CASE WHEN ? THEN UTC_TIMESTAMP(6) END WHERE id = ?",
+                self.table
+            );
+            sqlx::query(AssertSqlSafe(sql))
                 .bind(why)
                 .bind(dead)
                 .bind(id)
@@ -286,15 +277,12 @@ impl Round for MySqlRound<'_> {
         })
     }
 
-    fn finish<'b>(mut self, sent: &'b [i64]) -> BoxFuture<'b, Result<(), OutboxError>>
-    where
-        Self: 'b,
-    {
+    fn finish(mut self: Box<Self>, sent: &[i64]) -> Answer<'_, ()> {
         Box::pin(async move {
             if !sent.is_empty() {
                 let sql = format!(
                     "UPDATE {} SET sent_at = UTC_TIMESTAMP(6), attempts = attempts + 1 WHERE id IN ({})",
-                    self.sql.table,
+                    self.table,
                     placeholders(sent.len())
                 );
                 let mut query = sqlx::query(AssertSqlSafe(sql));
@@ -328,105 +316,103 @@ fn micros(duration: Duration) -> i64 {
     i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
 }
 
-/// Outbox rows in id order (see [`crate::outbox_list`]).
-pub(crate) async fn list(
-    pool: &MySqlPool,
-    tables: &Tables,
-    all: bool,
-    limit: i64,
-) -> Result<Vec<OutboxRow>, OutboxError> {
-    let sql = format!(
-        "SELECT id, ordering_key, destination, `key`, CAST(sent_at IS NOT NULL AS SIGNED) AS sent,
-                CAST(dead_at IS NOT NULL AS SIGNED) AS dead, attempts, last_error, {} AS age_seconds
-         FROM {} WHERE ? OR sent_at IS NULL ORDER BY id LIMIT ?",
-        age("created_at"),
+impl Dialect for MySqlPool {
+    fn qualified_outbox(&self, tables: &Tables) -> String {
         qualified(tables)
-    );
-    let rows: Vec<MySqlRow> = sqlx::query(AssertSqlSafe(sql))
-        .bind(all)
-        .bind(limit)
-        .fetch_all(pool)
-        .await
-        .map_err(db("list the outbox"))?;
-    Ok(rows
-        .iter()
-        .map(|row| OutboxRow {
-            id: row.get("id"),
-            ordering_key: row.get("ordering_key"),
-            destination: row.get("destination"),
-            key: row.get("key"),
-            sent: row.get::<i64, _>("sent") != 0,
-            dead: row.get::<i64, _>("dead") != 0,
-            attempts: row.get("attempts"),
-            last_error: row.get("last_error"),
-            age_seconds: row.get("age_seconds"),
+    }
+
+    fn reachable(&self) -> Answer<'_, ()> {
+        Box::pin(async move { select_one(self).await.map_err(db("answer SELECT 1")) })
+    }
+
+    fn migrate<'a>(&'a self, tables: &'a Tables) -> Answer<'a, ()> {
+        Box::pin(migrate(self, tables))
+    }
+
+    fn check<'a>(&'a self, tables: &'a Tables) -> Answer<'a, ()> {
+        Box::pin(check(self, tables))
+    }
+
+    fn round<'a>(&'a self, tables: &'a Tables, batch: u32) -> Answer<'a, Held> {
+        Box::pin(async move { MySqlRound::begin(self, tables, batch).await.map(held) })
+    }
+
+    fn list<'a>(&'a self, tables: &'a Tables, all: bool, limit: i64) -> Answer<'a, Vec<OutboxRow>> {
+        Box::pin(async move {
+            let sql = format!(
+                "SELECT id, ordering_key, destination, `key`, CAST(sent_at IS NOT NULL AS SIGNED),
+                        CAST(dead_at IS NOT NULL AS SIGNED), attempts, last_error, {}
+                 FROM {} WHERE ? OR sent_at IS NULL ORDER BY id LIMIT ?",
+                age("created_at"),
+                qualified(tables)
+            );
+            let rows: Vec<RowColumns> = sqlx::query_as(AssertSqlSafe(sql))
+                .bind(all)
+                .bind(limit)
+                .fetch_all(self)
+                .await
+                .map_err(db("list the outbox"))?;
+            Ok(rows.into_iter().map(OutboxRow::from).collect())
         })
-        .collect())
-}
+    }
 
-/// The outbox's counts (see [`crate::outbox_stats`]).
-pub(crate) async fn stats(pool: &MySqlPool, tables: &Tables) -> Result<OutboxStats, OutboxError> {
-    let sql = format!(
-        "SELECT COUNT(CASE WHEN sent_at IS NULL AND dead_at IS NULL THEN 1 END),
-                COUNT(CASE WHEN sent_at IS NOT NULL THEN 1 END),
-                COUNT(CASE WHEN dead_at IS NOT NULL AND sent_at IS NULL THEN 1 END),
-                {}
-         FROM {}",
-        age("MIN(CASE WHEN sent_at IS NULL AND dead_at IS NULL THEN created_at END)"),
-        qualified(tables)
-    );
-    let (pending, sent, dead, oldest_pending_seconds) = sqlx::query_as(AssertSqlSafe(sql))
-        .fetch_one(pool)
-        .await
-        .map_err(db("count the outbox"))?;
-    Ok(OutboxStats {
-        pending,
-        sent,
-        dead,
-        oldest_pending_seconds,
-    })
-}
+    fn stats<'a>(&'a self, tables: &'a Tables) -> Answer<'a, OutboxStats> {
+        Box::pin(async move {
+            let sql = format!(
+                "SELECT COUNT(CASE WHEN sent_at IS NULL AND dead_at IS NULL THEN 1 END),
+                        COUNT(CASE WHEN sent_at IS NOT NULL THEN 1 END),
+                        COUNT(CASE WHEN dead_at IS NOT NULL AND sent_at IS NULL THEN 1 END),
+                        {}
+                 FROM {}",
+                age("MIN(CASE WHEN sent_at IS NULL AND dead_at IS NULL THEN created_at END)"),
+                qualified(tables)
+            );
+            let counts: StatsColumns = sqlx::query_as(AssertSqlSafe(sql))
+                .fetch_one(self)
+                .await
+                .map_err(db("count the outbox"))?;
+            Ok(counts.into())
+        })
+    }
 
-/// Makes dead rows pending again (see [`crate::outbox_replay`]); the relays find them at their
-/// next poll.
-pub(crate) async fn replay(pool: &MySqlPool, tables: &Tables, id: Option<i64>) -> Result<u64, OutboxError> {
-    let sql = format!(
-        "UPDATE {} SET dead_at = NULL, attempts = 0, last_error = NULL
-         WHERE dead_at IS NOT NULL AND sent_at IS NULL AND (? IS NULL OR id = ?)",
-        qualified(tables)
-    );
-    Ok(sqlx::query(AssertSqlSafe(sql))
-        .bind(id)
-        .bind(id)
-        .execute(pool)
-        .await
-        .map_err(db("replay dead outbox rows"))?
-        .rows_affected())
-}
+    /// The relays find the rows at their next poll: MySQL has no notifications.
+    fn replay<'a>(&'a self, tables: &'a Tables, id: Option<i64>) -> Answer<'a, u64> {
+        Box::pin(async move {
+            let sql = format!(
+                "UPDATE {} SET dead_at = NULL, attempts = 0, last_error = NULL
+                 WHERE dead_at IS NOT NULL AND sent_at IS NULL AND (? IS NULL OR id = ?)",
+                qualified(tables)
+            );
+            Ok(sqlx::query(AssertSqlSafe(sql))
+                .bind(id)
+                .bind(id)
+                .execute(self)
+                .await
+                .map_err(db("replay dead outbox rows"))?
+                .rows_affected())
+        })
+    }
 
-/// Deletes, in batches, the rows whose `column` (`sent_at`, `dead_at`) is older than `age`,
-/// pending rows never; how many.
-pub(crate) async fn purge(
-    pool: &MySqlPool,
-    tables: &Tables,
-    column: &'static str,
-    age: Duration,
-    what: &'static str,
-) -> Result<u64, OutboxError> {
-    // As on PostgreSQL: dead rows parked at least `age` ago, sent rows older than `age`.
-    let before = if column == "dead_at" { "<=" } else { "<" };
-    let sql = format!(
-        "DELETE FROM {} WHERE {column} {before} UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-         AND (sent_at IS NOT NULL OR dead_at IS NOT NULL) LIMIT {PURGE_BATCH}",
-        qualified(tables)
-    );
-    crate::admin::in_batches(|| async {
-        Ok(sqlx::query(AssertSqlSafe(sql.as_str()))
-            .bind(micros(age))
-            .execute(pool)
+    fn purge<'a>(&'a self, tables: &'a Tables, rows: Purge, age: Duration) -> Answer<'a, u64> {
+        // As on PostgreSQL: dead rows parked at least `age` ago, sent rows older than `age`.
+        let older = match rows {
+            Purge::Sent => "sent_at <",
+            Purge::Dead => "sent_at IS NULL AND dead_at <=",
+        };
+        let sql = format!(
+            "DELETE FROM {} WHERE {older} UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND LIMIT {PURGE_BATCH}",
+            qualified(tables)
+        );
+        Box::pin(async move {
+            in_batches(|| async {
+                Ok(sqlx::query(AssertSqlSafe(sql.as_str()))
+                    .bind(micros(age))
+                    .execute(self)
+                    .await
+                    .map_err(db(rows.what()))?
+                    .rows_affected())
+            })
             .await
-            .map_err(db(what))?
-            .rows_affected())
-    })
-    .await
+        })
+    }
 }

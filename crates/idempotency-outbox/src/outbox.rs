@@ -9,8 +9,8 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use idempotency_consumer::BoxError;
 use idempotency_core::Key;
-use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 
+use crate::dialect::{Pending, Round};
 use crate::wake::{self, Pace, pace_setters};
 use crate::{Database, OutboxError, Tables, headers};
 
@@ -109,9 +109,6 @@ impl<P: Publisher + ?Sized> Publisher for Arc<P> {
 #[derive(Clone)]
 pub struct Outbox {
     tables: Tables,
-    sql: Arc<Statements>,
-    #[cfg(feature = "mysql")]
-    mysql: Arc<crate::mysql::Statements>,
 }
 
 impl fmt::Debug for Outbox {
@@ -120,15 +117,6 @@ impl fmt::Debug for Outbox {
             .field("table", &self.tables.qualified_outbox())
             .finish_non_exhaustive()
     }
-}
-
-/// The outbox's statements, built once.
-struct Statements {
-    enqueue: String,
-    keys: String,
-    claim: String,
-    sent: String,
-    failed: String,
 }
 
 /// A connection an outbox message can be enqueued on, in the caller's transaction: a
@@ -144,111 +132,16 @@ pub trait OutboxConnection: sealed::Sealed + Send {
     ) -> BoxFuture<'a, Result<i64, OutboxError>>;
 }
 
-mod sealed {
-    /// Only this crate's connections enqueue.
+pub(crate) mod sealed {
+    /// Only this crate's connections enqueue (`postgres.rs`, `mysql.rs`).
     pub trait Sealed {}
-}
-
-impl sealed::Sealed for PgConnection {}
-impl OutboxConnection for PgConnection {
-    fn insert<'a>(
-        &'a mut self,
-        outbox: &'a Outbox,
-        message: &'a OutgoingMessage,
-    ) -> BoxFuture<'a, Result<i64, OutboxError>> {
-        Box::pin(async move {
-            let row = sqlx::query(AssertSqlSafe(outbox.sql.enqueue.as_str()))
-                .bind(&message.destination)
-                .bind(&message.ordering_key)
-                .bind(message.key.as_ref().map(Key::as_str))
-                .bind(&message.payload)
-                .bind(headers::to_json(&message.headers).to_string())
-                .fetch_one(self)
-                .await
-                .map_err(OutboxError::db("enqueue an outbox message"))?;
-            Ok(row.get("id"))
-        })
-    }
-}
-
-impl sealed::Sealed for sqlx::Transaction<'_, Postgres> {}
-impl OutboxConnection for sqlx::Transaction<'_, Postgres> {
-    fn insert<'a>(
-        &'a mut self,
-        outbox: &'a Outbox,
-        message: &'a OutgoingMessage,
-    ) -> BoxFuture<'a, Result<i64, OutboxError>> {
-        (**self).insert(outbox, message)
-    }
-}
-
-#[cfg(feature = "mysql")]
-mod mysql_connections {
-    use idempotency_mysql::sqlx::{MySql, MySqlConnection, Transaction};
-
-    use super::{BoxFuture, Outbox, OutboxConnection, OutboxError, OutgoingMessage, sealed};
-
-    impl sealed::Sealed for MySqlConnection {}
-    impl OutboxConnection for MySqlConnection {
-        fn insert<'a>(
-            &'a mut self,
-            outbox: &'a Outbox,
-            message: &'a OutgoingMessage,
-        ) -> BoxFuture<'a, Result<i64, OutboxError>> {
-            crate::mysql::enqueue(self, &outbox.mysql, message)
-        }
-    }
-
-    impl sealed::Sealed for Transaction<'_, MySql> {}
-    impl OutboxConnection for Transaction<'_, MySql> {
-        fn insert<'a>(
-            &'a mut self,
-            outbox: &'a Outbox,
-            message: &'a OutgoingMessage,
-        ) -> BoxFuture<'a, Result<i64, OutboxError>> {
-            (**self).insert(outbox, message)
-        }
-    }
 }
 
 impl Outbox {
     /// The outbox in `tables` (which must exist: [`Tables::migrate`]).
     #[must_use]
     pub fn new(tables: Tables) -> Self {
-        let table = tables.qualified_outbox();
-        let sql = Statements {
-            // The table's trigger notifies the relays when the transaction commits.
-            enqueue: format!(
-                "INSERT INTO {table} (destination, ordering_key, key, payload, headers) VALUES ($1, $2, $3, $4, $5::jsonb)
-                 RETURNING id"
-            ),
-            // The ordering keys of the oldest pending rows that no other relay holds, each now
-            // held by this transaction. The lock is a volatile call, so PostgreSQL evaluates
-            // it on the distinct keys only, after the limit.
-            keys: format!(
-                "SELECT ordering_key FROM
-                 (SELECT DISTINCT ordering_key FROM
-                  (SELECT ordering_key FROM {table} WHERE sent_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT $1) pending) keys
-                 WHERE pg_try_advisory_xact_lock(hashtextextended('{table}:' || ordering_key, 0))"
-            ),
-            claim: format!(
-                "SELECT id, ordering_key, destination, key, payload, headers::text AS headers, attempts FROM {table}
-                 WHERE sent_at IS NULL AND dead_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2"
-            ),
-            sent: format!("UPDATE {table} SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)"),
-            // A row parked as dead: its group goes on without it.
-            failed: format!(
-                "UPDATE {table} SET attempts = attempts + 1, last_error = $2,
-                        dead_at = CASE WHEN $3 THEN now() END
-                 WHERE id = $1"
-            ),
-        };
-        Self {
-            #[cfg(feature = "mysql")]
-            mysql: Arc::new(crate::mysql::Statements::new(&tables)),
-            tables,
-            sql: Arc::new(sql),
-        }
+        Self { tables }
     }
 
     /// The tables.
@@ -271,119 +164,6 @@ impl Outbox {
         message: &OutgoingMessage,
     ) -> Result<i64, OutboxError> {
         tx.insert(self, message).await
-    }
-}
-
-/// A pending row's columns as the claim statements of both databases select them: `id`,
-/// `ordering_key`, `destination`, `key`, `payload`, `headers` (as text), `attempts`.
-pub(crate) type PendingColumns = (i64, String, String, Option<String>, Vec<u8>, String, i32);
-
-/// A pending row as a relay round reads it.
-pub(crate) struct Pending {
-    pub(crate) id: i64,
-    pub(crate) ordering_key: String,
-    pub(crate) destination: String,
-    pub(crate) key: Option<String>,
-    pub(crate) payload: Vec<u8>,
-    /// The `headers` column as text.
-    pub(crate) headers: String,
-    /// Failed publishes so far.
-    pub(crate) attempts: i32,
-}
-
-impl From<PendingColumns> for Pending {
-    fn from((id, ordering_key, destination, key, payload, headers, attempts): PendingColumns) -> Self {
-        Self {
-            id,
-            ordering_key,
-            destination,
-            key,
-            payload,
-            headers,
-            attempts,
-        }
-    }
-}
-
-/// A relay round's hold on the table, in one database's dialect: its groups are held and its
-/// transaction open until [`finish`](Self::finish); dropped before, nothing it did is kept.
-pub(crate) trait Round: Send {
-    /// Records a failed publish of row `id`, parked as dead when `dead`.
-    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>>;
-
-    /// Marks the rows `sent`, commits and lets the groups go.
-    fn finish<'b>(self, sent: &'b [i64]) -> BoxFuture<'b, Result<(), OutboxError>>
-    where
-        Self: 'b;
-}
-
-/// A relay round on PostgreSQL: a transaction holding its groups' advisory locks.
-struct PgRound<'a> {
-    tx: sqlx::Transaction<'static, Postgres>,
-    sql: &'a Statements,
-}
-
-impl<'a> PgRound<'a> {
-    /// Begins a round: holds the groups of up to `batch` of the oldest pending rows, and reads
-    /// their pending rows in id order.
-    async fn begin(
-        pool: &PgPool,
-        sql: &'a Statements,
-        batch: u32,
-    ) -> Result<(Self, Vec<Pending>), OutboxError> {
-        let mut tx = pool
-            .begin()
-            .await
-            .map_err(OutboxError::db("begin a relay round"))?;
-        let held: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql.keys.as_str()))
-            .bind(i64::from(batch))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(OutboxError::db("lock the pending ordering keys"))?;
-        if held.is_empty() {
-            return Ok((Self { tx, sql }, Vec::new()));
-        }
-        let rows: Vec<PendingColumns> = sqlx::query_as(AssertSqlSafe(sql.claim.as_str()))
-            .bind(&held)
-            .bind(i64::from(batch))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(OutboxError::db("read the pending rows"))?;
-        Ok((Self { tx, sql }, rows.into_iter().map(Pending::from).collect()))
-    }
-}
-
-impl Round for PgRound<'_> {
-    fn failed<'b>(&'b mut self, id: i64, why: &'b str, dead: bool) -> BoxFuture<'b, Result<(), OutboxError>> {
-        Box::pin(async move {
-            sqlx::query(AssertSqlSafe(self.sql.failed.as_str()))
-                .bind(id)
-                .bind(why)
-                .bind(dead)
-                .execute(&mut *self.tx)
-                .await
-                .map_err(OutboxError::db("record a publish error"))?;
-            Ok(())
-        })
-    }
-
-    fn finish<'b>(mut self, sent: &'b [i64]) -> BoxFuture<'b, Result<(), OutboxError>>
-    where
-        Self: 'b,
-    {
-        Box::pin(async move {
-            if !sent.is_empty() {
-                sqlx::query(AssertSqlSafe(self.sql.sent.as_str()))
-                    .bind(sent)
-                    .execute(&mut *self.tx)
-                    .await
-                    .map_err(OutboxError::db("mark rows sent"))?;
-            }
-            self.tx
-                .commit()
-                .await
-                .map_err(OutboxError::db("commit a relay round"))
-        })
     }
 }
 
@@ -482,24 +262,18 @@ impl<P: Publisher> Relay<P> {
     /// many it parked as dead. A round that only parked rows made progress too: the rows after
     /// them are there to publish at once.
     async fn round(&self) -> Result<(usize, usize), OutboxError> {
-        match &self.db {
-            Database::Postgres(pool) => {
-                let (round, rows) = PgRound::begin(pool, &self.outbox.sql, self.pace.batch).await?;
-                self.publish(round, rows).await
-            }
-            #[cfg(feature = "mysql")]
-            Database::MySql(pool) => {
-                let (round, rows) =
-                    crate::mysql::MySqlRound::begin(pool, &self.outbox.mysql, self.pace.batch).await?;
-                self.publish(round, rows).await
-            }
-        }
+        let (round, rows) = self
+            .db
+            .dialect()
+            .round(&self.outbox.tables, self.pace.batch)
+            .await?;
+        self.publish(round, rows).await
     }
 
     /// Publishes the `rows` a round holds, in order per group, and finishes the round.
-    async fn publish<R: Round>(
+    async fn publish(
         &self,
-        mut round: R,
+        mut round: Box<dyn Round>,
         rows: Vec<Pending>,
     ) -> Result<(usize, usize), OutboxError> {
         let mut sent = Vec::new();
@@ -575,9 +349,9 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Records a failed publish of row `id` (`why`), parked as dead when `dead`.
-    async fn failed<R: Round>(
+    async fn failed(
         &self,
-        round: &mut R,
+        round: &mut Box<dyn Round>,
         id: i64,
         why: &str,
         dead: bool,
@@ -619,10 +393,12 @@ impl<P: Publisher> Relay<P> {
             }
         };
         let channel = self.outbox.tables.outbox_channel();
-        let listen = match &self.db {
-            Database::Postgres(pool) if self.pace.listen => Some((pool, channel.as_str())),
-            _ => None,
-        };
+        let listen = self
+            .db
+            .dialect()
+            .notifications()
+            .filter(|_| self.pace.listen)
+            .map(|pool| (pool, channel.as_str()));
         wake::run(listen, &what, &self.pace, round, cleanup, shutdown).await
     }
 }

@@ -4,7 +4,7 @@
 use idempotency_postgres::Identifier;
 use idempotency_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 
-use crate::{Database, OutboxError};
+use crate::OutboxError;
 
 /// The version of the inbox table this crate writes into its comment, and the only one it
 /// reads.
@@ -195,23 +195,8 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
         self.migrate_tables(pool, true).await
     }
 
-    /// Creates (or upgrades) the outbox table alone, as [`migrate`](Self::migrate) does both:
-    /// what `idem relay migrate` runs for a service that has no inbox. On PostgreSQL or, with
-    /// the `mysql` feature, on MySQL and MariaDB (where the schema `public`, the default, means
-    /// the URL's database, and the lock is the named lock `idempotency-migrate`).
-    ///
-    /// # Errors
-    ///
-    /// As [`migrate`](Self::migrate).
-    pub async fn migrate_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
-        match database.into() {
-            Database::Postgres(pool) => self.migrate_tables(&pool, false).await,
-            #[cfg(feature = "mysql")]
-            Database::MySql(pool) => crate::mysql::migrate(&pool, self).await,
-        }
-    }
-
-    async fn migrate_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
+    /// Creates the tables (the inbox too when `inbox`) under the migration lock.
+    pub(crate) async fn migrate_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
         let mut tx = pool
             .begin()
             .await
@@ -241,20 +226,8 @@ COMMENT ON TABLE {schema}.{outbox} IS '{outbox_version}';",
         self.check_tables(pool, true).await
     }
 
-    /// As [`check`](Self::check), for the outbox table alone.
-    ///
-    /// # Errors
-    ///
-    /// As [`check`](Self::check).
-    pub async fn check_outbox(&self, database: impl Into<Database>) -> Result<(), OutboxError> {
-        match database.into() {
-            Database::Postgres(pool) => self.check_tables(&pool, false).await,
-            #[cfg(feature = "mysql")]
-            Database::MySql(pool) => crate::mysql::check(&pool, self).await,
-        }
-    }
-
-    async fn check_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
+    /// Checks the tables' marks (the inbox's too when `inbox`).
+    pub(crate) async fn check_tables(&self, pool: &PgPool, inbox: bool) -> Result<(), OutboxError> {
         let mut connection = pool.acquire().await.map_err(OutboxError::db("connect"))?;
         for (table, what) in self.tables(inbox) {
             check_mark(&mut connection, &table, what, false).await?;
