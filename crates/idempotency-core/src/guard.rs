@@ -721,25 +721,37 @@ impl<S: Store> Guard<S> {
                 Recorded::Completed { expires_at }
             }
             Ok(Fenced::LeaseLost) => {
-                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "complete")
-                    .increment(1);
                 tracing::warn!(
                     scope = %held.scope.redacted(),
                     key = %held.key.logged(self.key_log),
                     "complete refused: another attempt took the key over; this outcome is discarded"
                 );
-                Recorded::LeaseLost
+                self.lease_lost("complete")
             }
-            Err(error) => {
-                tracing::error!(
-                    scope = %held.scope.redacted(),
-                    key = %held.key.logged(self.key_log),
-                    %error,
-                    "could not record the outcome; the key stays in flight until its lease expires"
-                );
-                Recorded::Failed(error)
-            }
+            Err(error) => self.not_recorded(
+                held,
+                error,
+                "could not record the outcome; the key stays in flight until its lease expires",
+            ),
         }
+    }
+
+    /// A `complete` or `release` refused for a stale token (`op`), counted.
+    fn lease_lost(&self, op: &'static str) -> Recorded {
+        metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => op)
+            .increment(1);
+        Recorded::LeaseLost
+    }
+
+    /// A `complete` or `release` of `held` the store did not take (`error`), logged with `why`.
+    fn not_recorded(&self, held: &Held, error: StoreError, why: &'static str) -> Recorded {
+        tracing::error!(
+            scope = %held.scope.redacted(),
+            key = %held.key.logged(self.key_log),
+            %error,
+            "{why}"
+        );
+        Recorded::Failed(error)
     }
 
     async fn release(&self, held: &Held, deadline: tokio::time::Instant) -> Recorded {
@@ -756,20 +768,12 @@ impl<S: Store> Guard<S> {
                 self.waiters.wake(&held.scope, &held.key);
                 Recorded::Released
             }
-            Ok(Fenced::LeaseLost) => {
-                metrics::counter!("idempotency_lease_lost_total", "guard" => self.name.clone(), "op" => "release")
-                    .increment(1);
-                Recorded::LeaseLost
-            }
-            Err(error) => {
-                tracing::error!(
-                    scope = %held.scope.redacted(),
-                    key = %held.key.logged(self.key_log),
-                    %error,
-                    "could not release the key; it stays in flight until its lease expires"
-                );
-                Recorded::Failed(error)
-            }
+            Ok(Fenced::LeaseLost) => self.lease_lost("release"),
+            Err(error) => self.not_recorded(
+                held,
+                error,
+                "could not release the key; it stays in flight until its lease expires",
+            ),
         }
     }
 

@@ -68,6 +68,49 @@ pub struct StoreKind {
     pub check: fn(&str) -> Result<(), StoreError>,
 }
 
+/// The [`StoreKind`] of a store opened from its options: `$options::from_url(url)` reads the
+/// URL (and is the kind's `check`), `.access(access)` says what opening may do, and
+/// `$open(options)` opens the store. Written once for the stores that open this way
+/// (`idempotency-postgres`, `idempotency-mysql`, `idempotency-sqlite`), as `idempotency-mysql`
+/// expands it:
+///
+/// ```text
+/// idempotency_core::url_store_kind! {
+///     /// `mysql://…` and `mariadb://…` URLs.
+///     name: "mysql",
+///     schemes: &["mysql", "mariadb"],
+///     example: "mysql://USER@HOST/DATABASE",
+///     options: MysqlOptions,
+///     open: crate::MysqlStore::connect_with,
+/// }
+/// ```
+#[macro_export]
+macro_rules! url_store_kind {
+    (
+        $(#[$meta:meta])*
+        name: $name:literal,
+        schemes: $schemes:expr,
+        example: $example:literal,
+        options: $options:ty,
+        open: $open:path $(,)?
+    ) => {
+        $(#[$meta])*
+        pub const KIND: $crate::StoreKind = $crate::StoreKind {
+            name: $name,
+            schemes: $schemes,
+            example: $example,
+            open: |url, access| {
+                ::std::boxed::Box::pin(async move {
+                    let options = <$options>::from_url(&url)?.access(access);
+                    let store: $crate::DynStore = ::std::sync::Arc::new($open(options).await?);
+                    Ok(store)
+                })
+            },
+            check: |url| <$options>::from_url(url).map(drop),
+        };
+    };
+}
+
 /// A kind of thing URLs name by their scheme: a store kind, a consumer's source kind.
 pub trait UrlKind {
     /// The URL schemes it answers to, without `:`.

@@ -3,7 +3,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{Access, DynStore, ErrorKind, Identifier, StoreError, StoreKind, redact_url};
+use idempotency_core::{Access, ErrorKind, Identifier, StoreError, redact_url};
 use sqlx::mysql::MySqlConnectOptions;
 
 /// How to connect a [`crate::MysqlStore`].
@@ -102,20 +102,15 @@ impl MysqlOptions {
     idempotency_core::sql_pool_options!();
 }
 
-/// `mysql://…` and `mariadb://…` URLs: the store on its default table, created if missing (see
-/// [`MysqlOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
-pub const KIND: StoreKind = StoreKind {
+idempotency_core::url_store_kind! {
+    /// `mysql://…` and `mariadb://…` URLs: the store on its default table, created if missing (see
+    /// [`MysqlOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
     name: "mysql",
     schemes: &["mysql", "mariadb"],
     example: "mysql://USER@HOST/DATABASE",
-    open: |url, access| {
-        Box::pin(async move {
-            let options = MysqlOptions::from_url(&url)?.access(access);
-            Ok(std::sync::Arc::new(crate::MysqlStore::connect_with(options).await?) as DynStore)
-        })
-    },
-    check: |url| MysqlOptions::from_url(url).map(drop),
-};
+    options: MysqlOptions,
+    open: crate::MysqlStore::connect_with,
+}
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 #[cfg(any(doc, test))]
 use idempotency_core::ErrorKind;
-use idempotency_core::{Access, DynStore, Identifier, StoreError, StoreKind};
+use idempotency_core::{Access, Identifier, StoreError};
 use sqlx::postgres::PgConnectOptions;
 
 /// How to connect a [`crate::PostgresStore`].
@@ -123,20 +123,15 @@ impl PostgresOptions {
     }
 }
 
-/// `postgres://…` and `postgresql://…` URLs: the store on its default table, created if
-/// missing (see [`PostgresOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
-pub const KIND: StoreKind = StoreKind {
+idempotency_core::url_store_kind! {
+    /// `postgres://…` and `postgresql://…` URLs: the store on its default table, created if
+    /// missing (see [`PostgresOptions::from_url`]), for a [`Registry`](idempotency_core::Registry).
     name: "postgres",
     schemes: &["postgres", "postgresql"],
     example: "postgres://…",
-    open: |url, access| {
-        Box::pin(async move {
-            let options = PostgresOptions::from_url(&url)?.access(access);
-            Ok(std::sync::Arc::new(crate::PostgresStore::connect_with(options).await?) as DynStore)
-        })
-    },
-    check: |url| PostgresOptions::from_url(url).map(drop),
-};
+    options: PostgresOptions,
+    open: crate::PostgresStore::connect_with,
+}
 
 #[cfg(test)]
 mod tests {

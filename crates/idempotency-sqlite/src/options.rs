@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::{Access, Clock, DynStore, ErrorKind, StoreError, StoreKind, SystemClock, redact_url};
+use idempotency_core::{Access, Clock, ErrorKind, StoreError, SystemClock, redact_url};
 
 /// Where the database lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,20 +232,15 @@ fn invalid(message: String) -> StoreError {
     StoreError::new(ErrorKind::InvalidConfig, message)
 }
 
-/// `sqlite://PATH` and `sqlite::memory:` URLs (see [`SqliteOptions::from_url`]), for a
-/// [`Registry`](idempotency_core::Registry).
-pub const KIND: StoreKind = StoreKind {
+idempotency_core::url_store_kind! {
+    /// `sqlite://PATH` and `sqlite::memory:` URLs (see [`SqliteOptions::from_url`]), for a
+    /// [`Registry`](idempotency_core::Registry).
     name: "sqlite",
     schemes: &["sqlite"],
     example: "sqlite://PATH",
-    open: |url, access| {
-        Box::pin(async move {
-            let options = SqliteOptions::from_url(&url)?.access(access);
-            Ok(Arc::new(crate::SqliteStore::open_with(options).await?) as DynStore)
-        })
-    },
-    check: |url| SqliteOptions::from_url(url).map(drop),
-};
+    options: SqliteOptions,
+    open: crate::SqliteStore::open_with,
+}
 
 #[cfg(test)]
 mod tests {
