@@ -3,7 +3,7 @@
 //! complete), and liveness stays 200 while the store is away and readiness is 503. Every step
 //! waits for an event (a request reaching the upstream, a probe's answer), never for a time.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! AWS-compatible server `scripts/services` starts (`AWS_ENDPOINT_URL`, by default
 //! http://127.0.0.1:5000), and an HTTP handler with a ledger of every call.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! was killed mid-call is protected by its lease, then taken over as attempt 2. And a store that
 //! goes away: `/healthz` fails and requests get 503 until it is back.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -13,14 +13,6 @@ use common::{
     HttpClient, Process, Seen, calls, client, free_addr, idem, send, start_gateway, start_upstream, try_send,
 };
 use idempotency_testkit::TcpProxy;
-
-/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
-/// `--ignored` on this name.
-#[test]
-#[ignore = "helper: the upstream process the gateway tests start"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 /// A proxy in front of the test server, and the server's URL through it (the same credentials
 /// and database, the proxy's address).

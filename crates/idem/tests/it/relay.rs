@@ -2,7 +2,7 @@
 //! plain SQL `docs/OUTBOX.md` shows, and a real RabbitMQ queue; a row that cannot be published
 //! parked as dead and replayed with `idem outbox replay`; an upgrade of a version 1 table.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ fn documented(language: &str) -> String {
 /// The first `language` example of `docs/OUTBOX.md` after the heading `section` (`""`: from the
 /// top).
 fn documented_in(section: &str, language: &str) -> String {
-    let whole = include_str!("../../../docs/OUTBOX.md");
+    let whole = include_str!("../../../../docs/OUTBOX.md");
     let guide = &whole[whole
         .find(section)
         .unwrap_or_else(|| panic!("docs/OUTBOX.md has {section:?}"))..];

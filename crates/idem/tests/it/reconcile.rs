@@ -4,7 +4,7 @@
 //! again), a 404 lets the attempt run, and a hook that is down, hangs or answers garbage runs
 //! nothing and keeps the key in flight.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! `idem inbox` and `idem outbox` against the real PostgreSQL server: a poison message parked as
 //! dead with its error visible, replayed once the handler is fixed, the counts, and bad input.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

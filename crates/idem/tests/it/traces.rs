@@ -3,7 +3,7 @@
 //! the OpenTelemetry protocol's own types. The spans are read after SIGTERM, which flushes the
 //! exporter: every step is ordered by events.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -2,7 +2,7 @@
 //! standard error, with the decision, the attempt and the statuses, and never the credential the
 //! scope comes from, the scope itself or (by default) the key.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

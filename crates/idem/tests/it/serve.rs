@@ -1,19 +1,11 @@
 //! `idem serve` as a separate process in front of an upstream process: what a client of the
 //! gateway sees, what the upstream receives, and what bad input gets.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
 use common::{Fronted, calls, client, free_addr, idem, send, start_gateway, start_upstream};
-
-/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
-/// `--ignored` on this name.
-#[test]
-#[ignore = "helper: the upstream process the gateway tests start"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 /// With a base path on the upstream, `..` segments (plain or percent-encoded) are resolved
 /// before the base is prefixed: no request target leaves the base.

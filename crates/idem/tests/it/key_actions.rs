@@ -3,7 +3,7 @@
 //! apply to and changes nothing then, and asks for a confirmation (standard input is not a
 //! terminal here, so only `--yes` confirms).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

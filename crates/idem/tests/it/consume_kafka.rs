@@ -2,7 +2,7 @@
 //! on librdkafka's in-process cluster (which listens on loopback ports like a real one), and an
 //! HTTP handler with a ledger of every call.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! `idem consume` from the outside: the binary as a process of its own between RabbitMQ and an
 //! HTTP handler (this test's, with a ledger of every call), and its refusals of bad input.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

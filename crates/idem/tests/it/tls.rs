@@ -9,7 +9,7 @@
 //! plain HTTP gets nothing, and the client a `502 upstream-tls` naming the cause; unusable PEM
 //! files stop the gateway at start with the path and the reason.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

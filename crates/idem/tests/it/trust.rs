@@ -14,7 +14,7 @@
 //! an HTTPS server of the test's own with the test CA's `localhost` certificate for the
 //! gateway's upstream, the consumer's handler and the relay's webhook.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};

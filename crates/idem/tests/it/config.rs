@@ -1,20 +1,12 @@
 //! `idem serve --config FILE`: settings and per-route policies in TOML, with the gateway and
 //! two upstreams as processes of their own.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;
 
 use common::{calls, client, free_addr, idem, send, start_gateway, start_upstream};
-
-/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
-/// `--ignored` on this name.
-#[test]
-#[ignore = "helper: the upstream process the gateway tests start"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 /// The example file of `examples/idem.toml`, with `upstream`, the refunds route's upstream and
 /// the store replaced, and top-level `retention` 2 s against the payments route's 60 s.

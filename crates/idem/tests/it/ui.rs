@@ -6,7 +6,7 @@
 //! Needs Debian's `chromium` and `chromium-driver` (`scripts/services browser` installs them);
 //! `CHROMIUM` and `CHROMEDRIVER` name other binaries. Without them the tests fail.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -17,12 +17,6 @@ use common::consume::{Ledger, count_at_least, start_handler, until};
 use fantoccini::{Client, ClientBuilder, Locator};
 use idempotency::Key;
 use idempotency::postgres::sqlx::{self, AssertSqlSafe};
-
-#[test]
-#[ignore = "the upstream process itself, started by the tests"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 const TOKEN: &str = "ui-test-token-0123456789abcdef";
 

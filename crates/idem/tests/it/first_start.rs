@@ -2,21 +2,13 @@
 //! replicas or a restart of several workers does: every `idem migrate` and every `idem serve`
 //! starts, they agree on one schema, and the gateways share one scope secret.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 
 use common::{Process, idem};
 use idempotency::mysql::sqlx::{self as mysql_sqlx, MySqlPool};
 use idempotency::postgres::sqlx::{self as pg_sqlx, PgPool};
-
-/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
-/// `--ignored` on this name.
-#[test]
-#[ignore = "helper: the upstream process the gateway tests start"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 /// Processes started at once.
 const PROCESSES: usize = 8;

@@ -1,7 +1,7 @@
 //! The operations commands against a store with records in every state: list (with paging),
 //! get, stats, the stale-lease report, purge and migrate, as tables and as JSON.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

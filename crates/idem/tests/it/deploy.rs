@@ -19,7 +19,7 @@
 //! probes `idem` with `idem probe`; the example upstream runs behind the gateway here. The
 //! Containerfile declares the store's volume and builds every source.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 //! only then run the request again, as attempt 2. A refused connection proves nothing was sent,
 //! and releases the key at once.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

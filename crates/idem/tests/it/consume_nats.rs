@@ -1,7 +1,7 @@
 //! `idem consume` from NATS JetStream: the binary as a process of its own between a stream and
 //! an HTTP handler with a ledger of every call.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! double-charges, and without the gateway the upstream runs retries again, so the figures are
 //! measured, not assumed. The human table and the progress lines are checked too.
 
-mod common;
+use crate::common;
 
 use common::idem;
 

@@ -2,7 +2,7 @@
 //! more connections than it should serve, a body far over the limit, and a shutdown while all
 //! of that goes on.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -10,14 +10,6 @@ use std::time::{Duration, Instant};
 use common::{Fronted, calls, client, metric, send};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// The upstream's body, not a test of its own: `start_upstream` runs this binary with
-/// `--ignored` on this name.
-#[test]
-#[ignore = "helper: the upstream process the gateway tests start"]
-fn upstream_process() {
-    common::upstream_child();
-}
 
 /// Reads from `stream` until the peer closes it (or 20 s pass, which fails the test); returns
 /// what was read, or the error that ended the read.
