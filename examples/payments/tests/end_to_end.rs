@@ -4,7 +4,7 @@
 //! gateway that times out after charging, a replay of already-processed messages) — and the
 //! charges table ends with exactly one row per payment.
 
-#[path = "../../../crates/idempotency-postgres/tests/common/mod.rs"]
+#[path = "../../../crates/idempotency-postgres/tests/it/common/mod.rs"]
 mod common;
 
 use std::collections::{HashMap, HashSet};

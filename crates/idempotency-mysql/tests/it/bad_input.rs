@@ -2,7 +2,7 @@
 //! database, a wrong password, an unreachable server, unsafe table names, a table from a newer
 //! version or another application under the configured name.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

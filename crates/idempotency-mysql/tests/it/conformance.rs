@@ -1,7 +1,7 @@
 //! The MySQL store passes the conformance suite and the model-based property test against the
 //! real server (MariaDB by default; its own clock: real time, short leases).
 
-mod common;
+use crate::common;
 
 use idempotency_mysql::MysqlStore;
 use idempotency_testkit::linearizability::Cutter;

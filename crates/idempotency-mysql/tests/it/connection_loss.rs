@@ -3,7 +3,7 @@
 //! key still completes once, through the guard and in same-transaction mode
 //! (`idempotency_testkit::sql_outage_suite`).
 
-mod common;
+use crate::common;
 
 use idempotency_mysql::MysqlStore;
 use idempotency_testkit::TcpProxy;

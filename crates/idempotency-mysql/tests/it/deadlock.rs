@@ -5,7 +5,7 @@
 //! and the other session then asks for the row. The other session has written many rows, so
 //! InnoDB rolls the takeover back, the smaller transaction.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

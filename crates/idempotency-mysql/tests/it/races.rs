@@ -2,7 +2,7 @@
 //! pools (two application instances), on new keys and on expired leases, a hundred rounds
 //! each; every round exactly one caller acquires.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

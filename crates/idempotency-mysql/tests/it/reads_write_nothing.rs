@@ -2,7 +2,7 @@
 //! nothing and takes no lock: it answers while another transaction holds the row locked, and
 //! the session's write counters do not move.
 
-mod common;
+use crate::common;
 
 use idempotency_mysql::sqlx::{self, Row};
 use idempotency_mysql::{MysqlOptions, MysqlStore};

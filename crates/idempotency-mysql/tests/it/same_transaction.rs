@@ -2,7 +2,7 @@
 //! the record and the business rows commit together or not at all, on the test kit's charges
 //! table in MySQL's SQL (`common::Sql`).
 
-mod common;
+use crate::common;
 
 idempotency_testkit::same_transaction_suite!(
     common::fresh_store(),

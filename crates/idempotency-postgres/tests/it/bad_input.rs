@@ -1,7 +1,7 @@
 //! Bad input gets a clear, typed error: malformed URLs, a missing database, a role the server
 //! does not know, an unreachable server, unsafe table names, a table from a newer version.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

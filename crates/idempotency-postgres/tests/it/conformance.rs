@@ -1,7 +1,7 @@
 //! The PostgreSQL store passes the conformance suite and the model-based property test against
 //! the real server (its own clock: real time, short leases).
 
-mod common;
+use crate::common;
 
 use idempotency_postgres::PostgresStore;
 use idempotency_testkit::linearizability::Cutter;

@@ -5,7 +5,7 @@
 //! guarded consumer on a new table slowed from 9,700 to 1,700 messages/s within 80,000
 //! messages). Checked on the plans themselves, which no timing changes.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! writes nothing: it answers while another transaction holds the row locked (the claiming
 //! upsert it used to run first locked the row even when it changed nothing, so it waited).
 
-mod common;
+use crate::common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_conflicts_and_mismatches_answer_while_the_row_is_locked() {

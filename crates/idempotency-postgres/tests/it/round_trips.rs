@@ -3,7 +3,7 @@
 //! back, a second round trip and a second wakeup of the server for each statement: a replay
 //! cost twice its read.) Counted in bytes on the wire, which no timing changes.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

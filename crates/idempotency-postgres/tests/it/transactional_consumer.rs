@@ -2,7 +2,7 @@
 //! and the completion commit together, so every delivery path (duplicates racing, a failing or
 //! panicking handler, a lost connection) ends with exactly one charge row per key.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

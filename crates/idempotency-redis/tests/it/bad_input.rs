@@ -1,7 +1,7 @@
 //! Bad input gets a clear, typed error: malformed URLs, an unreachable server, a value of the
 //! wrong type (or another application's hash) at a record's key, an unsafe key prefix.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

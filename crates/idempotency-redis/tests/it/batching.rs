@@ -2,7 +2,7 @@
 //! and every key in a batch gets the answer it would have got alone: a foreign value at one key fails that key only,
 //! two `begin`s of one key in one batch give one acquisition.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The Redis store passes the conformance suite and the model-based property test, on a single
 //! server and on a three-master Redis Cluster (server clock: real time, short leases).
 
-mod common;
+use crate::common;
 
 use idempotency_redis::RedisStore;
 use idempotency_testkit::linearizability::Cutter;

@@ -3,7 +3,7 @@
 //! and tries to store its result and to clean up. With an unconditional final `SET` (or `DEL`) it
 //! would overwrite (or delete) the newer attempt's record; with fencing tokens it cannot.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -7,7 +7,7 @@
 //! retryable errors. After it is back, the connection manager reconnects by itself, every key
 //! ends completed with its own outcome, and no operation ran twice.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::Stdio;

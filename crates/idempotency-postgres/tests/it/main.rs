@@ -1,0 +1,16 @@
+//! The PostgreSQL store from the outside, in one test binary (one link instead of one per file):
+//! the conformance suite, connection loss, round trips, plans, same-transaction mode, TLS and bad
+//! input, each a module, on the server `DATABASE_URL` names.
+
+mod common;
+
+mod bad_input;
+mod conformance;
+mod connection_loss;
+mod plans;
+mod reads_write_nothing;
+mod round_trips;
+mod same_transaction;
+#[cfg(feature = "tls")]
+mod tls;
+mod transactional_consumer;
