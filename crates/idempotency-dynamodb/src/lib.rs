@@ -48,7 +48,7 @@
 //! - conditional `PutItem`/`UpdateItem` with `ReturnValuesOnConditionCheckFailure=ALL_OLD`
 //!   (the conformance suite, its 64-way races and the model comparison);
 //! - `TransactWriteItems` for outcomes split into chunk items;
-//! - the server killed and restarted mid-run (`tests/outage.rs`, on a moto that records its
+//! - the server killed and restarted mid-run (`tests/it/outage.rs`, on a moto that records its
 //!   requests and replays them on start, since moto keeps its tables in memory);
 //! - TTL: moto accepts the TTL setting but deletes nothing, so only "expired items are treated
 //!   as absent" is tested, not DynamoDB's deletion itself.

@@ -328,7 +328,7 @@ pub async fn outage_in_same_transaction<D: Dialect>(store: D::Store, proxy: &Tcp
 /// The two outage tests of a sqlx-based store ([`outage::guarded_run`] and
 /// [`outage_in_same_transaction`]), given its [`Dialect`], a function that starts a loopback
 /// proxy in front of its server and one that connects a store on a table of its own through
-/// that proxy. As the PostgreSQL and MySQL stores' `tests/connection_loss.rs` expand it:
+/// that proxy. As the PostgreSQL and MySQL stores' `tests/it/connection_loss.rs` expand it:
 ///
 /// ```text
 /// idempotency_testkit::sql_outage_suite!(common::Sql, common::start_proxy, proxied_store);

@@ -186,7 +186,7 @@ pub async fn withdraw<S: admin::SqlActions>(
 /// The options of an SQL store's pool: at most `max_connections`, waiting at most
 /// `acquire_timeout` for one, and no ping before each statement: it doubles the round trips
 /// of a replay. A connection the server closed fails its next statement with a retryable
-/// error and is dropped from the pool (each store's `tests/connection_loss.rs`).
+/// error and is dropped from the pool (each store's `tests/it/connection_loss.rs`).
 #[must_use]
 pub fn pool_options<DB: sqlx::Database>(
     max_connections: u32,

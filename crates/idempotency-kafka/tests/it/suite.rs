@@ -4,7 +4,7 @@
 //! first leads the topic and coordinates the group, the second leads the dead-letter topic, so
 //! that a case can stall the dead-letter copies alone.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

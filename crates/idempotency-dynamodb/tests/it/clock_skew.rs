@@ -2,7 +2,7 @@
 //! not taken over before it is over on every clock; beyond the bound a takeover can overlap the
 //! running attempt, and fencing still refuses the stale attempt's `complete`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

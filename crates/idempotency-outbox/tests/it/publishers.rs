@@ -1,7 +1,7 @@
 //! The relay's NATS and Kafka publishers: the outbox key on every message, JetStream dropping a
 //! republish by `Nats-Msg-Id`, and Kafka keeping an aggregate's events in order by record key.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 
 #![cfg(feature = "mysql")]
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -2,7 +2,7 @@
 //! side effects that must count exactly one per key: a worker killed mid-stream, a rebalance
 //! storm, brokers going down, dead letters, and the metrics.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -572,7 +572,7 @@ async fn dead_letters_leave_the_worker_running_and_the_metrics_move() {
     assert_eq!(header(&dead[0], "Idempotency-Dead-Offset"), "1");
     assert_eq!(header(&dead[1], "Idempotency-Dead-Offset"), "2");
     // The consumer guide's header tables describe every header a dead letter carries.
-    let guide = include_str!("../../../docs/CONSUMERS.md");
+    let guide = include_str!("../../../../docs/CONSUMERS.md");
     let written: Vec<_> = all
         .iter()
         .filter(|(name, _)| name.starts_with("Idempotency-Dead-"))

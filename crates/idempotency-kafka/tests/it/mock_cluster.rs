@@ -3,7 +3,7 @@
 //! effects that must count exactly one per key: a producer that writes every event twice, a
 //! consumer that dies between its handler and its commit, a reused key and a poison message.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};

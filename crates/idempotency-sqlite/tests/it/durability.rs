@@ -76,7 +76,7 @@ async fn a_completed_record_survives_sigkill() {
     let url = format!("sqlite://{}", dir.path().join("durable.db").display());
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
-            "child_process",
+            "durability::child_process",
             "--exact",
             "--ignored",
             "--nocapture",

@@ -2,7 +2,7 @@
 //! their transaction commits, three relays keeping 50 aggregates in order while one of them dies
 //! between publishing and marking, and a broker outage.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -6,7 +6,7 @@
 //! placeholders). Workers reach the server through a proxy of their case's own
 //! (`endpoint=`), which stalls when the case says so.
 
-mod common;
+use crate::common;
 
 use std::sync::Mutex;
 use std::time::Duration;

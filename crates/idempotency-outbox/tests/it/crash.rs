@@ -4,7 +4,7 @@
 //! ledger has no unique constraint, so a double would show), none is missing, and nothing is
 //! left pending anywhere.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -57,7 +57,7 @@ impl Setup {
     fn spawn(&self, role: &str) -> Child {
         Command::new(std::env::current_exe().unwrap())
             .args([
-                &format!("{role}_process"),
+                &format!("crash::{role}_process"),
                 "--exact",
                 "--ignored",
                 "--nocapture",

@@ -2,7 +2,7 @@
 //! server: the handler writes its business row in the record's transaction, and the offset is
 //! committed to Kafka only after that transaction commits.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};

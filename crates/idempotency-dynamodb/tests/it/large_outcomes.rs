@@ -2,7 +2,7 @@
 //! without reading them, a purge deletes them with their record, and a missing chunk is reported
 //! as damage, never replayed as a shorter outcome.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! own. Verified against moto only: moto's conditional writes and transactions stand in for
 //! DynamoDB's.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -195,7 +195,12 @@ async fn answered_writes_survive_sigkill_mid_group() {
     let (mut acquired, mut completed) = (HashSet::new(), HashSet::new());
     for round in 0..5 {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["churning_child", "--exact", "--ignored", "--nocapture"])
+            .args([
+                "group_commit::churning_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
             .env(CHILD_ENV, &url)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

@@ -1,7 +1,7 @@
 //! The inbox against the real PostgreSQL server: dedup at the door, competing workers, retries,
 //! dead rows and their replay, and bad input.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

@@ -1,7 +1,7 @@
 //! Every inbox and outbox metric moves when its event happens (a binary of its own: the
 //! process-wide recorder sees the metrics of every runtime thread).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

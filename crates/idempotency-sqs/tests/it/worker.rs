@@ -2,7 +2,7 @@
 //! worker runs, and FIFO group order under concurrency. What every broker must do is the broker
 //! suite's (`tests/suite.rs`).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -8,7 +8,7 @@
 //! the requests in flight (applied or not), and the restarted server has every write it
 //! applied, as a DynamoDB node coming back would.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
