@@ -49,7 +49,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
     let watched = Watched::new(store);
     let health = watched.health();
     let store: DynStore = std::sync::Arc::new(watched);
-    let base = route::layer(config, &store, None).max_buffered(config.max_buffered);
+    let base = route::effect::layer(config, &store, None).max_buffered(config.max_buffered);
     let detached = base.detached_runs();
     let live = routes::LiveRoutes::new(routes::RouteTable::build(config, &store, &base)?);
     let main = Router::new().fallback_service(live.clone());
@@ -60,7 +60,7 @@ pub fn router(config: &Config, store: DynStore, metrics: PrometheusHandle) -> Re
         main
     };
     let policy: crate::admin::SharedPolicy =
-        std::sync::Arc::new(std::sync::RwLock::new(route::policy(config)));
+        std::sync::Arc::new(std::sync::RwLock::new(route::effect::policy(config)));
     let reloader = config.reload_args.clone().map(|args| {
         std::sync::Arc::new(routes::Reloader::new(
             config,

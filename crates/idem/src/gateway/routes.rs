@@ -25,7 +25,8 @@ use tower::{Service, ServiceExt};
 
 use super::config::{Config, command};
 use super::proxy::{Proxy, may_have_dot_segments, remove_dot_segments};
-use super::route::{Effective, RouteSpec, layer, policy};
+use super::route::RouteSpec;
+use super::route::effect::{Effective, layer, policy};
 use crate::admin::SharedPolicy;
 use crate::error::Error;
 use crate::server;
