@@ -23,6 +23,8 @@
 //! conformance suite demands).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "aws")]
+pub mod aws;
 pub mod codec;
 #[cfg(feature = "sqlx")]
 pub mod connections;

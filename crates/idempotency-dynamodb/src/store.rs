@@ -838,10 +838,7 @@ impl DynamoDbStore {
 /// `SSL_CERT_DIR`).
 #[must_use]
 pub fn http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
-    use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
-    aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
-        .build_https()
+    idempotency_core::aws::https_client()
 }
 
 /// [`http_client`] verifying servers against the CA certificates in the PEM file `ca` instead
@@ -853,18 +850,8 @@ pub fn http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
 pub fn http_client_trusting(
     ca: &std::path::Path,
 ) -> Result<aws_sdk_dynamodb::config::SharedHttpClient, StoreError> {
-    use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
-    let refuse =
-        |why: String| StoreError::new(ErrorKind::InvalidConfig, format!("ca={}: {why}", ca.display()));
-    let pem = idempotency_core::pem::read_ca_file(ca).map_err(|why| refuse(why.to_string()))?;
-    let context = TlsContext::builder()
-        .with_trust_store(TrustStore::empty().with_pem_certificate(pem))
-        .build()
-        .map_err(|e| refuse(e.to_string()))?;
-    Ok(aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
-        .tls_context(context)
-        .build_https())
+    idempotency_core::aws::https_client_trusting(ca)
+        .map_err(|why| StoreError::new(ErrorKind::InvalidConfig, why))
 }
 
 /// The `ttl` attribute for a record expiring at `expires_at`: DynamoDB's TTL deletion reads

@@ -225,11 +225,7 @@ pub(crate) fn config(message: impl Into<String>) -> AdapterError {
 /// against the system's trust store (which honours `SSL_CERT_FILE` and `SSL_CERT_DIR`).
 #[must_use]
 pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
-    aws_smithy_http_client::Builder::new()
-        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
-            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
-        ))
-        .build_https()
+    idempotency_core::aws::https_client()
 }
 
 /// [`http_client`] verifying servers against the CA certificates in the PEM file `ca` instead
@@ -241,17 +237,7 @@ pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
 pub fn http_client_trusting(
     ca: &std::path::Path,
 ) -> Result<aws_sdk_sqs::config::SharedHttpClient, AdapterError> {
-    use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
-    let refuse = |why: String| config(format!("ca={}: {why}", ca.display()));
-    let pem = idempotency_core::pem::read_ca_file(ca).map_err(|why| refuse(why.to_string()))?;
-    let context = TlsContext::builder()
-        .with_trust_store(TrustStore::empty().with_pem_certificate(pem))
-        .build()
-        .map_err(|e| refuse(e.to_string()))?;
-    Ok(aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
-        .tls_context(context)
-        .build_https())
+    idempotency_core::aws::https_client_trusting(ca).map_err(config)
 }
 
 /// A client configured the usual AWS way (environment, profile, instance role), with
