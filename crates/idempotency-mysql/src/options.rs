@@ -88,15 +88,7 @@ impl MysqlOptions {
     /// Options around connection options built in code.
     #[must_use]
     pub fn with(connect: MySqlConnectOptions) -> Self {
-        Self {
-            connect,
-            table: Identifier::new("idempotency_records").expect("a valid identifier"),
-            max_connections: 16,
-            acquire_timeout: Duration::from_secs(5),
-            lease_connections: 4,
-            migrate: true,
-            access: Access::Create,
-        }
+        idempotency_core::sql_options_defaults!(Self { connect })
     }
 
     idempotency_core::sql_pool_options!();

@@ -92,16 +92,10 @@ impl PostgresOptions {
     /// Options around connection options built in code.
     #[must_use]
     pub fn with(connect: PgConnectOptions) -> Self {
-        Self {
+        idempotency_core::sql_options_defaults!(Self {
             connect,
-            table: Identifier::new("idempotency_records").expect("a valid identifier"),
             schema: Identifier::new("public").expect("a valid identifier"),
-            max_connections: 16,
-            acquire_timeout: Duration::from_secs(5),
-            lease_connections: 4,
-            migrate: true,
-            access: Access::Create,
-        }
+        })
     }
 
     idempotency_core::sql_pool_options!();

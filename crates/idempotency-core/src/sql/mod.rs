@@ -546,6 +546,32 @@ macro_rules! sql_options_debug {
     };
 }
 
+/// A sqlx-based store's options at their defaults, written once: the fields named, then the
+/// records table `idempotency_records`, 16 connections of which 4 kept for lease-keeping, a 5 s
+/// wait for a connection, `migrate` on and [`Access::Create`](crate::Access::Create). As
+/// `idempotency-postgres` expands it:
+///
+/// ```text
+/// idempotency_core::sql_options_defaults!(Self {
+///     connect,
+///     schema: Identifier::new("public").expect("a valid identifier"),
+/// })
+/// ```
+#[macro_export]
+macro_rules! sql_options_defaults {
+    ($options:ident { $($field:ident $(: $value:expr)?),* $(,)? }) => {
+        $options {
+            $($field $(: $value)?,)*
+            table: $crate::Identifier::new("idempotency_records").expect("a valid identifier"),
+            max_connections: 16,
+            acquire_timeout: ::std::time::Duration::from_secs(5),
+            lease_connections: 4,
+            migrate: true,
+            access: $crate::Access::Create,
+        }
+    };
+}
+
 /// The builder methods every sqlx-based store's options share, written once: `table`,
 /// `max_connections`, `lease_connections`, `acquire_timeout`, `access` and `migrate`, the
 /// `sizes()` they set and, for the store's `connect`, a crate-private `prepare`; for a
