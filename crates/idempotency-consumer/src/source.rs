@@ -179,25 +179,7 @@ pub struct Sources {
 }
 
 impl Sources {
-    /// An empty registry.
-    #[must_use]
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a kind of source.
-    #[must_use]
-    pub fn with(mut self, kind: SourceKind) -> Self {
-        self.schemes = self.schemes.with(kind);
-        self
-    }
-
-    /// Names `schemes` this program cannot consume from, with the reason to give.
-    #[must_use]
-    pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
-        self.schemes = self.schemes.unavailable(schemes, why);
-        self
-    }
+    idempotency_core::schemes_builders!(SourceKind, "source", "consume from");
 
     /// The kinds, in the order they were added.
     #[must_use]

@@ -224,6 +224,44 @@ impl<K: UrlKind> Schemes<K> {
     }
 }
 
+/// The builder methods of a registry that keeps its kinds in a `schemes: Schemes<KIND>` field
+/// (and derives `Default`), written once for the store [`Registry`] and the consumer's registry
+/// of sources: `new`, `with` and `unavailable`. Expanded inside the registry's `impl` block:
+///
+/// ```text
+/// impl Registry {
+///     idempotency_core::schemes_builders!(StoreKind, "store", "open");
+/// }
+/// ```
+#[macro_export]
+macro_rules! schemes_builders {
+    ($kind:ty, $what:literal, $verb:literal) => {
+        /// An empty registry.
+        #[must_use]
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        #[doc = concat!("Adds a kind of ", $what, ".")]
+        #[must_use]
+        pub fn with(mut self, kind: $kind) -> Self {
+            self.schemes = self.schemes.with(kind);
+            self
+        }
+
+        #[doc = concat!(
+                    "Names `schemes` that this program cannot ", $verb, ", with the reason to give (a ",
+                    $what, " whose feature is not enabled, one that does not exist yet): a clearer answer ",
+                    "than \"unknown scheme\"."
+                )]
+        #[must_use]
+        pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
+            self.schemes = self.schemes.unavailable(schemes, why);
+            self
+        }
+    };
+}
+
 /// The store kinds a program can open by URL; see the [module docs](self).
 #[derive(Debug, Clone, Default)]
 pub struct Registry {
@@ -231,27 +269,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// An empty registry.
-    #[must_use]
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a kind of store.
-    #[must_use]
-    pub fn with(mut self, kind: StoreKind) -> Self {
-        self.schemes = self.schemes.with(kind);
-        self
-    }
-
-    /// Names `schemes` that this program cannot open, with the reason to give (a store whose
-    /// feature is not enabled, one that does not exist yet): a clearer answer than "unknown
-    /// scheme".
-    #[must_use]
-    pub fn unavailable(mut self, schemes: &'static [&'static str], why: &'static str) -> Self {
-        self.schemes = self.schemes.unavailable(schemes, why);
-        self
-    }
+    crate::schemes_builders!(StoreKind, "store", "open");
 
     /// The kind of store `url` names, if this registry opens it (by the URL's scheme).
     #[must_use]
