@@ -273,19 +273,6 @@ impl Key {
         push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
         Self(Arc::from(hashed))
     }
-
-    /// The key as text.
-    #[must_use]
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// A form of the key that is safe and short enough for logs: keys longer than 16 bytes are
-    /// truncated, with their length appended.
-    #[must_use]
-    pub fn redacted(&self) -> Redacted<'_> {
-        Redacted(&self.0)
-    }
 }
 
 impl Key {
@@ -409,9 +396,24 @@ impl fmt::Display for LoggedKey<'_> {
     }
 }
 
-/// What a key and a scope share as checked text: shown as the text, parsed with `new`.
+/// What a key and a scope share as checked text: read as text, shown as the text (or
+/// redacted), parsed with `new`.
 macro_rules! checked_text {
-    ($name:ident) => {
+    ($name:ident, as_str: $as_str:literal, redacted: $redacted:literal) => {
+        impl $name {
+            #[doc = $as_str]
+            #[must_use]
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            #[doc = $redacted]
+            #[must_use]
+            pub fn redacted(&self) -> Redacted<'_> {
+                Redacted(&self.0)
+            }
+        }
+
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.debug_tuple(stringify!($name)).field(&&*self.0).finish()
@@ -440,8 +442,17 @@ macro_rules! checked_text {
     };
 }
 
-checked_text!(Key);
-checked_text!(Scope);
+checked_text!(
+    Key,
+    as_str: "The key as text.",
+    redacted: "A form of the key that is safe and short enough for logs: keys longer than 16 \
+               bytes are truncated, with their length appended."
+);
+checked_text!(
+    Scope,
+    as_str: "The scope as text (empty for [`Scope::global`]).",
+    redacted: "A form of the scope that is short enough for logs."
+);
 
 /// A key or scope shortened for log lines; see [`Key::redacted`].
 #[derive(Debug, Clone, Copy)]
@@ -505,18 +516,6 @@ impl Scope {
         let mut text = String::with_capacity(64);
         push_hex(&mut text, &digest);
         Self(Arc::from(text))
-    }
-
-    /// The scope as text (empty for [`Scope::global`]).
-    #[must_use]
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// A form of the scope that is short enough for logs.
-    #[must_use]
-    pub fn redacted(&self) -> Redacted<'_> {
-        Redacted(&self.0)
     }
 }
 
