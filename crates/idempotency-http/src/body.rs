@@ -5,10 +5,41 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use tower::Service;
 
 /// A boxed error from a passed-through body.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The service a guarded request runs on, with the bounds every step of the run needs, written
+/// once for the crate's own functions (the public `Service` impl spells them out).
+pub(crate) trait Inner<ReqBody, ResBody>:
+    Service<Request<ReqBody>, Response = Response<ResBody>, Future: Send + 'static, Error: Send + 'static>
+    + Send
+    + 'static
+{
+}
+
+impl<T, ReqBody, ResBody> Inner<ReqBody, ResBody> for T where
+    T: Service<Request<ReqBody>, Response = Response<ResBody>, Future: Send + 'static, Error: Send + 'static>
+        + Send
+        + 'static
+{
+}
+
+/// A request body the layer can buffer, fingerprint and hand on.
+pub(crate) trait RequestBody:
+    Body<Data: Send, Error: Into<BoxError>> + From<Bytes> + Send + 'static
+{
+}
+
+impl<T> RequestBody for T where T: Body<Data: Send, Error: Into<BoxError>> + From<Bytes> + Send + 'static {}
+
+/// A handler's response body the layer can capture or pass through.
+pub(crate) trait HandlerBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+impl<T> HandlerBody for T where T: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
 
 /// The body of every response through the layer.
 #[derive(Debug)]
@@ -93,6 +124,6 @@ where
 }
 
 /// `response` passed through as it is: its body streamed, nothing of it kept.
-pub(crate) fn passthrough<B>(response: http::Response<B>) -> http::Response<ResponseBody<B>> {
+pub(crate) fn passthrough<B>(response: Response<B>) -> Response<ResponseBody<B>> {
     response.map(|body| ResponseBody::inner(Bytes::new(), Box::pin(body)))
 }

@@ -3,14 +3,11 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::{Request, Response};
-use http_body::Body;
 use idempotency_core::{Execution, Fingerprint, Guard, InFlightWait, Key, Recorded, Scope, Store};
-use tower::Service;
 
 use crate::body::passthrough;
-use crate::body::{BoxError, ResponseBody};
+use crate::body::{HandlerBody, Inner, ResponseBody};
 use crate::capture::{Captured, capture, respond_executed};
 use crate::config::Config;
 use crate::key::IdempotencyKey;
@@ -30,12 +27,9 @@ pub(crate) async fn run_guarded<I, S, ReqBody, ResBody>(
     log: RequestLog,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
 where
-    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
-    I::Future: Send + 'static,
-    I::Error: Send + 'static,
+    I: Inner<ReqBody, ResBody>,
     S: Store + Clone + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: HandlerBody,
 {
     // Created at the first in-flight answer (wait mode only): woken at once when this
     // gateway records the key's outcome, reading it again every 20 to 250 ms otherwise.

@@ -15,7 +15,7 @@ use idempotency_core::{Guard, JsonKeyError, JsonPointer, Key, Store};
 use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
 
-use crate::body::{BoxError, ResponseBody, passthrough};
+use crate::body::{BoxError, HandlerBody, Inner, RequestBody, ResponseBody, passthrough};
 use crate::capture::problem_in;
 use crate::config::Config;
 use crate::fingerprint::fingerprint;
@@ -194,15 +194,10 @@ async fn handle<I, S, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
 where
-    I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
-    I::Future: Send + 'static,
-    I::Error: Send + 'static,
+    I: Inner<ReqBody, ResBody>,
     S: Store + Clone + 'static,
-    ReqBody: Body + From<Bytes> + Send + 'static,
-    ReqBody::Data: Send,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: RequestBody,
+    ResBody: HandlerBody,
 {
     if !config.methods.contains(request.method()) {
         return inner.call(request).await.map(passthrough);
