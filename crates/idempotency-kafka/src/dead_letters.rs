@@ -246,13 +246,8 @@ impl DeadLetterQueue for KafkaDeadLetters {
 
     fn browse(&mut self, limit: usize) -> DlqFuture<'_, Vec<DeadLetter>> {
         Box::pin(async move {
-            Ok(self
-                .read(limit)
-                .await?
-                .0
-                .into_iter()
-                .map(|(letter, _)| letter)
-                .collect())
+            let (read, _) = self.read(limit).await?;
+            Ok(read.into_iter().map(|(letter, _)| letter).collect())
         })
     }
 

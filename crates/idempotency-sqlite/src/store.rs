@@ -859,12 +859,7 @@ fn open_reader(options: &SqliteOptions) -> Result<Connection, StoreError> {
 
 /// Refuses a database that is not an idempotency store of this schema version, reading only.
 fn verify(connection: &Connection, location: &Location) -> Result<(), StoreError> {
-    let version: i64 = connection
-        .query_row("PRAGMA user_version", [], |row| row.get(0))
-        .map_err(|e| map_error("read the schema version", e))?;
-    let application: i64 = connection
-        .query_row("PRAGMA application_id", [], |row| row.get(0))
-        .map_err(|e| map_error("read the application id", e))?;
+    let (version, application) = schema_of(connection)?;
     if application == sql::APPLICATION_ID && version == sql::SCHEMA_VERSION {
         return Ok(());
     }

@@ -91,17 +91,19 @@ pub async fn run(args: Args) -> Result<String, Error> {
         reconcile: args.reconcile,
     })
     .await?;
-    let text = if args.json {
-        report.to_json().to_string()
-    } else {
-        report.to_table()
-    };
+    let text = printed(args.json, || report.to_json(), || report.to_table());
     // Asking before running again leaves no double charge, with the key passed on or not.
-    verdict(
-        text,
-        report.double_charges,
-        args.direct || (args.no_key_propagation && !args.reconcile),
-    )
+    let shows_doubles = args.direct || (args.no_key_propagation && !args.reconcile);
+    verdict(text, report.double_charges, shows_doubles)
+}
+
+/// A report as asked: one line of JSON, or the table.
+fn printed(
+    json: bool,
+    as_json: impl FnOnce() -> serde_json::Value,
+    table: impl FnOnce() -> String,
+) -> String {
+    if json { as_json().to_string() } else { table() }
 }
 
 /// A demo's printed report, or an error carrying it when the provider's ledger shows double
@@ -125,11 +127,7 @@ async fn demo_consume(args: ConsumeArgs) -> Result<String, Error> {
         propagate: !args.no_key_propagation,
     })
     .await?;
-    let text = if args.json {
-        report.to_json().to_string()
-    } else {
-        report.to_table()
-    };
+    let text = printed(args.json, || report.to_json(), || report.to_table());
     verdict(
         text,
         report.double_charges,

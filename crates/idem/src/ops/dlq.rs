@@ -151,11 +151,11 @@ pub async fn run(action: Command) -> Result<String, Error> {
         Command::Purge {
             from,
             filter,
-            older_than,
+            older_than: age,
             limit,
             yes,
         } => {
-            let selection = filter.selection(limit).older_than(older_than);
+            let selection = filter.selection(limit).older_than(age);
             settle(&from.from, &selection, Settle::Purge, confirm(yes), from.json).await
         }
     }

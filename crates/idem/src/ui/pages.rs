@@ -661,6 +661,28 @@ struct BoxesPage {
     inbox: Option<Result<BoxCounts, crate::Error>>,
 }
 
+impl From<idempotency_outbox::OutboxStats> for BoxCounts {
+    fn from(stats: idempotency_outbox::OutboxStats) -> Self {
+        Self::new(
+            stats.pending,
+            stats.sent,
+            stats.dead,
+            stats.oldest_pending_seconds,
+        )
+    }
+}
+
+impl From<idempotency_outbox::InboxStats> for BoxCounts {
+    fn from(stats: idempotency_outbox::InboxStats) -> Self {
+        Self::new(
+            stats.pending,
+            stats.processed,
+            stats.dead,
+            stats.oldest_pending_seconds,
+        )
+    }
+}
+
 impl BoxCounts {
     fn new(pending: i64, done: i64, dead: i64, oldest_pending_seconds: Option<f64>) -> Self {
         Self {
@@ -687,22 +709,12 @@ pub(super) async fn boxes(State(ui): State<Ui>, Extension(access): Extension<Acc
     let outbox = async {
         let database = at.outbox(1, true).await?;
         let stats = idempotency_outbox::outbox_stats(&database, &at.tables).await?;
-        Ok::<_, crate::Error>(BoxCounts::new(
-            stats.pending,
-            stats.sent,
-            stats.dead,
-            stats.oldest_pending_seconds,
-        ))
+        Ok::<_, crate::Error>(BoxCounts::from(stats))
     };
     let inbox = async {
         let pool = at.checked(true).await?;
         let stats = idempotency_outbox::inbox_stats(&pool, &at.tables, None).await?;
-        Ok::<_, crate::Error>(BoxCounts::new(
-            stats.pending,
-            stats.processed,
-            stats.dead,
-            stats.oldest_pending_seconds,
-        ))
+        Ok::<_, crate::Error>(BoxCounts::from(stats))
     };
     let page = BoxesPage {
         page: frame(&ui, &access, "Inbox / outbox"),
