@@ -22,9 +22,7 @@ use idempotency_core::{Attempt, Key, MemoryStore, Outcome, Scope, Token};
 use idempotency_dynamodb::{DynamoDbOptions, DynamoDbStore};
 use idempotency_sqs::{DeadLetters, SqsMessage, Worker};
 
-use crate::measure::{
-    alternate_async, cycle_key, cycles_per_second, per_second, runtime, store_cycle, versus,
-};
+use crate::measure::{alternate_async, per_second, runtime, store_versus_raw, versus};
 
 fn endpoint() -> String {
     std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
@@ -67,21 +65,10 @@ pub(crate) fn run_dynamodb(window: Duration, rounds: usize) -> Result<(), String
         println!("| callers | store | raw requests | store / raw | store min–max | raw min–max |");
         println!("|---:|---:|---:|---:|---:|---:|");
         for callers in [1usize, 16] {
-            let rates = alternate_async(rounds, 2, |variant| {
-                let store = store.clone();
-                cycles_per_second(callers, window, move |caller, n| {
-                    let store = store.clone();
-                    async move {
-                        let (scope, key) = cycle_key(caller, n);
-                        if variant == 0 {
-                            store_cycle(&store, scope, key).await
-                        } else {
-                            raw_cycle(&store, &scope, &key).await
-                        }
-                    }
-                })
-            })
-            .await?;
+            let raw = |store: DynamoDbStore, scope: Scope, key: Key| async move {
+                raw_cycle(&store, &scope, &key).await
+            };
+            let rates = store_versus_raw(&store, raw, callers, window, rounds).await?;
             let (ours, raw) = (&rates[0], &rates[1]);
             println!("| {callers} | {} |", versus(ours, raw));
         }

@@ -9,6 +9,7 @@
 //!   alternating in the same run. Messages are enqueued one per transaction, every 5 ms, and
 //!   published to a RabbitMQ queue with confirms.
 
+use crate::servers::{amqp_url, rabbit_queue};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,10 +30,6 @@ const LATENCY_MESSAGES: usize = 400;
 
 fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 /// Inserts one ledger row per message in the marking transaction.
@@ -170,18 +167,7 @@ pub(crate) fn run_outbox(rounds: usize) -> Result<(), String> {
         let pool = PgPool::connect(&database_url()).await.map_err(|e| e.to_string())?;
         let (tables, ledger) = setup(&pool).await?;
         let queue = format!("idem-bench-outbox-{}", std::process::id());
-        let connection = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-            .await
-            .map_err(|e| format!("RabbitMQ at {}: {e}", amqp_url()))?;
-        let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                lapin::options::QueueDeclareOptions::default(),
-                lapin::types::FieldTable::default(),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
+        let (_connection, channel) = rabbit_queue(&queue).await?;
         println!(
             "\n## Outbox: from the enqueue's commit to the publisher confirm ({LATENCY_MESSAGES} messages per measurement, one every 5 ms)\n"
         );

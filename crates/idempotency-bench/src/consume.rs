@@ -8,6 +8,7 @@
 //! the consumer and times the handler's calls from the first to the last, so that process start,
 //! store opening and connecting are left out. Both variants have 64 messages in process at once.
 
+use crate::servers::amqp_url;
 use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
@@ -92,10 +93,6 @@ pub(crate) async fn start_handler(calls: Arc<Calls>) -> Result<SocketAddr, Strin
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(addr)
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 /// A fresh queue holding `MESSAGES` messages with distinct keys.

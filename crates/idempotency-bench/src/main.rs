@@ -27,6 +27,7 @@ mod mysql;
 mod postgres;
 mod redis;
 mod relay;
+mod servers;
 mod sql_store;
 mod sqlite;
 

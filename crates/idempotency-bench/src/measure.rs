@@ -175,6 +175,38 @@ where
     Ok(results.into_iter().map(Samples::of).collect())
 }
 
+/// The store's begin→complete cycles per second (variant 0) against `raw`'s (variant 1), the
+/// same requests issued bare on the store's client, by `callers` callers for `window`,
+/// alternated over `rounds`.
+pub(crate) async fn store_versus_raw<S, R, Fut>(
+    store: &S,
+    raw: R,
+    callers: usize,
+    window: Duration,
+    rounds: usize,
+) -> Result<Vec<Samples>, String>
+where
+    S: idempotency_core::Store + Clone + Send + Sync + 'static,
+    R: Fn(S, idempotency_core::Scope, idempotency_core::Key) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), String>> + Send + 'static,
+{
+    alternate_async(rounds, 2, |variant| {
+        let (store, raw) = (store.clone(), raw.clone());
+        cycles_per_second(callers, window, move |caller, n| {
+            let (store, raw) = (store.clone(), raw.clone());
+            async move {
+                let (scope, key) = cycle_key(caller, n);
+                if variant == 0 {
+                    store_cycle(&store, scope, key).await
+                } else {
+                    raw(store, scope, key).await
+                }
+            }
+        })
+    })
+    .await
+}
+
 /// One begin→complete cycle through a store, with zero retention: the next cycle on the same key
 /// finds the record expired and acquires it anew, so the table or map keeps a fixed size.
 pub(crate) async fn store_cycle<S: idempotency_core::Store>(

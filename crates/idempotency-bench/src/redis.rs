@@ -12,7 +12,7 @@ use std::time::Duration;
 use idempotency_core::{Fingerprint, Key, Scope, Token};
 use idempotency_redis::{Operation, RedisStore};
 
-use crate::measure::{alternate_async, cycle_key, cycles_per_second, runtime, store_cycle, versus};
+use crate::measure::{runtime, store_versus_raw, versus};
 
 pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
     let runtime = runtime()?;
@@ -47,17 +47,8 @@ pub(crate) fn run(window: Duration, rounds: usize) -> Result<(), String> {
         ];
         for (name, store) in servers {
             for callers in [1usize, 16, 64] {
-                let rates = alternate_async(rounds, 2, |variant| {
-                    let store = store.clone();
-                    cycles_per_second(callers, window, move |caller, n| {
-                        let store = store.clone();
-                        async move {
-                            let (scope, key) = cycle_key(caller, n);
-                            if variant == 0 { store_cycle(&store, scope, key).await } else { raw_cycle(&store, scope, key).await }
-                        }
-                    })
-                })
-                .await?;
+                let raw = |store: RedisStore, scope, key| async move { raw_cycle(&store, scope, key).await };
+                let rates = store_versus_raw(&store, raw, callers, window, rounds).await?;
                 let (ours, raw) = (&rates[0], &rates[1]);
                 println!("| {name} | {callers} | {} |", versus(ours, raw));
             }

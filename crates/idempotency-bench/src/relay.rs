@@ -16,6 +16,7 @@
 //! | SQS (the local AWS server) | the `SendMessage` answer |
 //! | a webhook (axum on loopback, answering `200`) | the `2xx` |
 
+use crate::servers::{amqp_url, env_or, rabbit_queue};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -39,10 +40,6 @@ const ROWS: usize = 3000;
 
 /// Rows per SQS measurement: the local AWS server answers a few hundred requests a second.
 const SQS_ROWS: usize = 300;
-
-fn env_or(name: &str, default: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| default.to_owned())
-}
 
 /// Posts each message to a URL with its key as `Idempotency-Key`: what `idem relay`'s webhook
 /// destination does, over plain HTTP.
@@ -148,20 +145,9 @@ pub(crate) fn run_relay(rounds: usize) -> Result<(), String> {
         my_tables.migrate_outbox(&my_pool).await.map_err(|e| e.to_string())?;
 
         // RabbitMQ.
-        let amqp = env_or("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-        let connection = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .map_err(|e| format!("RabbitMQ at {amqp}: {e}"))?;
-        let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+        let amqp = amqp_url();
         let queue = format!("idem-bench-relay-{tag}");
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                lapin::options::QueueDeclareOptions::default(),
-                lapin::types::FieldTable::default(),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
+        let (_connection, channel) = rabbit_queue(&queue).await?;
         let rabbit: Arc<dyn DynPublisher> = Arc::new(AmqpPublisher::new(amqp.clone(), ""));
 
         // NATS JetStream.
