@@ -29,6 +29,7 @@ pub mod codec;
 #[cfg(feature = "sqlx")]
 pub mod connections;
 pub mod fingerprint;
+pub mod group_commit;
 pub mod guard;
 pub mod guide;
 pub mod health;
@@ -53,6 +54,7 @@ pub mod wait;
 
 pub use codec::{DecodeError, RecordColumns, RecordParts};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintError, FingerprintMode, JsonPointer};
+pub use group_commit::{GroupCommit, GroupSettings};
 pub use guard::{
     Attempt, Claimed, ClaimedRun, Decision, Execution, Guard, OutcomePolicy, Recorded, RunLease,
     TransactionBatch,
