@@ -109,6 +109,37 @@ macro_rules! url_store_kind {
             check: |url| <$options>::from_url(url).map(drop),
         };
     };
+    // The same, for options with a `group_commit: Option<GroupSettings>`: the store opened is
+    // wrapped in a `GroupCommit` when the URL asks for one.
+    (
+        $(#[$meta:meta])*
+        name: $name:literal,
+        schemes: $schemes:expr,
+        example: $example:literal,
+        options: $options:ty,
+        open: $open:path,
+        group_commit: yes $(,)?
+    ) => {
+        $(#[$meta])*
+        pub const KIND: $crate::StoreKind = $crate::StoreKind {
+            name: $name,
+            schemes: $schemes,
+            example: $example,
+            open: |url, access| {
+                ::std::boxed::Box::pin(async move {
+                    let options = <$options>::from_url(&url)?.access(access);
+                    let group_commit = options.group_commit;
+                    let store = $open(options).await?;
+                    let store: $crate::DynStore = match group_commit {
+                        Some(settings) => ::std::sync::Arc::new($crate::GroupCommit::with_settings(store, settings)),
+                        None => ::std::sync::Arc::new(store),
+                    };
+                    Ok(store)
+                })
+            },
+            check: |url| <$options>::from_url(url).map(drop),
+        };
+    };
 }
 
 /// A kind of thing URLs name by their scheme: a store kind, a consumer's source kind.

@@ -42,6 +42,12 @@
 //! * **Capacity kept for lease-keeping**, as on PostgreSQL ([`idempotency_core::Lanes`]).
 //! * **Bounded purges.** `purge_expired(limit)` is one `DELETE … ORDER BY expires_at LIMIT n`
 //!   along the expiry index.
+//! * **Group commit, when asked for** (`?batch=on` in the URL, or
+//!   [`GroupCommit`](idempotency_core::GroupCommit) around a store built in code): concurrent
+//!   claims of new keys, and concurrent completions, go to the server as one batch in one
+//!   transaction (`begin_many`, `complete_many`) whenever the calls ahead of them are still at
+//!   the server; each call gets exactly its single call's answer, and a call that finds the
+//!   store idle goes at once.
 //!
 //! Tested on MariaDB 10.11 (the whole conformance suite, the 64-way races, the
 //! linearizability check through a connection-cutting proxy, same-transaction mode, connection

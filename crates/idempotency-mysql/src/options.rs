@@ -3,7 +3,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency_core::{Access, ErrorKind, Identifier, StoreError, redact_url};
+use idempotency_core::{Access, ErrorKind, GroupSettings, Identifier, StoreError, redact_url};
 use sqlx::mysql::MySqlConnectOptions;
 
 /// How to connect a [`crate::MysqlStore`].
@@ -45,6 +45,12 @@ pub struct MysqlOptions {
     /// [`Access::ReadOnly`] nothing is created and a database without the records table is
     /// refused; read-only sessions run `SET SESSION TRANSACTION READ ONLY`.
     pub access: Access,
+    /// Whether concurrent `begin`s and `complete`s go to the server in batches, and how
+    /// ([`GroupCommit`](idempotency_core::GroupCommit)): the URL's `batch`, `batch_linger`,
+    /// `batch_max` and `batch_in_flight` ([`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)).
+    /// Read by the [`Registry`](idempotency_core::Registry) kind, which wraps the store it
+    /// opens; a store connected in code wraps itself with `GroupCommit::with_settings`.
+    pub group_commit: Option<GroupSettings>,
 }
 
 idempotency_core::sql_options_debug!(MysqlOptions {
@@ -53,7 +59,8 @@ idempotency_core::sql_options_debug!(MysqlOptions {
     acquire_timeout,
     lease_connections,
     migrate,
-    access
+    access,
+    group_commit
 });
 
 impl MysqlOptions {
@@ -66,6 +73,8 @@ impl MysqlOptions {
     /// [`ErrorKind::InvalidConfig`] for another scheme, a malformed URL or one without a
     /// database. The message never contains the password.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        let (url, group_commit) = idempotency_core::sql::group_commit_parameters(url, false)?;
+        let url = url.as_str();
         let connect = idempotency_core::sql::parse_url(
             url,
             "MySQL",
@@ -82,7 +91,10 @@ impl MysqlOptions {
                 ),
             ));
         }
-        Ok(Self::with(connect))
+        Ok(Self {
+            group_commit,
+            ..Self::with(connect)
+        })
     }
 
     /// Options around connection options built in code.
@@ -102,6 +114,7 @@ idempotency_core::url_store_kind! {
     example: "mysql://USER@HOST/DATABASE",
     options: MysqlOptions,
     open: crate::MysqlStore::connect_with,
+    group_commit: yes,
 }
 
 #[cfg(test)]

@@ -33,6 +33,12 @@
 //!   default), so a storm of retries never delays a running attempt's heartbeat past its lease;
 //!   past that, new work waits at most `acquire_timeout` and is then shed with
 //!   [`ErrorKind::Overloaded`](idempotency_core::ErrorKind) ([`idempotency_core::Lanes`]).
+//! * **Group commit, when asked for** (`?batch=on` in the URL, or
+//!   [`GroupCommit`](idempotency_core::GroupCommit) around a store built in code): concurrent
+//!   claims of new keys, and concurrent completions, go to the server as one batch statement and
+//!   one commit (`begin_many`, `complete_many`) whenever the calls ahead of them are still at
+//!   the server; each call gets exactly its single call's answer, and a call that finds the
+//!   store idle goes at once.
 //!
 //! ```no_run
 //! use idempotency_core::{Guard, StoreAdmin};

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 #[cfg(any(doc, test))]
 use idempotency_core::ErrorKind;
-use idempotency_core::{Access, Identifier, StoreError};
+use idempotency_core::{Access, GroupSettings, Identifier, StoreError};
 use sqlx::postgres::PgConnectOptions;
 
 /// How to connect a [`crate::PostgresStore`].
@@ -51,6 +51,12 @@ pub struct PostgresOptions {
     /// database name or a database without the records table is refused, and read-only
     /// sessions run with `default_transaction_read_only`.
     pub access: Access,
+    /// Whether concurrent `begin`s and `complete`s go to the server in batches, and how
+    /// ([`GroupCommit`](idempotency_core::GroupCommit)): the URL's `batch`, `batch_linger`,
+    /// `batch_max` and `batch_in_flight` ([`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)).
+    /// Read by the [`Registry`](idempotency_core::Registry) kind, which wraps the store it
+    /// opens; a store connected in code wraps itself with `GroupCommit::with_settings`.
+    pub group_commit: Option<GroupSettings>,
 }
 
 idempotency_core::sql_options_debug!(PostgresOptions {
@@ -60,7 +66,8 @@ idempotency_core::sql_options_debug!(PostgresOptions {
     acquire_timeout,
     lease_connections,
     migrate,
-    access
+    access,
+    group_commit
 });
 
 impl PostgresOptions {
@@ -71,6 +78,8 @@ impl PostgresOptions {
     /// [`ErrorKind::InvalidConfig`] for another scheme or a malformed URL. The message never
     /// contains the password.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        let (url, group_commit) = idempotency_core::sql::group_commit_parameters(url, false)?;
+        let url = url.as_str();
         let connect = idempotency_core::sql::parse_url(
             url,
             "PostgreSQL",
@@ -86,7 +95,10 @@ impl PostgresOptions {
             ],
             PgConnectOptions::from_str,
         )?;
-        Ok(Self::with(connect))
+        Ok(Self {
+            group_commit,
+            ..Self::with(connect)
+        })
     }
 
     /// Options around connection options built in code.
@@ -125,6 +137,7 @@ idempotency_core::url_store_kind! {
     example: "postgres://…",
     options: PostgresOptions,
     open: crate::PostgresStore::connect_with,
+    group_commit: yes,
 }
 
 #[cfg(test)]

@@ -23,6 +23,8 @@
 
 pub mod admin;
 
+use std::time::Duration;
+
 use futures_util::future::BoxFuture;
 use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Decode, Row, Type};
@@ -190,7 +192,7 @@ pub async fn withdraw<S: admin::SqlActions>(
 #[must_use]
 pub fn pool_options<DB: sqlx::Database>(
     max_connections: u32,
-    acquire_timeout: std::time::Duration,
+    acquire_timeout: Duration,
 ) -> sqlx::pool::PoolOptions<DB> {
     sqlx::pool::PoolOptions::new()
         .test_before_acquire(false)
@@ -209,7 +211,7 @@ pub struct Sizes {
     /// The connections kept for lease-keeping.
     pub reserved: u32,
     /// How long an operation waits for a connection, and new work for its lane.
-    pub wait: std::time::Duration,
+    pub wait: Duration,
 }
 
 /// What a sqlx-based store runs on.
@@ -331,6 +333,103 @@ pub fn parse_url<O>(
     })?;
     check_pem_files(url, pem_parameters)?;
     Ok(options)
+}
+
+/// The group-commit parameters of a SQL store's URL, and the URL without them (the driver's
+/// parameters left exactly as given):
+///
+/// | parameter | meaning | default |
+/// | --- | --- | --- |
+/// | `batch=on\|off` | concurrent `begin`s and `complete`s go to the store in batches ([`GroupCommit`](crate::GroupCommit)) | `default` |
+/// | `batch_linger=DURATION` | how long the first call of a window waits for others at the most (`0ms` to `1s`) | `1ms` |
+/// | `batch_max=N` | the most calls in one batch (1 to 1000) | 64 |
+/// | `batch_in_flight=N` | calls or batches of each kind at the store at once (1 to 64) | 2 |
+///
+/// `None` when batching is off.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let (url, group) = idempotency_core::sql::group_commit_parameters(
+///     "postgres://db/app?sslmode=require&batch=on&batch_linger=2ms",
+///     false,
+/// )?;
+/// assert_eq!(url, "postgres://db/app?sslmode=require");
+/// assert_eq!(group.map(|settings| settings.linger), Some(Duration::from_millis(2)));
+/// # Ok::<(), idempotency_core::StoreError>(())
+/// ```
+///
+/// # Errors
+///
+/// [`ErrorKind::InvalidConfig`] naming the parameter and what it takes, for a value out of
+/// range or a `batch_*` setting on a URL whose `batch` is off.
+pub fn group_commit_parameters(
+    url: &str,
+    default: bool,
+) -> Result<(String, Option<crate::GroupSettings>), StoreError> {
+    let refuse = |why: String| StoreError::new(ErrorKind::InvalidConfig, why);
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), default.then(crate::GroupSettings::default)));
+    };
+    let mut on = default;
+    let mut settings = crate::GroupSettings::default();
+    let mut tuned = None;
+    let mut rest = Vec::new();
+    for pair in query.split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let number = |low: usize, high: usize| {
+            value
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (low..=high).contains(n))
+                .ok_or_else(|| {
+                    refuse(format!(
+                        "`{name}` is a whole number from {low} to {high}, not `{value}`"
+                    ))
+                })
+        };
+        match name {
+            "batch" => {
+                on = match value {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(refuse(format!("`batch` is `on` or `off`, not `{other}`"))),
+                };
+            }
+            "batch_linger" => {
+                let linger = crate::units::parse_duration(value)
+                    .ok()
+                    .filter(|linger| *linger <= Duration::from_secs(1))
+                    .ok_or_else(|| {
+                        refuse(format!(
+                            "`batch_linger` is a duration from 0ms to 1s, not `{value}`"
+                        ))
+                    })?;
+                settings = settings.linger(linger);
+                tuned = Some(name);
+            }
+            "batch_max" => {
+                settings = settings.max_batch(number(1, 1000)?);
+                tuned = Some(name);
+            }
+            "batch_in_flight" => {
+                settings = settings.in_flight(number(1, 64)?);
+                tuned = Some(name);
+            }
+            _ => rest.push(pair),
+        }
+    }
+    if let (false, Some(name)) = (on, tuned) {
+        return Err(refuse(format!(
+            "`{name}` tunes batching, which this URL turns off (`batch=off`)"
+        )));
+    }
+    let url = if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((url, on.then_some(settings)))
 }
 
 /// Checks the PEM files a connection URL names (its query parameters in `parameters`, such as
@@ -548,7 +647,8 @@ macro_rules! sql_options_debug {
 
 /// A sqlx-based store's options at their defaults, written once: the fields named, then the
 /// records table `idempotency_records`, 16 connections of which 4 kept for lease-keeping, a 5 s
-/// wait for a connection, `migrate` on and [`Access::Create`](crate::Access::Create). As
+/// wait for a connection, `migrate` on, [`Access::Create`](crate::Access::Create) and no group
+/// commit. As
 /// `idempotency-postgres` expands it:
 ///
 /// ```text
@@ -568,6 +668,7 @@ macro_rules! sql_options_defaults {
             lease_connections: 4,
             migrate: true,
             access: $crate::Access::Create,
+            group_commit: None,
         }
     };
 }
@@ -671,6 +772,79 @@ mod tests {
 
     fn kind(error: sqlx::Error) -> ErrorKind {
         map_error("test", error, |_| unreachable!("not a server error")).kind()
+    }
+
+    #[test]
+    fn group_commit_parameters_are_taken_out_of_the_url_and_the_rest_is_left_as_given() {
+        let read = |url: &str, default| group_commit_parameters(url, default).expect(url);
+        // Off by default: the URL is the driver's, exactly as given.
+        assert_eq!(
+            read("postgres://u:p@db/app?sslmode=require", false),
+            ("postgres://u:p@db/app?sslmode=require".into(), None)
+        );
+        assert_eq!(
+            read("mysql://db/app", true),
+            ("mysql://db/app".into(), Some(crate::GroupSettings::default()))
+        );
+        let (url, settings) = read(
+            "mysql://db/app?batch=on&ssl-mode=required&batch_max=16&batch_linger=0ms&batch_in_flight=4",
+            false,
+        );
+        assert_eq!(url, "mysql://db/app?ssl-mode=required");
+        let settings = settings.expect("on");
+        assert_eq!(
+            (settings.max_batch, settings.linger, settings.in_flight),
+            (16, Duration::ZERO, 4)
+        );
+        assert_eq!(
+            read("postgres://db/app?batch=off", true),
+            ("postgres://db/app".into(), None)
+        );
+    }
+
+    #[test]
+    fn malformed_group_commit_parameters_are_refused_naming_the_parameter() {
+        for (url, says) in [
+            (
+                "postgres://db/app?batch=yes",
+                "`batch` is `on` or `off`, not `yes`",
+            ),
+            ("postgres://db/app?batch", "`batch` is `on` or `off`, not ``"),
+            (
+                "postgres://db/app?batch=on&batch_max=0",
+                "`batch_max` is a whole number from 1 to 1000, not `0`",
+            ),
+            (
+                "postgres://db/app?batch=on&batch_max=1001",
+                "from 1 to 1000, not `1001`",
+            ),
+            ("postgres://db/app?batch=on&batch_max=-3", "not `-3`"),
+            (
+                "postgres://db/app?batch=on&batch_in_flight=65",
+                "`batch_in_flight` is a whole number from 1 to 64",
+            ),
+            (
+                "postgres://db/app?batch=on&batch_linger=2s",
+                "`batch_linger` is a duration from 0ms to 1s, not `2s`",
+            ),
+            ("postgres://db/app?batch=on&batch_linger=fast", "not `fast`"),
+            (
+                "postgres://db/app?batch=on&batch_linger=99999999999999999999d",
+                "from 0ms to 1s",
+            ),
+            (
+                "postgres://db/app?batch_max=8",
+                "`batch_max` tunes batching, which this URL turns off",
+            ),
+            (
+                "postgres://db/app?batch=on&batch_linger=1ms&batch=off",
+                "`batch_linger` tunes batching",
+            ),
+        ] {
+            let error = group_commit_parameters(url, false).expect_err(url);
+            assert_eq!(error.kind(), ErrorKind::InvalidConfig, "{url}");
+            assert!(error.to_string().contains(says), "{url}: {error}");
+        }
     }
 
     #[test]
