@@ -70,7 +70,9 @@ pub struct StoreKind {
 
 /// The [`StoreKind`] of a store opened from its options: `$options::from_url(url)` reads the
 /// URL (and is the kind's `check`), `.access(access)` says what opening may do, and
-/// `$open(options)` opens the store. Written once for the stores that open this way
+/// `$open(options)` opens the store; with `group_commit: FIELD`, the options' `FIELD` (an
+/// `Option<GroupSettings>`, the URL's `?batch=on`) puts it behind a
+/// [`GroupCommit`](crate::GroupCommit). Written once for the stores that open this way
 /// (`idempotency-postgres`, `idempotency-mysql`, `idempotency-sqlite`), as `idempotency-mysql`
 /// expands it:
 ///
@@ -82,6 +84,7 @@ pub struct StoreKind {
 ///     example: "mysql://USER@HOST/DATABASE",
 ///     options: MysqlOptions,
 ///     open: crate::MysqlStore::connect_with,
+///     group_commit: group_commit,
 /// }
 /// ```
 #[macro_export]
@@ -92,7 +95,8 @@ macro_rules! url_store_kind {
         schemes: $schemes:expr,
         example: $example:literal,
         options: $options:ty,
-        open: $open:path $(,)?
+        open: $open:path
+        $(, group_commit: $group:ident)? $(,)?
     ) => {
         $(#[$meta])*
         pub const KIND: $crate::StoreKind = $crate::StoreKind {
@@ -102,44 +106,24 @@ macro_rules! url_store_kind {
             open: |url, access| {
                 ::std::boxed::Box::pin(async move {
                     let options = <$options>::from_url(&url)?.access(access);
-                    let store: $crate::DynStore = ::std::sync::Arc::new($open(options).await?);
-                    Ok(store)
+                    // With `group_commit: FIELD`, the options' `FIELD` (`?batch=on`) says
+                    // whether the store is opened behind a `GroupCommit`.
+                    let group: ::std::option::Option<$crate::GroupSettings> = None $(.or(options.$group))?;
+                    Ok($crate::registry::dyn_store($open(options).await?, group))
                 })
             },
             check: |url| <$options>::from_url(url).map(drop),
         };
     };
-    // The same, for options with a `group_commit: Option<GroupSettings>`: the store opened is
-    // wrapped in a `GroupCommit` when the URL asks for one.
-    (
-        $(#[$meta:meta])*
-        name: $name:literal,
-        schemes: $schemes:expr,
-        example: $example:literal,
-        options: $options:ty,
-        open: $open:path,
-        group_commit: yes $(,)?
-    ) => {
-        $(#[$meta])*
-        pub const KIND: $crate::StoreKind = $crate::StoreKind {
-            name: $name,
-            schemes: $schemes,
-            example: $example,
-            open: |url, access| {
-                ::std::boxed::Box::pin(async move {
-                    let options = <$options>::from_url(&url)?.access(access);
-                    let group_commit = options.group_commit;
-                    let store = $open(options).await?;
-                    let store: $crate::DynStore = match group_commit {
-                        Some(settings) => ::std::sync::Arc::new($crate::GroupCommit::with_settings(store, settings)),
-                        None => ::std::sync::Arc::new(store),
-                    };
-                    Ok(store)
-                })
-            },
-            check: |url| <$options>::from_url(url).map(drop),
-        };
-    };
+}
+
+/// `store` as a [`DynStore`], behind a [`GroupCommit`](crate::GroupCommit) with `group`'s
+/// settings when there are some: what [`url_store_kind!`] opens.
+pub fn dyn_store<S: StoreAdmin + 'static>(store: S, group: Option<crate::GroupSettings>) -> DynStore {
+    match group {
+        Some(settings) => Arc::new(crate::GroupCommit::with_settings(store, settings)),
+        None => Arc::new(store),
+    }
 }
 
 /// A kind of thing URLs name by their scheme: a store kind, a consumer's source kind.

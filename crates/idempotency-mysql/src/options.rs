@@ -45,11 +45,8 @@ pub struct MysqlOptions {
     /// [`Access::ReadOnly`] nothing is created and a database without the records table is
     /// refused; read-only sessions run `SET SESSION TRANSACTION READ ONLY`.
     pub access: Access,
-    /// Whether concurrent `begin`s and `complete`s go to the server in batches, and how
-    /// ([`GroupCommit`](idempotency_core::GroupCommit)): the URL's `batch`, `batch_linger`,
-    /// `batch_max` and `batch_in_flight` ([`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)).
-    /// Read by the [`Registry`](idempotency_core::Registry) kind, which wraps the store it
-    /// opens; a store connected in code wraps itself with `GroupCommit::with_settings`.
+    /// The URL's group commit (`?batch=on`, [`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)),
+    /// for [`KIND`], which opens the store behind a [`GroupCommit`](idempotency_core::GroupCommit).
     pub group_commit: Option<GroupSettings>,
 }
 
@@ -114,7 +111,7 @@ idempotency_core::url_store_kind! {
     example: "mysql://USER@HOST/DATABASE",
     options: MysqlOptions,
     open: crate::MysqlStore::connect_with,
-    group_commit: yes,
+    group_commit: group_commit,
 }
 
 #[cfg(test)]
