@@ -24,6 +24,9 @@ pub struct MysqlOptions {
     /// The parsed connection options (host, port, database, credentials, TLS…). The store
     /// always sets the session's `time_zone` to `+00:00`.
     pub connect: MySqlConnectOptions,
+    /// The URL's group commit (`?batch=on`, [`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)),
+    /// for [`KIND`], which opens the store behind a [`GroupCommit`](idempotency_core::GroupCommit).
+    pub group_commit: Option<GroupSettings>,
     /// The records table, in the URL's database (default `idempotency_records`).
     pub table: Identifier,
     /// The most connections the store's operations use (default 16); the sqlx pool the
@@ -45,19 +48,16 @@ pub struct MysqlOptions {
     /// [`Access::ReadOnly`] nothing is created and a database without the records table is
     /// refused; read-only sessions run `SET SESSION TRANSACTION READ ONLY`.
     pub access: Access,
-    /// The URL's group commit (`?batch=on`, [`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)),
-    /// for [`KIND`], which opens the store behind a [`GroupCommit`](idempotency_core::GroupCommit).
-    pub group_commit: Option<GroupSettings>,
 }
 
 idempotency_core::sql_options_debug!(MysqlOptions {
+    group_commit,
     table,
     max_connections,
     acquire_timeout,
     lease_connections,
     migrate,
-    access,
-    group_commit
+    access
 });
 
 impl MysqlOptions {

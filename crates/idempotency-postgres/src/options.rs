@@ -25,6 +25,9 @@ use sqlx::postgres::PgConnectOptions;
 pub struct PostgresOptions {
     /// The parsed connection options (host, port, database, credentials, TLS…).
     pub connect: PgConnectOptions,
+    /// The URL's group commit (`?batch=on`, [`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)),
+    /// for [`KIND`], which opens the store behind a [`GroupCommit`](idempotency_core::GroupCommit).
+    pub group_commit: Option<GroupSettings>,
     /// The records table (default `idempotency_records`).
     pub table: Identifier,
     /// The schema of the table (default `public`).
@@ -51,20 +54,17 @@ pub struct PostgresOptions {
     /// database name or a database without the records table is refused, and read-only
     /// sessions run with `default_transaction_read_only`.
     pub access: Access,
-    /// The URL's group commit (`?batch=on`, [`group_commit_parameters`](idempotency_core::sql::group_commit_parameters)),
-    /// for [`KIND`], which opens the store behind a [`GroupCommit`](idempotency_core::GroupCommit).
-    pub group_commit: Option<GroupSettings>,
 }
 
 idempotency_core::sql_options_debug!(PostgresOptions {
+    group_commit,
     table,
     schema,
     max_connections,
     acquire_timeout,
     lease_connections,
     migrate,
-    access,
-    group_commit
+    access
 });
 
 impl PostgresOptions {
