@@ -510,10 +510,21 @@ fn targets(
                 format!("{redis}{}batch=on", if redis.contains('?') { '&' } else { '?' }),
             ),
             "postgres" => ("idem serve, PostgreSQL", database.clone()),
+            "postgres-batched" => (
+                "idem serve, PostgreSQL (batch=on)",
+                format!(
+                    "{database}{}batch=on",
+                    if database.contains('?') { '&' } else { '?' }
+                ),
+            ),
             "mysql" => ("idem serve, MariaDB", mysql.clone()),
+            "mysql-batched" => (
+                "idem serve, MariaDB (batch=on)",
+                format!("{mysql}{}batch=on", if mysql.contains('?') { '&' } else { '?' }),
+            ),
             other => {
                 return Err(format!(
-                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, redis-batched, postgres, mysql; memory-ui and sqlite-ui: with the dashboard on)"
+                    "unknown store {other:?} (memory, sqlite, sqlite-single, redis, redis-batched, postgres, postgres-batched, mysql, mysql-batched; memory-ui and sqlite-ui: with the dashboard on)"
                 ));
             }
         };

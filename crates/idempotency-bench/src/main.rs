@@ -59,7 +59,7 @@ struct Settings {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "memory,redis,redis-batched,sqlite,sqlite-single,postgres,mysql"
+        default_value = "memory,redis,redis-batched,sqlite,sqlite-single,postgres,postgres-batched,mysql,mysql-batched"
     )]
     stores: Vec<String>,
     /// `gateway-memory`: how many requests to send.
