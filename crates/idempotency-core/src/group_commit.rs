@@ -55,6 +55,16 @@ use crate::{
     RecordSummary, Scope, Stats, Store, StoreAdmin, StoreError, Timestamp, Token,
 };
 
+/// The most calls one batch may hold: a batch holds its connection (and its rows' locks) for
+/// its whole statement.
+pub const MAX_BATCH: usize = 1000;
+
+/// The longest linger: past it, the wait for company costs more than a commit saves.
+pub const MAX_LINGER: Duration = Duration::from_secs(1);
+
+/// The most calls or batches of one kind at the store at once.
+pub const MAX_IN_FLIGHT: usize = 64;
+
 /// How a [`GroupCommit`] gathers calls into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -80,24 +90,26 @@ impl Default for GroupSettings {
 }
 
 impl GroupSettings {
-    /// Sets the most calls in one batch (at least 1).
+    /// Sets the most calls in one batch, from 1 to [`MAX_BATCH`].
     #[must_use]
     pub fn max_batch(mut self, max: usize) -> Self {
-        self.max_batch = max.max(1);
+        self.max_batch = max.clamp(1, MAX_BATCH);
         self
     }
 
-    /// Sets how long the first call of a window waits for others at the most.
+    /// Sets how long the first call of a window waits for others at the most, up to
+    /// [`MAX_LINGER`].
     #[must_use]
     pub fn linger(mut self, linger: Duration) -> Self {
-        self.linger = linger;
+        self.linger = linger.min(MAX_LINGER);
         self
     }
 
-    /// Sets how many calls or batches of each kind may be at the store at once (at least 1).
+    /// Sets how many calls or batches of each kind may be at the store at once, from 1 to
+    /// [`MAX_IN_FLIGHT`].
     #[must_use]
     pub fn in_flight(mut self, in_flight: usize) -> Self {
-        self.in_flight = in_flight.max(1);
+        self.in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
         self
     }
 }

@@ -399,7 +399,7 @@ pub fn group_commit_parameters(
             "batch_linger" => {
                 let linger = crate::units::parse_duration(value)
                     .ok()
-                    .filter(|linger| *linger <= Duration::from_secs(1))
+                    .filter(|linger| *linger <= crate::group_commit::MAX_LINGER)
                     .ok_or_else(|| {
                         refuse(format!(
                             "`batch_linger` is a duration from 0ms to 1s, not `{value}`"
@@ -409,11 +409,11 @@ pub fn group_commit_parameters(
                 tuned = Some(name);
             }
             "batch_max" => {
-                settings = settings.max_batch(number(1, 1000)?);
+                settings = settings.max_batch(number(1, crate::group_commit::MAX_BATCH)?);
                 tuned = Some(name);
             }
             "batch_in_flight" => {
-                settings = settings.in_flight(number(1, 64)?);
+                settings = settings.in_flight(number(1, crate::group_commit::MAX_IN_FLIGHT)?);
                 tuned = Some(name);
             }
             _ => rest.push(pair),
