@@ -129,3 +129,58 @@ pub trait Harness: Send + Sync + fmt::Debug {
         false
     }
 }
+
+/// `H`'s stores behind a [`GroupCommit`](idempotency_core::GroupCommit) with `settings`: the
+/// same cases, model comparison and linearizability check, with concurrent `begin`s and
+/// `complete`s going to the store in batches (one slot, `in_flight(1)`, batches the most).
+#[derive(Debug)]
+pub struct Grouped<H> {
+    /// The harness whose stores are wrapped.
+    pub inner: H,
+    /// How the wrapper gathers calls.
+    pub settings: idempotency_core::GroupSettings,
+}
+
+impl<H> Grouped<H> {
+    /// `inner`'s stores behind a group commit that sends one call or batch of each kind at a
+    /// time, so that concurrent calls queue and ride in batches.
+    pub fn one_at_a_time(inner: H) -> Self {
+        Self {
+            inner,
+            settings: idempotency_core::GroupSettings::default().in_flight(1),
+        }
+    }
+}
+
+#[async_trait]
+impl<H: Harness> Harness for Grouped<H> {
+    type Store = idempotency_core::GroupCommit<H::Store>;
+
+    async fn store(&self) -> Self::Store {
+        idempotency_core::GroupCommit::with_settings(self.inner.store().await, self.settings)
+    }
+
+    fn time(&self) -> TimeControl {
+        self.inner.time()
+    }
+
+    fn expires_by_itself(&self) -> bool {
+        self.inner.expires_by_itself()
+    }
+
+    async fn store_with_cuts(&self) -> Option<(Self::Store, Box<dyn crate::linearizability::Cutter>)> {
+        let (store, cutter) = self.inner.store_with_cuts().await?;
+        Some((
+            idempotency_core::GroupCommit::with_settings(store, self.settings),
+            cutter,
+        ))
+    }
+
+    fn linearizability(&self) -> crate::linearizability::Scale {
+        self.inner.linearizability()
+    }
+
+    fn model_store_per_case(&self) -> bool {
+        self.inner.model_store_per_case()
+    }
+}

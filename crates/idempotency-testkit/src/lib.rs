@@ -64,7 +64,7 @@ pub mod model;
 pub use cases::{completed, held};
 pub use connections::{a_replay_costs_its_read, replaced_past_lifetime, replaced_when_abandoned_or_failed};
 pub use faults::FaultyStore;
-pub use harness::{Harness, TimeControl};
+pub use harness::{Grouped, Harness, TimeControl};
 pub use proxy::TcpProxy;
 pub use wait::{eventually, eventually_explained};
 

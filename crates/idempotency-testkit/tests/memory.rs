@@ -69,33 +69,9 @@ mod system_clock {
 /// concurrent clients are linearizable.
 mod group_commit {
     use super::*;
-    use idempotency_core::{GroupCommit, GroupSettings};
 
-    #[derive(Debug)]
-    struct GroupHarness {
-        clock: ManualClock,
-    }
-
-    #[async_trait::async_trait]
-    impl Harness for GroupHarness {
-        type Store = GroupCommit<MemoryStore>;
-
-        async fn store(&self) -> GroupCommit<MemoryStore> {
-            GroupCommit::with_settings(
-                MemoryStore::with_clock(Arc::new(self.clock.clone())),
-                GroupSettings::default().in_flight(1),
-            )
-        }
-
-        fn time(&self) -> TimeControl {
-            TimeControl::Manual(self.clock.clone())
-        }
-    }
-
-    fn harness() -> GroupHarness {
-        GroupHarness {
-            clock: ManualClock::new(),
-        }
+    fn harness() -> idempotency_testkit::Grouped<MemoryHarness> {
+        idempotency_testkit::Grouped::one_at_a_time(MemoryHarness::new())
     }
 
     idempotency_testkit::conformance_cases!(harness());

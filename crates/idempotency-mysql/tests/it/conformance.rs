@@ -40,36 +40,7 @@ idempotency_testkit::conformance_suite!(MysqlHarness);
 /// comparison and the linearizability check with connection cuts hold on that path.
 mod group_commit {
     use super::*;
-    use idempotency_core::{GroupCommit, GroupSettings};
-
-    fn grouped(store: MysqlStore) -> GroupCommit<MysqlStore> {
-        GroupCommit::with_settings(store, GroupSettings::default().in_flight(1))
-    }
-
-    #[derive(Debug)]
-    struct GroupHarness;
-
-    #[async_trait::async_trait]
-    impl Harness for GroupHarness {
-        type Store = GroupCommit<MysqlStore>;
-
-        async fn store(&self) -> GroupCommit<MysqlStore> {
-            grouped(common::fresh_store().await)
-        }
-
-        fn time(&self) -> TimeControl {
-            TimeControl::real()
-        }
-
-        async fn store_with_cuts(&self) -> Option<(GroupCommit<MysqlStore>, Box<dyn Cutter>)> {
-            let store = common::fresh_store().await;
-            let proxy = common::start_proxy().await;
-            let proxied = common::proxied(&store, &proxy, 16).await;
-            Some((grouped(proxied), Box::new(proxy)))
-        }
-    }
-
-    idempotency_testkit::conformance_suite!(GroupHarness);
+    idempotency_testkit::conformance_suite!(idempotency_testkit::Grouped::one_at_a_time(MysqlHarness));
 
     /// `?batch=on` in a store URL (the gateway's `--store`) opens the store behind a group
     /// commit with the URL's settings, and the driver never sees the parameters.

@@ -46,30 +46,7 @@ mod group_commit {
         GroupCommit::with_settings(store, GroupSettings::default().in_flight(1))
     }
 
-    #[derive(Debug)]
-    struct GroupHarness;
-
-    #[async_trait::async_trait]
-    impl Harness for GroupHarness {
-        type Store = GroupCommit<PostgresStore>;
-
-        async fn store(&self) -> GroupCommit<PostgresStore> {
-            grouped(common::fresh_store().await)
-        }
-
-        fn time(&self) -> TimeControl {
-            TimeControl::real()
-        }
-
-        async fn store_with_cuts(&self) -> Option<(GroupCommit<PostgresStore>, Box<dyn Cutter>)> {
-            let store = common::fresh_store().await;
-            let proxy = common::start_proxy().await;
-            let proxied = common::proxied(&store, &proxy, 16).await;
-            Some((grouped(proxied), Box::new(proxy)))
-        }
-    }
-
-    idempotency_testkit::conformance_suite!(GroupHarness);
+    idempotency_testkit::conformance_suite!(idempotency_testkit::Grouped::one_at_a_time(PostgresHarness));
 
     /// 64 concurrent new keys on one connection: the single calls would claim them in two
     /// round trips each (128); behind the group commit one goes alone and the others, queued
